@@ -1,0 +1,22 @@
+# Operator image: kopf + kubernetes client + the planning core. No torch.
+# Build:  docker build -t moe-operator:0.1.0 .
+FROM python:3.11.11-slim-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml constraints.txt README.md ./
+COPY operator/ operator/
+COPY trainer_image/moe_trainer/ trainer_image/moe_trainer/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11.11-slim-bookworm
+LABEL org.opencontainers.image.title="moe-operator" \
+      org.opencontainers.image.description="Kubernetes operator for DeepSpeed ZeRO-3 Mixture-of-Experts training"
+COPY --from=build /wheels /wheels
+COPY constraints.txt /tmp/constraints.txt
+# Operator extras only: the constraints pin every transitive version verified together.
+RUN pip install --no-cache-dir -c /tmp/constraints.txt "$(ls /wheels/moe_operator-*.whl)[operator]" \
+    && rm -rf /wheels /tmp/constraints.txt \
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin moe
+USER 10001:10001
+ENV PYTHONUNBUFFERED=1
+EXPOSE 8080 9090
+ENTRYPOINT ["moectl", "operator"]
