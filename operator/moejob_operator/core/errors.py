@@ -1,0 +1,65 @@
+"""One error type for every bad document or spec the planning core reads.
+
+The message always names the document, the field path and the offending value, e.g.
+``TopologyReport gpus[3].pciBusId: '18:00' is not a PCI bus id``, so a person can fix the
+input without reading a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class DocumentError(ValueError):
+    """A document (TopologyReport, RoutingStats, MoEPlan, CR spec) is missing or invalid."""
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``('gpus', 3, 'pciBusId')`` -> ``'gpus[3].pciBusId'``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def from_validation_error(document: str, exc: ValidationError) -> DocumentError:
+    """Turn a pydantic ValidationError into a DocumentError naming the first bad field.
+
+    Validators in the core raise ``ValueError("'<value>' is not ...")`` (field level) or
+    ``ValueError("<path>: '<value>' ...")`` (model level); both read naturally here.
+    """
+    lines = []
+    for err in exc.errors(include_url=False):
+        path = field_path(err.get("loc", ()))
+        msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            lines.append(f"{document} {path}: {msg}" if path else f"{document} {msg}")
+        elif err.get("type") == "missing":
+            lines.append(f"{document} {path}: required field is missing")
+        else:
+            lines.append(f"{document} {path}: {_short(err.get('input'))} is invalid ({msg})")
+    return DocumentError("; ".join(lines) if lines else f"{document}: invalid document")
+
+
+def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)) -> dict:
+    """Refuse anything that is not a mapping with the expected ``kind`` and a known ``version``."""
+    if not isinstance(obj, dict):
+        raise DocumentError(f"{document}: expected a JSON object, got {type(obj).__name__}")
+    if obj.get("kind") != document:
+        raise DocumentError(f"{document} kind: {_short(obj.get('kind'))} is not {document!r}")
+    version = obj.get("version")
+    if isinstance(version, bool) or version not in versions:
+        raise DocumentError(
+            f"{document} version: {_short(version)} is not a known version {list(versions)}")
+    return obj
