@@ -37,3 +37,61 @@ EXIT_DATAERR = 65      # permanent: non-finite loss
 EXIT_RETRYABLE = 75
 EXIT_CONFIG = 78       # permanent: bad plan / config / model
 PERMANENT_EXIT_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
+
+# ---- MoETrainingJob status (docs/operator.md has the table) --------------------------------
+FINALIZER = f"{GROUP}/cleanup"             # reserved; the operator relies on ownerReferences
+LABEL_ATTEMPT = f"{GROUP}/attempt"         # gang attempt (0 = first launch, +1 per restart)
+ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"  # immutable-spec hash a child was built from
+
+COND_SPEC_ACCEPTED = "SpecAccepted"
+COND_TOPOLOGY = "TopologyDiscovered"
+COND_PLANNED = "Planned"
+COND_UPGRADE_VERIFIED = "UpgradeVerified"
+COND_RUNNING = "Running"
+COND_SUCCEEDED = "Succeeded"
+COND_FAILED = "Failed"
+COND_SUSPENDED = "Suspended"
+COND_HEALTHY = "Healthy"
+CONDITION_TYPES = (COND_SPEC_ACCEPTED, COND_TOPOLOGY, COND_PLANNED, COND_UPGRADE_VERIFIED,
+                   COND_RUNNING, COND_SUCCEEDED, COND_FAILED, COND_SUSPENDED, COND_HEALTHY)
+
+# Reasons (CamelCase). Grouped by the condition that usually carries them.
+R_ACCEPTED = "Accepted"
+R_INVALID_SPEC = "InvalidSpec"
+R_IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
+R_DISCOVERY_PENDING = "DiscoveryPending"
+R_DISCOVERED = "Discovered"
+R_NO_CANDIDATE_NODES = "InsufficientNodes"
+R_DISCOVERY_FAILED = "DiscoveryFailed"
+R_PLAN_READY = "PlanReady"
+R_PLAN_PENDING = "PlanPending"
+R_INSUFFICIENT_MEMORY = "InsufficientMemory"
+R_PLAN_FAILED = "PlanFailed"
+R_ROUTING_STATS_UNAVAILABLE = "RoutingStatsUnavailable"
+R_GATE_PENDING = "GatePending"
+R_GATE_NOT_CONFIGURED = "GateNotConfigured"
+R_GATE_SKIPPED = "GateSkipped"
+R_LAUNCHING = "Launching"
+R_WORKERS_PENDING = "WorkersPending"
+R_WORKERS_RUNNING = "WorkersRunning"
+R_RESTARTING = "Restarting"
+R_SUSPENDED = "SuspendedByUser"
+R_RESUMED = "Resumed"
+R_NOT_SUSPENDED = "NotSuspended"
+R_TRAINING_FINISHED = "TrainingFinished"
+R_FINISHED = "Finished"
+R_BACKOFF_LIMIT_EXCEEDED = "BackoffLimitExceeded"
+R_PERMANENT_WORKER_FAILURE = "PermanentWorkerFailure"
+R_DEADLINE_EXCEEDED = "DeadlineExceeded"
+R_NODE_LOST = "NodeLost"
+R_NO_FINDINGS = "NoFindings"
+R_NO_PROGRESS_YET = "NoProgressYet"
+R_HEALTH_FINDINGS = "HealthFindings"
+
+# Reconcile timing (seconds)
+TOPOLOGY_REPORT_MAX_AGE_SECONDS = 24 * 3600   # a cached moe-topology-<node> report younger than this is reused
+DISCOVERY_TIMEOUT_SECONDS = 300
+MASTER_PORT = 29500
+CHECKPOINT_VOLUME = "checkpoint"
+DATA_VOLUME = "data"
+PLAN_VOLUME = "plan"

@@ -1,0 +1,372 @@
+"""The MoETrainingJob spec, parsed once at the boundary into frozen pydantic models.
+
+Everything the CRD schema declares (types, bounds, enums, defaults) and every CEL rule it carries
+is enforced here as well: the 1.20 API server drops CEL rules, and users can reach the operator
+through servers that prune differently. :func:`parse_spec` raises one error type,
+:class:`SpecError`, whose message names the field path (``spec.training.steps``) and the
+offending value; the reconciler turns it into ``Failed`` with reason ``InvalidSpec``.
+
+Field names mirror the CRD (camelCase aliases), so ``JobSpec.model_validate(cr["spec"])`` reads
+what the API server stored. ``tests/test_spec.py`` checks the two stay in step (same fields, same
+defaults).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from .core.errors import DocumentError, field_path
+
+# Keys of the generated DeepSpeed config that the plan depends on: overriding them would make the
+# placement and the memory estimate lie, so deepspeedOverrides may not touch them.
+PROTECTED_DEEPSPEED_KEYS = (
+    ("zero_optimization", "stage"),
+    ("expert_parallel",),
+    ("train_batch_size",),
+    ("train_micro_batch_size_per_gpu",),
+    ("gradient_accumulation_steps",),
+)
+
+# Top-level spec fields that may change after the workers were launched. Everything else is
+# immutable then: the running gang, the plan and the checkpoints were built from it.
+MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_MAX_LR = Decimal(10)
+
+
+class SpecError(DocumentError):
+    """The MoETrainingJob spec is invalid; ``field`` is its path (``spec.nodes.count``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True,
+                              alias_generator=to_camel, populate_by_name=True)
+
+
+# ---- volumes -------------------------------------------------------------------------------
+class ClaimSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253)
+    read_only: bool = True
+
+
+class CheckpointClaimSource(_Model):
+    claim_name: str = Field(min_length=1, max_length=253)
+
+
+class HostPathSource(_Model):
+    path: str = Field(pattern=r"^/", max_length=1024)
+
+
+class ConfigMapSource(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
+def _exactly_one(obj: BaseModel, names: tuple[str, ...], what: str) -> None:
+    given = [n for n in names if getattr(obj, n) is not None]
+    if len(given) != 1:
+        camel = [to_camel(n) for n in names]
+        raise ValueError(f"set exactly one of {', '.join(camel)} ({what}; got {len(given)})")
+
+
+class DataVolume(_Model):
+    persistent_volume_claim: ClaimSource | None = None
+    host_path: HostPathSource | None = None
+    config_map: ConfigMapSource | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> DataVolume:
+        _exactly_one(self, ("persistent_volume_claim", "host_path", "config_map"), "volume source")
+        return self
+
+
+class CheckpointVolume(_Model):
+    persistent_volume_claim: CheckpointClaimSource | None = None
+    host_path: HostPathSource | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> CheckpointVolume:
+        _exactly_one(self, ("persistent_volume_claim", "host_path"), "volume source")
+        return self
+
+
+# ---- spec groups ---------------------------------------------------------------------------
+class ModelRef(_Model):
+    preset: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*$")
+    hf_config: dict[str, Any] | None = None
+    path: str | None = Field(default=None, max_length=1024, pattern=r"^/")
+
+    @model_validator(mode="after")
+    def _one(self) -> ModelRef:
+        _exactly_one(self, ("preset", "hf_config", "path"), "model")
+        return self
+
+
+class Data(_Model):
+    kind: Literal["Text", "Synthetic"] = "Synthetic"
+    path: str = Field(default="/data", max_length=1024, pattern=r"^/")
+    volume: DataVolume | None = None
+
+    @model_validator(mode="after")
+    def _text_needs_volume(self) -> Data:
+        if self.kind == "Text" and self.volume is None:
+            raise ValueError("volume: required when kind is 'Text'")
+        return self
+
+
+class Checkpoint(_Model):
+    every_steps: int = Field(default=50, ge=1, le=1_000_000)
+    path: str = Field(default="/ckpt", max_length=1024, pattern=r"^/")
+    volume: CheckpointVolume | None = None
+
+
+class Nodes(_Model):
+    count: int = Field(default=1, ge=1, le=512)
+    gpus_per_node: int = Field(default=1, ge=1, le=16)
+    node_selector: dict[str, str] | None = None
+    node_names: list[str] | None = Field(default=None, max_length=512)
+
+    @model_validator(mode="after")
+    def _names(self) -> Nodes:
+        if self.node_names is not None:
+            if len(set(self.node_names)) != len(self.node_names):
+                raise ValueError(f"nodeNames: {list(self.node_names)!r} lists a node twice")
+            if len(self.node_names) != self.count:
+                raise ValueError(f"nodeNames: {len(self.node_names)} names given, "
+                                 f"count is {self.count}")
+            for n in self.node_names:
+                if not _NAME_RE.match(n) or len(n) > 253:
+                    raise ValueError(f"nodeNames: {n!r} is not a node name")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.count * self.gpus_per_node
+
+
+class RoutingStatsFrom(_Model):
+    job_name: str | None = Field(default=None, min_length=1, max_length=253)
+    config_map_name: str | None = Field(default=None, min_length=1, max_length=253)
+
+    @model_validator(mode="after")
+    def _one(self) -> RoutingStatsFrom:
+        _exactly_one(self, ("job_name", "config_map_name"), "routingStatsFrom")
+        return self
+
+    @property
+    def config_map(self) -> str:
+        """The ConfigMap holding ``routing_stats.json`` (docs/contracts.md)."""
+        return self.config_map_name or f"{self.job_name}-routing-stats"
+
+
+class Placement(_Model):
+    strategy: Literal["Contiguous", "RoundRobin", "Balanced", "TopologyAware"] = "TopologyAware"
+    expert_parallel_size: int | None = Field(default=None, ge=1, le=8192)
+    routing_stats_from: RoutingStatsFrom | None = None
+
+
+class Training(_Model):
+    steps: int = Field(default=100, ge=1, le=10_000_000)
+    seq_len: int = Field(default=512, ge=8, le=1_048_576)
+    global_batch: int = Field(default=8, ge=1, le=1_048_576)
+    micro_batch: int = Field(default=1, ge=1, le=65_536)
+    learning_rate: str = Field(default="0.0003", max_length=32,
+                               pattern=r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$")
+    warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
+    seed: int = Field(default=1234, ge=0, le=4_294_967_295)
+
+    @model_validator(mode="after")
+    def _lr(self) -> Training:
+        try:
+            lr = Decimal(self.learning_rate)
+        except InvalidOperation:  # pattern already refuses these; keep the message clear anyway
+            raise ValueError(f"learningRate: {self.learning_rate!r} is not a number") from None
+        if not (0 < lr <= _MAX_LR):
+            raise ValueError(f"learningRate: {self.learning_rate!r} must be > 0 and <= {_MAX_LR}")
+        if self.micro_batch > self.global_batch:
+            raise ValueError(f"microBatch: {self.micro_batch} is larger than globalBatch "
+                             f"{self.global_batch}")
+        return self
+
+    @property
+    def lr(self) -> float:
+        return float(Decimal(self.learning_rate))
+
+
+class RunPolicy(_Model):
+    backoff_limit: int = Field(default=3, ge=0, le=100)
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=31_536_000)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=31_536_000)
+    suspend: bool = False
+    allow_replan_on_node_loss: bool = False
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Scheduling(_Model):
+    node_selector: dict[str, str] | None = None
+    tolerations: list[Toleration] | None = Field(default=None, max_length=64)
+    priority_class_name: str | None = Field(default=None, max_length=253)
+    scheduler_name: str | None = Field(default=None, max_length=253)
+    pod_annotations: dict[str, str] | None = None
+    pod_labels: dict[str, str] | None = None
+
+
+_QUANTITY_RE = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]i?|Ki)?$")
+
+
+class Resources(_Model):
+    requests: dict[str, int | str] | None = None
+    limits: dict[str, int | str] | None = None
+
+    @model_validator(mode="after")
+    def _quantities(self) -> Resources:
+        for group in ("requests", "limits"):
+            for name, q in (getattr(self, group) or {}).items():
+                if isinstance(q, bool) or (isinstance(q, int) and q < 0):
+                    raise ValueError(f"{group}.{name}: {q!r} is not a quantity")
+                if isinstance(q, str) and not _QUANTITY_RE.match(q):
+                    raise ValueError(f"{group}.{name}: {q!r} is not a quantity")
+        return self
+
+
+class Gate(_Model):
+    skip: bool = False
+    skip_reason: str | None = Field(default=None, max_length=1024)
+
+    @model_validator(mode="after")
+    def _audited(self) -> Gate:
+        if self.skip and not (self.skip_reason or "").strip():
+            raise ValueError("skipReason: required when skip is true (skipping is audited)")
+        return self
+
+
+class JobSpec(_Model):
+    """``MoETrainingJob.spec``; see crds/moetrainingjob.yaml and docs/crd.md."""
+
+    image: str = Field(min_length=1, max_length=512)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    deepspeed_version: str | None = Field(default=None, max_length=64,
+                                          pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+-]*)$")
+    device: Literal["GPU", "CPU"] = "GPU"
+    model: ModelRef
+    data: Data = Data()
+    checkpoint: Checkpoint = Checkpoint()
+    nodes: Nodes = Nodes()
+    placement: Placement = Placement()
+    training: Training = Training()
+    deepspeed_overrides: dict[str, Any] | None = None
+    run_policy: RunPolicy = RunPolicy()
+    scheduling: Scheduling = Scheduling()
+    resources: Resources = Resources()
+    gate: Gate = Gate()
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        world = self.nodes.world_size
+        per_step = self.training.micro_batch * world
+        if self.training.global_batch % per_step:
+            raise ValueError(
+                f"training.globalBatch: {self.training.global_batch} is not a multiple of "
+                f"microBatch * world size = {self.training.micro_batch} * {world}")
+        ep = self.placement.expert_parallel_size
+        if ep is not None and world % ep:
+            raise ValueError(f"placement.expertParallelSize: {ep} does not divide the world size "
+                             f"{world} (nodes.count * nodes.gpusPerNode)")
+        for path in PROTECTED_DEEPSPEED_KEYS:
+            node: Any = self.deepspeed_overrides or {}
+            for key in path:
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:
+                raise ValueError(f"deepspeedOverrides.{'.'.join(path)}: the plan sets this key; "
+                                 "it cannot be overridden")
+        if self.training.warmup_steps > self.training.steps:
+            raise ValueError(f"training.warmupSteps: {self.training.warmup_steps} exceeds "
+                             f"steps {self.training.steps}")
+        return self
+
+    # ---- derived -----------------------------------------------------------------------
+    @property
+    def grad_accum(self) -> int:
+        return self.training.global_batch // (self.training.micro_batch * self.nodes.world_size)
+
+    def immutable_view(self) -> dict[str, Any]:
+        """The launch-relevant part of the spec, as plain JSON (camelCase, defaults filled)."""
+        full = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        return {k: v for k, v in full.items() if k not in MUTABLE_AFTER_LAUNCH}
+
+    def immutable_hash(self) -> str:
+        blob = json.dumps(self.immutable_view(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def changed_immutable_fields(launched: dict[str, Any], current: JobSpec) -> list[str]:
+    """Top-level fields whose value differs from the snapshot taken at launch (sorted)."""
+    now = current.immutable_view()
+    return sorted(k for k in set(launched) | set(now) if launched.get(k) != now.get(k))
+
+
+def _value_at(obj: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        if isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        elif isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+            obj = obj[part]
+        else:
+            return None
+    return obj
+
+
+def _to_spec_error(raw: Any, exc: ValidationError) -> SpecError:
+    err = exc.errors(include_url=False)[0]
+    loc = tuple(p for p in err.get("loc", ()) if not (isinstance(p, str) and p.startswith(("function-", "json-", "tagged-"))))
+    # pydantic reports union branches as extra loc parts ('int', 'str'): drop them from the path.
+    loc = tuple(p for p in loc if p not in ("int", "str", "bool", "float"))
+    msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+    etype = err.get("type", "")
+    if etype == "value_error":
+        # Model-level validators name their sub-field first ("nodeNames: ..."): fold it in.
+        head, sep, rest = msg.partition(": ")
+        if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9_.\[\]]*", head):
+            field = "spec." + field_path(loc + tuple(head.split("."))) if loc else f"spec.{head}"
+            return SpecError(field, rest)
+        return SpecError("spec" + ("." + field_path(loc) if loc else ""), msg)
+    field = "spec" + ("." + field_path(loc) if loc else "")
+    if etype == "missing":
+        return SpecError(field, "required field is missing")
+    if etype == "extra_forbidden":
+        return SpecError(field, "unknown field")
+    value = err.get("input", _value_at(raw, loc))
+    return SpecError(field, f"{_short(value)} is invalid ({msg})")
+
+
+def parse_spec(raw: Any) -> JobSpec:
+    """Parse and validate ``MoETrainingJob.spec``; raises :class:`SpecError`."""
+    if not isinstance(raw, dict):
+        raise SpecError("spec", f"expected an object, got {type(raw).__name__}")
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise _to_spec_error(raw, exc) from None
