@@ -1,0 +1,40 @@
+"""The plan ConfigMap (mounted into every worker) and the ConfigMaps the trainer writes to.
+
+The trainer's ServiceAccount may only ``update``/``patch`` named ConfigMaps (RBAC cannot limit
+``create`` by name), so the operator seeds the progress and routing-stats ConfigMaps empty.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import constants as C
+from .common import (JobRef, child_metadata, plan_configmap_name, progress_configmap_name,
+                     routing_stats_configmap_name)
+
+
+def plan_json(plan: dict[str, Any]) -> str:
+    """Canonical serialisation: sorted keys, so the same plan is the same bytes."""
+    return json.dumps(plan, sort_keys=True, indent=1) + "\n"
+
+
+def plan_configmap(job: JobRef, plan: dict[str, Any], spec_hash: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": child_metadata(job, plan_configmap_name(job), "plan",
+                                   annotations={C.ANNOTATION_SPEC_HASH: spec_hash}),
+        "data": {C.PLAN_KEY: plan_json(plan)},
+    }
+
+
+def progress_configmap(job: JobRef) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": child_metadata(job, progress_configmap_name(job), "progress"),
+            "data": {}}
+
+
+def routing_stats_configmap(job: JobRef) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": child_metadata(job, routing_stats_configmap_name(job), "routing-stats"),
+            "data": {}}

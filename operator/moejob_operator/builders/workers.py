@@ -1,0 +1,185 @@
+"""The headless Service and the worker pods: one pod per node rank, env rendezvous, no SSH.
+
+Pinning: a worker goes to its planned node through a *required node affinity* on the node's
+``metadata.name`` field (as the DaemonSet controller does), not through ``spec.nodeName``. With
+``nodeName`` the pod skips the scheduler: no resource accounting for ``nvidia.com/gpu``, no taint
+check, no priority/preemption, and a custom ``schedulerName`` (Volcano, coscheduling, Kueue) would
+never see the pod. The affinity keeps all of that and still allows only the planned node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import constants as C
+from ..spec import JobSpec
+from .common import (JobRef, checkpoint_dir, child_metadata, master_addr, plan_configmap_name,
+                     progress_configmap_name, routing_stats_configmap_name, service_name,
+                     worker_account_name, worker_name)
+
+TRAINER_COMMAND = ("moe-train",)
+RUN_AS_USER = 1000
+
+
+def headless_service(job: JobRef) -> dict[str, Any]:
+    """Gives every worker a stable DNS name ``<pod>.<job>-workers.<ns>.svc.cluster.local``."""
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": child_metadata(job, service_name(job), "worker"),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                 "selector": {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: "worker"},
+                 "ports": [{"name": "rendezvous", "port": C.MASTER_PORT,
+                            "targetPort": C.MASTER_PORT, "protocol": "TCP"}]},
+    }
+
+
+def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": C.PLAN_VOLUME, "configMap": {"name": plan_configmap_name(job)}}]
+    mounts: list[dict[str, Any]] = [
+        {"name": C.PLAN_VOLUME, "mountPath": C.PLAN_MOUNT_DIR, "readOnly": True}]
+
+    ck = spec.checkpoint.volume
+    if ck is None:
+        volumes.append({"name": C.CHECKPOINT_VOLUME, "emptyDir": {}})
+    elif ck.persistent_volume_claim is not None:
+        volumes.append({"name": C.CHECKPOINT_VOLUME, "persistentVolumeClaim":
+                        {"claimName": ck.persistent_volume_claim.claim_name}})
+    else:
+        volumes.append({"name": C.CHECKPOINT_VOLUME, "hostPath":
+                        {"path": ck.host_path.path, "type": "DirectoryOrCreate"}})
+    mounts.append({"name": C.CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
+
+    dv = spec.data.volume
+    if dv is not None:
+        if dv.persistent_volume_claim is not None:
+            src: dict[str, Any] = {"persistentVolumeClaim": {
+                "claimName": dv.persistent_volume_claim.claim_name,
+                "readOnly": dv.persistent_volume_claim.read_only}}
+        elif dv.host_path is not None:
+            src = {"hostPath": {"path": dv.host_path.path, "type": "Directory"}}
+        else:
+            src = {"configMap": {"name": dv.config_map.name}}
+        volumes.append({"name": C.DATA_VOLUME, **src})
+        mounts.append({"name": C.DATA_VOLUME, "mountPath": spec.data.path, "readOnly": True})
+
+    if spec.device == "GPU":
+        # NCCL needs more shared memory than the container default (64 MiB).
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
+         extra_env: dict[str, str]) -> list[dict[str, Any]]:
+    nproc = spec.nodes.gpus_per_node
+    env = {
+        # torchrun-style rendezvous (DeepSpeed's init_distributed reads these); RANK/LOCAL_RANK are
+        # the pod's first process, a pod with NPROC_PER_NODE > 1 starts the rest itself.
+        "NODE_RANK": str(node_rank),
+        "NNODES": str(spec.nodes.count),
+        "NPROC_PER_NODE": str(nproc),
+        "WORLD_SIZE": str(spec.nodes.world_size),
+        "RANK": str(node_rank * nproc),
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": master_addr(job),
+        "MASTER_PORT": str(C.MASTER_PORT),
+        # NVLink SHARP multicast: off (needs fabric manager support we cannot assume).
+        "NCCL_NVLS_ENABLE": "0",
+        "MOE_DEVICE": spec.device.lower(),
+        "MOE_PLAN": f"{C.PLAN_MOUNT_DIR}/{C.PLAN_KEY}",
+        "MOE_CHECKPOINT_DIR": checkpoint_dir(job, spec.checkpoint.path),
+        "MOE_DATA_DIR": spec.data.path,
+        "MOE_JOB_NAME": job.name,
+        "MOE_NAMESPACE": job.namespace,
+        "MOE_PROGRESS_CONFIGMAP": progress_configmap_name(job),
+        "MOE_ROUTING_STATS_CONFIGMAP": routing_stats_configmap_name(job),
+        "MOE_ATTEMPT": str(attempt),
+    }
+    env.update(extra_env)
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    out.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    out.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+    return out
+
+
+def _resources(spec: JobSpec) -> dict[str, Any]:
+    requests = dict(spec.resources.requests or {})
+    limits = dict(spec.resources.limits or {})
+    if spec.device == "GPU":
+        limits[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
+        requests[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    return out
+
+
+def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt: int,
+               spec_hash: str, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``."""
+    sched = spec.scheduling
+    annotations = dict(sched.pod_annotations or {})
+    annotations[C.ANNOTATION_SPEC_HASH] = spec_hash
+    meta = child_metadata(job, worker_name(job, node_rank), "worker", annotations=annotations,
+                          extra_labels={C.LABEL_NODE_RANK: str(node_rank),
+                                        C.LABEL_ATTEMPT: str(attempt)})
+    # pass-through labels (Kueue queue name, ...) first: the operator's own labels win
+    meta["labels"] = dict(sorted({**(sched.pod_labels or {}), **meta["labels"]}.items()))
+
+    volumes, mounts = _volumes(job, spec)
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": list(TRAINER_COMMAND),
+        "env": _env(job, spec, node_rank, attempt, extra_env or {}),
+        "ports": [{"name": "rendezvous", "containerPort": C.MASTER_PORT, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        # Restricted profile minus a read-only root filesystem: DeepSpeed and Triton JIT-build
+        # kernels into the home directory's caches at start.
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": False},
+    }
+    res = _resources(spec)
+    if res:
+        container["resources"] = res
+
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "hostname": worker_name(job, node_rank),
+        "subdomain": service_name(job),
+        "serviceAccountName": worker_account_name(job),
+        "automountServiceAccountToken": True,   # the trainer publishes progress with it
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchFields": [
+                {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
+                            "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(sched.node_selector.items()))
+    if sched.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
+                                   for t in sched.tolerations]
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.scheduler_name:
+        pod_spec["schedulerName"] = sched.scheduler_name
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
+
+
+def worker_pods(job: JobRef, spec: JobSpec, rank2node: list[str], *, attempt: int,
+                spec_hash: str, extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """All node ranks; ``rank2node[node_rank]`` is the node the plan chose."""
+    if len(rank2node) != spec.nodes.count:
+        raise ValueError(f"plan has {len(rank2node)} node ranks, spec.nodes.count is {spec.nodes.count}")
+    return [worker_pod(job, spec, node_rank=r, node=n, attempt=attempt, spec_hash=spec_hash,
+                       extra_env=extra_env) for r, n in enumerate(rank2node)]

@@ -1,0 +1,118 @@
+"""Builders: golden manifests for the tiny CPU example and the GPU example, plus the invariants
+every child must keep (owner reference, labels, names, pinning, env rendezvous)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moejob_operator import constants as C
+from moejob_operator.builders import common, configmaps, rbac, workers
+from moejob_operator.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+UPDATE = os.environ.get("MOE_UPDATE_GOLDEN") == "1"
+JOB = common.JobRef(namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11")
+PLAN = {"kind": "MoEPlan", "version": 1, "job": {"namespace": "team-a", "name": "tiny-cpu"},
+        "worldSize": 2, "epSize": 2,
+        "ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0, "localRank": 0, "gpu": 0},
+                  {"rank": 1, "node": "node-b", "nodeRank": 1, "localRank": 0, "gpu": 0}]}
+
+
+def _example(name: str):
+    return parse_spec(yaml.safe_load((ROOT / "examples" / name).read_text())["spec"])
+
+
+def _children(example: str) -> list[dict]:
+    spec = _example(example)
+    h = spec.immutable_hash()
+    rank2node = [f"node-{chr(ord('a') + i)}" for i in range(spec.nodes.count)]
+    return [configmaps.plan_configmap(JOB, PLAN, h), configmaps.progress_configmap(JOB),
+            configmaps.routing_stats_configmap(JOB), rbac.service_account(JOB), rbac.role(JOB),
+            rbac.role_binding(JOB), workers.headless_service(JOB),
+            *workers.worker_pods(JOB, spec, rank2node, attempt=1, spec_hash=h)]
+
+
+@pytest.mark.parametrize("example", ["tiny-cpu.yaml", "gpu-h200.yaml"])
+def test_golden(example):
+    got = yaml.safe_dump_all(_children(example), sort_keys=False)
+    path = GOLDEN / f"children-{example}"
+    if UPDATE or not path.exists():
+        path.write_text(got)
+    assert got == path.read_text(), f"{path} differs: rerun with MOE_UPDATE_GOLDEN=1 and review"
+
+
+@pytest.mark.parametrize("example", ["tiny-cpu.yaml", "gpu-h200.yaml"])
+def test_every_child_is_owned_and_labelled(example):
+    for obj in _children(example):
+        meta = obj["metadata"]
+        assert meta["namespace"] == JOB.namespace
+        assert meta["ownerReferences"] == [common.owner_reference(JOB)]
+        assert meta["ownerReferences"][0]["controller"] is True
+        assert meta["labels"][C.LABEL_JOB] == JOB.name
+        assert meta["labels"][C.LABEL_MANAGED_BY] == C.MANAGED_BY
+        assert len(meta["name"]) <= 63
+
+
+def _env(pod):
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_workers_rendezvous_and_pinning():
+    spec = _example("gpu-h200.yaml")
+    pods = workers.worker_pods(JOB, spec, ["gpu-7", "gpu-3"], attempt=0, spec_hash="h")
+    assert [p["metadata"]["name"] for p in pods] == ["tiny-cpu-worker-0", "tiny-cpu-worker-1"]
+    for rank, (pod, node) in enumerate(zip(pods, ["gpu-7", "gpu-3"])):
+        env = _env(pod)
+        assert env["NODE_RANK"] == str(rank)
+        assert env["RANK"] == str(rank * 8)
+        assert env["WORLD_SIZE"] == "16" and env["NPROC_PER_NODE"] == "8" and env["NNODES"] == "2"
+        assert env["MASTER_ADDR"] == "tiny-cpu-worker-0.tiny-cpu-workers.team-a.svc.cluster.local"
+        assert env["MASTER_PORT"] == str(C.MASTER_PORT)
+        assert env["NCCL_NVLS_ENABLE"] == "0"
+        assert env["MOE_PLAN"] == "/etc/moe/plan.json"
+        assert env["MOE_CHECKPOINT_DIR"] == "/ckpt/tiny-cpu-0b6f6c2e"
+        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [node]
+        assert "nodeName" not in pod["spec"]
+        assert pod["spec"]["hostname"] == f"tiny-cpu-worker-{rank}"
+        assert pod["spec"]["subdomain"] == "tiny-cpu-workers"
+        res = pod["spec"]["containers"][0]["resources"]
+        assert res["limits"][C.GPU_RESOURCE] == 8
+        # pass-through: user labels kept, ours win
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert pod["spec"]["priorityClassName"] == "training"
+
+
+def test_operator_labels_win_over_user_labels():
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw["scheduling"] = {"podLabels": {C.LABEL_JOB: "someone-else", "team": "x"}}
+    pod = workers.worker_pod(JOB, parse_spec(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
+    assert pod["metadata"]["labels"][C.LABEL_JOB] == JOB.name
+    assert pod["metadata"]["labels"]["team"] == "x"
+
+
+def test_cpu_workers_request_no_gpu_and_keep_security_context():
+    spec = _example("tiny-cpu.yaml")
+    pod = workers.worker_pod(JOB, spec, node_rank=1, node="node-b", attempt=0, spec_hash="h")
+    assert "resources" not in pod["spec"]["containers"][0]
+    sc = pod["spec"]["containers"][0]["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_role_is_limited_to_own_configmaps():
+    rules = rbac.role(JOB)["rules"]
+    assert rules == [{"apiGroups": [""], "resources": ["configmaps"],
+                      "resourceNames": ["tiny-cpu-progress", "tiny-cpu-routing-stats"],
+                      "verbs": ["get", "update", "patch"]}]
+
+
+def test_worker_pods_refuse_wrong_rank_count():
+    with pytest.raises(ValueError, match="plan has 1 node ranks"):
+        workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a"], attempt=0, spec_hash="h")
