@@ -40,7 +40,7 @@ from moe_trainer.fast.ops import (
     swiglu,
 )
 
-__all__ = ["GroupedExperts", "GroupedMoeBlock", "SUPPORTED_BLOCKS", "swap_moe_blocks"]
+__all__ = ["GroupedExperts", "GroupedMoeBlock", "SUPPORTED_BLOCKS", "from_hf_block", "swap_moe_blocks"]
 
 # HF block classes this block reproduces exactly: router `gate` -> (logits, weights, ids),
 # experts `gate_up_proj`/`down_proj` with SwiGLU, no shared experts, no bias.
@@ -131,6 +131,11 @@ class GroupedMoeBlock(nn.Module):
         y_sorted = self.experts(dispatch(x, plan), plan.offsets)  # [S, H]
         out = combine(y_sorted, topk_weights, plan)  # [T, H]
         return out.reshape(batch, seq, hidden)
+
+
+def from_hf_block(block: nn.Module, config=None, impl: str = "auto", fused_act: bool = False) -> GroupedMoeBlock:
+    """Factory for `moe_trainer.models.swap_moe_blocks(model, factory)`: `(block, config) -> block`."""
+    return GroupedMoeBlock.from_hf(block, impl=impl, fused_act=fused_act)
 
 
 def swap_moe_blocks(model: nn.Module, impl: str = "auto", fused_act: bool = False) -> int:

@@ -1,0 +1,90 @@
+"""Rendezvous from torchrun-style env (no SSH, no `deepspeed` launcher) and device selection.
+
+RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are read by `deepspeed.init_distributed`.
+GPUs: NCCL, device = the plan's `ranks[rank].gpu` (else LOCAL_RANK), NCCL_NVLS_ENABLE=0 unless
+the environment already sets it (NVLink SHARP multicast is left off on the lent machines).
+CPU: gloo. DeepSpeed's TorchBackend JIT-builds a shared-memory all-reduce op (`deepspeed_shm_comm`)
+at init; it serves only `inference_all_reduce`, never training, so on CPU the trainer skips the
+build (MOE_DS_SHM_OP=1 restores it; the build is cached in TORCH_EXTENSIONS_DIR either way).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+class RendezvousError(RuntimeError):
+    """Rendezvous env is missing or inconsistent with the plan (permanent: exit 78)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _int_env(name: str, default: int | None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise RendezvousError(f"{name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RendezvousError(f"{name}={raw!r} is not an integer") from None
+
+
+def read_env(plan_world_size: int, rank_gpus: list[int | None], force_cpu: bool = False) -> DistEnv:
+    world = _int_env("WORLD_SIZE", 1)
+    rank = _int_env("RANK", 0)
+    local_rank = _int_env("LOCAL_RANK", rank)
+    if world != plan_world_size:
+        raise RendezvousError(f"WORLD_SIZE={world} differs from the plan's worldSize={plan_world_size}")
+    if not 0 <= rank < world:
+        raise RendezvousError(f"RANK={rank} is outside 0..{world - 1}")
+    use_cuda = torch.cuda.is_available() and not force_cpu
+    if use_cuda:
+        gpu = rank_gpus[rank] if rank < len(rank_gpus) and rank_gpus[rank] is not None else local_rank
+        if gpu >= torch.cuda.device_count():
+            raise RendezvousError(f"plan puts rank {rank} on GPU {gpu}, this pod sees "
+                                  f"{torch.cuda.device_count()} GPU(s)")
+        return DistEnv(rank, world, local_rank, torch.device("cuda", gpu), "nccl")
+    return DistEnv(rank, world, local_rank, torch.device("cpu"), "gloo")
+
+
+def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
+    """Start the process group (also for world size 1: DeepSpeed ZeRO needs one)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", str(env.rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.world_size))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+        os.environ.setdefault("DS_ACCELERATOR", "cuda")
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch as ds_torch_comm
+    if env.device.type == "cpu" and os.environ.get("MOE_DS_SHM_OP", "0") != "1":
+        ds_torch_comm.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def set_cpu_threads(env: DistEnv) -> None:
+    """Share the host's cores between the local ranks instead of oversubscribing them."""
+    if env.device.type != "cpu":
+        return
+    local_world = _int_env("LOCAL_WORLD_SIZE", env.world_size)
+    n = int(os.environ.get("MOE_CPU_THREADS", max(1, (os.cpu_count() or 1) // max(1, local_world))))
+    torch.set_num_threads(n)

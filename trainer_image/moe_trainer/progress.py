@@ -1,0 +1,144 @@
+"""Progress reporting by rank 0: TrainerProgress v1 file, ConfigMap patch, Prometheus metrics.
+
+Channels (docs/trainer.md):
+  file       $MOE_CHECKPOINT_DIR/progress.json, rewritten atomically every step;
+  ConfigMap  when MOE_PROGRESS_CONFIGMAP names one and the pod has in-cluster credentials, a
+             merge-patch of key `progress.json`, plain urllib (no kubernetes client), at most every
+             MOE_PROGRESS_INTERVAL_SECONDS (default 5) plus the final document; failures are
+             logged and never stop training;
+  metrics    Prometheus on $MOE_METRICS_PORT (rank 0 only), prefix `moe_trainer_`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import ssl
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger("moe_trainer.progress")
+
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+PHASES = ("Starting", "Training", "Checkpointing", "Finished", "Failed")
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def progress_doc(*, phase: str, step: int, total_steps: int, loss: float | None, tokens_per_second: float,
+                 eta_seconds: float | None, checkpoint: dict | None, moe: dict, health: list[dict]) -> dict:
+    if phase not in PHASES:
+        raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
+
+    def finite(x):
+        return x if x is None or (x == x and abs(x) != float("inf")) else None
+    return {
+        "kind": "TrainerProgress", "version": 1, "phase": phase, "step": int(step),
+        "totalSteps": int(total_steps), "loss": finite(loss), "tokensPerSecond": float(tokens_per_second),
+        "etaSeconds": finite(eta_seconds), "updatedAt": now_iso(), "checkpoint": checkpoint,
+        "moe": moe, "health": health,
+    }
+
+
+def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, path)
+
+
+class ConfigMapPublisher:
+    """PATCHes progress into a ConfigMap with the pod's service-account token."""
+
+    def __init__(self, name: str, sa_dir: Path = SA_DIR, interval_s: float = 5.0, timeout_s: float = 5.0):
+        self.name, self.sa_dir, self.interval_s, self.timeout_s = name, Path(sa_dir), interval_s, timeout_s
+        self._last = 0.0
+        self.failures = 0
+
+    @classmethod
+    def from_env(cls) -> "ConfigMapPublisher | None":
+        name = os.environ.get("MOE_PROGRESS_CONFIGMAP")
+        if not name:
+            return None
+        if not (SA_DIR / "token").is_file() or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            log.warning("MOE_PROGRESS_CONFIGMAP=%s but no in-cluster credentials; file only", name)
+            return None
+        return cls(name, interval_s=float(os.environ.get("MOE_PROGRESS_INTERVAL_SECONDS", "5")))
+
+    def request(self, doc: dict) -> urllib.request.Request:
+        ns = (self.sa_dir / "namespace").read_text().strip()
+        token = (self.sa_dir / "token").read_text().strip()
+        host = os.environ["KUBERNETES_SERVICE_HOST"]
+        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if ":" in host:
+            host = f"[{host}]"
+        url = f"https://{host}:{port}/api/v1/namespaces/{ns}/configmaps/{self.name}"
+        body = json.dumps({"data": {"progress.json": json.dumps(doc)}}).encode()
+        return urllib.request.Request(url, data=body, method="PATCH", headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json",
+            "Accept": "application/json"})
+
+    def publish(self, doc: dict, force: bool = False) -> bool:
+        now = time.monotonic()
+        if not force and now - self._last < self.interval_s:
+            return False
+        self._last = now
+        try:
+            ctx = ssl.create_default_context(cafile=str(self.sa_dir / "ca.crt"))
+            with urllib.request.urlopen(self.request(doc), context=ctx, timeout=self.timeout_s) as resp:
+                resp.read()
+            return True
+        except (urllib.error.URLError, OSError, ssl.SSLError, ValueError) as exc:
+            self.failures += 1
+            log.warning("progress ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, exc)
+            return False
+
+
+class Metrics:
+    """Prometheus gauges/counters for rank 0."""
+
+    def __init__(self, port: int, job: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        self.registry = CollectorRegistry()
+        labels = ["job"]
+        self.job = job
+        self.step = Gauge("moe_trainer_step", "Last finished optimizer step", labels, registry=self.registry)
+        self.loss = Gauge("moe_trainer_loss", "Language-model loss of the last step", labels,
+                          registry=self.registry)
+        self.tps = Gauge("moe_trainer_tokens_per_second", "Tokens per second, all ranks", labels,
+                         registry=self.registry)
+        self.tokens = Counter("moe_trainer_tokens", "Tokens trained on", labels, registry=self.registry)
+        self.comm = Gauge("moe_trainer_comm_seconds_per_step", "Seconds per step in a collective",
+                          labels + ["op"], registry=self.registry)
+        self.maxmean = Gauge("moe_trainer_expert_load_max_mean", "Max/mean expert load of a layer (window)",
+                             labels + ["layer"], registry=self.registry)
+        self.dead = Gauge("moe_trainer_dead_experts", "Experts flagged dead", labels, registry=self.registry)
+        self.frag = Gauge("moe_trainer_allocator_fragmentation", "1 - allocated/reserved (CUDA)", labels,
+                          registry=self.registry)
+        self.server, self.thread = start_http_server(port, registry=self.registry)
+
+    def update(self, doc: dict, tokens: int) -> None:
+        j = self.job
+        self.step.labels(j).set(doc["step"])
+        if doc["loss"] is not None:
+            self.loss.labels(j).set(doc["loss"])
+        self.tps.labels(j).set(doc["tokensPerSecond"])
+        self.tokens.labels(j).inc(tokens)
+        moe = doc["moe"]
+        self.comm.labels(j, "all_to_all").set(moe.get("allToAllSecondsPerStep") or 0.0)
+        self.comm.labels(j, "all_gather").set(moe.get("allGatherSecondsPerStep") or 0.0)
+        for layer, v in enumerate(moe.get("maxMeanLoadPerLayer") or []):
+            self.maxmean.labels(j, str(layer)).set(v)
+        self.dead.labels(j).set(len(moe.get("deadExperts") or []))
+        if moe.get("fragmentation") is not None:
+            self.frag.labels(j).set(moe["fragmentation"])
+
+    def close(self) -> None:
+        self.server.shutdown()

@@ -1,0 +1,202 @@
+"""Router probes, per-layer load-balancing loss, and routing statistics.
+
+Forward hooks on each MoE layer's router capture, per forward pass,
+  logits[T, E]   router logits (kept in the autograd graph for the balancing loss)
+  topk[T, K]     the experts each token was sent to (slot ids)
+for both layouts the trainer runs:
+  Hugging Face blocks: `block.gate` returns (logits, scores, indices);
+  DeepSpeed AutoEP:    `block.router` returns (scores, indices, counts), logits from `router.gate`.
+
+Statistics are kept in *slot* ids while training and reported in *original* expert ids (the ids
+the planner's permutation refers to): slot s of layer l holds original expert permutation[l][s].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RouterProbe:
+    """Captures router logits and top-k choices of every MoE layer on each forward pass."""
+
+    def __init__(self, blocks: list[nn.Module]):
+        self.num_layers = len(blocks)
+        self.logits: list[torch.Tensor | None] = [None] * self.num_layers
+        self.topk: list[torch.Tensor | None] = [None] * self.num_layers
+        self._handles = []
+        for i, block in enumerate(blocks):
+            router = getattr(block, "router", None)
+            if router is not None and hasattr(router, "gate"):        # AutoEP layer
+                self._handles.append(router.gate.register_forward_hook(self._logits_hook(i)))
+                self._handles.append(router.register_forward_hook(self._topk_hook(i, 1)))
+            elif hasattr(block, "gate"):                              # HF block (or a swapped one keeping `gate`)
+                self._handles.append(block.gate.register_forward_hook(self._hf_hook(i)))
+            else:
+                raise ValueError(f"MoE layer {i} ({type(block).__name__}) has no router to probe")
+
+    def _logits_hook(self, i):
+        def hook(_m, _inp, out):
+            self.logits[i] = out
+        return hook
+
+    def _topk_hook(self, i, index):
+        def hook(_m, _inp, out):
+            self.topk[i] = out[index].detach()
+        return hook
+
+    def _hf_hook(self, i):
+        def hook(_m, _inp, out):
+            self.logits[i] = out[0]
+            self.topk[i] = out[2].detach()
+        return hook
+
+    def clear(self) -> None:
+        self.logits = [None] * self.num_layers
+        self.topk = [None] * self.num_layers
+
+    def captured(self) -> bool:
+        return all(x is not None for x in self.logits) and all(x is not None for x in self.topk)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def switch_aux_loss(logits: torch.Tensor, topk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/Mixtral load-balancing loss of one layer: E * sum_e f_e * P_e.
+
+    f_e = share of the T*K token->expert assignments that went to e (no gradient),
+    P_e = mean softmax router probability of e. Equals 1.0 for perfectly uniform routing and
+    grows as routing concentrates; the gradient pushes probability away from overloaded experts.
+    logits[T, E], topk[T, K].
+    """
+    probs = torch.softmax(logits.float(), dim=-1)                       # [T, E]
+    counts = torch.bincount(topk.reshape(-1), minlength=num_experts).float()
+    f = counts / counts.sum().clamp(min=1)
+    return num_experts * (f * probs.mean(dim=0)).sum()
+
+
+def balance_loss(probe: RouterProbe, num_experts: int, mode: str) -> torch.Tensor | None:
+    """`per_layer_aux`: mean over layers of each layer's own loss, so every layer is balanced.
+    `global_aux`: transformers' formulation (all layers' logits concatenated): balances only the
+    sum over layers. `none`: no loss."""
+    if mode == "none":
+        return None
+    if mode == "per_layer_aux":
+        losses = [switch_aux_loss(lg, tk, num_experts) for lg, tk in zip(probe.logits, probe.topk)]
+        return torch.stack(losses).mean()
+    if mode == "global_aux":
+        return switch_aux_loss(torch.cat(probe.logits), torch.cat(probe.topk), num_experts)
+    raise ValueError(f"training.balance.mode: {mode!r} is unknown")
+
+
+def step_counts(probe: RouterProbe, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Counts of one forward pass, in slot ids:
+    load[L, E] (token->expert assignments), coact[L, E, E] (tokens whose top-k held both i and j,
+    zero diagonal), max_abs_logit[L]."""
+    loads, coacts, maxlog = [], [], []
+    for lg, tk in zip(probe.logits, probe.topk):
+        onehot = torch.zeros(tk.shape[0], num_experts, dtype=torch.float64, device=tk.device)
+        onehot.scatter_(1, tk.long(), 1.0)                                # [T, E]
+        loads.append(onehot.sum(0))
+        c = onehot.T @ onehot                                             # [E, E]
+        c.fill_diagonal_(0)
+        coacts.append(c)
+        maxlog.append(lg.detach().abs().max().double())
+    return torch.stack(loads), torch.stack(coacts), torch.stack(maxlog)
+
+
+class RoutingAccumulator:
+    """Running totals in slot ids: load[L, E], coact[L, E, E], tokens per layer."""
+
+    def __init__(self, num_layers: int, num_experts: int, device):
+        self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self.coact = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.float64, device=device)
+        self.tokens = 0
+        self.steps = 0
+
+    def add(self, load: torch.Tensor, coact: torch.Tensor, tokens: int) -> None:
+        self.load += load
+        self.coact += coact
+        self.tokens += tokens
+
+    def state_dict(self) -> dict:
+        return {"load": self.load.cpu(), "coact": self.coact.cpu(), "tokens": self.tokens, "steps": self.steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.load.copy_(sd["load"])
+        self.coact.copy_(sd["coact"])
+        self.tokens = int(sd["tokens"])
+        self.steps = int(sd["steps"])
+
+
+def to_original_ids(load_slot, coact_slot, permutation):
+    """Reindex slot-id counts to original expert ids: orig[perm[s]] = slot[s]."""
+    import numpy as np
+    load_slot = np.asarray(load_slot)
+    coact_slot = np.asarray(coact_slot)
+    load = np.zeros_like(load_slot)
+    coact = np.zeros_like(coact_slot)
+    for layer, row in enumerate(permutation):
+        p = np.asarray(row)
+        load[layer, p] = load_slot[layer]
+        coact[layer][np.ix_(p, p)] = coact_slot[layer]
+    return load, coact
+
+
+def load_to_original_ids(load_slot, permutation):
+    """load_slot[L, E] in slot ids -> load[L, E] in original expert ids."""
+    import numpy as np
+    load_slot = np.asarray(load_slot)
+    load = np.zeros_like(load_slot)
+    for layer, row in enumerate(permutation):
+        load[layer, np.asarray(row)] = load_slot[layer]
+    return load
+
+
+def routing_stats_doc(load, coact, tokens: int, steps: int, top_k: int, model: str,
+                      source: str = "trainer") -> dict:
+    """The RoutingStats v1 document. load[L, E], coact[L, E, E] in original expert ids."""
+    import numpy as np
+    load = np.rint(np.asarray(load)).astype(np.int64)
+    coact = np.rint(np.asarray(coact)).astype(np.int64)
+    num_layers, num_experts = load.shape
+    return {
+        "kind": "RoutingStats", "version": 1, "source": source, "model": model,
+        "numLayers": int(num_layers), "numExperts": int(num_experts), "topK": int(top_k),
+        "tokens": int(tokens), "steps": int(steps),
+        "load": load.tolist(), "coactivation": coact.tolist(),
+    }
+
+
+def check_routing_stats(doc: dict) -> None:
+    """The invariants docs/contracts.md lists for RoutingStats v1; raises ValueError naming the field."""
+    import numpy as np
+    if doc.get("kind") != "RoutingStats" or doc.get("version") != 1:
+        raise ValueError(f"kind/version: {doc.get('kind')!r} v{doc.get('version')!r} is not RoutingStats v1")
+    L, E, K, T = doc["numLayers"], doc["numExperts"], doc["topK"], doc["tokens"]
+    load = np.asarray(doc["load"])
+    co = np.asarray(doc["coactivation"])
+    if load.shape != (L, E):
+        raise ValueError(f"load: shape {load.shape} != ({L}, {E})")
+    if co.shape != (L, E, E):
+        raise ValueError(f"coactivation: shape {co.shape} != ({L}, {E}, {E})")
+    if (load < 0).any() or (co < 0).any():
+        raise ValueError("load/coactivation: negative count")
+    for layer in range(L):
+        if load[layer].sum() != T * K:
+            raise ValueError(f"load[{layer}]: sums to {load[layer].sum()}, tokens*topK is {T * K}")
+        if not (co[layer] == co[layer].T).all() or np.diag(co[layer]).any():
+            raise ValueError(f"coactivation[{layer}]: not symmetric with zero diagonal")
+        if not (co[layer].sum(1) == (K - 1) * load[layer]).all():
+            raise ValueError(f"coactivation[{layer}]: row sums != (topK-1)*load")
+
+
+def max_mean_per_layer(load) -> list[float]:
+    """load[L, E] -> max/mean expert load of each layer (1.0 = perfectly balanced)."""
+    import numpy as np
+    load = np.asarray(load, dtype=np.float64)
+    mean = load.mean(axis=1)
+    return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(axis=1), mean)]

@@ -1,0 +1,289 @@
+"""The training loop: plan -> model (placement applied) -> DeepSpeed ZeRO-3 (AutoEP) -> steps.
+
+One optimizer step:
+  for each micro step: forward, LM loss + coef * balancing loss (routing.balance_loss),
+  backward; then engine.step() (gradient clipping, LR warmup + cosine) and one small all-reduce of
+  this step's routing counts plus an all-gather of step times (statistics, health, stragglers).
+Every `checkpointEverySteps` steps and at the end: checkpoint + RoutingStats + progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moe_trainer import checkpoint as ckpt
+from moe_trainer import data as data_mod
+from moe_trainer import models, routing
+from moe_trainer.commtime import CommTimer
+from moe_trainer.distenv import DistEnv
+from moe_trainer.health import HealthMonitor, fragmentation
+from moe_trainer.plan import MoEPlan
+from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
+
+log = logging.getLogger("moe_trainer")
+
+EXIT_OK, EXIT_DATAERR, EXIT_RETRYABLE, EXIT_CONFIG = 0, 65, 75, 78
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` x peak at `total`."""
+    def f(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        span = max(1, total - warmup)
+        progress = min(1.0, (step - warmup) / span)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def deepspeed_config(plan: MoEPlan) -> dict:
+    """The plan's DeepSpeed config, with batch sizes and clipping filled in where it leaves them out."""
+    cfg = dict(plan.deepspeed)
+    t = plan.training
+    cfg.setdefault("train_micro_batch_size_per_gpu", t.micro_batch)
+    cfg.setdefault("gradient_accumulation_steps", t.grad_accum)
+    cfg.setdefault("gradient_clipping", t.grad_clip)
+    cfg.setdefault("steps_per_print", 10 ** 9)
+    cfg.setdefault("wall_clock_breakdown", False)
+    if cfg["train_micro_batch_size_per_gpu"] != t.micro_batch or cfg["gradient_accumulation_steps"] != t.grad_accum:
+        raise ValueError("deepspeed.train_micro_batch_size_per_gpu/gradient_accumulation_steps differ from "
+                         f"training.microBatch={t.micro_batch}/gradAccum={t.grad_accum}")
+    return cfg
+
+
+class Trainer:
+    def __init__(self, plan: MoEPlan, env: DistEnv, ckpt_dir: str | None):
+        self.plan, self.env, self.ckpt_dir = plan, env, ckpt_dir
+        self.t = plan.training
+        self.is_rank0 = env.rank == 0
+        self.model_name = plan.model.preset or plan.model.family
+
+    # ---- setup -------------------------------------------------------------------------------
+    def build(self) -> None:
+        import deepspeed
+        p, t = self.plan, self.t
+        model = models.build_model(p.model.hf_config, p.model.path, seed=t.seed)
+        models.apply_moe_impl(model, t.moe_impl)
+        self.num_experts = models.num_experts_of(model)
+        self.top_k = models.top_k_of(model)
+        n_layers = len(models.find_moe_layers(model))
+        if p.placement is not None:
+            if (p.placement.num_layers, p.placement.num_experts) != (n_layers, self.num_experts):
+                raise models.ModelError(
+                    f"placement: plan says {p.placement.num_layers} layers x {p.placement.num_experts} experts, "
+                    f"the model has {n_layers} x {self.num_experts}")
+            models.permute_experts(model, p.placement.permutation)
+            self.permutation = [list(r) for r in p.placement.permutation]
+        else:
+            self.permutation = [list(range(self.num_experts)) for _ in range(n_layers)]
+        self.source = data_mod.make_batch_source(t.data, t.seq_len, t.micro_batch, t.seed,
+                                                 model.config.vocab_size)
+        self.timer = CommTimer().install()
+        cfg = deepspeed_config(p)
+        has_opt = "optimizer" in cfg
+
+        def make_opt(params):
+            return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+        def make_sched(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.min_lr_ratio))
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=[q for q in model.parameters() if q.requires_grad],
+            optimizer=None if has_opt else make_opt,
+            lr_scheduler=None if "scheduler" in cfg else make_sched, config=cfg)
+        self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
+        self.probe = routing.RouterProbe(self.blocks)
+        L, E = len(self.blocks), self.num_experts
+        self.acc = routing.RoutingAccumulator(L, E, self.env.device)
+        self.window = routing.RoutingAccumulator(L, E, self.env.device)   # since last report
+        self.health = HealthMonitor(L, E, self.env.world_size, dead_steps=t.dead_expert_steps,
+                                    dead_fraction=t.dead_expert_fraction,
+                                    router_logit_limit=t.router_logit_limit,
+                                    straggler_factor=t.straggler_factor, straggler_steps=t.straggler_steps,
+                                    fragmentation_limit=t.fragmentation_limit)
+        self.losses: list[float] = []
+        self.start_step = 0
+        self.last_ckpt: dict | None = None
+        self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
+        port = os.environ.get("MOE_METRICS_PORT")
+        self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
+
+    def resume(self) -> None:
+        step = ckpt.latest_step(self.ckpt_dir)
+        if step is None:
+            return
+        state = ckpt.load(self.engine, self.ckpt_dir, step, self.env.rank)
+        self.start_step = int(state["step"])
+        self.acc.load_state_dict(state["routing"])
+        self.health.load_state_dict(state["health"])
+        self.losses = list(state["losses"])
+        self.last_ckpt = {"step": step, "path": str(ckpt.ds_dir(self.ckpt_dir) / ckpt.tag_for(step))}
+        log.info("rank %d resumed from step %d", self.env.rank, step)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
+        t, env = self.t, self.env
+        L, E = len(self.blocks), self.num_experts
+        load = torch.zeros(L, E, dtype=torch.float64, device=env.device)
+        coact = torch.zeros(L, E, E, dtype=torch.float64, device=env.device)
+        maxlog = torch.zeros(L, dtype=torch.float64, device=env.device)
+        lm_total = aux_total = 0.0
+        for micro in range(t.grad_accum):
+            batch = torch.from_numpy(self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size))
+            batch = batch.to(env.device)
+            self.probe.clear()
+            logits = self.engine(input_ids=batch[:, :-1]).logits
+            lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            if not self.probe.captured():
+                raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")
+            aux = routing.balance_loss(self.probe, E, t.balance.mode)
+            loss = lm if aux is None or t.balance.coef == 0 else lm + t.balance.coef * aux
+            self.engine.backward(loss)
+            self.engine.step()
+            sl, sc, sm = routing.step_counts(self.probe, E)
+            load += sl
+            coact += sc
+            maxlog = torch.maximum(maxlog, sm)
+            lm_total += lm.item() / t.grad_accum
+            aux_total += (aux.item() if aux is not None else 0.0) / t.grad_accum
+            self.probe.clear()
+        return lm_total, aux_total, load, coact, maxlog
+
+    # ---- reports -----------------------------------------------------------------------------
+    def routing_doc(self) -> dict:
+        load, coact = routing.to_original_ids(self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(),
+                                              self.permutation)
+        return routing.routing_stats_doc(load, coact, self.acc.tokens, self.acc.steps, self.top_k,
+                                         self.model_name)
+
+    def write_routing(self) -> None:
+        if self.is_rank0 and self.ckpt_dir:
+            write_json_atomic(Path(self.ckpt_dir) / "routing_stats.json", self.routing_doc())
+
+    def save(self, step: int) -> None:
+        if not self.ckpt_dir:
+            return
+        state = {"step": step, "routing": self.acc.state_dict(), "health": self.health.state_dict(),
+                 "losses": list(self.losses)}
+        path = ckpt.save(self.engine, self.ckpt_dir, step, self.env.rank, state)
+        self.last_ckpt = {"step": step, "path": str(path)}
+        self.write_routing()
+
+    def publish(self, doc: dict, tokens: int, force: bool = False) -> None:
+        if not self.is_rank0:
+            return
+        if self.ckpt_dir:
+            write_json_atomic(Path(self.ckpt_dir) / "progress.json", doc)
+        if self.publisher:
+            self.publisher.publish(doc, force=force)
+        if self.metrics:
+            self.metrics.update(doc, tokens)
+
+    def moe_section(self, comm: dict, frag: float | None) -> dict:
+        load = routing.load_to_original_ids(self.window.load.cpu().numpy(), self.permutation)
+        return {"maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
+                "deadExperts": self.health.dead_experts(),
+                "allToAllSecondsPerStep": round(comm["allToAll"], 6),
+                "allGatherSecondsPerStep": round(comm["allGather"], 6), "fragmentation": frag}
+
+    # ---- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        t, env = self.t, self.env
+        tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * env.world_size
+        step = self.start_step
+        self.publish(progress_doc(phase="Starting" if step == 0 else "Training", step=step, total_steps=t.steps,
+                                  loss=None, tokens_per_second=0.0, eta_seconds=None, checkpoint=self.last_ckpt,
+                                  moe={}, health=[]), 0, force=True)
+        t_run = time.perf_counter()
+        self.timer.take()
+        while step < t.steps:
+            t0 = time.perf_counter()
+            lm, aux, load, coact, maxlog = self.train_step(step)
+            dt = time.perf_counter() - t0
+            comm = self.timer.take()
+            # One all-reduce for counts + loss, one for the logit max, one all-gather for step times.
+            flat = torch.cat([load.reshape(-1), coact.reshape(-1),
+                              torch.tensor([lm], dtype=torch.float64, device=env.device)])
+            dist.all_reduce(flat)
+            dist.all_reduce(maxlog, op=dist.ReduceOp.MAX)
+            times = [torch.zeros(1, dtype=torch.float64, device=env.device) for _ in range(env.world_size)]
+            dist.all_gather(times, torch.tensor([dt], dtype=torch.float64, device=env.device))
+            L, E = load.shape
+            g_load = flat[:L * E].reshape(L, E)
+            g_coact = flat[L * E:L * E + L * E * E].reshape(L, E, E)
+            loss = float(flat[-1].item()) / env.world_size
+            step += 1
+            self.acc.add(g_load, g_coact, tokens_per_step)
+            self.acc.steps += 1
+            self.window.add(g_load, g_coact, tokens_per_step)
+            self.losses.append(loss)
+            orig_load = routing.load_to_original_ids(g_load.cpu().numpy(), self.permutation)
+            findings = self.health.check_loss(loss)
+            findings += self.health.check_router_logits(maxlog.cpu().numpy())
+            findings += self.health.update_dead(orig_load)
+            findings += self.health.update_stragglers([float(x.item()) for x in times])
+            frag = fragmentation(env.device)
+            findings += self.health.check_fragmentation(frag)
+            for f in findings:
+                log.warning("step %d health %s: %s", step, f.type, f.message)
+            elapsed = time.perf_counter() - t_run
+            done = step - self.start_step
+            tps = tokens_per_step * done / elapsed if elapsed > 0 else 0.0
+            eta = (t.steps - step) * elapsed / done if done else None
+            if self.is_rank0:
+                log.info("step %d/%d loss %.4f aux %.4f %.0f tok/s a2a %.3fs ag %.3fs", step, t.steps, loss,
+                         aux, tps, comm["allToAll"], comm["allGather"])
+            nonfinite = not math.isfinite(loss)
+            phase = "Failed" if nonfinite else "Training"
+            doc = progress_doc(phase=phase, step=step, total_steps=t.steps, loss=loss, tokens_per_second=tps,
+                               eta_seconds=eta, checkpoint=self.last_ckpt, moe=self.moe_section(comm, frag),
+                               health=[f.to_doc() for f in findings])
+            if nonfinite:
+                self.publish(doc, tokens_per_step, force=True)
+                raise NonFiniteLoss(f"loss is {loss} at step {step}")
+            if step % t.checkpoint_every_steps == 0 or step == t.steps:
+                if self.is_rank0:
+                    write_json_atomic(Path(self.ckpt_dir) / "progress.json",
+                                      dict(doc, phase="Checkpointing")) if self.ckpt_dir else None
+                self.save(step)
+                doc["checkpoint"] = self.last_ckpt
+                self.window = routing.RoutingAccumulator(L, E, env.device)
+            if step == t.steps:
+                doc["phase"] = "Finished"
+            self.publish(doc, tokens_per_step, force=step == t.steps)
+            code = ckpt.fault_due(step, self.ckpt_dir)
+            if code is not None:
+                dist.barrier()
+                ckpt.mark_fault(step, self.ckpt_dir, env.rank)
+                log.warning("fault injection: exiting with %d after step %d", code, step)
+                return code
+        self.finish()
+        return EXIT_OK
+
+    def finish(self) -> None:
+        if not (self.is_rank0 and self.ckpt_dir):
+            return
+        self.write_routing()
+        write_json_atomic(Path(self.ckpt_dir) / "losses.json", {"losses": self.losses})
+        try:
+            from moe_trainer.heatmap import save_heatmap
+            save_heatmap(self.routing_doc(), Path(self.ckpt_dir) / "expert_load.png")
+        except Exception as exc:   # a missing plot never fails a finished run
+            log.warning("heatmap not written: %s", exc)
+
+    def close(self) -> None:
+        self.timer.uninstall()
+        if getattr(self, "metrics", None):
+            self.metrics.close()
