@@ -48,7 +48,7 @@ def test_tiny_counts_equal_instantiated_hf_model(name):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     real = sum(p.numel() for p in model.parameters())
     assert models.spec_from_hf_config(cfg).counts().total == real
-    assert cfg["vocab_size"] == 256 and models.spec_from_hf_config(cfg).num_experts == 8
+    assert cfg["vocab_size"] == 320 and cfg["pad_token_id"] == 258 and models.spec_from_hf_config(cfg).num_experts == 8
 
 
 def test_preset_config_is_a_fresh_copy():

@@ -197,29 +197,39 @@ _PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
         first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1),
-    # Tiny debug models (CPU tests, byte tokenizer). 8 experts top-2 like the benchmark model.
+    # Tiny debug models (CPU tests). Byte tokenizer: 256 bytes + BOS 256 / EOS 257 / PAD 258,
+    # vocab padded to 320 (a multiple of 64). 8 experts top-2 like the benchmark model.
     "tiny-mixtral": dict(
-        model_type="mixtral", vocab_size=256, hidden_size=64, intermediate_size=128,
+        model_type="mixtral", vocab_size=320, hidden_size=64, intermediate_size=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         max_position_embeddings=512, num_local_experts=8, num_experts_per_tok=2,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
-        router_aux_loss_coef=0.01, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
     "tiny-qwen3-moe": dict(
-        model_type="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=128,
+        model_type="qwen3_moe", vocab_size=320, hidden_size=64, intermediate_size=128,
         moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, num_experts=8,
         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
         rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        router_aux_loss_coef=0.01, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
     "tiny-deepseek-v3": dict(
-        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+        model_type="deepseek_v3", vocab_size=320, hidden_size=64, intermediate_size=128,
         moe_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
         routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
         v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1, num_experts_per_tok=2,
         first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
+        pad_token_id=258),
+    # The DESIGN.md H200 benchmark shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
+    # micro-batch 16, bf16). DESIGN.md does not record the expert width or vocabulary: 3.5h like
+    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters) and the byte vocabulary.
+    "bench-mixtral": dict(
+        model_type="mixtral", vocab_size=320, hidden_size=1024, intermediate_size=3584,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+        router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
 }
 
 # Published totals the tests check the counts against (parameters, model cards).

@@ -1,0 +1,233 @@
+"""Per-GPU memory estimate for ZeRO-3 (+ AutoEP) training, with the sum spelled out.
+
+How DeepSpeed 0.19.8 shards (read from ``runtime/engine.py`` ``_partition_autoep_zero3_experts``
+and ``runtime/zero/stage3.py``): dense parameters are ZeRO-3 partitioned over the whole
+data-parallel group (``world_size`` ranks). AutoEP replaces every MoE block; each EP rank keeps
+``num_experts / ep_size`` experts, and those expert parameters are ZeRO-3 partitioned over the
+expert-data-parallel group (``world_size / ep_size`` ranks). So the *stored* expert bytes per GPU
+are ``expert_params / ep / (world / ep) = expert_params / world`` either way; what AutoEP changes
+is the *gathered* working set: a layer gathers only its ``E / ep`` local experts, not all ``E``.
+
+Terms (bytes, per GPU; ``p`` = 2 for bf16/fp16, 4 for fp32):
+
+* parameters: ``p * params / world`` + small params kept whole (numel below
+  ``stage3_param_persistence_threshold``: norms, small routers);
+* gradients: same sharding, ``p`` bytes each;
+* optimizer: Adam, fp32 master + m + v = 12 bytes per sharded parameter;
+* gathered: the largest module ZeRO-3 gathers (full ``p``-byte params plus their full gradient
+  during backward, before the reduce-scatter) + the prefetch bucket;
+* activations: see :func:`activation_bytes_per_token_layer` (saved tensors per token per layer,
+  from the transformers 5.17.0 forward), times ``ACTIVATION_FACTOR``; with activation
+  checkpointing only each layer's input is kept, plus one layer recomputed; plus the logits
+  (``V * (p + 8)`` per token: bf16 logits, fp32 upcast and log-softmax in the loss);
+* MoE dispatch: all-to-all send + receive buffers, ``tokens * top_k * h * p * capacity``;
+* buffers: the gradient reduce bucket, double-buffered with ``overlap_comm``;
+* overhead: CUDA context, NCCL and cuBLAS workspaces (``GPU_CONTEXT_BYTES``) plus allocator
+  fragmentation (``FRAGMENTATION`` of the dynamic total). On CPU, the process baseline.
+
+The peak is ``max(forward/backward, optimizer step)``: at the step activations are gone but a
+fp32 copy of one ``sub_group_size`` slice of the gradients is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .models import MoEModelSpec
+
+GiB = 1 << 30
+
+ACTIVATION_FACTOR = 1.0          # calibration knob for the activation term (1.0 = formula as is)
+DEFAULT_CAPACITY_FACTOR = 2.0    # all-to-all receive buffer vs a perfectly balanced one
+GPU_CONTEXT_BYTES = int(1.5 * GiB)   # CUDA context ~0.5 GiB + NCCL ~0.5 GiB + cuBLAS/workspaces
+CPU_BASELINE_BYTES = int(0.6 * GiB)  # python + torch + deepspeed + transformers imported (RSS)
+FRAGMENTATION = 0.10             # caching-allocator slack over the dynamic total
+ADAM_BYTES = 12                  # fp32 master + exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """``breakdown``: term -> bytes (camelCase keys, as in the MoEPlan ``memory.breakdown``)."""
+
+    breakdown: dict[str, int]
+    total: int
+    peak_phase: str              # "forward/backward" or "optimizer step"
+    notes: tuple[str, ...] = field(default=())
+
+    def fits(self, gpu_memory_bytes: int, headroom: float = 0.9) -> bool:
+        return self.total <= headroom * gpu_memory_bytes
+
+    def shortfall(self, gpu_memory_bytes: int, headroom: float = 0.9) -> int:
+        """Bytes over the usable memory (<= 0 when it fits)."""
+        return int(self.total - headroom * gpu_memory_bytes)
+
+    def explain(self, gpu_memory_bytes: int | None = None, headroom: float = 0.9) -> str:
+        rows = [(k.removesuffix("Bytes"), v) for k, v in self.breakdown.items()]
+        width = max(len(k) for k, _ in rows + [("total (peak)", 0)])
+        lines = [f"{'term':<{width}}  {'GiB':>9}  {'share':>6}"]
+        for key, value in rows:
+            lines.append(f"{key:<{width}}  {value / GiB:9.3f}  {value / max(self.total, 1):6.1%}")
+        lines.append(f"{'total (peak)':<{width}}  {self.total / GiB:9.3f}")
+        lines.append(f"peak during: {self.peak_phase}")
+        if gpu_memory_bytes:
+            verdict = "fits" if self.fits(gpu_memory_bytes, headroom) else "DOES NOT FIT"
+            lines.append(f"{verdict}: {self.total / GiB:.2f} GiB of {gpu_memory_bytes / GiB:.2f} GiB "
+                         f"({headroom:.0%} usable = {headroom * gpu_memory_bytes / GiB:.2f} GiB)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def precision_bytes(dsconfig: dict[str, Any]) -> int:
+    half = (dsconfig.get("bf16") or {}).get("enabled") or (dsconfig.get("fp16") or {}).get("enabled")
+    return 2 if half else 4
+
+
+def activation_bytes_per_token_layer(model: MoEModelSpec, layer: int, p: int) -> int:
+    """Bytes one token leaves saved for backward in decoder layer ``layer`` (no checkpointing).
+
+    Attention: RMSNorm input (fp32 upcast, 4h) and output, q/k/v projections and their rotary
+    copies, the attention output (SDPA/flash: no ``seq^2`` term) and o_proj input. Dense MLP
+    (SwiGLU): input, gate, up, act(gate), act*up. MoE: router logits and probabilities (fp32),
+    per routed copy the permuted input and SwiGLU intermediates, the weighted outputs; shared
+    experts as a dense MLP.
+    """
+    h = model.hidden_size
+    if model.mla is not None:
+        m = model.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q_out = model.num_attention_heads * qk
+        kv_out = model.num_attention_heads * (qk + m.v_head_dim) // 2  # k and v, averaged width
+        lora = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_rope_head_dim
+        attn = p * (lora + 3 * q_out + 3 * kv_out + 2 * h)
+    else:
+        q_out = model.num_attention_heads * model.head_dim
+        kv_out = model.num_kv_heads * model.head_dim
+        attn = p * (2 * h + 3 * q_out + 3 * kv_out + q_out)
+    norms = 2 * (4 * h + p * h)
+    if layer in model.moe_layer_ids:
+        f, k, e = model.expert_intermediate_size, model.top_k, model.num_experts
+        mlp = 8 * e + p * (h + k * (h + 4 * f) + k * h)
+        mlp += p * (h + 4 * model.shared_expert_size) if model.shared_expert_size else 0
+    else:
+        mlp = p * (h + 4 * model.dense_intermediate_size)
+    return int(attn + norms + mlp)
+
+
+def _largest_gathered_module(model: MoEModelSpec, ep_size: int, autoep: bool) -> tuple[int, str]:
+    """Elements of the largest module ZeRO-3 gathers at once, and its name."""
+    experts_local = model.num_experts // ep_size if autoep else model.num_experts
+    candidates = [(experts_local * model.expert_params(), f"experts ({experts_local} per rank)"),
+                  (model.vocab_size * model.hidden_size, "embedding / lm_head"),
+                  (model.dense_mlp_params(), "dense MLP"),
+                  (3 * model.hidden_size * model.shared_expert_size, "shared experts")]
+    return max(candidates)
+
+
+def _persistent_elements(model: MoEModelSpec, threshold: int) -> int:
+    """Parameters below the persistence threshold stay whole on every rank."""
+    small = [model.hidden_size] * (2 * model.num_layers + 1)       # layer norms + final norm
+    if model.family == "qwen3_moe":
+        small += [model.head_dim] * (2 * model.num_layers)        # q_norm, k_norm
+    if model.mla is not None:
+        small += [model.mla.kv_lora_rank] * model.num_layers
+        small += [model.mla.q_lora_rank or 0] * model.num_layers
+    small += [model.num_experts * model.hidden_size] * model.num_moe_layers  # routers
+    return sum(n for n in small if 0 < n < threshold)
+
+
+def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size: int,
+                    ep_size: int, seq_len: int, micro_batch: int | None = None,
+                    activation_checkpointing: bool = False,
+                    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+                    device: str = "gpu") -> MemoryEstimate:
+    """Peak memory per GPU (or per CPU process when ``device == 'cpu'``)."""
+    p = precision_bytes(dsconfig)
+    zero = dsconfig.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    autoep = bool((dsconfig.get("expert_parallel") or {}).get("enabled"))
+    ep = ep_size if autoep else 1
+    micro = micro_batch or dsconfig.get("train_micro_batch_size_per_gpu", 1)
+    counts = model.counts()
+    dense, expert = counts.dense, counts.expert
+
+    def per_gpu(shard: bool) -> float:
+        """Elements of params / grads / optimizer states a rank holds, sharded or not."""
+        if shard:
+            return (dense + expert) / world_size
+        return dense + expert / ep
+
+    params = per_gpu(stage >= 3) * p
+    persistent = 0
+    if stage >= 3:
+        persistent = _persistent_elements(model, zero.get("stage3_param_persistence_threshold",
+                                                          100_000)) * p
+    grads = per_gpu(stage >= 2) * p
+    optim = per_gpu(stage >= 1) * ADAM_BYTES
+
+    gathered = 0
+    gathered_name = "none (stage < 3: parameters are resident)"
+    if stage >= 3:
+        elements, gathered_name = _largest_gathered_module(model, ep, autoep)
+        gathered = (2 * elements + zero.get("stage3_prefetch_bucket_size", 50_000_000)) * p
+
+    tokens = seq_len * micro
+    per_layer = [activation_bytes_per_token_layer(model, i, p) for i in range(model.num_layers)]
+    if activation_checkpointing:
+        act = tokens * (model.num_layers * p * model.hidden_size + 2 * max(per_layer))
+    else:
+        act = tokens * (sum(per_layer) + max(per_layer))  # + one layer of activation grads
+    logits = tokens * model.vocab_size * (p + 8)
+    activations = int(ACTIVATION_FACTOR * act) + logits
+    dispatch = 0
+    if autoep and ep > 1:
+        dispatch = int(2 * tokens * model.top_k * model.hidden_size * p * capacity_factor)
+
+    buffers = zero.get("reduce_bucket_size", 500_000_000) * p * (2 if zero.get("overlap_comm") else 1)
+
+    fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
+    sub_group = zero.get("sub_group_size", 1_000_000_000)
+    step = params + persistent + grads + optim + 4 * min(per_gpu(stage >= 1), sub_group)
+    dynamic = max(fwd_bwd, step)
+    base = CPU_BASELINE_BYTES if device == "cpu" else GPU_CONTEXT_BYTES
+    overhead = base + FRAGMENTATION * dynamic
+    breakdown = {
+        "parametersBytes": int(params + persistent),
+        "gradientsBytes": int(grads),
+        "optimizerBytes": int(optim),
+        "gatheredParametersBytes": int(gathered),
+        "activationsBytes": int(activations),
+        "moeDispatchBytes": int(dispatch),
+        "buffersBytes": int(buffers),
+        # > 0 only when the optimizer step (fp32 gradient copy, no activations) is the peak,
+        # so that the terms always add up to the total
+        "optimizerStepExtraBytes": int(max(0, step - fwd_bwd)),
+        "overheadBytes": int(overhead),
+    }
+    notes = [f"precision {p} B/param, ZeRO stage {stage}, "
+             + (f"AutoEP ep={ep} (expert shards over {world_size // ep} ranks)" if autoep
+                else "no expert parallelism"),
+             f"largest gathered module: {gathered_name}",
+             f"activations: {tokens} tokens/micro-batch, checkpointing "
+             f"{'on' if activation_checkpointing else 'off'}, logits {logits / GiB:.3f} GiB"]
+    return MemoryEstimate(breakdown=breakdown, total=int(dynamic + overhead),
+                          peak_phase="forward/backward" if fwd_bwd >= step else "optimizer step",
+                          notes=tuple(notes))
+
+
+def benchmark_estimate(*, device: str = "gpu", autoep: bool = True,
+                       activation_checkpointing: bool = False, preset: str = "bench-mixtral",
+                       seq_len: int = 1024, micro_batch: int = 16) -> MemoryEstimate:
+    """The estimate for the DESIGN.md benchmark run (one H200, bf16, seq 1024, micro-batch 16,
+    world 1) so a measured peak (``torch.cuda.max_memory_reserved``) can be set beside it.
+    ``device='cpu'``: the same model in fp32 on one CPU process."""
+    from .dsconfig import CPU, GpuCaps, deepspeed_config
+    from .models import resolve_model
+
+    spec = resolve_model(preset).spec
+    gpu = CPU if device == "cpu" else GpuCaps("NVIDIA H200", 150754820096, "9.0")
+    cfg, _ = deepspeed_config(spec, world_size=1, ep_size=1, global_batch=micro_batch,
+                              micro_batch=micro_batch, gpu=gpu, autoep=autoep)
+    return estimate_memory(spec, cfg, world_size=1, ep_size=1, seq_len=seq_len,
+                           micro_batch=micro_batch, device=device,
+                           activation_checkpointing=activation_checkpointing)

@@ -1,0 +1,113 @@
+"""Memory model: sharding arithmetic, the effect of each knob, and the readable table."""
+
+import pytest
+
+from moejob_operator.core import memory, models
+from moejob_operator.core.dsconfig import CPU, GpuCaps, deepspeed_config
+
+H200 = GpuCaps("NVIDIA H200", 150754820096, "9.0")
+GiB = 1 << 30
+
+
+def _estimate(name="mixtral-8x7b", *, world=8, ep=8, seq=4096, micro=1, gpu=H200, autoep=True,
+              overrides=None, **kw):
+    spec = models.resolve_model(name).spec
+    cfg, _ = deepspeed_config(spec, world_size=world, ep_size=ep, global_batch=world * micro,
+                              micro_batch=micro, gpu=gpu, autoep=autoep, overrides=overrides)
+    return spec, memory.estimate_memory(spec, cfg, world_size=world, ep_size=ep, seq_len=seq,
+                                        micro_batch=micro, **kw)
+
+
+def test_model_states_are_sharded_over_the_world():
+    spec, e8 = _estimate(world=8, ep=8)
+    _, e16 = _estimate(world=16, ep=8)
+    total = spec.counts().total
+    b8, b16 = e8.breakdown, e16.breakdown
+    # 2 B/param for bf16 params and grads, 12 B/param Adam, each divided by the world size
+    assert b8["gradientsBytes"] == pytest.approx(2 * total / 8, rel=1e-6)
+    assert b8["optimizerBytes"] == pytest.approx(12 * total / 8, rel=1e-6)
+    assert b16["optimizerBytes"] == pytest.approx(b8["optimizerBytes"] / 2, rel=1e-6)
+    # parameters add only the small persistent ones (norms, routers) on top of the shard
+    assert 0 < b8["parametersBytes"] - 2 * total / 8 < 1e-3 * b8["parametersBytes"]
+
+
+def test_autoep_gathers_only_local_experts():
+    spec, with_ep = _estimate(world=8, ep=8)
+    _, without = _estimate(world=8, ep=1, autoep=False)
+    expert_bytes = 2 * spec.expert_params()
+    prefetch = 2 * int(0.9 * spec.hidden_size ** 2)
+    # one expert per rank with EP 8: params + full grads of that module, plus the prefetch bucket
+    assert with_ep.breakdown["gatheredParametersBytes"] == 2 * expert_bytes + prefetch
+    assert without.breakdown["gatheredParametersBytes"] == 2 * 8 * expert_bytes + prefetch
+    assert with_ep.breakdown["moeDispatchBytes"] > 0 == without.breakdown["moeDispatchBytes"]
+
+
+def test_activation_terms_scale_with_tokens_and_checkpointing():
+    _, e1 = _estimate(micro=1)
+    _, e2 = _estimate(micro=2)
+    _, ckpt = _estimate(micro=1, activation_checkpointing=True)
+    assert e2.breakdown["activationsBytes"] == pytest.approx(2 * e1.breakdown["activationsBytes"],
+                                                             rel=1e-6)
+    assert ckpt.breakdown["activationsBytes"] < e1.breakdown["activationsBytes"] / 4
+    assert ckpt.total < e1.total
+
+
+def test_activation_formula_for_a_mixtral_layer():
+    spec = models.resolve_model("tiny-mixtral").spec   # h 64, F 128, 4 heads x 16, 2 kv heads
+    h, q, kv, f, k, e, p = 64, 64, 32, 128, 2, 8, 2
+    attn = p * (2 * h + 3 * q + 3 * kv + q)
+    norms = 2 * (4 * h + p * h)
+    mlp = 8 * e + p * (h + k * (h + 4 * f) + k * h)
+    assert memory.activation_bytes_per_token_layer(spec, 0, p) == attn + norms + mlp
+
+
+def test_stage2_override_keeps_parameters_resident():
+    spec, e = _estimate(world=8, ep=8, overrides={"zero_optimization": {"stage": 2}})
+    counts = spec.counts()
+    assert e.breakdown["parametersBytes"] == int(2 * (counts.dense + counts.expert / 8))
+    assert e.breakdown["gatheredParametersBytes"] == 0
+
+
+def test_fits_and_shortfall():
+    _, e = _estimate(seq=4096, micro=1, activation_checkpointing=True)
+    assert e.fits(H200.memory_bytes)
+    assert not e.fits(e.total, headroom=0.5) and e.fits(e.total, headroom=1.0)
+    assert e.shortfall(e.total, headroom=0.5) == pytest.approx(e.total / 2, abs=1)
+    _, big = _estimate("deepseek-v3", world=64, ep=8, seq=4096)
+    assert not big.fits(H200.memory_bytes) and big.shortfall(H200.memory_bytes) > 0
+
+
+def test_optimizer_step_can_be_the_peak():
+    # tiny activations, many parameters per rank: the fp32 gradient copy at the step dominates
+    _, e = _estimate("mixtral-8x7b", world=8, ep=8, seq=8, micro=1)
+    assert e.peak_phase == "optimizer step"
+    assert e.breakdown["optimizerStepExtraBytes"] > 0
+    assert sum(e.breakdown.values()) == pytest.approx(e.total, abs=len(e.breakdown))
+    _, e = _estimate("mixtral-8x7b", world=8, ep=8, seq=4096, micro=1)
+    assert e.peak_phase == "forward/backward"
+
+
+def test_cpu_mode_is_fp32_with_process_baseline():
+    _, e = _estimate("tiny-mixtral", world=2, ep=2, seq=128, micro=2, gpu=CPU, device="cpu")
+    spec = models.resolve_model("tiny-mixtral").spec
+    assert e.breakdown["gradientsBytes"] == pytest.approx(4 * spec.counts().total / 2, rel=1e-6)
+    assert e.breakdown["overheadBytes"] >= memory.CPU_BASELINE_BYTES
+
+
+def test_explain_is_a_readable_table():
+    _, e = _estimate()
+    text = e.explain(H200.memory_bytes)
+    for term in ("parameters", "gradients", "optimizer", "gatheredParameters", "activations",
+                 "moeDispatch", "buffers", "overhead", "total (peak)"):
+        assert term in text
+    assert "140.40 GiB" in text and ("fits" in text or "DOES NOT FIT" in text)
+    assert sum(e.breakdown.values()) == pytest.approx(e.total, abs=len(e.breakdown))
+
+
+def test_benchmark_estimate_is_exposed():
+    gpu = memory.benchmark_estimate()
+    cpu = memory.benchmark_estimate(device="cpu")
+    assert gpu.fits(H200.memory_bytes)
+    assert 5 * GiB < gpu.total < 40 * GiB
+    assert cpu.breakdown["optimizerBytes"] == gpu.breakdown["optimizerBytes"]  # 12 B/param both
+    assert cpu.breakdown["gradientsBytes"] == 2 * gpu.breakdown["gradientsBytes"]  # fp32 vs bf16
