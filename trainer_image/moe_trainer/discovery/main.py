@@ -95,8 +95,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         try:
             how = publish.publish_configmap(report, args.configmap, namespace)
         except publish.PublishError as err:
-            publish.write_termination_log(f"publish failed: {err}; {line}")
-            raise DiscoveryError(f"could not publish the report: {err}",
+            raise DiscoveryError(f"could not publish the report: {err} [{line}]",
                                  nvml_probe.EXIT_PUBLISH_FAILED) from err
         print(f"moe-discover: ConfigMap {namespace}/{args.configmap} {how}", file=sys.stderr)
         line += f" configmap={namespace}/{args.configmap}"

@@ -143,8 +143,9 @@ def summary(report: dict) -> str:
             f"gpuSet={gpu_set_digest(report)}")
 
 
-def write_termination_log(text: str, path: Path = TERMINATION_LOG) -> bool:
+def write_termination_log(text: str, path: Path | None = None) -> bool:
     """Write `text` (<= 4 KiB, the kubelet's limit) when the file exists; True if written."""
+    path = path or TERMINATION_LOG
     if not path.exists():
         return False
     try:
