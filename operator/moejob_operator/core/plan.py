@@ -1,0 +1,329 @@
+"""The plan: from model, topology and routing statistics to the ``MoEPlan`` v1 document.
+
+``build_plan`` picks the GPUs (whole NVLink groups first), the EP size (largest that keeps EP
+groups inside NVLink groups), solves the expert placement (``placement.solve``), scores it
+against DeepSpeed's contiguous default (``cost.score``), writes the DeepSpeed config
+(``dsconfig``) and refuses, before any pod starts, a job that does not fit in GPU memory
+(``memory``). CPU mode (no GPUs, the local demo): ``device: "cpu"``, ``distBackend: "gloo"``,
+``worldSize = nodes x processes per node``, fp32, every rank ``gpu: null``.
+
+The document's reader and validator live in :mod:`.plan_doc`; the trainer has its own reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import cost, placement as placement_mod
+from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
+from .errors import DocumentError
+from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
+from .models import ResolvedModel
+from .plan_doc import PLAN_KIND, PLAN_VERSION, parse_plan, read_plan, write_plan  # noqa: F401
+from .routing import RoutingStats, synthetic_trace
+from .topology import ClusterTopology, TopologyReport
+
+HEADROOM = 0.9                 # usable share of GPU memory
+UNIFORM_TRACE_TOKENS = 4096    # sampled tokens when scoring without routing statistics
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """What the trainer needs besides the model and the DeepSpeed config (``training`` block)."""
+
+    steps: int = 20
+    lr: float = 1e-3
+    warmup_steps: int = 2
+    checkpoint_every_steps: int = 5
+    seed: int = 1234
+    grad_clip: float = 1.0
+    activation_checkpointing: bool = False
+    balance_mode: str = "per_layer_aux"
+    balance_coef: float = 0.01
+    data: dict[str, Any] = field(default_factory=lambda: {"kind": "synthetic"})
+    extra: dict[str, Any] = field(default_factory=dict)   # passed through (camelCase keys)
+
+
+@dataclass(frozen=True)
+class Plan:
+    document: dict[str, Any]
+    topology: ClusterTopology
+    placement: placement_mod.Placement
+    memory: MemoryEstimate
+    warnings: tuple[str, ...]
+    gpu: GpuCaps
+
+    def summary(self) -> str:
+        return summarize(self)
+
+
+def gpu_caps(reports: Sequence[TopologyReport]) -> GpuCaps:
+    """The weakest GPU of the reports: the config and the memory check must hold on all."""
+    gpus = [g for r in reports for g in r.gpus]
+    weakest_cc = min(gpus, key=lambda g: tuple(int(x) for x in g.compute_capability.split(".")))
+    smallest = min(gpus, key=lambda g: g.memory_bytes)
+    return GpuCaps(name=smallest.name, memory_bytes=smallest.memory_bytes,
+                   compute_capability=weakest_cc.compute_capability)
+
+
+def select_gpus(topo: ClusterTopology, nodes: Sequence[str] | None,
+                gpus_per_node: int | None) -> ClusterTopology:
+    """The sub-cluster the job runs on: the named nodes (default all), ``gpus_per_node`` GPUs on
+    each (default all), taking the largest NVLink groups first so EP groups can stay inside."""
+    names = list(nodes) if nodes else list(topo.nodes)
+    unknown = [n for n in names if n not in topo.nodes]
+    if unknown:
+        raise DocumentError(f"nodes: {unknown} not discovered (topology has {list(topo.nodes)})")
+    if len(set(names)) != len(names):
+        raise DocumentError(f"nodes: {names} lists a node twice")
+    picked: list[int] = []
+    for name in names:
+        n = topo.nodes.index(name)
+        local = np.flatnonzero(topo.node_of == n)
+        want = len(local) if gpus_per_node is None else gpus_per_node
+        if want < 1 or want > len(local):
+            raise DocumentError(f"gpusPerNode: {want} requested but node {name!r} has "
+                                f"{len(local)} GPU(s) discovered")
+        size = {g: int((topo.group_of == topo.group_of[g]).sum()) for g in local}
+        order = sorted(local, key=lambda g: (-size[g], int(topo.group_of[g]), int(g)))
+        picked += sorted(order[:want])
+    return subset(topo, picked)
+
+
+def subset(topo: ClusterTopology, gpus: Sequence[int]) -> ClusterTopology:
+    """``topo`` restricted to global GPUs ``gpus`` (nodes and groups renumbered, order kept)."""
+    idx = np.asarray(sorted(gpus))
+    kept_nodes = sorted(set(topo.node_of[idx].tolist()))
+    node_map = {n: i for i, n in enumerate(kept_nodes)}
+    group_map = {g: i for i, g in enumerate(sorted(set(topo.group_of[idx].tolist())))}
+    memory = tuple(topo.memory_bytes[i] for i in idx) if topo.memory_bytes else ()
+    return ClusterTopology(
+        nodes=tuple(topo.nodes[n] for n in kept_nodes), gpus=tuple(topo.gpus[i] for i in idx),
+        node_of=np.array([node_map[n] for n in topo.node_of[idx]]),
+        group_of=np.array([group_map[g] for g in topo.group_of[idx]]),
+        nvlink_gbps=topo.nvlink_gbps[idx].copy(), pcie_gbps=topo.pcie_gbps,
+        network_gbps=topo.network_gbps, memory_bytes=memory)
+
+
+def cpu_topology(nodes: Sequence[str], procs_per_node: int, memory_bytes: int) -> ClusterTopology:
+    """CPU mode: each node is one shared-memory "group" of ``procs_per_node`` processes."""
+    if not nodes or procs_per_node < 1:
+        raise DocumentError(f"nodes/procsPerNode: need at least one node and one process "
+                            f"(got {list(nodes)}, {procs_per_node})")
+    node_of = np.repeat(np.arange(len(nodes)), procs_per_node)
+    return ClusterTopology(tuple(nodes), tuple((n, i) for n in nodes for i in range(procs_per_node)),
+                           node_of, node_of.copy(), np.zeros(len(node_of)),
+                           memory_bytes=(memory_bytes,) * len(node_of))
+
+
+def _group_sizes(topo: ClusterTopology, rank2gpu: np.ndarray) -> list[int]:
+    """Sizes of the runs of consecutive ranks that share an NVLink group (CPU: a node)."""
+    groups = topo.group_of[rank2gpu]
+    sizes, run = [], 1
+    for a, b in zip(groups[:-1], groups[1:]):
+        if a == b:
+            run += 1
+        else:
+            sizes.append(run)
+            run = 1
+    return sizes + [run]
+
+
+def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[str, Any]]:
+    out, node_rank, first = [], {}, {}
+    for r, g in enumerate(rank2gpu.tolist()):
+        node, local = topo.gpus[g]
+        node_rank.setdefault(node, len(node_rank))
+        first.setdefault(node, r)
+        out.append({"rank": r, "node": node, "nodeRank": node_rank[node],
+                    "localRank": r - first[node], "gpu": None if cpu else int(local)})
+    return out
+
+
+def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
+    """Score ``pl`` and contiguous on ``trace``; bytes rescaled to this job's tokens per step."""
+    contiguous = placement_mod.solve("contiguous", topo, None, ep_size=pl.ep_size,
+                                     num_experts=pl.num_experts, num_layers=pl.num_layers)
+    ours = cost.score(pl, topo, trace, hidden_size=spec.hidden_size, bytes_per_elem=p)
+    base = cost.score(contiguous, topo, trace, hidden_size=spec.hidden_size, bytes_per_elem=p)
+    quality = ours.quality(base)
+    scale = job_tokens_per_step / max(trace.tokens / max(trace.steps, 1), 1)
+    for key in ("crossGroupBytesPerStep", "crossNodeBytesPerStep"):
+        quality[key] = int(round(quality[key] * scale))
+    quality["allToAllSecondsPerStep"] = quality["allToAllSecondsPerStep"] * scale
+    quality["contiguousCrossGroupBytesPerStep"] = int(round(base.cross_group_bytes_per_step * scale))
+    return ours, quality
+
+
+def _fit_advice(spec, est: MemoryEstimate, limit: int, retry) -> str:
+    """What to try when the job does not fit, with re-estimated numbers."""
+    tips = []
+    for label, kwargs in (("activation checkpointing", {"activation_checkpointing": True}),
+                          ("half the micro-batch", {"micro_scale": 0.5}),
+                          ("twice the GPUs", {"world_scale": 2})):
+        other = retry(**kwargs)
+        if other is not None and other.total < est.total:
+            tips.append(f"{label}: {other.total / GiB:.1f} GiB"
+                        + (" (fits)" if other.total <= limit else ""))
+    return "; ".join(tips) or "a smaller model or sequence length"
+
+
+def build_plan(job_name: str, namespace: str, model: ResolvedModel,
+               topology: ClusterTopology | Sequence[TopologyReport] | None, *,
+               nodes: Sequence[str] | None = None, gpus_per_node: int | None = None,
+               strategy: str = "topology_aware", routing_stats: RoutingStats | None = None,
+               global_batch: int, micro_batch: int | None = None, seq_len: int,
+               ep_size: int | None = None, gpu: GpuCaps | None = None, device: str = "cuda",
+               procs_per_node: int = 1, cpu_memory_bytes: int = 0,
+               training: TrainingOptions = TrainingOptions(), autoep: bool = True,
+               ds_overrides: dict[str, Any] | None = None) -> Plan:
+    """Build (and validate) the MoEPlan v1 document; raise ``DocumentError`` naming the field."""
+    spec = model.spec
+    if strategy not in placement_mod.STRATEGIES:
+        raise DocumentError(f"strategy: {strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
+    cpu = device == "cpu"
+    if device not in ("cpu", "cuda"):
+        raise DocumentError(f"device: {device!r} is not 'cuda' or 'cpu'")
+    if cpu:
+        topo = cpu_topology(list(nodes or ["localhost"]), procs_per_node, cpu_memory_bytes)
+        caps = CPU
+    else:
+        if topology is None:
+            raise DocumentError("topology: required on GPUs (no TopologyReport given)")
+        if isinstance(topology, ClusterTopology):
+            full = topology
+            if gpu is None:
+                raise DocumentError("gpu: GPU capabilities are required with a ClusterTopology "
+                                    "(pass the TopologyReports instead)")
+        else:
+            full = ClusterTopology.from_reports(list(topology))
+        topo = select_gpus(full, nodes, gpus_per_node)
+        caps = gpu or gpu_caps([r for r in topology if r.node in topo.nodes])
+        caps = GpuCaps(caps.name, min(topo.memory_bytes or (caps.memory_bytes,)),
+                       caps.compute_capability)
+    world = topo.num_gpus
+    L, E = spec.num_moe_layers, spec.num_experts
+
+    if routing_stats is not None and (routing_stats.num_layers, routing_stats.num_experts) != (L, E):
+        raise DocumentError(f"routingStats: {routing_stats.num_layers} layers x "
+                            f"{routing_stats.num_experts} experts, the model has {L} MoE layers "
+                            f"x {E} experts")
+    order = topo.gpu_order() if strategy != "contiguous" else np.arange(world)
+    auto_ep = choose_ep_size(_group_sizes(topo, order), E, world)
+    ep = auto_ep if ep_size is None else ep_size
+    if ep < 1 or E % ep:
+        raise DocumentError(f"epSize: {ep} does not divide the number of experts {E}")
+    if world % ep:
+        raise DocumentError(f"epSize: {ep} does not divide the world size {world}")
+    try:
+        pl = placement_mod.solve(strategy, topo, routing_stats, ep_size=ep, num_experts=E,
+                                 num_layers=L, seed=training.seed)
+    except ValueError as exc:
+        raise DocumentError(f"placement: {exc}") from None
+
+    ds, warnings = deepspeed_config(spec, world_size=world, ep_size=ep, global_batch=global_batch,
+                                    micro_batch=micro_batch, gpu=caps, autoep=autoep,
+                                    overrides=ds_overrides, gradient_clipping=training.grad_clip,
+                                    lr=training.lr, warmup_steps=training.warmup_steps)
+    if ep_size is not None and ep_size > auto_ep:
+        warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
+                        f"is {auto_ep})")
+    warnings += list(pl.notes)
+    micro = ds["train_micro_batch_size_per_gpu"]
+    p = 2 if caps.supports_bf16 or (ds.get("fp16") or {}).get("enabled") else 4
+    trace = routing_stats or synthetic_trace(L, E, spec.top_k, UNIFORM_TRACE_TOKENS, zipf_s=0.0,
+                                             cluster_affinity=0.0, seed=0)
+    ours, quality = _score(pl, topo, trace, spec, global_batch * seq_len, p)
+    quality["basis"] = "routingStats" if routing_stats is not None else "uniform"
+    capacity = max(1.0, ours.worst_layer_max_mean_load) if routing_stats is not None \
+        else DEFAULT_CAPACITY_FACTOR
+
+    def estimate(*, activation_checkpointing=training.activation_checkpointing, micro_scale=1.0,
+                 world_scale=1):
+        m = max(1, int(micro * micro_scale))
+        if micro_scale != 1.0 and m == micro:
+            return None
+        w = world * world_scale
+        cfg = dict(ds, train_micro_batch_size_per_gpu=m)
+        return estimate_memory(spec, cfg, world_size=w, ep_size=ep, seq_len=seq_len,
+                               micro_batch=m, activation_checkpointing=activation_checkpointing,
+                               capacity_factor=capacity, device="cpu" if cpu else "gpu")
+
+    est = estimate()
+    mem_bytes = min(topo.memory_bytes) if topo.memory_bytes else 0
+    fits = est.fits(mem_bytes, HEADROOM) if mem_bytes else True
+    if not fits:
+        limit = int(HEADROOM * mem_bytes)
+        raise DocumentError(
+            f"memory: the job needs {est.total / GiB:.1f} GiB per "
+            f"{'process' if cpu else 'GPU'} but {limit / GiB:.1f} GiB are usable "
+            f"({HEADROOM:.0%} of {mem_bytes / GiB:.1f} GiB): short by "
+            f"{est.shortfall(mem_bytes, HEADROOM) / GiB:.1f} GiB. Try "
+            + _fit_advice(spec, est, limit, estimate))
+
+    doc: dict[str, Any] = {
+        "kind": PLAN_KIND, "version": PLAN_VERSION,
+        "job": {"namespace": namespace, "name": job_name},
+        "device": "cpu" if cpu else "cuda",
+        "distBackend": "gloo" if cpu else "nccl",
+        "model": {"family": spec.family, "preset": model.preset, "path": model.path,
+                  "hfConfig": model.hf_config},
+        "worldSize": world, "epSize": ep,
+        "ranks": _ranks(topo, pl.rank2gpu, cpu),
+        "placement": {**pl.to_json(), "quality": quality},
+        "deepspeed": ds,
+        "memory": {"gpuMemoryBytes": int(mem_bytes), "estimatedPeakBytes": est.total,
+                   "fits": fits, "breakdown": est.breakdown},
+        "training": {
+            "steps": training.steps, "seqLen": seq_len, "microBatch": micro,
+            "gradAccum": ds["gradient_accumulation_steps"], "lr": training.lr,
+            "warmupSteps": training.warmup_steps,
+            "checkpointEverySteps": training.checkpoint_every_steps, "seed": training.seed,
+            "gradClip": training.grad_clip,
+            "activationCheckpointing": training.activation_checkpointing,
+            "balance": {"mode": training.balance_mode, "coef": training.balance_coef},
+            "data": dict(training.data), **training.extra},
+        "warnings": list(warnings),
+    }
+    parse_plan(doc)   # the document we hand out must pass our own reader
+    return Plan(doc, topo, pl, est, tuple(warnings), caps)
+
+
+def _group_label(topo: ClusterTopology, grp: list[int]) -> str:
+    """``node[0-7]`` / ``node[0,2]``: one NVLink group by node and local GPU indices."""
+    node, local = topo.gpus[grp[0]][0], sorted(topo.gpus[g][1] for g in grp)
+    if len(local) > 2 and local == list(range(local[0], local[-1] + 1)):
+        return f"{node}[{local[0]}-{local[-1]}]"
+    return f"{node}[{','.join(map(str, local))}]"
+
+
+def summarize(plan: Plan) -> str:
+    """A readable summary for ``moectl plan``."""
+    d, topo = plan.document, plan.topology
+    q = d["placement"]["quality"]
+    groups = [_group_label(topo, grp) for grp in topo.groups()]
+    lines = [
+        f"job        {d['job']['namespace']}/{d['job']['name']}  "
+        f"model {d['model']['preset'] or d['model']['path']} ({d['model']['family']})",
+        f"device     {d['device']} ({plan.gpu.name}), world size {d['worldSize']}, "
+        f"nodes {', '.join(topo.nodes)}",
+        "NVLink     " + (" ".join(groups)
+                         if d["device"] == "cuda" else "n/a (CPU: one shared-memory group per node)"),
+        f"EP size    {d['epSize']} ({d['placement']['numExperts'] // d['epSize']} experts per "
+        f"rank), AutoEP {'on' if d['deepspeed'].get('expert_parallel') else 'off'}",
+        f"placement  {d['placement']['strategy']}: cross-group {q['crossGroupBytesPerStep'] / 2**20:.1f}"
+        f" MiB/step ({q.get('crossGroupVsContiguous', 1.0):.2f}x contiguous), cross-node "
+        f"{q['crossNodeBytesPerStep'] / 2**20:.1f} MiB/step, max/mean load "
+        f"{q['maxMeanLoad']:.2f} ({q['basis']} routing)",
+        f"batch      global {d['deepspeed']['train_batch_size']} = micro "
+        f"{d['training']['microBatch']} x accum {d['training']['gradAccum']} x {d['worldSize']}"
+        f", seq {d['training']['seqLen']}",
+        "memory per " + ("process" if d["device"] == "cpu" else "GPU") + ":",
+        plan.memory.explain(d["memory"]["gpuMemoryBytes"] or None, HEADROOM),
+    ]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
