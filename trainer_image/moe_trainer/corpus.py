@@ -50,7 +50,7 @@ def iter_texts(max_bytes: int) -> list[str]:
                     for p in sorted(LICENSE_DIR.iterdir()) if p.is_file()]
     for reader, path in sources:
         for doc in reader(path):
-            n = len(doc.encode("utf-8"))
+            n = len(doc.encode("utf-8")) + len(DOC_SEPARATOR)
             if total + n > max_bytes:
                 return texts
             texts.append(doc)

@@ -79,6 +79,8 @@ class Trainer:
         self.num_experts = models.num_experts_of(model)
         self.top_k = models.top_k_of(model)
         n_layers = len(models.find_moe_layers(model))
+        verify = os.environ.get("MOE_VERIFY_PLACEMENT") == "1"
+        originals = models.original_expert_tensors(model) if verify else None
         if p.placement is not None:
             if (p.placement.num_layers, p.placement.num_experts) != (n_layers, self.num_experts):
                 raise models.ModelError(
@@ -105,6 +107,8 @@ class Trainer:
             lr_scheduler=None if "scheduler" in cfg else make_sched, config=cfg)
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
         self.probe = routing.RouterProbe(self.blocks)
+        if verify:
+            self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
         self.window = routing.RoutingAccumulator(L, E, self.env.device)   # since last report
@@ -119,6 +123,16 @@ class Trainer:
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
         port = os.environ.get("MOE_METRICS_PORT")
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
+
+    def verify_placement(self, originals) -> None:
+        from moe_trainer.placement import verify_placement
+        report = verify_placement(self.blocks, self.permutation, originals, self.env.rank)
+        if self.ckpt_dir:
+            write_json_atomic(Path(self.ckpt_dir) / f"placement_check_rank{self.env.rank}.json", report)
+        if not report["ok"]:
+            raise RuntimeError(f"rank {self.env.rank} does not hold the experts the plan says: {report}")
+        log.info("rank %d placement verified: %s", self.env.rank,
+                 [(x["layer"], x["experts"]) for x in report["layers"]])
 
     def resume(self) -> None:
         step = ckpt.latest_step(self.ckpt_dir)
@@ -146,6 +160,8 @@ class Trainer:
             self.probe.clear()
             logits = self.engine(input_ids=batch[:, :-1]).logits
             lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            if os.environ.get("MOE_FAULT_NAN_AT_STEP") == str(step + 1):   # test hook: poison this step's loss
+                lm = lm * float("nan")
             if not self.probe.captured():
                 raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")
             aux = routing.balance_loss(self.probe, E, t.balance.mode)

@@ -1,0 +1,84 @@
+"""Progress document, ConfigMap publisher (request shape, rate limit, failures never fatal),
+LR schedule, and the comm timer."""
+
+import json
+import time
+
+import pytest
+
+from moe_trainer import progress
+from moe_trainer.trainer import lr_lambda
+
+
+def doc(**kw):
+    args = dict(phase="Training", step=3, total_steps=10, loss=float("nan"), tokens_per_second=10.0,
+                eta_seconds=1.0, checkpoint=None, moe={}, health=[])
+    args.update(kw)
+    return progress.progress_doc(**args)
+
+
+def test_progress_doc_is_json_and_nulls_non_finite():
+    d = doc()
+    assert d["kind"] == "TrainerProgress" and d["version"] == 1 and d["loss"] is None
+    json.dumps(d, allow_nan=False)
+    with pytest.raises(ValueError, match=r"phase: 'Running' is not one of"):
+        doc(phase="Running")
+
+
+def test_configmap_request_and_failure_is_not_fatal(tmp_path, monkeypatch):
+    (tmp_path / "namespace").write_text("team-a\n")
+    (tmp_path / "token").write_text("tok123\n")
+    (tmp_path / "ca.crt").write_text("not a cert")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")          # nothing listens there
+    pub = progress.ConfigMapPublisher("job-progress", sa_dir=tmp_path, interval_s=60, timeout_s=1)
+    req = pub.request(doc(loss=1.5))
+    assert req.full_url == "https://127.0.0.1:1/api/v1/namespaces/team-a/configmaps/job-progress"
+    assert req.get_method() == "PATCH"
+    assert req.headers["Authorization"] == "Bearer tok123"
+    assert req.headers["Content-type"] == "application/merge-patch+json"
+    body = json.loads(req.data)
+    assert json.loads(body["data"]["progress.json"])["loss"] == 1.5
+    assert pub.publish(doc(), force=True) is False and pub.failures == 1
+    assert pub.publish(doc()) is False and pub.failures == 1      # rate-limited: not even tried
+
+
+def test_from_env_without_credentials(monkeypatch):
+    monkeypatch.setenv("MOE_PROGRESS_CONFIGMAP", "x")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert progress.ConfigMapPublisher.from_env() is None
+
+
+def test_lr_warmup_then_cosine():
+    f = lr_lambda(warmup=2, total=10, min_ratio=0.1)
+    assert [round(f(s), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert f(10) == pytest.approx(0.1) and f(6) == pytest.approx(0.55)
+    assert all(f(s) >= f(s + 1) for s in range(2, 10))
+
+
+def test_comm_timer_counts_sync_and_async(monkeypatch):
+    import deepspeed.comm as dscomm
+    from moe_trainer.commtime import CommTimer
+
+    class Handle:
+        def wait(self):
+            time.sleep(0.05)
+
+    def fake_a2a(*a, **kw):
+        time.sleep(0.02)
+
+    def fake_ag(*a, async_op=False, **kw):
+        return Handle()
+    monkeypatch.setattr(dscomm, "all_to_all_single", fake_a2a)
+    monkeypatch.setattr(dscomm, "allgather_fn", fake_ag)
+    timer = CommTimer().install()
+    try:
+        dscomm.all_to_all_single(None, None)
+        dscomm.allgather_fn(None, None, async_op=True).wait()
+        took = timer.take()
+    finally:
+        timer.uninstall()
+    assert 0.02 <= took["allToAll"] < 0.2
+    assert 0.05 <= took["allGather"] < 0.3
+    assert dscomm.all_to_all_single is fake_a2a
+    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0}
