@@ -1,0 +1,203 @@
+"""The node agent plays the kubelet: nodes, Jobs, exit codes, restarts, deletion, files, DNS."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from moe_localkube import procs
+
+pytestmark = pytest.mark.cluster
+
+
+def _pod(name: str, script: str, *, restart: str = "Never", node: str = "node-a", **extra) -> dict:
+    container = {"name": "main", "image": "ignored:latest", "command": ["python", "-c", textwrap.dedent(script)]}
+    container.update(extra.pop("container", {}))
+    spec = {"restartPolicy": restart, "nodeSelector": {"kubernetes.io/hostname": node},
+            "terminationGracePeriodSeconds": 5, "containers": [container]}
+    spec.update(extra)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def _phase(kube, ns, name, *phases):
+    pod = kube.core.read_namespaced_pod(name, ns)
+    return pod if pod.status.phase in phases else None
+
+
+def test_nodes_look_like_gpu_nodes(kube, node_agent, wait_for):
+    for name in ("node-a", "node-b"):
+        node = kube.core.read_node(name)
+        labels = node.metadata.labels
+        assert labels["kubernetes.io/hostname"] == name
+        assert labels["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        assert labels["nvidia.com/gpu.count"] == "8"
+        assert int(labels["nvidia.com/gpu.memory"]) > 80000
+        assert node.metadata.annotations["moe-operator.io/fake-topology"] == "nvswitch-h100-8"
+        assert node.status.allocatable["nvidia.com/gpu"] == "8"
+        assert any(c.type == "Ready" and c.status == "True" for c in node.status.conditions)
+        wait_for(lambda: not kube.core.read_node(name).spec.taints, timeout=20, message="no not-ready taint")
+        lease = kube.coordination.read_namespaced_lease(name, "kube-node-lease")
+        assert lease.spec.holder_identity == name
+
+
+def test_job_with_configmap_and_downward_env_completes(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
+    script = """
+        import os
+        greeting = open("/etc/cfg/greeting").read()
+        line = f"{greeting} from {os.environ['POD_NAME']} on {os.environ['NODE']} ip {os.environ['POD_IP']} fixture {os.environ['MOE_FAKE_NVML_FIXTURE']}"
+        print(line)
+        open("/out/result.txt", "w").write(line)
+    """
+    out_dir = node_agent.run_dir / f"out-{namespace}"
+    out_dir.mkdir()
+    pod_spec = _pod("x", script, restart="Never", node="node-b",
+                    container={"volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"},
+                                                {"name": "out", "mountPath": "/out"}],
+                               "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+                                       {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                                       {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]},
+                    volumes=[{"name": "cfg", "configMap": {"name": "cfg"}},
+                             {"name": "out", "hostPath": {"path": str(out_dir)}}])["spec"]
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "hello"},
+           "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": {"app": "hello"}}, "spec": pod_spec}}}
+    kube.batch.create_namespaced_job(namespace, job)
+
+    def complete():
+        j = kube.batch.read_namespaced_job("hello", namespace)
+        return any(c.type == "Complete" and c.status == "True" for c in j.status.conditions or [])
+
+    wait_for(complete, timeout=60, message="Job Complete")
+    pod = kube.core.list_namespaced_pod(namespace, label_selector="app=hello").items[0]
+    assert pod.status.phase == "Succeeded"
+    assert pod.spec.node_name == "node-b"
+    assert pod.status.pod_ip.startswith("127.0.") and pod.status.pod_ip != "127.0.0.1"
+    term = pod.status.container_statuses[0].state.terminated
+    assert term.exit_code == 0 and term.reason == "Completed"
+    expected = f"hello from {pod.metadata.name} on node-b ip {pod.status.pod_ip} fixture nvswitch-h100-8"
+    assert (out_dir / "result.txt").read_text() == expected
+    assert node_agent.read_log(namespace, pod.metadata.name).strip() == expected
+
+
+def test_exit_code_and_termination_messages(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("three", """
+        open("/dev/termination-log", "w").write("bad plan: epSize 3")
+        raise SystemExit(3)
+    """))
+    kube.core.create_namespaced_pod(namespace, _pod("logs", """
+        print("line one"); print("final words", flush=True)
+        raise SystemExit(78)
+    """, container={"terminationMessagePolicy": "FallbackToLogsOnError"}))
+    pod = wait_for(lambda: _phase(kube, namespace, "three", "Failed", "Succeeded"), timeout=40)
+    assert pod.status.phase == "Failed"
+    term = pod.status.container_statuses[0].state.terminated
+    assert (term.exit_code, term.reason, term.message) == (3, "Error", "bad plan: epSize 3")
+    assert pod.status.container_statuses[0].restart_count == 0
+    pod = wait_for(lambda: _phase(kube, namespace, "logs", "Failed", "Succeeded"), timeout=40)
+    term = pod.status.container_statuses[0].state.terminated
+    assert term.exit_code == 78 and term.message.endswith("line one\nfinal words\n")
+
+
+def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("flaky", """
+        import os
+        n = len(os.listdir("/scratch"))
+        open(f"/scratch/try-{n}", "w").close()
+        print(f"attempt {n}")
+        raise SystemExit(0 if n >= 2 else 1)
+    """, restart="OnFailure", container={"volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+        volumes=[{"name": "scratch", "emptyDir": {}}]))
+    pod = wait_for(lambda: _phase(kube, namespace, "flaky", "Succeeded", "Failed"), timeout=60)
+    cs = pod.status.container_statuses[0]
+    assert pod.status.phase == "Succeeded"
+    assert cs.restart_count == 2
+    assert cs.last_state.terminated is None or cs.state.terminated.exit_code == 0
+    assert node_agent.read_log(namespace, "flaky").strip() == "attempt 2"
+    assert node_agent.read_log(namespace, "flaky", previous=True).strip() == "attempt 1"
+
+
+def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("sleeper", """
+        import time
+        print("up", flush=True)
+        time.sleep(600)
+    """))
+    pod = wait_for(lambda: _phase(kube, namespace, "sleeper", "Running"), timeout=40)
+    cs = pod.status.container_statuses[0]
+    assert cs.ready and cs.state.running is not None
+    assert {c.type for c in pod.status.conditions if c.status == "True"} >= {"Ready", "ContainersReady", "Initialized", "PodScheduled"}
+    pid = int(cs.container_id.rsplit("/", 1)[1])
+    assert procs.group_alive(pid)
+    kube.core.delete_namespaced_pod("sleeper", namespace)
+
+    def gone():
+        try:
+            kube.core.read_namespaced_pod("sleeper", namespace)
+            return False
+        except ApiException as exc:
+            return exc.status == 404
+
+    wait_for(gone, timeout=30, message="pod removed")
+    assert not procs.group_alive(pid)
+
+
+def test_init_containers_deadline_and_hosts(kube, node_agent, namespace, wait_for):
+    init = {"name": "init", "image": "x", "command": ["sh", "-c", "echo init > /w/init; hostname > /w/host"],
+            "volumeMounts": [{"name": "w", "mountPath": "/w"}]}
+    kube.core.create_namespaced_pod(namespace, _pod("peer", "import time; time.sleep(600)",
+                                                    hostname="peer", subdomain="grp"))
+    kube.core.create_namespaced_pod(namespace, _pod("inits", f"""
+        import socket, time
+        assert open("/w/init").read() == "init\\n"
+        assert open("/w/host").read().strip() == "inits"
+        print(socket.gethostbyname("peer.grp.{namespace}.svc.cluster.local"), socket.gethostbyname("peer.grp"), flush=True)
+        time.sleep(600)
+    """, initContainers=[init], activeDeadlineSeconds=8,
+        container={"volumeMounts": [{"name": "w", "mountPath": "/w"}]}, volumes=[{"name": "w", "emptyDir": {}}]))
+    peer = wait_for(lambda: _phase(kube, namespace, "peer", "Running"), timeout=40)
+    pod = wait_for(lambda: _phase(kube, namespace, "inits", "Failed"), timeout=60)
+    assert pod.status.reason == "DeadlineExceeded"
+    assert pod.status.init_container_statuses[0].state.terminated.exit_code == 0
+    assert node_agent.read_log(namespace, "inits").split() == [peer.status.pod_ip] * 2
+    assert peer.status.pod_ip != pod.status.pod_ip
+
+
+def test_in_cluster_config_with_service_account(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": "probe"}, "data": {"k": "v"}})
+    kube.rbac.create_namespaced_role(namespace, {
+        "metadata": {"name": "cm-reader"},
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]})
+    kube.rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "cm-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
+    kube.core.create_namespaced_pod(namespace, _pod("incluster", f"""
+        from kubernetes import client, config
+        config.load_incluster_config()
+        v1 = client.CoreV1Api()
+        print(v1.read_namespaced_config_map("probe", "{namespace}").data["k"])
+        try:
+            v1.list_namespaced_secret("{namespace}")
+        except client.exceptions.ApiException as exc:
+            print(exc.status)
+    """))
+    pod = wait_for(lambda: _phase(kube, namespace, "incluster", "Succeeded", "Failed"), timeout=60)
+    assert node_agent.read_log(namespace, "incluster").split() == ["v", "403"], node_agent.read_log(namespace, "incluster")
+    assert pod.status.phase == "Succeeded"
+
+
+def test_missing_configmap_waits_then_runs(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("later", "import os; print(os.environ['V'])", container={
+        "env": [{"name": "V", "valueFrom": {"configMapKeyRef": {"name": "late", "key": "v"}}}]}))
+
+    def config_error():
+        pod = kube.core.read_namespaced_pod("later", namespace)
+        st = pod.status.container_statuses
+        return st and st[0].state.waiting and st[0].state.waiting.reason == "CreateContainerConfigError"
+
+    wait_for(config_error, timeout=30)
+    kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": "late"}, "data": {"v": "now"}})
+    wait_for(lambda: _phase(kube, namespace, "later", "Succeeded"), timeout=30)
+    assert node_agent.read_log(namespace, "later").strip() == "now"
