@@ -159,16 +159,17 @@ def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
     return ours, quality
 
 
-def _fit_advice(spec, est: MemoryEstimate, limit: int, retry) -> str:
-    """What to try when the job does not fit, with re-estimated numbers."""
-    tips = []
-    for label, kwargs in (("activation checkpointing", {"activation_checkpointing": True}),
-                          ("half the micro-batch", {"micro_scale": 0.5}),
-                          ("twice the GPUs", {"world_scale": 2})):
-        other = retry(**kwargs)
-        if other is not None and other.total < est.total:
-            tips.append(f"{label}: {other.total / GiB:.1f} GiB"
-                        + (" (fits)" if other.total <= limit else ""))
+def _fit_advice(est: MemoryEstimate, micro: int, limit: int, checkpointing: bool,
+                estimate) -> str:
+    """What to try when the job does not fit, each with its re-estimated peak."""
+    options = []
+    if not checkpointing:
+        options.append(("activation checkpointing", estimate(micro, activation_checkpointing=True)))
+    if micro > 1:
+        options.append((f"micro-batch {micro // 2}", estimate(micro // 2)))
+    options.append(("twice the GPUs", estimate(micro, world_scale=2)))
+    tips = [f"{label}: {other.total / GiB:.1f} GiB" + (" (fits)" if other.total <= limit else "")
+            for label, other in options if other.total < est.total]
     return "; ".join(tips) or "a smaller model or sequence length"
 
 
@@ -225,15 +226,14 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     except ValueError as exc:
         raise DocumentError(f"placement: {exc}") from None
 
-    ds, warnings = deepspeed_config(spec, world_size=world, ep_size=ep, global_batch=global_batch,
-                                    micro_batch=micro_batch, gpu=caps, autoep=autoep,
-                                    overrides=ds_overrides, gradient_clipping=training.grad_clip,
-                                    lr=training.lr, warmup_steps=training.warmup_steps)
+    ds_args = dict(world_size=world, ep_size=ep, global_batch=global_batch, gpu=caps,
+                   autoep=autoep, overrides=ds_overrides, gradient_clipping=training.grad_clip,
+                   lr=training.lr, warmup_steps=training.warmup_steps)
+    ds, warnings = deepspeed_config(spec, micro_batch=micro_batch, **ds_args)
     if ep_size is not None and ep_size > auto_ep:
         warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
                         f"is {auto_ep})")
     warnings += list(pl.notes)
-    micro = ds["train_micro_batch_size_per_gpu"]
     p = 2 if caps.supports_bf16 or (ds.get("fp16") or {}).get("enabled") else 4
     trace = routing_stats or synthetic_trace(L, E, spec.top_k, UNIFORM_TRACE_TOKENS, zipf_s=0.0,
                                              cluster_affinity=0.0, seed=0)
@@ -242,28 +242,38 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     capacity = max(1.0, ours.worst_layer_max_mean_load) if routing_stats is not None \
         else DEFAULT_CAPACITY_FACTOR
 
-    def estimate(*, activation_checkpointing=training.activation_checkpointing, micro_scale=1.0,
+    def estimate(micro: int, *, activation_checkpointing=training.activation_checkpointing,
                  world_scale=1):
-        m = max(1, int(micro * micro_scale))
-        if micro_scale != 1.0 and m == micro:
-            return None
-        w = world * world_scale
-        cfg = dict(ds, train_micro_batch_size_per_gpu=m)
-        return estimate_memory(spec, cfg, world_size=w, ep_size=ep, seq_len=seq_len,
-                               micro_batch=m, activation_checkpointing=activation_checkpointing,
+        return estimate_memory(spec, ds, world_size=world * world_scale, ep_size=ep,
+                               seq_len=seq_len, micro_batch=micro,
+                               activation_checkpointing=activation_checkpointing,
                                capacity_factor=capacity, device="cpu" if cpu else "gpu")
 
-    est = estimate()
     mem_bytes = min(topo.memory_bytes) if topo.memory_bytes else 0
+    micro = ds["train_micro_batch_size_per_gpu"]
+    est = estimate(micro)
+    if micro_batch is None and mem_bytes:
+        # no micro-batch asked for: the largest one (fewest accumulation steps) that fits
+        per_rank = global_batch // world
+        for m in sorted((d for d in range(1, micro + 1) if per_rank % d == 0), reverse=True):
+            est = estimate(m)
+            if est.fits(mem_bytes, HEADROOM):
+                if m != micro:
+                    ds, _ = deepspeed_config(spec, micro_batch=m, **ds_args)
+                    warnings.append(f"microBatch {m}: the largest that fits ({micro} does not)")
+                    micro = m
+                break
+        else:
+            micro = m   # nothing fits: report the smallest micro-batch tried
     fits = est.fits(mem_bytes, HEADROOM) if mem_bytes else True
     if not fits:
         limit = int(HEADROOM * mem_bytes)
         raise DocumentError(
             f"memory: the job needs {est.total / GiB:.1f} GiB per "
             f"{'process' if cpu else 'GPU'} but {limit / GiB:.1f} GiB are usable "
-            f"({HEADROOM:.0%} of {mem_bytes / GiB:.1f} GiB): short by "
+            f"({HEADROOM:.0%} of {mem_bytes / GiB:.1f} GiB) at micro-batch {micro}: short by "
             f"{est.shortfall(mem_bytes, HEADROOM) / GiB:.1f} GiB. Try "
-            + _fit_advice(spec, est, limit, estimate))
+            + _fit_advice(est, micro, limit, training.activation_checkpointing, estimate))
 
     doc: dict[str, Any] = {
         "kind": PLAN_KIND, "version": PLAN_VERSION,

@@ -1,0 +1,162 @@
+"""``moectl``: the command line of moe-operator.
+
+Subcommands register themselves in ``COMMANDS``: a function that adds a subparser and sets
+``func`` (``args -> exit code``). Bad input of any kind (arguments, documents, a plan that does
+not fit) prints one line ``moectl <command>: error: ...`` and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .core.errors import DocumentError
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad command line (argparse would otherwise print usage and call sys.exit)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # noqa: D102 - argparse hook
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+# ---- moectl plan ---------------------------------------------------------------------------
+
+def _load_reports(refs: Sequence[str]):
+    """``FILE``, ``FIXTURE`` or ``FILE|FIXTURE@NODE`` (renames the node: one fixture, many nodes)."""
+    from .core.topology import load_topology
+
+    reports = []
+    for ref in refs:
+        source, _, node = ref.partition("@")
+        report = load_topology(source)
+        reports.append(report.model_copy(update={"node": node}) if node else report)
+    return reports
+
+
+def _json_arg(text: str, what: str) -> dict:
+    """A JSON object given inline or as ``@path``."""
+    try:
+        raw = Path(text[1:]).read_text() if text.startswith("@") else text
+        value = json.loads(raw)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DocumentError(f"{what}: {text!r} is not a JSON object or @file ({exc})") from None
+    if not isinstance(value, dict):
+        raise DocumentError(f"{what}: {text!r} is not a JSON object")
+    return value
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from .core import dsconfig, models, plan, routing
+
+    model = models.resolve_model(args.model)
+    stats = routing.read_routing_stats(args.stats) if args.stats else None
+    overrides: dict = {}
+    for text in args.ds_override:
+        overrides = dsconfig.deep_merge(overrides, _json_arg(text, "--ds-override"))
+    nodes = [n for n in (args.nodes or "").split(",") if n] or None
+    training = plan.TrainingOptions(
+        steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
+        checkpoint_every_steps=args.checkpoint_every, grad_clip=args.grad_clip,
+        activation_checkpointing=args.activation_checkpointing,
+        data=_json_arg(args.data, "--data") if args.data else {"kind": "synthetic"})
+    if args.cpu:
+        procs = args.procs_per_node
+        memory = int(args.cpu_memory_gib * 2**30) if args.cpu_memory_gib else \
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs
+        result = plan.build_plan(args.job, args.namespace, model, None, device="cpu",
+                                 nodes=nodes, procs_per_node=procs, cpu_memory_bytes=memory,
+                                 strategy=args.strategy, routing_stats=stats,
+                                 global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                 seq_len=args.seq_len, ep_size=args.ep_size, training=training,
+                                 autoep=not args.no_autoep, ds_overrides=overrides)
+    else:
+        if not args.topology:
+            raise UsageError("moectl plan: error: --topology is required (or --cpu)")
+        result = plan.build_plan(args.job, args.namespace, model, _load_reports(args.topology),
+                                 nodes=nodes, gpus_per_node=args.gpus_per_node,
+                                 strategy=args.strategy, routing_stats=stats,
+                                 global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                 seq_len=args.seq_len, ep_size=args.ep_size, training=training,
+                                 autoep=not args.no_autoep, ds_overrides=overrides)
+    print(result.summary())
+    if args.output:
+        plan.write_plan(result, args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def add_plan(sub) -> None:
+    from .core.placement import STRATEGIES
+
+    p = sub.add_parser("plan", help="plan a training job: placement, DeepSpeed config, memory",
+                       description="Plan a MoE training job offline from topology reports and "
+                                   "write the MoEPlan v1 document (docs/planning.md).")
+    p.add_argument("--topology", action="append", default=[], metavar="FILE|FIXTURE[@NODE]",
+                   help="a TopologyReport file or shipped fixture, once per node; @NODE renames")
+    p.add_argument("--model", required=True, help="preset name or path of a HF config.json")
+    p.add_argument("--stats", help="RoutingStats v1 file of an earlier run")
+    p.add_argument("--strategy", default="topology_aware", choices=STRATEGIES)
+    p.add_argument("--nodes", help="comma-separated node names to use (default: all)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all)")
+    p.add_argument("--ep-size", type=int, help="expert-parallel size (default: largest inside "
+                                               "NVLink groups)")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, help="sequences per rank per forward")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--no-autoep", action="store_true", help="ZeRO-3 without expert parallelism")
+    p.add_argument("--ds-override", action="append", default=[], metavar="JSON|@FILE",
+                   help="DeepSpeed config merged last (repeatable)")
+    p.add_argument("--data", metavar="JSON|@FILE", help='training.data, e.g. {"kind": "synthetic"}')
+    p.add_argument("--cpu", action="store_true", help="CPU mode (local demo): gloo, fp32")
+    p.add_argument("--procs-per-node", type=int, default=2, help="CPU mode: processes per node")
+    p.add_argument("--cpu-memory-gib", type=float, help="CPU mode: memory per process")
+    p.add_argument("--job", default="local", help="job name written into the plan")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("-o", "--output", help="write the plan here")
+    p.set_defaults(func=_run_plan)
+
+
+# ---- entry point ---------------------------------------------------------------------------
+
+COMMANDS: list[Callable] = [add_plan]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moectl", description="moe-operator command line")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return EXIT_USAGE
+    except DocumentError as exc:
+        command = getattr(locals().get("args"), "command", "")
+        print(f"moectl {command}: error: {exc}".replace("  ", " "), file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

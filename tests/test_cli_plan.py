@@ -1,0 +1,94 @@
+"""`moectl plan` in-process: summary, written plan, exit code 2 with one line on bad input."""
+
+import json
+import re
+
+import pytest
+
+from moejob_operator import cli
+from moejob_operator.core import models, routing
+from moejob_operator.core.plan_doc import read_plan
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_two_nodes_writes_a_valid_plan(capsys, tmp_path):
+    out_file = tmp_path / "plan.json"
+    code, out, err = _run(capsys, "plan", "--topology", "nvswitch-h200-8@gpu-a",
+                          "--topology", "nvswitch-h200-8@gpu-b", "--model", "mixtral-8x7b",
+                          "--seq-len", "4096", "--global-batch", "64",
+                          "--activation-checkpointing", "--job", "mix", "-o", str(out_file))
+    assert code == 0, err
+    for text in ("world size 16", "NVLink     gpu-a[0-7] gpu-b[0-7]", "EP size    8",
+                 "x contiguous", "optimizer", "activations", "fits:", f"wrote {out_file}"):
+        assert text in out
+    doc = read_plan(out_file)
+    assert (doc["job"]["name"], doc["worldSize"], doc["epSize"]) == ("mix", 16, 8)
+    assert doc["training"]["activationCheckpointing"] is True
+
+
+def test_plan_with_stats_config_file_and_overrides(capsys, tmp_path):
+    cfg = models.preset_hf_config("tiny-qwen3-moe")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    stats = routing.synthetic_trace(4, 8, 2, 1024, num_clusters=2, seed=2).without_tokens()
+    routing.write_routing_stats(stats, tmp_path / "routing.json")
+    code, out, err = _run(capsys, "plan", "--topology", "pcie-bridged-pairs-4",
+                          "--model", str(tmp_path / "config.json"),
+                          "--stats", str(tmp_path / "routing.json"), "--ep-size", "4",
+                          "--global-batch", "8", "--seq-len", "64",
+                          "--ds-override", '{"steps_per_print": 1}',
+                          "-o", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    assert "routingStats routing" in out and "spans NVLink groups" in out
+    doc = read_plan(tmp_path / "plan.json")
+    assert doc["model"]["path"] == str(tmp_path / "config.json") and doc["model"]["preset"] is None
+    assert doc["deepspeed"]["steps_per_print"] == 1
+    assert doc["placement"]["quality"]["basis"] == "routingStats"
+
+
+def test_plan_cpu_mode(capsys, tmp_path):
+    code, out, err = _run(capsys, "plan", "--cpu", "--procs-per-node", "2",
+                          "--cpu-memory-gib", "4", "--model", "tiny-mixtral",
+                          "--global-batch", "4", "--seq-len", "128", "-o", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "device     cpu" in out and "memory per process" in out
+    doc = read_plan(tmp_path / "p.json")
+    assert doc["device"] == "cpu" and doc["distBackend"] == "gloo" and doc["worldSize"] == 2
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "mixtral-9x9b"], r"neither a known preset \(mixtral-8x7b"),
+    (["plan", "--topology", "no-such-machine", "--model", "tiny-mixtral"], "no such file or fixture"),
+    (["plan", "--model", "tiny-mixtral"], "--topology is required"),
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "tiny-mixtral", "--strategy", "x"],
+     "invalid choice: 'x'"),
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "tiny-mixtral", "--gpus-per-node", "9"],
+     "gpusPerNode: 9 requested"),
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "deepseek-v3", "--seq-len", "4096"],
+     r"memory: the job needs .* short by"),
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "tiny-mixtral", "--ds-override", "{x"],
+     "--ds-override: '{x' is not a JSON object"),
+    (["plan", "--topology", "nvswitch-h200-8", "--model", "tiny-mixtral",
+      "--ds-override", '{"zero_optimization": {"zero_hpz_partition_size": 8}}'],
+     "zero_hpz_partition_size: 8"),
+    ([], "required: command"),
+])
+def test_bad_input_exits_2_with_one_line(capsys, argv, match):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert err.startswith("moectl")
+    assert re.search(match, err), err
+
+
+def test_topology_file_path(capsys, tmp_path):
+    from moejob_operator.core.topology import FIXTURE_DIR
+    path = tmp_path / "node.json"
+    path.write_text((FIXTURE_DIR / "single-h200.json").read_text())
+    code, out, _ = _run(capsys, "plan", "--topology", str(path), "--model", "tiny-mixtral",
+                        "--global-batch", "2", "--seq-len", "64")
+    assert code == 0 and "world size 1" in out and "EP size    1" in out
