@@ -69,3 +69,9 @@ def test_plan_path_resolution(monkeypatch):
     monkeypatch.setenv("MOE_PLAN", "/x/plan.json")
     assert str(resolve_plan_path()) == "/x/plan.json"
     assert str(resolve_plan_path("/cli.json")) == "/cli.json"
+
+
+def test_grouped_impl_refused_with_autoep(doc):
+    doc["training"]["moeImpl"] = "grouped"
+    with pytest.raises(PlanError, match=r"training.moeImpl: 'grouped' replaces the MoE blocks AutoEP"):
+        parse_plan(doc)

@@ -265,9 +265,13 @@ def parse_plan(doc: Any) -> MoEPlan:
     if ep_cfg.get("enabled") and int(ep_cfg.get("autoep_size", 1)) != ep_size:
         raise PlanError(f"deepspeed.expert_parallel.autoep_size: {ep_cfg.get('autoep_size')!r} "
                         f"differs from epSize={ep_size}")
+    training = _parse_training(doc.get("training"))
+    if training.moe_impl == "grouped" and ep_cfg.get("enabled"):
+        raise PlanError("training.moeImpl: 'grouped' replaces the MoE blocks AutoEP would replace; "
+                        "set deepspeed.expert_parallel.enabled=false or moeImpl='hf'")
     return MoEPlan(job_namespace=str(job.get("namespace", "default")), job_name=str(job.get("name", "local")),
                    model=model, world_size=world_size, ep_size=ep_size, ranks=tuple(ranks),
-                   placement=placement, deepspeed=ds, training=_parse_training(doc.get("training")), raw=doc)
+                   placement=placement, deepspeed=ds, training=training, raw=doc)
 
 
 def resolve_plan_path(cli_path: str | None = None) -> Path:

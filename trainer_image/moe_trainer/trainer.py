@@ -107,6 +107,9 @@ class Trainer:
             lr_scheduler=None if "scheduler" in cfg else make_sched, config=cfg)
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
         self.probe = routing.RouterProbe(self.blocks)
+        if self.is_rank0:
+            log.info("MoE blocks after initialize: %d x %s (moeImpl=%s, AutoEP=%s)", len(self.blocks),
+                     type(self.blocks[0]).__name__, t.moe_impl, p.autoep_enabled)
         if verify:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
