@@ -175,19 +175,23 @@ def _refine_swaps(W: np.ndarray, load: np.ndarray, part: np.ndarray, cap: np.nda
     return part
 
 
-def _partition(W: np.ndarray, load: np.ndarray, sizes: np.ndarray, tol: float) -> np.ndarray:
-    """Balanced-load partition maximising co-activation inside bins. Returns ``bin_of[m]``.
-
-    Seeded with the EPLB packing (balanced by construction), then improved by swaps capped at
-    ``(1 + tol)`` x that packing's heaviest bin per slot. (A co-activation-greedy seed was
-    tried: same final quality on the benchmark traces at twice the time.)"""
-    if len(sizes) == 1:
-        return np.zeros(len(load), dtype=np.int64)
+def _strict_cap(load: np.ndarray, sizes: np.ndarray, tol: float) -> np.ndarray:
+    """Per-bin load cap: ``(1 + tol)`` x the EPLB packing's heaviest bin, per slot."""
     ref = _lpt(load, sizes)
     per_slot = max((np.bincount(ref, weights=load, minlength=len(sizes)) / sizes).max(),
                    load.sum() / sizes.sum())
-    cap = (1 + tol) * per_slot * sizes
-    return _refine_swaps(W, load, ref, cap)
+    return (1 + tol) * per_slot * sizes
+
+
+def _partition(W: np.ndarray, load: np.ndarray, sizes: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Load-capped partition maximising co-activation inside bins. Returns ``bin_of[m]``.
+
+    Seeded with the EPLB packing (balanced by construction), then improved by capped swaps.
+    (A co-activation-greedy seed was tried: same final quality on the benchmark traces at
+    twice the time.)"""
+    if len(sizes) == 1:
+        return np.zeros(len(load), dtype=np.int64)
+    return _refine_swaps(W, load, _lpt(load, sizes), cap)
 
 
 def _levels(topo: ClusterTopology, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -201,8 +205,12 @@ def _permutation_from_ranks(expert2rank: np.ndarray, ep_size: int) -> np.ndarray
     return np.lexsort((np.arange(len(expert2rank)), expert2rank))
 
 
-def _hierarchical(load, W, rank_node, rank_group, n, tol, affinity: bool) -> np.ndarray:
-    """Experts -> nodes -> groups -> ranks. ``affinity`` False is plain EPLB packing."""
+def _hierarchical(load, W, rank_node, rank_group, n, tol, affinity: bool,
+                  rank_limit: float | None = None) -> np.ndarray:
+    """Experts -> nodes -> groups -> ranks. ``affinity`` False is plain EPLB packing.
+
+    With ``rank_limit`` a bin of r ranks may carry up to ``r * rank_limit`` (only the final
+    per-GPU load matters); without it each level is capped near its own balanced packing."""
     P = len(rank_node)
     e2r = np.empty(len(load), dtype=np.int64)
 
@@ -220,7 +228,9 @@ def _hierarchical(load, W, rank_node, rank_group, n, tol, affinity: bool) -> np.
             return split(experts, ranks, labels[1:])
         sizes = np.array([n * (lab == u).sum() for u in units])
         if affinity:
-            b = _partition(W[np.ix_(experts, experts)], load[experts], sizes, tol)
+            cap = (sizes / n * rank_limit if rank_limit is not None
+                   else _strict_cap(load[experts], sizes, tol))
+            b = _partition(W[np.ix_(experts, experts)], load[experts], sizes, cap)
         else:
             b = _lpt(load[experts], sizes)
         for i, u in enumerate(units):
@@ -263,11 +273,29 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         coact = stats.coact[layer].astype(float) / max(stats.tokens, 1)
         if strategy == "brute_force":
             e2r = _brute_force_layer(stats, layer, rank_node, rank_group, n, tol)
+        elif strategy == "balanced":
+            e2r = _hierarchical(load, coact, rank_node, rank_group, n, tol, affinity=False)
         else:
-            e2r = _hierarchical(load, coact, rank_node, rank_group, n, tol,
-                                affinity=strategy == "topology_aware")
+            e2r = _topology_aware_layer(load, coact, rank_node, rank_group, n, tol)
         perm[layer] = _permutation_from_ranks(e2r, P)
     return Placement(strategy, perm, rank2gpu, P, tuple(notes)).validate(topo)
+
+
+def _topology_aware_layer(load, coact, rank_node, rank_group, n, tol) -> np.ndarray:
+    """First with bins capped only by what their GPUs may carry (``(1 + tol)`` x the flat EPLB
+    packing's heaviest GPU); if balancing inside the bins then misses that limit, load-only
+    swaps across bins repair it, and failing that, again with every level capped near its own
+    balanced packing."""
+    P = len(rank_node)
+    limit = (1 + tol) * max(np.bincount(_lpt(load, np.full(P, n)), weights=load, minlength=P).max(),
+                            load.sum() / P)
+    e2r = _hierarchical(load, coact, rank_node, rank_group, n, tol, True, rank_limit=limit)
+    if np.bincount(e2r, weights=load, minlength=P).max() > limit + 1e-9:
+        # repair: a few load-only swaps across groups (cheap, usually loses little co-activation)
+        e2r = _rebalance(load, e2r, P)
+    if np.bincount(e2r, weights=load, minlength=P).max() <= limit + 1e-9:
+        return e2r
+    return _hierarchical(load, coact, rank_node, rank_group, n, tol, True)
 
 
 def _assignments(E: int, P: int, n: int):

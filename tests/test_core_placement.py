@@ -1,0 +1,153 @@
+"""Placement solvers: invariants, exact baselines, golden tiny cases, and brute-force optimality."""
+
+import numpy as np
+import pytest
+
+from moejob_operator.core.cost import score
+from moejob_operator.core.placement import (
+    BRUTE_FORCE_LIMIT, STRATEGIES, Placement, brute_force_count, solve)
+from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
+from moejob_operator.core.topology import ClusterTopology, load_topology, parse_topology, report_to_json
+
+
+def _stats_from_tokens(te, num_experts):
+    te = np.asarray(te)
+    load, coact = count_routing(te, num_experts)
+    return RoutingStats(te.shape[0], num_experts, te.shape[2], te.shape[1], load, coact, 1,
+                        token_experts=te)
+
+
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "brute_force"])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 8, 32), (1, 8, 8, 8, 16), (2, 4, 4, 4, 12)])
+def test_invariants(strategy, shape):
+    nodes, gpn, group, ep, experts = shape
+    topo = ClusterTopology.synthetic(nodes=nodes, gpus_per_node=gpn, group_size=group)
+    st = synthetic_trace(3, experts, 2, 2000, seed=1)
+    p = solve(strategy, topo, st, ep_size=ep, num_experts=experts, num_layers=3)
+    assert p.permutation.shape == (3, experts)
+    for layer in range(3):
+        assert sorted(p.permutation[layer]) == list(range(experts))            # each expert once
+        assert np.bincount(p.expert2rank(layer)).tolist() == [experts // ep] * ep
+        assert (p.expert2rank(layer)[p.permutation[layer]] == np.arange(experts) // (experts // ep)).all()
+    assert sorted(p.rank2gpu) == list(range(topo.num_gpus))
+    # every EP group sits inside as few NVLink groups as possible
+    for r in range(0, topo.num_gpus, ep):
+        groups = set(topo.group_of[p.rank2gpu[r:r + ep]])
+        assert len(groups) == -(-ep // group)
+
+
+def test_contiguous_and_round_robin_exact():
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=2)
+    st = synthetic_trace(2, 8, 2, 500, seed=0)
+    c = solve("contiguous", topo, st, ep_size=4, num_experts=8, num_layers=2)
+    assert c.permutation.tolist() == [list(range(8))] * 2 and c.rank2gpu.tolist() == [0, 1, 2, 3]
+    assert c.expert2rank(0).tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    rr = solve("round_robin", topo, None, ep_size=4, num_experts=8, num_layers=2)
+    assert rr.permutation.tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]] * 2
+    assert rr.expert2rank(1).tolist() == [e % 4 for e in range(8)]
+
+
+def test_balanced_golden():
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=1)
+    load = np.array([[8, 7, 6, 5, 4, 3, 2, 1]])
+    st = RoutingStats(1, 8, 1, 36, load, np.zeros((1, 8, 8), dtype=np.int64))
+    p = solve("balanced", topo, st, ep_size=4, num_experts=8, num_layers=1)
+    # heaviest first into the lightest bin: 8|7|6|5 then 4->5, 3->6, 2->7, 1->8
+    assert p.expert2rank(0).tolist() == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert p.permutation[0].tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+
+
+def test_no_stats_falls_back_to_contiguous_with_note():
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=2, group_size=2)
+    p = solve("topology_aware", topo, None, ep_size=2, num_experts=4, num_layers=1)
+    assert p.permutation.tolist() == [[0, 1, 2, 3]]
+    assert p.notes == ("topology_aware: no routing statistics, fell back to contiguous",)
+
+
+def test_rank_order_fills_nvlink_groups_first():
+    # bridges 0-2 and 1-3: ranks must pair GPUs 0,2 and 1,3; contiguous keeps GPU order
+    doc = report_to_json(load_topology("pcie-bridged-pairs-4"))
+    pci = [g["pciBusId"] for g in doc["gpus"]]
+    for i, peer in ((0, 2), (2, 0), (1, 3), (3, 1)):
+        for lk in doc["gpus"][i]["nvlinks"]:
+            lk["remotePciBusId"] = pci[peer]
+    topo = ClusterTopology.from_reports([parse_topology(doc)])
+    st = synthetic_trace(1, 8, 2, 500, seed=0)
+    assert solve("balanced", topo, st, ep_size=2, num_experts=8, num_layers=1).rank2gpu.tolist() == [0, 2, 1, 3]
+    assert solve("contiguous", topo, st, ep_size=2, num_experts=8, num_layers=1).rank2gpu.tolist() == [0, 1, 2, 3]
+
+
+def test_topology_aware_golden_blocks():
+    # experts {0,2,5,7} always fire together, as do {1,3,4,6}; equal loads
+    rng = np.random.default_rng(0)
+    blocks = [np.array([0, 2, 5, 7]), np.array([1, 3, 4, 6])]
+    te = np.array([[np.sort(rng.choice(blocks[t % 2], 2, replace=False)) for t in range(400)]])
+    st = _stats_from_tokens(te, 8)
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=2)
+    p = solve("topology_aware", topo, st, ep_size=4, num_experts=8, num_layers=1)
+    group_of_expert = topo.group_of[p.rank2gpu[p.expert2rank(0)]]
+    assert sorted(map(sorted, [np.flatnonzero(group_of_expert == g).tolist() for g in (0, 1)])) == \
+        [[0, 2, 5, 7], [1, 3, 4, 6]]
+    # each token needs exactly one group: tokens starting in the other group (half) cross once
+    assert score(p, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step == 400 / 2 * 2
+    c = solve("contiguous", topo, st, ep_size=4, num_experts=8, num_layers=1)
+    assert score(c, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step > 400
+
+
+def _objective(p, topo, st):
+    s = score(p, topo, st, hidden_size=1, bytes_per_elem=1)
+    return s.cross_group_bytes_per_step + s.cross_node_bytes_per_step
+
+
+@pytest.mark.parametrize("nodes, gpn, group, top_k", [(1, 4, 2, 2), (2, 2, 2, 2), (2, 2, 1, 3)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_topology_aware_near_brute_force(nodes, gpn, group, top_k, seed):
+    topo = ClusterTopology.synthetic(nodes=nodes, gpus_per_node=gpn, group_size=group)
+    st = synthetic_trace(2, 8, top_k, 3000, num_clusters=2, cluster_affinity=0.5, zipf_s=0.4, seed=seed)
+    kw = dict(ep_size=4, num_experts=8, num_layers=2)
+    best = solve("brute_force", topo, st, **kw)
+    ta = solve("topology_aware", topo, st, **kw)
+    opt = _objective(best, topo, st)
+    assert _objective(ta, topo, st) <= 1.05 * opt
+    for other in ("contiguous", "round_robin", "balanced"):
+        p = solve(other, topo, st, **kw)
+        within_cap = score(p, topo, st, hidden_size=1).max_mean_load <= 1.02 * score(best, topo, st, hidden_size=1).max_mean_load
+        if within_cap:                       # brute force is optimal among load-feasible placements
+            assert opt <= _objective(p, topo, st) + 1e-6
+    assert score(ta, topo, st, hidden_size=1).max_mean_load <= 1.05 * score(
+        solve("balanced", topo, st, **kw), topo, st, hidden_size=1).max_mean_load
+
+
+def test_brute_force_is_exact_by_enumeration():
+    # one layer, 4 experts on 2 GPUs in separate groups: check against all 6 assignments
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=2, group_size=1)
+    te = np.array([[[0, 3]] * 5 + [[1, 2]] * 5 + [[0, 1]] * 2])
+    st = _stats_from_tokens(te, 4)
+    best = solve("brute_force", topo, st, ep_size=2, num_experts=4, num_layers=1)
+    assert sorted(map(sorted, [np.flatnonzero(best.expert2rank(0) == r).tolist() for r in (0, 1)])) == [[0, 3], [1, 2]]
+
+
+def test_errors():
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=4)
+    st = synthetic_trace(1, 8, 2, 100, seed=0)
+    with pytest.raises(ValueError, match="unknown placement strategy 'greedy'"):
+        solve("greedy", topo, st, ep_size=4, num_experts=8, num_layers=1)
+    with pytest.raises(ValueError, match="ep_size 3 must divide num_experts 8"):
+        solve("balanced", topo, st, ep_size=3, num_experts=8, num_layers=1)
+    with pytest.raises(ValueError, match="routing stats are 1 layers x 8 experts, the model has 2 x 8"):
+        solve("balanced", topo, st, ep_size=4, num_experts=8, num_layers=2)
+    big = synthetic_trace(1, 32, 2, 100, seed=0)
+    assert brute_force_count(32, 4) > BRUTE_FORCE_LIMIT
+    with pytest.raises(ValueError, match="brute_force: .* exceed the limit"):
+        solve("brute_force", topo, big, ep_size=4, num_experts=32, num_layers=1)
+    with pytest.raises(ValueError, match=r"permutation\[0\] is not a permutation"):
+        Placement("x", np.array([[0, 0, 1, 2]]), np.arange(4), 2).validate()
+    with pytest.raises(ValueError, match="rank2gpu is not a bijection"):
+        Placement("x", np.array([[0, 1, 2, 3]]), np.array([0, 0, 1, 2]), 2).validate()
+
+
+def test_to_json_matches_contract():
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=2, group_size=2)
+    p = solve("round_robin", topo, None, ep_size=2, num_experts=4, num_layers=1)
+    assert p.to_json() == {"strategy": "round_robin", "numLayers": 1, "numExperts": 4, "epSize": 2,
+                           "permutation": [[0, 2, 1, 3]]}
