@@ -41,7 +41,19 @@ def test_precision_follows_the_hardware():
     assert cfg["fp16"]["enabled"] and cfg["fp16"]["loss_scale"] == 0 and "bf16" not in cfg
     cfg, _ = deepspeed_config(TINY, world_size=2, ep_size=2, global_batch=4, gpu=CPU)
     assert "fp16" not in cfg and "bf16" not in cfg
-    assert cfg["optimizer"]["params"]["torch_adam"] is True
+
+
+def test_optimizer_blocks_only_on_request():
+    cfg, _ = deepspeed_config(TINY, world_size=2, ep_size=2, global_batch=4, gpu=CPU)
+    assert "optimizer" not in cfg and "scheduler" not in cfg   # the trainer builds its own
+    cfg, _ = deepspeed_config(TINY, world_size=2, ep_size=2, global_batch=4, gpu=CPU, lr=3e-4,
+                              warmup_steps=5, include_optimizer=True)
+    assert cfg["optimizer"]["params"]["torch_adam"] is True     # FusedAdam needs CUDA
+    assert cfg["optimizer"]["params"]["lr"] == 3e-4
+    assert cfg["scheduler"]["params"]["warmup_num_steps"] == 5
+    cfg, _ = deepspeed_config(TINY, world_size=2, ep_size=2, global_batch=4, gpu=H200,
+                              include_optimizer=True)
+    assert cfg["optimizer"]["params"]["torch_adam"] is False and "scheduler" not in cfg
     assert GpuCaps("A100", 1, "8.0").supports_bf16 and not GpuCaps("T4", 1, "7.5").supports_bf16
 
 
@@ -135,8 +147,9 @@ def test_deepspeed_accepts_the_config(name, gpu, monkeypatch):
     spec = models.resolve_model(name).spec
     # world size 1, as DeepSpeedConfig sees it without torch.distributed
     cfg, _ = deepspeed_config(spec, world_size=1, ep_size=1, global_batch=4, gpu=gpu,
-                              warmup_steps=2)
+                              warmup_steps=2, include_optimizer=True)
     parsed = ds_config.DeepSpeedConfig(cfg)
+    assert parsed.optimizer_name == "adamw" and parsed.scheduler_name == "WarmupLR"
     assert parsed.zero_optimization_stage == 3 and parsed.gradient_accumulation_steps == 1
     assert parsed.expert_parallel_config.enabled
     assert parsed.bfloat16_config.enabled == gpu.supports_bf16
