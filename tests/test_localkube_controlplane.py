@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import ssl
+import subprocess
+import sys
+import textwrap
 import urllib.request
 
 import pytest
@@ -121,3 +126,25 @@ def test_failed_start_leaves_nothing(tmp_path, monkeypatch):
         cp.start()
     assert cp.pids, "etcd had been started"
     assert procs.survivors(cp.pids) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_parent_signal_stops_every_process(tmp_path, sig):
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        from moe_localkube.controlplane import ControlPlane
+        with ControlPlane({str(tmp_path)!r}, controller_manager=False, scheduler=False) as cp:
+            print(json.dumps(sorted(cp.pids)), flush=True)
+            time.sleep(120)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(parent.stdout.readline())
+        assert len(pids) == 2 and procs.survivors(pids) == pids
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    assert parent.returncode != 0
+    assert procs.survivors(pids) == []

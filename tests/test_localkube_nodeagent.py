@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import sys
 import textwrap
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
 from moe_localkube import procs
+from moe_localkube.nodeagent import read_log
 
 pytestmark = pytest.mark.cluster
 
@@ -201,3 +204,53 @@ def test_missing_configmap_waits_then_runs(kube, node_agent, namespace, wait_for
     kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": "late"}, "data": {"v": "now"}})
     wait_for(lambda: _phase(kube, namespace, "later", "Succeeded"), timeout=30)
     assert node_agent.read_log(namespace, "later").strip() == "now"
+
+
+def test_standalone_agent_cli(control_plane, kube, namespace, wait_for, tmp_path):
+    """``python -m moe_localkube.nodeagent`` (the demo path) runs pods and kills them on SIGTERM."""
+    agent = procs.spawn([sys.executable, "-m", "moe_localkube.nodeagent", "--kubeconfig",
+                         str(control_plane.kubeconfig), "--nodes", "cli-node:single-h200",
+                         "--run-dir", str(tmp_path)], tmp_path / "agent.log")
+    try:
+        node = wait_for(lambda: kube.core.read_node("cli-node"), timeout=30, message="cli-node registered")
+        assert node.metadata.labels["nvidia.com/gpu.count"] == "1"
+        assert node.metadata.annotations["moe-operator.io/fake-topology"] == "single-h200"
+        kube.core.create_namespaced_pod(namespace, _pod("cli", """
+            import os, time
+            print(os.environ["MOE_FAKE_NVML_FIXTURE"], flush=True)
+            time.sleep(600)
+        """, node="cli-node"))
+        pod = wait_for(lambda: _phase(kube, namespace, "cli", "Running"), timeout=40)
+        assert pod.spec.node_name == "cli-node"
+        pid = int(pod.status.container_statuses[0].container_id.rsplit("/", 1)[1])
+        wait_for(lambda: read_log(tmp_path, namespace, "cli").strip() == "single-h200", timeout=10)
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()
+        assert not procs.group_alive(pid), "the agent's pod process survived its shutdown"
+    finally:
+        procs.stop(agent)
+        try:
+            kube.core.delete_node("cli-node")
+        except ApiException:
+            pass
+
+
+def test_two_pods_rendezvous_over_gloo_by_pod_hostname(kube, node_agent, namespace, wait_for):
+    """torchrun-style env rendezvous across the two fake nodes, MASTER_ADDR = rank 0's pod DNS name."""
+    script = """
+        import os, socket, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.tensor([float(os.environ["RANK"]) + 1])
+        dist.all_reduce(t)
+        print(socket.gethostname(), int(t.item()), flush=True)
+        dist.destroy_process_group()
+    """
+    for rank, node in enumerate(("node-a", "node-b")):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": f"w0.job.{namespace}.svc", "MASTER_PORT": "29555"}
+        kube.core.create_namespaced_pod(namespace, _pod(
+            f"w{rank}", script, node=node, hostname=f"w{rank}", subdomain="job",
+            container={"env": [{"name": k, "value": v} for k, v in env.items()]}))
+    for rank in range(2):
+        pod = wait_for(lambda: _phase(kube, namespace, f"w{rank}", "Succeeded", "Failed"), timeout=120)
+        assert pod.status.phase == "Succeeded", node_agent.read_log(namespace, f"w{rank}")
+        assert node_agent.read_log(namespace, f"w{rank}").split()[-2:] == [f"w{rank}", "3"]

@@ -107,7 +107,7 @@ class NodeAgent:
         self.bind_fallback_seconds = bind_fallback_seconds
         self.resync_seconds, self.heartbeat_seconds = resync_seconds, heartbeat_seconds
         self.pids: set[int] = set()
-        self.mount_targets = sandbox.MountTargets()
+        self.mount_targets: sandbox.MountTargets | None = None
         self.hosts: HostsFile | None = None
         self._workers: dict[str, PodWorker] = {}
         self._ips: dict[str, str] = {}
@@ -126,6 +126,7 @@ class NodeAgent:
 
     def start(self) -> "NodeAgent":
         sandbox.check_host()
+        self.mount_targets = sandbox.MountTargets()
         self.hosts = HostsFile(self.run_dir / "hosts")
         for spec in self.nodes.values():
             self._register(spec)
@@ -154,7 +155,8 @@ class NodeAgent:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.mount_targets.cleanup()
+        if self.mount_targets:
+            self.mount_targets.cleanup()
 
     # ------------------------------------------------------------ nodes
     def _register(self, spec: NodeSpec) -> None:

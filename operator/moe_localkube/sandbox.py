@@ -9,11 +9,12 @@ remove the empty ones when it stops).
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
 import shlex
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 from . import procs
@@ -24,12 +25,36 @@ class SandboxError(RuntimeError):
     """The container cannot be started here (not root, no unshare, no command)."""
 
 
-class MountTargets:
-    """Host paths created as mount points; removed (when still empty) by ``cleanup``."""
+STATE_DIR = Path("/run/moe-localkube")
 
-    def __init__(self) -> None:
-        self._created: list[Path] = []
-        self._lock = threading.Lock()
+
+class MountTargets:
+    """Host paths created as mount points, removed (when still empty) by the last agent to stop.
+
+    Several agents (parallel test sessions) may share a mount point such as /etc/moe; removing it
+    while another agent's container has it mounted would detach that container's volume. So the
+    list of created paths and the set of live agents live in ``state_dir`` (under a file lock),
+    and only the last live agent removes them.
+    """
+
+    def __init__(self, state_dir: Path = STATE_DIR) -> None:
+        self.state_dir = state_dir
+        self._agents = state_dir / "agents"
+        self._agents.mkdir(parents=True, exist_ok=True)
+        self._me = self._agents / f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._me.touch()
+        self._list = state_dir / "targets"
+        self._lock_path = state_dir / "lock"
+
+    def _locked(self):
+        f = open(self._lock_path, "a")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return f
+
+    def _record(self, path: Path) -> None:
+        with self._locked():
+            with open(self._list, "a") as f:
+                f.write(f"{path}\n")
 
     def ensure(self, target: str, is_file: bool) -> None:
         path = Path(target)
@@ -45,28 +70,46 @@ class MountTargets:
                 d.mkdir()
             except FileExistsError:
                 continue
-            with self._lock:
-                self._created.append(d)
+            self._record(d)
         if is_file:
             try:
                 with open(path, "x"):
                     pass
             except FileExistsError:
                 return
-            with self._lock:
-                self._created.append(path)
+            self._record(path)
+
+    @staticmethod
+    def _alive(agent_file: Path) -> bool:
+        try:
+            os.kill(int(agent_file.name.split("-")[0]), 0)
+            return True
+        except (ValueError, ProcessLookupError):
+            return False
+        except PermissionError:
+            return True
 
     def cleanup(self) -> None:
-        with self._lock:
-            created, self._created = self._created, []
-        for p in reversed(created):
+        with self._locked():
+            self._me.unlink(missing_ok=True)
+            if any(self._alive(a) for a in self._agents.iterdir()):
+                return
             try:
-                if p.is_dir() and not p.is_symlink():
-                    p.rmdir()
-                elif p.is_file() and p.stat().st_size == 0:
-                    p.unlink()
-            except OSError:
-                pass
+                created = self._list.read_text().split("\n")
+            except FileNotFoundError:
+                return
+            for line in reversed([c for c in created if c]):
+                p = Path(line)
+                try:
+                    if p.is_dir() and not p.is_symlink():
+                        p.rmdir()
+                    elif p.is_file() and p.stat().st_size == 0:
+                        p.unlink()
+                except OSError:
+                    pass
+            self._list.write_text("")
+            for stale in self._agents.iterdir():
+                stale.unlink(missing_ok=True)
 
 
 def check_host() -> None:
