@@ -94,6 +94,7 @@ class _FakeApi(BaseHTTPRequestHandler):
     existing: set[str] = set()
     requests: list[tuple[str, str, dict, str | None]] = []
     fail_with: int | None = None
+    drop: int = 0   # close this many connections without an answer (as a refusing server may)
 
     def _reply(self, code: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -105,6 +106,10 @@ class _FakeApi(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).drop:
+            type(self).drop -= 1
+            self.close_connection = True
+            return
         type(self).requests.append((self.command, self.path, body,
                                     self.headers.get("Authorization")))
         if type(self).fail_with:
@@ -127,7 +132,7 @@ class _FakeApi(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_api(tmp_path, monkeypatch):
-    _FakeApi.existing, _FakeApi.requests, _FakeApi.fail_with = set(), [], None
+    _FakeApi.existing, _FakeApi.requests, _FakeApi.fail_with, _FakeApi.drop = set(), [], None, 0
     server = HTTPServer(("127.0.0.1", 0), _FakeApi)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -171,6 +176,14 @@ def test_publish_refused_is_exit_75_with_api_message(fake_api, capsys, term_log)
     assert "could not publish the report: ConfigMap ns/c: HTTP 403: configmaps is forbidden" in err
     assert term_log.read_text().startswith("error: could not publish the report: ")
     assert "[node=" in term_log.read_text() and "gpus=1 " in term_log.read_text()
+
+
+def test_publish_retries_a_dropped_connection(fake_api, capsys):
+    fake_api.drop = 2
+    rc = discover.main(["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c",
+                        "--namespace", "ns"])
+    assert rc == 0 and fake_api.drop == 0 and len(fake_api.requests) == 1
+    assert "ConfigMap ns/c created" in capsys.readouterr().err
 
 
 def test_publish_unreachable_api_is_exit_75(monkeypatch, capsys):

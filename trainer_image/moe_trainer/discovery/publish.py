@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import ssl
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -62,7 +63,7 @@ def configmap_body(report: dict, name: str, namespace: str) -> dict:
                        LABEL_MANAGED_BY: "moe-operator"},
             "annotations": annotations,
         },
-        "data": {TOPOLOGY_KEY: json.dumps(report, indent=1, sort_keys=True)},
+        "data": {TOPOLOGY_KEY: json.dumps(report, separators=(",", ":"))},
     }
 
 
@@ -91,8 +92,23 @@ class ApiConfig:
         token = token_file.read_text().strip() if token_file.exists() else None
         return cls(base, token, str(ca_file) if ca_file.exists() else None)
 
-    def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        data = json.dumps(body).encode() if body is not None else None
+    def request(self, method: str, path: str, body: dict | None = None, *,
+                attempts: int = 4) -> tuple[int, dict]:
+        """(HTTP status, decoded body). Transport errors are retried: an API server that refuses
+        a request (403) may close the connection while a larger body is still being sent, which
+        the client sees as an EOF/reset, not as the 403 (seen here against kube-apiserver 1.20,
+        about one try in ten with a 17 KB body); the next try usually reads the answer."""
+        for attempt in range(attempts):
+            try:
+                return self._request_once(method, path, body)
+            except PublishError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.2 * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    def _request_once(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
         req = urllib.request.Request(self.base_url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         req.add_header("Accept", "application/json")
@@ -107,7 +123,7 @@ class ApiConfig:
         except urllib.error.HTTPError as err:
             try:
                 payload = json.loads(err.read() or b"{}")
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, OSError):
                 payload = {}
             return err.code, payload
         except (urllib.error.URLError, OSError) as err:
