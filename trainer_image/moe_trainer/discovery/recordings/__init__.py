@@ -1,0 +1,1 @@
+"""Fake-NVML recordings (JSON), shipped as package data; see docs/discovery.md."""
