@@ -139,7 +139,7 @@ class _Nvml:
         try:
             return fn(*args)
         except self.error_type as err:
-            self.errors.append(f"{name}{args_text(args)}: {err}")
+            self.errors.append(f"{name}{_args_text(args)}: {err}")
             self.last_error = getattr(err, "value", None)
             if getattr(err, "value", None) == _ERR_FUNCTION_NOT_FOUND and missing:
                 return missing()
@@ -152,7 +152,7 @@ class _Nvml:
             raise DiscoveryError(f"NVML {name} failed: {err}", EXIT_NVML_ERROR) from err
 
 
-def args_text(args: tuple) -> str:
+def _args_text(args: tuple) -> str:
     return "(" + ", ".join(str(a) if isinstance(a, int) else "h" for a in args) + ")"
 
 
