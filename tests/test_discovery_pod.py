@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
 import re
 from pathlib import Path
@@ -114,3 +116,25 @@ def test_role_is_narrow():
     assert not verbs & {"get", "list", "watch", "delete", "deletecollection", "patch"}
     with pytest.raises(ValueError, match="at least one candidate node"):
         D.discovery_role("r", [], namespace="ns")
+
+
+def test_cached_report_is_current_by_age_and_boot_id():
+    now = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+
+    def cm(collected: str, boot: str | None = "boot-1") -> dict:
+        meta = {"annotations": {publish.ANNOTATION_BOOT_ID: boot}} if boot else {}
+        return {"metadata": meta, "data": {"topology.json": json.dumps({"collectedAt": collected})}}
+
+    node = {"status": {"nodeInfo": {"bootID": "boot-1"}}}
+    assert D.ANNOTATION_BOOT_ID == publish.ANNOTATION_BOOT_ID   # both sides agree on the key
+    assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z"), node, now=now)[0] is True
+    ok, why = D.cached_report_is_current(cm("2026-11-27T13:00:00Z"), node, now=now)
+    assert not ok and why == "report is 176400s old (max 86400s)"
+    ok, why = D.cached_report_is_current(cm("2026-11-29T13:00:00Z", "boot-0"), node, now=now)
+    assert not ok and why == "node rebooted since the report was collected"
+    # no boot id on either side (older report, node without nodeInfo): age alone decides
+    assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z", None), node, now=now)[0]
+    assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z"), {}, now=now)[0]
+    assert D.cached_report_is_current(None, node, now=now) == (False, "no report")
+    assert D.cached_report_is_current({"data": {"topology.json": "{}"}}, node, now=now) == \
+        (False, "report has no readable collectedAt")

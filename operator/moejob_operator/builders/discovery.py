@@ -25,7 +25,9 @@ Decisions (docs/discovery.md has the long form):
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
+import json
 import re
 from typing import Any, Iterable, Literal
 
@@ -33,6 +35,7 @@ from .. import constants as C
 
 COMPONENT = "discovery"
 LABEL_NODE = f"{C.GROUP}/node"            # node a discovery pod / topology ConfigMap is about
+ANNOTATION_BOOT_ID = f"{C.GROUP}/boot-id"  # written by moe-discover: the host's boot id
 DISCOVERY_POD_PREFIX = "moe-discovery-"
 DISCOVER_COMMAND = ("moe-discover",)
 NOBODY = 65534
@@ -213,3 +216,32 @@ def discovery_children(job_name: str, nodes: Iterable[str], *, namespace: str, i
             discovery_role_binding(account, service_account=account, **common),
             *(discovery_pod(n, image=image, service_account=account, **common, **pod_options)
               for n in nodes)]
+
+
+def cached_report_is_current(configmap: dict[str, Any] | None, node: dict[str, Any], *,
+                             now: dt.datetime,
+                             max_age_seconds: int = C.TOPOLOGY_REPORT_MAX_AGE_SECONDS,
+                             ) -> tuple[bool, str]:
+    """May a job reuse ``moe-topology-<node>`` instead of running discovery? (yes/no, why).
+
+    Current = has a report, was collected less than ``max_age_seconds`` ago, and (when both sides
+    say) since the node's last boot: its ``moe-operator.io/boot-id`` annotation equals the Node's
+    ``status.nodeInfo.bootID``. GPUs are not swapped without a reboot, so the GPU UUID set of a
+    report from this boot is still the node's. Pure: ``configmap``/``node`` are API dicts.
+    """
+    if not configmap:
+        return False, "no report"
+    raw = (configmap.get("data") or {}).get(C.TOPOLOGY_KEY)
+    try:
+        collected = dt.datetime.fromisoformat(
+            str(json.loads(raw or "{}").get("collectedAt", "")).replace("Z", "+00:00"))
+    except ValueError:
+        return False, "report has no readable collectedAt"
+    age = (now - collected).total_seconds()
+    if age > max_age_seconds:
+        return False, f"report is {int(age)}s old (max {max_age_seconds}s)"
+    cached_boot = ((configmap.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_BOOT_ID)
+    node_boot = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID")
+    if cached_boot and node_boot and cached_boot != node_boot:
+        return False, "node rebooted since the report was collected"
+    return True, f"report from {int(age)}s ago, same boot"
