@@ -218,14 +218,16 @@ class ControlPlane:
         prev = signal.getsignal(signal.SIGTERM)
 
         def on_sigterm(signum, frame):
+            # Stop now, then unwind like Ctrl-C: KeyboardInterrupt (not SystemExit) also makes
+            # pytest end the session and run every fixture's teardown.
             self.stop()
             if callable(prev):
                 prev(signum, frame)
-            raise SystemExit(128 + signum)
+            raise KeyboardInterrupt(f"signal {signum}")
 
         self._prev_sigterm = prev
         signal.signal(signal.SIGTERM, on_sigterm)
-        # SIGINT raises KeyboardInterrupt, which unwinds through __exit__/stop().
+        # SIGINT already raises KeyboardInterrupt, which unwinds through __exit__/stop().
 
     def _restore_signal_handlers(self) -> None:
         if self._prev_sigterm is None or threading.current_thread() is not threading.main_thread():

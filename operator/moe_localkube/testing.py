@@ -99,9 +99,12 @@ def create_namespace(kube: Kube, name: str, timeout: float = 30.0) -> str:
 
 def delete_namespace(kube: Kube, name: str) -> None:
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
 
     try:
-        kube.core.delete_namespace(name)
+        kube.core.delete_namespace(name, _request_timeout=10)
     except ApiException as exc:
         if exc.status != 404:
             raise
+    except HTTPError:
+        pass  # the control plane is already gone (interrupted session): nothing left to delete
