@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import textwrap
@@ -11,6 +12,7 @@ from kubernetes.client.exceptions import ApiException
 
 from moe_localkube import procs
 from moe_localkube.nodeagent import read_log
+from moe_localkube.podfiles import memory_dir
 
 pytestmark = pytest.mark.cluster
 
@@ -124,10 +126,16 @@ def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wa
 def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, wait_for):
     kube.core.create_namespaced_pod(namespace, _pod("sleeper", """
         import time
+        open("/dev/shm/marker", "w").write("in tmpfs")
         print("up", flush=True)
         time.sleep(600)
-    """))
+    """, container={"volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]},
+        volumes=[{"name": "dshm", "emptyDir": {"medium": "Memory"}}]))
     pod = wait_for(lambda: _phase(kube, namespace, "sleeper", "Running"), timeout=40)
+    shm = memory_dir(pod.metadata.uid)
+    assert str(shm).startswith("/dev/shm/")
+    wait_for(lambda: (shm / "dshm" / "marker").read_text() == "in tmpfs", timeout=10)
+    assert not os.path.exists("/dev/shm/marker"), "the pod's /dev/shm is its own"
     cs = pod.status.container_statuses[0]
     assert cs.ready and cs.state.running is not None
     assert {c.type for c in pod.status.conditions if c.status == "True"} >= {"Ready", "ContainersReady", "Initialized", "PodScheduled"}
@@ -144,6 +152,7 @@ def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, w
 
     wait_for(gone, timeout=30, message="pod removed")
     assert not procs.group_alive(pid)
+    wait_for(lambda: not shm.exists(), timeout=10, message="Memory emptyDir released")
 
 
 def test_init_containers_deadline_and_hosts(kube, node_agent, namespace, wait_for):

@@ -200,6 +200,8 @@ class PodFiles:
             path = self.shared_dir / "pvc" / self.ns / vol["persistentVolumeClaim"]["claimName"]
             path.mkdir(parents=True, exist_ok=True)
             return path
+        if "emptyDir" in vol and vol["emptyDir"].get("medium") == "Memory":
+            root = memory_dir(self.pod["metadata"]["uid"]) / name   # tmpfs, like the kubelet
         root.mkdir(parents=True, exist_ok=True)
         if "emptyDir" in vol:
             return root
@@ -241,6 +243,12 @@ class PodFiles:
 
     def volumes(self) -> dict[str, Path]:
         return {v["name"]: self.volume(v) for v in self.pod["spec"].get("volumes") or []}
+
+
+def memory_dir(uid: str) -> Path:
+    """Where a pod's ``emptyDir: {medium: Memory}`` volumes live (removed when the pod ends)."""
+    shm = Path("/dev/shm")
+    return (shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))) / "moe-localkube" / uid
 
 
 def container_mounts(container: dict, volumes: dict[str, Path]) -> list[Mount]:

@@ -5,6 +5,7 @@ containers in order, run the containers (restarting per ``restartPolicy`` with b
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
-from .podfiles import ConfigError, Mount, PodFiles, container_mounts, expand, save_meta
+from .podfiles import ConfigError, Mount, PodFiles, container_mounts, expand, memory_dir, save_meta
 
 if TYPE_CHECKING:
     from .nodeagent import NodeAgent
@@ -236,6 +237,7 @@ class PodWorker(threading.Thread):
             self.agent.force_delete(self.ns, self.pod_name, self.uid)
         elif self._shutdown_req.is_set():
             self._kill_all(2.0)
+        shutil.rmtree(memory_dir(self.uid), ignore_errors=True)   # tmpfs: give the memory back
 
     def _prepare(self) -> None:
         pod = {**self.pod, "status": {**(self.pod.get("status") or {}), "podIP": self.ip,
