@@ -263,3 +263,19 @@ def test_two_pods_rendezvous_over_gloo_by_pod_hostname(kube, node_agent, namespa
         pod = wait_for(lambda: _phase(kube, namespace, f"w{rank}", "Succeeded", "Failed"), timeout=120)
         assert pod.status.phase == "Succeeded", node_agent.read_log(namespace, f"w{rank}")
         assert node_agent.read_log(namespace, f"w{rank}").split()[-2:] == [f"w{rank}", "3"]
+
+
+def test_gpu_capacity_is_enforced_by_the_real_scheduler(kube, node_agent, namespace, wait_for):
+    for name, gpus in (("fits", 8), ("too-big", 9)):
+        kube.core.create_namespaced_pod(namespace, _pod(name, "print('ok')", node="node-a", container={
+            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}))
+    wait_for(lambda: _phase(kube, namespace, "fits", "Succeeded"), timeout=40)
+
+    def unschedulable():
+        pod = kube.core.read_namespaced_pod("too-big", namespace)
+        return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+                   for c in pod.status.conditions or [])
+
+    wait_for(unschedulable, timeout=30, message="too-big marked Unschedulable")
+    pod = kube.core.read_namespaced_pod("too-big", namespace)
+    assert pod.spec.node_name is None and pod.status.phase == "Pending"

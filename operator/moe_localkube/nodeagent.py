@@ -270,11 +270,13 @@ class NodeAgent:
         self.release_ip(uid)
 
     def _maybe_bind(self, pod: dict) -> None:
-        """Bind a pod the scheduler has left alone for a while, if it names one of our nodes."""
+        """Bind a pod the scheduler has not looked at for a while, if it names one of our nodes."""
         spec, status = pod["spec"], pod.get("status") or {}
         node = (spec.get("nodeSelector") or {}).get("kubernetes.io/hostname")
         if spec.get("nodeName") or node not in self.nodes or status.get("phase", "Pending") != "Pending":
             return
+        if any(c.get("type") == "PodScheduled" for c in status.get("conditions") or []):
+            return   # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
         created = datetime.strptime(pod["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ")
         if (datetime.utcnow() - created).total_seconds() < self.bind_fallback_seconds:
             return
