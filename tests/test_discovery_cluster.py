@@ -37,10 +37,22 @@ def _terminated(pod):
     return pod.status.container_statuses[0].state.terminated
 
 
-def _run_pod(kube, ns, wait_for, node, **kwargs):
+def _create_rbac(kube, ns, wait_for, nodes):
+    for doc in D.discovery_children("tiny", nodes, namespace=ns, image="ignored:latest")[:3]:
+        _create(kube, ns, doc)
+    # v1.20 admission refuses a pod (500, "retry after") until the token controller has given
+    # the new ServiceAccount its token secret; the operator treats that as "not yet".
+    wait_for(lambda: kube.core.read_namespaced_service_account(
+        D.discovery_account_name("tiny"), ns).secrets, timeout=30,
+        message="discovery ServiceAccount has its token")
+
+
+def _run_pod(kube, ns, wait_for, node, *, namespace_arg=True, **kwargs):
     pod = D.discovery_pod(node, namespace=ns, image="ignored:latest",
                           service_account=D.discovery_account_name("tiny"), job_name="tiny",
                           **kwargs)
+    if not namespace_arg:   # moe-discover then takes the pod's namespace from its token mount
+        pod["spec"]["containers"][0]["args"] = ["--configmap", D.topology_configmap_name(node)]
     kube.core.create_namespaced_pod(ns, pod)
     done = wait_for(lambda: _finished(kube, ns, pod["metadata"]["name"]), timeout=60,
                     message=f"discovery pod on {node} finished")
@@ -48,9 +60,7 @@ def _run_pod(kube, ns, wait_for, node, **kwargs):
 
 
 def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, namespace, wait_for):
-    for doc in D.discovery_children("tiny", ["node-a"], namespace=namespace,
-                                    image="ignored:latest")[:3]:
-        _create(kube, namespace, doc)
+    _create_rbac(kube, namespace, wait_for, ["node-a"])
     pod = _run_pod(kube, namespace, wait_for, "node-a")
     assert pod.status.phase == "Succeeded", node_agent.read_log(namespace, pod.metadata.name)
     message = _terminated(pod).message
@@ -72,7 +82,7 @@ def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, name
     wait_for(lambda: not kube.core.list_namespaced_pod(
         namespace, field_selector=f"metadata.name={pod.metadata.name}").items,
         timeout=30, message="old discovery pod gone")
-    pod = _run_pod(kube, namespace, wait_for, "node-a")
+    pod = _run_pod(kube, namespace, wait_for, "node-a", namespace_arg=False)
     assert pod.status.phase == "Succeeded", node_agent.read_log(namespace, pod.metadata.name)
     cm = kube.core.read_namespaced_config_map("moe-topology-node-a", namespace)
     assert parse_topology(json.loads(cm.data["topology.json"])).node == "node-a"
@@ -80,9 +90,7 @@ def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, name
 
 def test_role_forbids_replacing_another_nodes_report(kube, node_agent, namespace, wait_for):
     """The Role names node-a only: node-b's existing report cannot be overwritten (exit 75)."""
-    for doc in D.discovery_children("tiny", ["node-a"], namespace=namespace,
-                                    image="ignored:latest")[:3]:
-        _create(kube, namespace, doc)
+    _create_rbac(kube, namespace, wait_for, ["node-a"])
     kube.core.create_namespaced_config_map(namespace, {
         "metadata": {"name": "moe-topology-node-b"}, "data": {"topology.json": "{}"}})
     pod = _run_pod(kube, namespace, wait_for, "node-b")
