@@ -141,7 +141,11 @@ def publish_configmap(report: dict, name: str, namespace: str,
     if status in (200, 201):
         return "created"
     if status == 409:
-        status, payload = api.request("PUT", f"{collection}/{name}", body)
+        try:
+            status, payload = api.request("PUT", f"{collection}/{name}", body)
+        except PublishError as err:
+            raise PublishError(f"{err} (a refused update can look like this: may this pod's "
+                               f"ServiceAccount update configmaps/{name}?)") from err
         if status == 200:
             return "replaced"
     raise PublishError(f"ConfigMap {namespace}/{name}: HTTP {status}: "
