@@ -1,0 +1,83 @@
+"""kopf handlers: the only place with ``@kopf`` decorators. Each one parses the trigger and
+delegates to :func:`moejob_operator.reconcile.job.reconcile`, which does a level-based pass.
+
+Triggers: the job itself (create/resume/spec update, plus a slow timer as a safety net for
+deadlines and TTLs), its worker and discovery pods, and the progress ConfigMap its trainer
+writes. Passes for one job are serialised by a per-job lock, whatever triggered them.
+
+Run: ``kopf run -A -m moejob_operator.handlers`` (``--standalone`` without peering).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+import kopf
+
+from . import constants as C
+from .reconcile.client import Client
+from .reconcile.job import reconcile
+
+_client: Client | None = None
+_locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+_locks_guard = threading.Lock()
+
+
+def client() -> Client:
+    global _client
+    if _client is None:
+        _client = Client()
+    return _client
+
+
+def _pass(namespace: str, name: str) -> float | None:
+    with _locks_guard:
+        lock = _locks[(namespace, name)]
+    with lock:
+        return reconcile(client(), namespace, name)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_) -> None:
+    settings.posting.enabled = False               # the reconciler posts its own Events
+    settings.execution.max_workers = 16
+    settings.persistence.finalizer = C.FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=C.GROUP)
+    settings.watching.server_timeout = 300
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+
+
+@kopf.on.resume(C.GROUP, C.VERSION, C.PLURAL)
+@kopf.on.create(C.GROUP, C.VERSION, C.PLURAL)
+@kopf.on.update(C.GROUP, C.VERSION, C.PLURAL, field="spec")
+def on_job(namespace: str, name: str, **_) -> None:
+    delay = _pass(namespace, name)
+    if delay is not None and delay < 30:
+        raise kopf.TemporaryError("not yet", delay=max(0.5, delay))
+
+
+@kopf.timer(C.GROUP, C.VERSION, C.PLURAL, interval=30, initial_delay=30)
+def resync(namespace: str, name: str, **_) -> None:
+    _pass(namespace, name)
+
+
+def _owner_job(labels: dict[str, str]) -> str | None:
+    return labels.get(C.LABEL_JOB)
+
+
+@kopf.on.event("v1", "pods", labels={C.LABEL_JOB: kopf.PRESENT, C.LABEL_MANAGED_BY: C.MANAGED_BY})
+def on_child_pod(namespace: str, labels: dict, type: str, **_) -> None:
+    job = _owner_job(labels)
+    if job and type is not None:              # None: the initial listing; resume handles that
+        _pass(namespace, job)
+
+
+@kopf.on.event("v1", "configmaps", labels={C.LABEL_COMPONENT: "progress",
+                                           C.LABEL_MANAGED_BY: C.MANAGED_BY})
+def on_progress(namespace: str, labels: dict, type: str, **_) -> None:
+    job = _owner_job(labels)
+    if job and type == "MODIFIED":
+        _pass(namespace, job)

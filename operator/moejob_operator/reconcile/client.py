@@ -1,0 +1,152 @@
+"""One small client over the Kubernetes API: reads return plain dicts, creates treat
+"already exists" as success, deletes treat "not found" as success.
+
+Reads use ``_preload_content=False`` and ``json.loads``: the generated models' deserialisation is
+the operator's largest CPU cost otherwise, and everything above this module works on dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.rest import ApiException
+
+from .. import constants as C
+from ..status import now_iso
+
+
+def api_client_from_env() -> k8s.ApiClient:
+    """In-cluster credentials when present, else $KUBECONFIG / ~/.kube/config."""
+    try:
+        k8s_config.load_incluster_config()
+        return k8s.ApiClient()
+    except k8s_config.ConfigException:
+        return k8s_config.new_client_from_config()
+
+
+class Client:
+    def __init__(self, api_client: k8s.ApiClient | None = None, *, node_cache_seconds: float = 2.0):
+        self.api = api_client or api_client_from_env()
+        self.core = k8s.CoreV1Api(self.api)
+        self.custom = k8s.CustomObjectsApi(self.api)
+        self.rbac = k8s.RbacAuthorizationV1Api(self.api)
+        self._node_cache: tuple[float, list[dict[str, Any]]] | None = None
+        self._node_cache_seconds = node_cache_seconds
+        self._lock = threading.Lock()
+
+    # ---- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _json(resp) -> Any:
+        return json.loads(resp.data)
+
+    def _get(self, fn, *args, **kw) -> dict[str, Any] | None:
+        try:
+            return self._json(fn(*args, _preload_content=False, **kw))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    # ---- the job -------------------------------------------------------------------------
+    def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(self.custom.get_namespaced_custom_object, C.GROUP, C.VERSION, namespace,
+                         C.PLURAL, name)
+
+    def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        try:
+            self.custom.patch_namespaced_custom_object_status(
+                C.GROUP, C.VERSION, namespace, C.PLURAL, name, {"status": status},
+                _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                C.GROUP, C.VERSION, namespace, C.PLURAL, name,
+                body=k8s.V1DeleteOptions(propagation_policy="Background"), _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    # ---- children ------------------------------------------------------------------------
+    def create(self, obj: dict[str, Any]) -> bool:
+        """Create ``obj``; False when it already exists (idempotent launch)."""
+        ns = obj["metadata"].get("namespace")
+        kind = obj["kind"]
+        fn = {"ConfigMap": self.core.create_namespaced_config_map,
+              "Service": self.core.create_namespaced_service,
+              "Pod": self.core.create_namespaced_pod,
+              "ServiceAccount": self.core.create_namespaced_service_account,
+              "Role": self.rbac.create_namespaced_role,
+              "RoleBinding": self.rbac.create_namespaced_role_binding}[kind]
+        try:
+            fn(ns, obj, _preload_content=False)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(self.core.read_namespaced_config_map, name, namespace)
+
+    def delete_configmap(self, namespace: str, name: str) -> None:
+        try:
+            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+    def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        sel = ",".join(f"{k}={v}" for k, v in selector.items())
+        resp = self.core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)
+        return self._json(resp)["items"]
+
+    def delete_pod(self, namespace: str, name: str, *, uid: str | None = None,
+                   grace_seconds: int | None = None) -> None:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if uid:
+            body["preconditions"] = {"uid": uid}     # never delete a newer pod of the same name
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
+        try:
+            self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        """All nodes, cached for a couple of seconds (many jobs reconcile at once)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._node_cache and now - self._node_cache[0] < self._node_cache_seconds:
+                return self._node_cache[1]
+        items = self._json(self.core.list_node(_preload_content=False))["items"]
+        with self._lock:
+            self._node_cache = (time.monotonic(), items)
+        return items
+
+    # ---- events --------------------------------------------------------------------------
+    def event(self, job: dict[str, Any], etype: str, reason: str, message: str) -> None:
+        meta = job["metadata"]
+        now = now_iso()
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "type": etype, "reason": reason, "message": message[:1024],
+            "source": {"component": C.MANAGED_BY}, "reportingComponent": C.MANAGED_BY,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+        except ApiException:
+            pass   # an Event is best effort; never fail a reconcile for it

@@ -1,0 +1,383 @@
+"""One level-based reconcile pass over a MoETrainingJob.
+
+validate -> discover topology -> plan -> gate -> launch -> track -> finish. Every pass reads the
+job and its children fresh and moves as far as it can; it never sleeps. It returns the seconds
+after which it wants to run again ("not yet"), or None when only a change (a pod, the progress
+ConfigMap, the spec) can move the job on. All state lives in the cluster (children with
+deterministic names, ``status``), so a restarted operator continues where the old one stopped.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import logging
+import os
+from typing import Any
+
+from .. import constants as C
+from ..builders import common, configmaps, rbac, workers
+from ..spec import JobSpec, SpecError, changed_immutable_fields, parse_spec
+from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
+from . import gate, machine, planning, topology
+from .client import Client
+
+log = logging.getLogger("moejob_operator")
+
+# Test hook: MOE_OPERATOR_CRASH_AT=<point> makes the operator process exit right there, so the
+# tests can kill it mid-launch at a chosen point and check that a restarted one converges.
+CRASH_POINTS = ("after-plan", "after-rbac", "after-first-worker", "after-restart-status")
+
+
+def _crashpoint(point: str) -> None:
+    if os.environ.get("MOE_OPERATOR_CRASH_AT") == point:
+        log.warning("MOE_OPERATOR_CRASH_AT=%s: exiting now", point)
+        os._exit(3)
+
+
+# Annotations on the job that pass fault-injection env to the trainer (tests only):
+FAULT_ANNOTATIONS = {f"{C.GROUP}/fault-exit-at-step": "MOE_FAULT_EXIT_AT_STEP",
+                     f"{C.GROUP}/fault-exit-code": "MOE_FAULT_EXIT_CODE"}
+
+
+class Pass:
+    """The status being built during one pass; flushed once at the end."""
+
+    def __init__(self, client: Client, body: dict[str, Any], now: dt.datetime):
+        self.client, self.body, self.now = client, body, now
+        self.job = common.JobRef.from_body(body)
+        self.generation = body["metadata"].get("generation", 0)
+        self.old = copy.deepcopy(body.get("status") or {})
+        self.status: dict[str, Any] = copy.deepcopy(self.old)
+        self.events: list[tuple[str, str, str]] = []
+
+    def cond(self, ctype: str, status: str, reason: str, message: str) -> None:
+        conds, transition = set_condition(self.status.get("conditions"), ctype, status, reason,
+                                          message, generation=self.generation, now=now_iso(self.now))
+        self.status["conditions"] = conds
+        if transition is not None:
+            self.events.append((event_type_for(transition), reason, message))
+
+    def cond_status(self, ctype: str) -> str | None:
+        for c in self.status.get("conditions") or ():
+            if c.get("type") == ctype:
+                return c.get("status")
+        return None
+
+    def event(self, etype: str, reason: str, message: str) -> None:
+        self.events.append((etype, reason, message))
+
+    def flush(self) -> None:
+        self.status["observedGeneration"] = self.generation
+        self.status["phase"] = phase_of(self.status.get("conditions"))
+        if self.status != self.old:
+            patch = dict(self.status)
+            for key in self.old:          # merge patch: removed keys become null
+                patch.setdefault(key, None)
+            self.client.patch_job_status(self.job.namespace, self.job.name, patch)
+            self.old = copy.deepcopy(self.status)
+        for etype, reason, message in self.events:
+            self.client.event(self.body, etype, reason, message)
+        self.events = []
+
+    @property
+    def finished(self) -> bool:
+        return self.cond_status(C.COND_SUCCEEDED) == TRUE or self.cond_status(C.COND_FAILED) == TRUE
+
+    def fail(self, reason: str, message: str) -> None:
+        self.cond(C.COND_FAILED, TRUE, reason, message)
+        self.cond(C.COND_SUCCEEDED, FALSE, reason, message)
+        if self.cond_status(C.COND_RUNNING) is not None:
+            self.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "the job has failed")
+        self.status.setdefault("completionTime", now_iso(self.now))
+
+
+def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None) -> float | None:
+    """Run one pass; returns seconds until the next wanted pass, or None."""
+    body = client.get_job(namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
+    try:
+        return _run(p)
+    finally:
+        p.flush()
+
+
+def _run(p: Pass) -> float | None:
+    if p.finished:
+        return _finished(p)
+    spec = _accept_spec(p)
+    if spec is None:
+        return None
+
+    plan = _plan(p, spec)
+    if not isinstance(plan, dict):
+        return plan
+
+    verdict = gate.check(p.client, p.body, spec)
+    p.cond(C.COND_UPGRADE_VERIFIED, verdict.status, verdict.reason, verdict.message)
+    if verdict.status == UNKNOWN:
+        return verdict.retry_seconds or 10.0
+    if verdict.status == FALSE:
+        p.fail(verdict.reason, verdict.message)
+        return _finished(p)
+
+    if spec.run_policy.suspend:
+        return _suspend(p)
+    if p.cond_status(C.COND_SUSPENDED) == TRUE:
+        p.cond(C.COND_SUSPENDED, FALSE, C.R_RESUMED, "resumed: relaunching the workers")
+    elif p.cond_status(C.COND_SUSPENDED) is None:
+        p.cond(C.COND_SUSPENDED, FALSE, C.R_NOT_SUSPENDED, "not suspended")
+
+    if not p.status.get("launchedSpec"):
+        _launch_children(p, spec)
+    return _track(p, spec, plan)
+
+
+# ---- validate -----------------------------------------------------------------------------
+def _accept_spec(p: Pass) -> JobSpec | None:
+    raw = p.body.get("spec")
+    launched = p.status.get("launchedSpec")
+    try:
+        if len(p.job.name) > common.MAX_JOB_NAME:
+            raise SpecError("metadata.name", f"{p.job.name!r} is longer than {common.MAX_JOB_NAME} "
+                            "characters (worker pod hostnames must fit in 63)")
+        spec = parse_spec(raw)
+    except SpecError as exc:
+        p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_INVALID_SPEC, str(exc))
+        if launched:
+            return None            # keep the running gang; the user can fix the spec
+        p.fail(C.R_INVALID_SPEC, str(exc))
+        return None
+    if launched:
+        changed = changed_immutable_fields(launched, spec)
+        if changed:
+            p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_IMMUTABLE_FIELD_CHANGED,
+                   f"spec fields {', '.join(changed)} cannot change after launch; the job keeps "
+                   "running with the launched values (revert the change, or create a new job)")
+            return parse_spec({**launched, **{k: v for k, v in (raw or {}).items()
+                                              if k not in launched}})
+    p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid")
+    return spec
+
+
+# ---- discover + plan ----------------------------------------------------------------------
+def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
+    """The job's plan (from its ConfigMap, or made now); else the requeue delay."""
+    name = common.plan_configmap_name(p.job)
+    cm = p.client.get_configmap(p.job.namespace, name)
+    spec_hash = spec.immutable_hash()
+    if cm is not None:
+        ann = (cm["metadata"].get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
+        if ann == spec_hash or p.status.get("launchedSpec"):
+            plan = json.loads(cm["data"][C.PLAN_KEY])
+            p.status["plan"] = planning.summary(plan)
+            return plan
+        # spec edited before launch: plan again
+        p.client.delete_configmap(p.job.namespace, name)
+
+    found = topology.ensure_reports(p.client, p.body, spec, p.now)
+    if found.pending:
+        p.cond(C.COND_TOPOLOGY, UNKNOWN if not found.failed else FALSE,
+               C.R_DISCOVERY_FAILED if found.failed else C.R_DISCOVERY_PENDING, found.message)
+        if not found.candidates:
+            p.cond(C.COND_PLANNED, FALSE, C.R_NO_CANDIDATE_NODES, found.message)
+        return found.retry_seconds
+    p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, found.message)
+
+    try:
+        plan = planning.make_plan(p.client, p.job, spec, found.reports)
+    except SpecError as exc:
+        p.cond(C.COND_PLANNED, FALSE, C.R_INVALID_SPEC, str(exc))
+        p.fail(C.R_INVALID_SPEC, str(exc))
+        return None
+    except planning.NotYet as exc:
+        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc))
+        return exc.retry_seconds
+    except planning.Refused as exc:
+        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc))
+        p.fail(exc.reason, str(exc))
+        return None
+    p.client.create(configmaps.plan_configmap(p.job, plan, spec_hash))
+    summary = planning.summary(plan)
+    p.status["plan"] = summary
+    p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
+    _crashpoint("after-plan")
+    return plan
+
+
+# ---- launch + track -----------------------------------------------------------------------
+def _launch_children(p: Pass, spec: JobSpec) -> None:
+    for obj in (configmaps.progress_configmap(p.job), configmaps.routing_stats_configmap(p.job),
+                rbac.service_account(p.job), rbac.role(p.job), rbac.role_binding(p.job)):
+        p.client.create(obj)
+    _crashpoint("after-rbac")
+    p.client.create(workers.headless_service(p.job))
+    p.status["launchedSpec"] = spec.immutable_view()
+    p.status.setdefault("startTime", now_iso(p.now))
+    p.status.setdefault("attempt", 0)
+    p.status.setdefault("restarts", 0)
+    p.status.setdefault("failedRestarts", 0)
+
+
+def _fault_env(p: Pass) -> dict[str, str]:
+    ann = p.body["metadata"].get("annotations") or {}
+    return {env: str(ann[key]) for key, env in FAULT_ANNOTATIONS.items() if key in ann}
+
+
+def _track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
+    rank2node = planning.rank2node(plan)
+    lost = _lost_nodes(p, rank2node)
+    if lost:
+        return _node_lost(p, spec, lost)
+
+    attempt = int(p.status.get("attempt", 0))
+    pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
+        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    d = machine.decide_gang(pods, count=spec.nodes.count, attempt=attempt,
+                            failed_restarts=int(p.status.get("failedRestarts", 0)),
+                            backoff_limit=spec.run_policy.backoff_limit,
+                            gang_complete=p.status.get("gangComplete") == attempt)
+    p.status["workers"] = {"total": spec.nodes.count, **d.counts}
+    _progress(p)
+
+    left = machine.seconds_left(parse_time(p.status.get("startTime")), p.now,
+                                spec.run_policy.active_deadline_seconds)
+    if left is not None and left <= 0 and d.action != "succeed":
+        _delete(p, [x for x in pods if not x.deleting])
+        p.fail(C.R_DEADLINE_EXCEEDED, f"the job was active longer than activeDeadlineSeconds="
+                                      f"{spec.run_policy.active_deadline_seconds}")
+        return _finished(p)
+
+    if d.action == "fail":
+        _delete(p, d.delete)
+        p.fail(d.reason, d.message)
+        return _finished(p)
+    if d.action == "succeed":
+        p.cond(C.COND_SUCCEEDED, TRUE, C.R_TRAINING_FINISHED, d.message)
+        p.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "training finished")
+        p.status["completionTime"] = now_iso(p.now)
+        return _finished(p)
+    if d.action == "restart":
+        p.status["attempt"] = attempt + 1
+        p.status["restarts"] = int(p.status.get("restarts", 0)) + 1
+        if d.counts_against_backoff:
+            p.status["failedRestarts"] = int(p.status.get("failedRestarts", 0)) + 1
+        p.cond(C.COND_RUNNING, FALSE, C.R_RESTARTING, d.message)
+        p.flush()                          # persist the new attempt before deleting anything
+        _crashpoint("after-restart-status")
+        _delete(p, d.delete)
+        return 1.0
+    if d.action == "delete":
+        _delete(p, d.delete)
+        return 1.0
+    if d.action == "create":
+        extra_env = _fault_env(p)
+        h = spec.immutable_hash()
+        for rank in d.create_ranks:
+            pod = workers.worker_pod(p.job, spec, node_rank=rank, node=rank2node[rank],
+                                     attempt=attempt, spec_hash=h, extra_env=extra_env)
+            if spec.device == "CPU":
+                pod["spec"]["containers"][0]["command"] = [*workers.TRAINER_COMMAND, "--cpu"]
+            p.client.create(pod)
+            _crashpoint("after-first-worker")
+        if p.status.get("gangComplete") != attempt and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count:
+            p.status["gangComplete"] = attempt
+            p.event("Normal", "WorkersCreated",
+                    f"created {len(d.create_ranks)} worker pod(s), attempt {attempt}, on "
+                    f"{', '.join(rank2node)}")
+    if d.counts.get("running", 0) == spec.nodes.count:
+        p.cond(C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{spec.nodes.count} worker pod(s) running")
+    elif p.cond_status(C.COND_RUNNING) != FALSE or d.action == "create":
+        p.cond(C.COND_RUNNING, FALSE, C.R_WORKERS_PENDING,
+               f"{d.counts.get('running', 0)} of {spec.nodes.count} worker pods running")
+    return min(left, 60.0) if left is not None else None
+
+
+def _delete(p: Pass, pods: list[machine.PodView]) -> None:
+    for pod in pods:
+        p.client.delete_pod(p.job.namespace, pod.name, uid=pod.uid)
+
+
+def _progress(p: Pass) -> None:
+    cm = p.client.get_configmap(p.job.namespace, common.progress_configmap_name(p.job))
+    raw = ((cm or {}).get("data") or {}).get(C.PROGRESS_KEY)
+    if not raw:
+        if p.cond_status(C.COND_HEALTHY) is None:
+            p.cond(C.COND_HEALTHY, UNKNOWN, C.R_NO_PROGRESS_YET, "the trainer has not reported yet")
+        return
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return
+    prog = machine.progress_status(doc)
+    if prog:
+        p.status["progress"] = prog
+    findings = machine.health_findings(doc)
+    warnings = [f for f in findings if f["severity"] == "Warning"]
+    old = {(f["type"], f["message"]) for f in p.status.get("health") or ()}
+    for f in warnings:
+        if (f["type"], f["message"]) not in old:
+            p.event("Warning", f["type"], f["message"])
+    p.status["health"] = warnings[:20]
+    if warnings:
+        kinds = sorted({f["type"] for f in warnings})
+        p.cond(C.COND_HEALTHY, FALSE, kinds[0] if len(kinds) == 1 else C.R_HEALTH_FINDINGS,
+               "; ".join(f["message"] for f in warnings[:3]))
+    else:
+        p.cond(C.COND_HEALTHY, TRUE, C.R_NO_FINDINGS, "no trainer health findings")
+
+
+def _lost_nodes(p: Pass, rank2node: list[str]) -> list[str]:
+    names = {n["metadata"]["name"] for n in p.client.list_nodes()}
+    return sorted(set(rank2node) - names)
+
+
+def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
+    msg = f"planned node(s) {', '.join(lost)} no longer exist"
+    pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
+        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    live = [x for x in pods if not x.deleting]
+    if not spec.run_policy.allow_replan_on_node_loss:
+        _delete(p, live)
+        p.fail(C.R_NODE_LOST, msg + " (runPolicy.allowReplanOnNodeLoss is false)")
+        return _finished(p)
+    p.status["attempt"] = int(p.status.get("attempt", 0)) + 1
+    p.status["restarts"] = int(p.status.get("restarts", 0)) + 1
+    p.cond(C.COND_RUNNING, FALSE, C.R_RESTARTING, msg + "; planning again")
+    p.cond(C.COND_PLANNED, UNKNOWN, C.R_NODE_LOST, msg + "; planning again")
+    p.flush()
+    _delete(p, live)
+    p.client.delete_configmap(p.job.namespace, common.plan_configmap_name(p.job))
+    return 1.0
+
+
+def _suspend(p: Pass) -> float | None:
+    pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
+        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    _delete(p, [x for x in pods if not x.deleting])
+    p.status.pop("gangComplete", None)
+    p.cond(C.COND_SUSPENDED, TRUE, C.R_SUSPENDED,
+           "runPolicy.suspend is true: worker pods deleted, checkpoints kept")
+    if p.cond_status(C.COND_RUNNING) is not None:
+        p.cond(C.COND_RUNNING, FALSE, C.R_SUSPENDED, "suspended")
+    return None
+
+
+# ---- finish -------------------------------------------------------------------------------
+def _finished(p: Pass) -> float | None:
+    try:
+        ttl = parse_spec(p.body.get("spec")).run_policy.ttl_seconds_after_finished
+    except SpecError:
+        ttl = None
+    left = machine.seconds_left(parse_time(p.status.get("completionTime")), p.now, ttl)
+    if left is None:
+        return None
+    if left <= 0:
+        p.event("Normal", "TTLExpired", f"deleting the job {ttl}s after it finished")
+        p.flush()
+        p.client.delete_job(p.job.namespace, p.job.name)
+        return None
+    return left

@@ -1,0 +1,187 @@
+"""Pure decisions of the reconcile loop: what to do with the worker gang, which nodes to use,
+when deadlines and TTLs fire, how trainer progress maps onto the status. No API calls here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import constants as C
+
+
+# ---- worker pods ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PodView:
+    """What the gang logic needs from one worker pod."""
+
+    name: str
+    uid: str
+    node_rank: int
+    attempt: int
+    phase: str                      # Pending | Running | Succeeded | Failed | Unknown
+    exit_code: int | None           # trainer container's exit code once terminated
+    deleting: bool
+    node: str | None
+
+    @classmethod
+    def from_pod(cls, pod: dict[str, Any]) -> PodView:
+        meta, status = pod["metadata"], pod.get("status") or {}
+        labels = meta.get("labels") or {}
+        code = None
+        for cs in status.get("containerStatuses") or ():
+            term = (cs.get("state") or {}).get("terminated")
+            if term is not None:
+                code = term.get("exitCode")
+        return cls(name=meta["name"], uid=meta.get("uid", ""),
+                   node_rank=int(labels.get(C.LABEL_NODE_RANK, -1)),
+                   attempt=int(labels.get(C.LABEL_ATTEMPT, -1)),
+                   phase=status.get("phase") or "Pending", exit_code=code,
+                   deleting=bool(meta.get("deletionTimestamp")),
+                   node=(pod.get("spec") or {}).get("nodeName"))
+
+
+def is_permanent(code: int | None) -> bool:
+    return code in C.PERMANENT_EXIT_CODES
+
+
+@dataclass
+class GangDecision:
+    """``action``: one of
+    wait      - nothing to do until something changes
+    create    - create ``create_ranks`` (current attempt)
+    delete    - delete ``delete`` (stale pods of an older attempt) and wait for them to go
+    restart   - bump the attempt, delete the gang, relaunch from the checkpoint;
+                ``counts_against_backoff`` is False when a person deleted a worker pod
+    fail      - stop (and delete ``delete``); ``reason``/``message`` say why
+    succeed   - every node rank finished with exit 0
+    """
+
+    action: str
+    create_ranks: list[int] = field(default_factory=list)
+    delete: list[PodView] = field(default_factory=list)
+    reason: str = ""
+    message: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
+    counts_against_backoff: bool = True
+
+
+def _live(pods: list[PodView]) -> list[PodView]:
+    return [p for p in pods if not p.deleting and p.phase in ("Pending", "Running", "Unknown")]
+
+
+def decide_gang(pods: list[PodView], *, count: int, attempt: int, failed_restarts: int,
+                backoff_limit: int, gang_complete: bool) -> GangDecision:
+    """The gang policy as one function of the observed worker pods.
+
+    ``gang_complete``: every rank of ``attempt`` was created once already (so a missing rank
+    now was deleted by someone, not "not created yet"). Pods being deleted are ignored except
+    that their names are still taken; pods of an older attempt are stale and go first, so two
+    generations never rendezvous with each other.
+    """
+    going = [p for p in pods if p.deleting]
+    here = [p for p in pods if not p.deleting]
+    stale = [p for p in here if p.attempt != attempt or not 0 <= p.node_rank < count]
+    current = {p.node_rank: p for p in here if p not in stale}
+    counts = {"pending": 0, "running": 0, "succeeded": 0, "failed": 0}
+    for p in current.values():
+        counts[{"Running": "running", "Succeeded": "succeeded", "Failed": "failed"}.get(p.phase, "pending")] += 1
+
+    failed = sorted((p for p in current.values() if p.phase == "Failed"), key=lambda p: p.node_rank)
+    permanent = [p for p in failed if is_permanent(p.exit_code)]
+    if permanent:
+        p = permanent[0]
+        return GangDecision("fail", reason=C.R_PERMANENT_WORKER_FAILURE, counts=counts, delete=_live(here),
+                            message=f"worker {p.name} (node rank {p.node_rank}) exited with permanent "
+                                    f"code {p.exit_code}; not retried")
+    if failed:
+        p = failed[0]
+        what = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code (pod failed)"
+        if failed_restarts >= backoff_limit:
+            return GangDecision("fail", reason=C.R_BACKOFF_LIMIT_EXCEEDED, counts=counts, delete=_live(here),
+                                message=f"worker {p.name} failed ({what}) after {failed_restarts} gang "
+                                        f"restart(s); backoffLimit is {backoff_limit}")
+        return GangDecision("restart", counts=counts, reason=C.R_RESTARTING, delete=here,
+                            message=f"worker {p.name} failed ({what}); restarting the gang from the "
+                                    f"latest checkpoint (restart {failed_restarts + 1} of {backoff_limit})")
+    if stale:
+        return GangDecision("delete", delete=stale, counts=counts, reason=C.R_RESTARTING,
+                            message="deleting the previous gang's pods")
+    if len(current) == count and all(p.phase == "Succeeded" for p in current.values()):
+        return GangDecision("succeed", counts=counts, reason=C.R_TRAINING_FINISHED,
+                            message=f"all {count} node ranks finished")
+    missing = [r for r in range(count) if r not in current]
+    if missing and gang_complete and current:
+        return GangDecision("restart", counts=counts, reason=C.R_RESTARTING, delete=here,
+                            counts_against_backoff=False,
+                            message=f"worker pod(s) of node rank(s) {missing} disappeared; restarting "
+                                    "the gang from the latest checkpoint")
+    taken = {p.node_rank for p in going}
+    creatable = [r for r in missing if r not in taken]
+    if creatable:
+        return GangDecision("create", create_ranks=creatable, counts=counts, reason=C.R_LAUNCHING,
+                            message=f"creating node rank(s) {creatable}")
+    return GangDecision("wait", counts=counts)
+
+
+# ---- nodes ------------------------------------------------------------------------------------
+def node_ready(node: dict[str, Any]) -> bool:
+    if (node.get("spec") or {}).get("unschedulable"):
+        return False
+    for cond in (node.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "Ready":
+            return cond.get("status") == "True"
+    return False
+
+
+def candidate_nodes(nodes: list[dict[str, Any]], *, node_names: list[str] | None,
+                    selectors: list[dict[str, str] | None]) -> list[str]:
+    """Ready nodes the job may use, sorted by name (``node_names`` keeps the user's order)."""
+    ready = {n["metadata"]["name"]: n for n in nodes if node_ready(n)}
+    if node_names:
+        return [n for n in node_names if n in ready]
+    out = []
+    for name, node in sorted(ready.items()):
+        labels = node["metadata"].get("labels") or {}
+        if all(labels.get(k) == v for sel in selectors if sel for k, v in sel.items()):
+            out.append(name)
+    return out
+
+
+# ---- time -------------------------------------------------------------------------------------
+def seconds_left(start: dt.datetime | None, now: dt.datetime, limit: int | None) -> float | None:
+    """Seconds until ``start + limit`` (negative once past), None when there is no limit."""
+    if start is None or limit is None:
+        return None
+    return (start + dt.timedelta(seconds=limit) - now).total_seconds()
+
+
+# ---- progress ---------------------------------------------------------------------------------
+PROGRESS_FIELDS = ("step", "totalSteps", "loss", "tokensPerSecond", "etaSeconds", "phase", "updatedAt")
+
+
+def progress_status(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``status.progress`` block from a TrainerProgress v1 document (None if unusable)."""
+    if not isinstance(doc, dict) or doc.get("kind") != "TrainerProgress" or doc.get("version") != 1:
+        return None
+    out = {k: doc[k] for k in PROGRESS_FIELDS if doc.get(k) is not None}
+    for k in ("loss", "tokensPerSecond", "etaSeconds"):
+        if isinstance(out.get(k), float):
+            out[k] = round(out[k], 4)     # printer columns; full precision lives in the ConfigMap
+    ckpt = doc.get("checkpoint") or {}
+    if isinstance(ckpt, dict) and ckpt.get("step") is not None:
+        out["checkpointStep"] = ckpt["step"]
+    return out
+
+
+def health_findings(doc: dict[str, Any] | None) -> list[dict[str, str]]:
+    """Trainer health findings (``health`` of TrainerProgress), Warning severity first."""
+    if not isinstance(doc, dict):
+        return []
+    out = []
+    for f in doc.get("health") or ():
+        if isinstance(f, dict) and f.get("type"):
+            out.append({"type": str(f["type"]), "severity": str(f.get("severity", "Warning")),
+                        "message": str(f.get("message", ""))[:512]})
+    return sorted(out, key=lambda f: (f["severity"] != "Warning", f["type"]))

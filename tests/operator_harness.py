@@ -1,0 +1,98 @@
+"""Helpers for the operator's cluster tests: install the CRD, run the real operator (kopf, as a
+subprocess so a test can kill it at any point), apply jobs, read conditions."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from kubernetes.client.rest import ApiException
+
+from moe_localkube import procs
+from moejob_operator import constants as C
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_PATH = ROOT / "crds" / "moetrainingjob.yaml"
+
+
+def install_crd(kube) -> None:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    try:
+        kube.apiext.create_custom_resource_definition(crd)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
+        crd["metadata"]["resourceVersion"] = cur.metadata.resource_version
+        kube.apiext.replace_custom_resource_definition(crd["metadata"]["name"], crd)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
+        if any(c.type == "Established" and c.status == "True" for c in cur.status.conditions or ()):
+            return
+        time.sleep(0.2)
+    raise AssertionError("CRD not established")
+
+
+class Operator:
+    """``kopf run -A -m moejob_operator.handlers`` against the test control plane."""
+
+    def __init__(self, control_plane, log_dir: Path):
+        self.cp = control_plane
+        self.log_dir = Path(log_dir)
+        self.proc = None
+        self.starts = 0
+
+    def start(self, **env: str) -> "Operator":
+        self.starts += 1
+        full = dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig), **env)
+        full.pop("MOE_OPERATOR_CRASH_AT", None) if "MOE_OPERATOR_CRASH_AT" not in env else None
+        self.log = self.log_dir / f"operator-{self.starts}.log"
+        self.proc = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A",
+                                 "-m", "moejob_operator.handlers"], self.log, env=full)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            procs.stop(self.proc, grace_seconds=5)
+            self.proc = None
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def logs(self) -> str:
+        return "\n".join(p.read_text(errors="replace")[-6000:] for p in sorted(self.log_dir.glob("operator-*.log")))
+
+
+def apply_job(kube, namespace: str, manifest: dict) -> dict:
+    return kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, manifest)
+
+
+def get_job(kube, namespace: str, name: str) -> dict:
+    return kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
+
+
+def condition(job: dict, ctype: str) -> dict:
+    for c in (job.get("status") or {}).get("conditions") or ():
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+def events_for(kube, namespace: str, name: str) -> list:
+    evs = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}")
+    return evs.items
+
+
+def example(name: str, **overrides) -> dict:
+    doc = yaml.safe_load((ROOT / "examples" / name).read_text())
+    doc["metadata"].update(overrides.pop("metadata", {}))
+    for k, v in overrides.items():
+        doc["spec"][k] = v
+    return doc

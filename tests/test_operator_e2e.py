@@ -1,0 +1,54 @@
+"""End to end with the real operator, API server and node agent: discovery pods -> plan
+ConfigMap -> 2 worker pods running the real trainer (DeepSpeed ZeRO-3 + AutoEP on CPU) ->
+Succeeded with progress in the status, and `kubectl wait --for=condition=Succeeded` works."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moejob_operator import constants as C
+from operator_harness import Operator, apply_job, condition, events_for, example, get_job, install_crd
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
+    install_crd(kube)
+    op = Operator(control_plane, tmp_path_factory.mktemp("operator")).start()
+    yield op
+    op.stop()
+
+
+def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):
+    job = example("tiny-cpu.yaml", checkpoint={"everySteps": 5,
+                                               "volume": {"hostPath": {"path": str(tmp_path)}}})
+    apply_job(kube, namespace, job)
+    name = job["metadata"]["name"]
+
+    wait_for(lambda: condition(get_job(kube, namespace, name), C.COND_TOPOLOGY).get("status") == "True",
+             timeout=60, message="topology discovered\n" + operator_proc.logs())
+    disc = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=discovery").items
+    assert len(disc) == 2 and all(p.status.phase == "Succeeded" for p in disc)
+    plan_cm = wait_for(lambda: kube.core.read_namespaced_config_map(f"{name}-plan", namespace),
+                       timeout=30)
+    plan = json.loads(plan_cm.data[C.PLAN_KEY])
+    assert plan["worldSize"] == 2 and {r["node"] for r in plan["ranks"]} == {"node-a", "node-b"}
+
+    out = kubectl.run("wait", "--for=condition=Succeeded", f"moejob/{name}", "-n", namespace,
+                      "--timeout=400s", check=False, timeout=420)
+    status = get_job(kube, namespace, name)["status"]
+    assert out.returncode == 0, f"{out.stdout}{out.stderr}\n{json.dumps(status, indent=1)}\n{operator_proc.logs()}"
+    assert status["phase"] == "Succeeded"
+    assert status["progress"]["step"] == status["progress"]["totalSteps"] == 10
+    assert status["plan"]["worldSize"] == 2
+    assert status["observedGeneration"] == 1
+    pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
+    assert sorted(p.metadata.name for p in pods) == [f"{name}-worker-0", f"{name}-worker-1"]
+    assert all(p.metadata.owner_references[0].name == name for p in pods)
+    reasons = {e.reason for e in events_for(kube, namespace, name)}
+    assert {C.R_DISCOVERED, C.R_PLAN_READY, "WorkersCreated", C.R_TRAINING_FINISHED} <= reasons
+    got = kubectl.run("get", "moejob", "-n", namespace)
+    assert "Succeeded" in got.stdout
