@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 
@@ -47,7 +48,7 @@ def test_nodes_look_like_gpu_nodes(kube, node_agent, wait_for):
         assert lease.spec.holder_identity == name
 
 
-def test_job_with_configmap_and_downward_env_completes(kube, node_agent, namespace, wait_for):
+def test_job_with_configmap_and_downward_env_completes(kube, node_agent, namespace, wait_for, kubectl):
     kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
     script = """
         import os
@@ -84,6 +85,7 @@ def test_job_with_configmap_and_downward_env_completes(kube, node_agent, namespa
     expected = f"hello from {pod.metadata.name} on node-b ip {pod.status.pod_ip} fixture nvswitch-h100-8"
     assert (out_dir / "result.txt").read_text() == expected
     assert node_agent.read_log(namespace, pod.metadata.name).strip() == expected
+    assert kubectl.run("logs", "-n", namespace, "job/hello").stdout.strip() == expected
 
 
 def test_exit_code_and_termination_messages(kube, node_agent, namespace, wait_for):
@@ -105,7 +107,7 @@ def test_exit_code_and_termination_messages(kube, node_agent, namespace, wait_fo
     assert term.exit_code == 78 and term.message.endswith("line one\nfinal words\n")
 
 
-def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wait_for):
+def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wait_for, kubectl):
     kube.core.create_namespaced_pod(namespace, _pod("flaky", """
         import os
         n = len(os.listdir("/scratch"))
@@ -121,9 +123,10 @@ def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wa
     assert cs.last_state.terminated is None or cs.state.terminated.exit_code == 0
     assert node_agent.read_log(namespace, "flaky").strip() == "attempt 2"
     assert node_agent.read_log(namespace, "flaky", previous=True).strip() == "attempt 1"
+    assert kubectl.run("logs", "-n", namespace, "flaky", "--previous").stdout.strip() == "attempt 1"
 
 
-def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, wait_for):
+def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, wait_for, kubectl):
     kube.core.create_namespaced_pod(namespace, _pod("sleeper", """
         import time
         open("/dev/shm/marker", "w").write("in tmpfs")
@@ -136,6 +139,8 @@ def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, w
     assert str(shm).startswith("/dev/shm/")
     wait_for(lambda: (shm / "dshm" / "marker").read_text() == "in tmpfs", timeout=10)
     assert not os.path.exists("/dev/shm/marker"), "the pod's /dev/shm is its own"
+    follow = subprocess.Popen([str(kubectl.path), "logs", "-f", "-n", namespace, "sleeper"], env=kubectl.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     cs = pod.status.container_statuses[0]
     assert cs.ready and cs.state.running is not None
     assert {c.type for c in pod.status.conditions if c.status == "True"} >= {"Ready", "ContainersReady", "Initialized", "PodScheduled"}
@@ -151,6 +156,8 @@ def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, w
             return exc.status == 404
 
     wait_for(gone, timeout=30, message="pod removed")
+    out, _ = follow.communicate(timeout=20)   # kubectl logs -f ends when the container does
+    assert out.strip() == "up"
     assert not procs.group_alive(pid)
     wait_for(lambda: not shm.exists(), timeout=10, message="Memory emptyDir released")
 

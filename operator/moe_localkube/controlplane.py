@@ -156,6 +156,8 @@ class ControlPlane:
             "--service-account-signing-key-file", str(keys.sa_key),
             "--service-cluster-ip-range", SERVICE_CIDR,
             "--endpoint-reconciler-type", "none",
+            # kubectl logs: reach the node agent's kubelet API at the node's InternalIP.
+            "--kubelet-preferred-address-types", "InternalIP",
             "--allow-privileged=true",
             "--profiling=false",
             "--v", "1"])

@@ -31,6 +31,7 @@ from kubernetes.client import CoordinationV1Api, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
+from .kubeletapi import KubeletApi
 from .nodes import FAKE_NVML_ENV, NodeSpec, node_manifest, node_status
 from .podfiles import Mount
 from .podworker import PodWorker
@@ -109,6 +110,7 @@ class NodeAgent:
         self.pids: set[int] = set()
         self.mount_targets: sandbox.MountTargets | None = None
         self.hosts: HostsFile | None = None
+        self.kubelet_api: KubeletApi | None = None
         self._workers: dict[str, PodWorker] = {}
         self._ips: dict[str, str] = {}
         self._next_ip = 2
@@ -128,6 +130,7 @@ class NodeAgent:
         sandbox.check_host()
         self.mount_targets = sandbox.MountTargets()
         self.hosts = HostsFile(self.run_dir / "hosts")
+        self.kubelet_api = KubeletApi(self._log_lookup, self.run_dir / "kubelet-pki", host=self.host_ip).start()
         for spec in self.nodes.values():
             self._register(spec)
         self._started = True
@@ -157,6 +160,8 @@ class NodeAgent:
                 pass
         if self.mount_targets:
             self.mount_targets.cleanup()
+        if self.kubelet_api:
+            self.kubelet_api.stop()
 
     # ------------------------------------------------------------ nodes
     def _register(self, spec: NodeSpec) -> None:
@@ -167,7 +172,8 @@ class NodeAgent:
             if exc.status != 409:
                 raise
             self.core.patch_node(spec.name, {"metadata": body["metadata"]}, _content_type=MERGE)
-        self.core.patch_node_status(spec.name, {"status": node_status(spec, self.host_ip)}, _content_type=MERGE)
+        port = self.kubelet_api.port if self.kubelet_api else 0
+        self.core.patch_node_status(spec.name, {"status": node_status(spec, self.host_ip, port)}, _content_type=MERGE)
         # TaintNodesByCondition put node.kubernetes.io/not-ready on the new node; it is Ready now.
         self.core.patch_node(spec.name, {"spec": {"taints": None}}, _content_type=MERGE)
         self._renew_lease(spec.name)
@@ -352,15 +358,30 @@ class NodeAgent:
     def read_log(self, namespace: str, pod: str, container: str | None = None, previous: bool = False) -> str:
         return read_log(self.run_dir, namespace, pod, container, previous)
 
+    def _log_lookup(self, namespace: str, pod: str, container: str, previous: bool):
+        try:
+            path, uid = log_file(self.run_dir, namespace, pod, container, previous)
+        except (FileNotFoundError, ValueError):
+            return None, lambda: False
+        with self._lock:
+            worker = self._workers.get(uid)
+
+        def running() -> bool:
+            if previous or worker is None or not worker.is_alive():
+                return False
+            return any(c.name == container and c.proc is not None for c in [*worker.inits, *worker.mains])
+
+        return path, running
+
     def workers(self) -> dict[str, PodWorker]:
         with self._lock:
             return dict(self._workers)
 
 
-def read_log(run_dir: Path | str, namespace: str, pod: str, container: str | None = None,
-             previous: bool = False) -> str:
-    """Output of a container of the newest pod ``namespace/pod`` run under ``run_dir``
-    (``previous``: the attempt before the last restart)."""
+def log_file(run_dir: Path | str, namespace: str, pod: str, container: str | None = None,
+             previous: bool = False) -> tuple[Path | None, str]:
+    """(log file, pod uid) of a container of the newest pod ``namespace/pod`` under ``run_dir``;
+    the file is None when that attempt has no log (``previous`` before any restart)."""
     base = Path(run_dir) / "pods" / namespace / pod
     metas = sorted(base.glob("*/pod.json"), key=lambda p: p.stat().st_mtime)
     if not metas:
@@ -375,9 +396,15 @@ def read_log(run_dir: Path | str, namespace: str, pod: str, container: str | Non
         raise ValueError(f"pod {namespace}/{pod} has no container {container!r} (has {names})")
     logs = sorted(metas[-1].parent.glob(f"logs/{container}.*.log"), key=lambda p: int(p.name.split(".")[-2]))
     want = -2 if previous else -1
-    if len(logs) < abs(want):
-        return ""
-    return logs[want].read_text(errors="replace")
+    return (logs[want] if len(logs) >= abs(want) else None), meta["uid"]
+
+
+def read_log(run_dir: Path | str, namespace: str, pod: str, container: str | None = None,
+             previous: bool = False) -> str:
+    """Output of a container of the newest pod ``namespace/pod`` run under ``run_dir``
+    (``previous``: the attempt before the last restart; "" when there is none)."""
+    path, _ = log_file(run_dir, namespace, pod, container, previous)
+    return path.read_text(errors="replace") if path else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,7 +91,7 @@ def node_manifest(spec: NodeSpec) -> dict:
     }
 
 
-def node_status(spec: NodeSpec, host_ip: str = "127.0.0.1") -> dict:
+def node_status(spec: NodeSpec, host_ip: str = "127.0.0.1", kubelet_port: int = 0) -> dict:
     gpus = fixture_gpus(spec.fixture)
     resources = {"cpu": spec.cpu, "memory": spec.memory, "pods": str(spec.pods),
                  "ephemeral-storage": "1Ti", GPU_RESOURCE: str(gpus.count)}
@@ -108,7 +108,7 @@ def node_status(spec: NodeSpec, host_ip: str = "127.0.0.1") -> dict:
         ] + [{"type": "Ready", "status": "True", "reason": "KubeletReady",
               "message": "moe_localkube node agent is posting ready status",
               "lastHeartbeatTime": now, "lastTransitionTime": now}],
-        "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
+        "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
         "nodeInfo": {"architecture": "amd64", "bootID": "", "containerRuntimeVersion": "moe-localkube://0",
                      "kernelVersion": "", "kubeProxyVersion": "v1.20.2", "kubeletVersion": "v1.20.2",
                      "machineID": "", "operatingSystem": "linux", "osImage": "moe_localkube fake GPU node",
