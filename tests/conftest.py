@@ -12,7 +12,9 @@ Stable fixture API (other test files build on these; keep names and meanings):
   token (pods can be created at once); deleted after the test.
 - ``node_agent`` (session): a running ``moe_localkube.nodeagent.NodeAgent`` playing the kubelet
   for two fake GPU nodes ``node-a`` and ``node-b`` (fixture ``nvswitch-h100-8``, 8 GPUs each).
-  ``node_agent.read_log(namespace, pod, container=None)`` returns a container's output.
+  ``node_agent.read_log(namespace, pod, container=None, previous=False)`` returns a container's
+  output; ``node_agent.kill_container(namespace, pod, container=None, sig=SIGKILL)`` simulates a
+  crash (exit code 128+sig). ``kubectl logs`` works too.
 - ``kubectl`` (session): ``moe_localkube.testing.Kubectl`` (``path``, ``env`` with KUBECONFIG and
   kubectl/helm on PATH, ``helm``, ``run(*args)``).
 - ``wait_for`` (session): ``moe_localkube.testing.wait_for(predicate, timeout=30, interval=0.2,

@@ -286,3 +286,14 @@ def test_gpu_capacity_is_enforced_by_the_real_scheduler(kube, node_agent, namesp
     wait_for(unschedulable, timeout=30, message="too-big marked Unschedulable")
     pod = kube.core.read_namespaced_pod("too-big", namespace)
     assert pod.spec.node_name is None and pod.status.phase == "Pending"
+
+
+def test_kill_container_simulates_a_crash(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("victim", "import time; time.sleep(600)"))
+    wait_for(lambda: _phase(kube, namespace, "victim", "Running"), timeout=40)
+    pid = node_agent.kill_container(namespace, "victim")
+    pod = wait_for(lambda: _phase(kube, namespace, "victim", "Failed"), timeout=20)
+    assert pod.status.container_statuses[0].state.terminated.exit_code == 128 + signal.SIGKILL
+    assert not procs.group_alive(pid)
+    with pytest.raises(LookupError, match=f"no running container \\* in pod {namespace}/victim"):
+        node_agent.kill_container(namespace, "victim")

@@ -373,6 +373,21 @@ class NodeAgent:
 
         return path, running
 
+    def kill_container(self, namespace: str, pod: str, container: str | None = None,
+                       sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to a running container's process group, as a crash or OOM kill would
+        (for failure-handling tests); returns the pid. The pod then reports exit code 128+sig."""
+        with self._lock:
+            workers = [w for w in self._workers.values()
+                       if (w.ns, w.pod_name) == (namespace, pod) and w.is_alive()]
+        for w in workers:
+            for c in [*w.inits, *w.mains]:
+                proc = c.proc
+                if proc is not None and container in (None, c.name):
+                    os.killpg(proc.pid, sig)
+                    return proc.pid
+        raise LookupError(f"no running container {container or '*'} in pod {namespace}/{pod} on this agent")
+
     def workers(self) -> dict[str, PodWorker]:
         with self._lock:
             return dict(self._workers)
