@@ -1,0 +1,100 @@
+"""The upgrade gate's children: the smoke-test Job and the verdict ConfigMap (pure builders).
+
+Both live in the operator's namespace and belong to no MoETrainingJob: a verdict is shared by
+every job that uses the same identity, so no single job owns it (docs/gate.md). They carry the
+`moe-operator.io/component: smoke|gate` label and the identity key instead.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .. import constants as C
+from ..core import gate as G
+from .workers import RUN_AS_USER
+
+SMOKE_COMMAND = ("moe-smoke",)
+SCRATCH = "/var/tmp/moe-smoke"            # emptyDir: checkpoints of the smoke run, JIT builds
+
+
+def _labels(component: str, identity: G.Identity) -> dict[str, str]:
+    return {C.LABEL_COMPONENT: component, C.LABEL_MANAGED_BY: C.MANAGED_BY, G.LABEL_GATE_KEY: identity.key}
+
+
+def smoke_args(identity: G.Identity) -> list[str]:
+    args = ["--workdir", f"{SCRATCH}/work"]
+    if identity.device == "CPU":
+        args.append("--cpu")
+    if identity.deepspeed_version:
+        args += ["--expect-deepspeed", identity.deepspeed_version]
+    return args
+
+
+def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
+              image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
+    """batch/v1 Job running `moe-smoke` once in the trainer image (1 GPU, or CPU + gloo).
+
+    backoffLimit 0: a failed smoke run is a verdict, not something to retry. The verdict comes
+    back as the container's termination message (FallbackToLogsOnError keeps the log tail when
+    the program dies before writing one).
+    """
+    name = G.smoke_job_name(identity, attempt)
+    command = list(config.command or SMOKE_COMMAND)
+    args = ([] if config.command else smoke_args(identity)) + list(config.extra_args)
+    container: dict[str, Any] = {
+        "name": "smoke",
+        "image": identity.image,
+        "imagePullPolicy": image_pull_policy,
+        "command": command,
+        "args": args,
+        "env": [{"name": "TORCH_EXTENSIONS_DIR", "value": f"{SCRATCH}/torch_extensions"},
+                {"name": "HF_HUB_OFFLINE", "value": "1"},
+                {"name": "NCCL_NVLS_ENABLE", "value": "0"},
+                {"name": "MOE_GATE_KEY", "value": identity.key}],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    if identity.device == "GPU":
+        container["resources"] = {"limits": {C.GPU_RESOURCE: 1}, "requests": {C.GPU_RESOURCE: 1}}
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+    }
+    if identity.device == "GPU":
+        pod_spec["tolerations"] = [{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    if config.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(config.node_selector.items()))
+    labels = _labels("smoke", identity)
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": config.namespace, "labels": labels,
+                     "annotations": {f"{C.GROUP}/gate-image": identity.image,
+                                     f"{C.GROUP}/gate-deepspeed-version": identity.deepspeed_version or "",
+                                     f"{C.GROUP}/gate-attempt": str(attempt)}},
+        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": config.deadline_seconds,
+                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec}},
+    }
+
+
+def verdict_configmap(record: dict[str, Any], namespace: str, *,
+                      resource_version: str | None = None) -> dict[str, Any]:
+    """ConfigMap moe-gate-<key> holding one GateVerdict (key `verdict.json`)."""
+    ident = record["identity"]
+    meta: dict[str, Any] = {
+        "name": f"{G.STORE_PREFIX}{ident['key']}", "namespace": namespace,
+        "labels": {C.LABEL_COMPONENT: "gate", C.LABEL_MANAGED_BY: C.MANAGED_BY, G.LABEL_GATE_KEY: ident["key"],
+                   f"{C.GROUP}/gate-passed": "true" if record["passed"] else "false"},
+        "annotations": {f"{C.GROUP}/gate-image": ident["image"], f"{C.GROUP}/gate-expires-at": record["expiresAt"]},
+    }
+    if resource_version:
+        meta["resourceVersion"] = resource_version
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {G.VERDICT_KEY: json.dumps(record, indent=1, sort_keys=True)}}

@@ -1,0 +1,243 @@
+"""Pure tests of the upgrade gate: identity, verdict documents, expiry, decisions, the Job builder."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from moejob_operator import constants as C
+from moejob_operator.builders import smoke as B
+from moejob_operator.core import gate as G
+
+NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+DIGEST = "sha256:" + "ab" * 32
+CFG = G.GateConfig(namespace="moe-system")
+
+
+def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom") -> dict:
+    checks = []
+    for name in G.SMOKE_CHECKS:
+        if failed == name:
+            checks.append({"name": name, "passed": False, "seconds": 1.0, "message": message})
+            break
+        checks.append({"name": name, "passed": True, "seconds": 1.0, "message": "ok"})
+    return {"kind": "SmokeVerdict", "version": 1, "passed": passed, "failedCheck": failed, "checks": checks,
+            "exception": None if passed else "Traceback...\n" + message.removeprefix("rank 0: "),
+            "versions": {"deepspeed": ds, "torch": "2.13.0", "transformers": "5.17.0", "cuda": "12.8"},
+            "durationSeconds": 12.5}
+
+
+def finished(doc: dict | None, code=0, image_id=None, name="moe-smoke-x-1", reason=None) -> G.SmokeObservation:
+    return G.SmokeObservation(name=name, finished=True, exit_code=code,
+                              message=json.dumps(doc) if doc is not None else None, reason=reason,
+                              image_id=image_id)
+
+
+# ---- identity ---------------------------------------------------------------------------------
+def test_digest_from_references_and_image_ids():
+    assert G.digest_of(f"reg.io/t/trainer:1.0@{DIGEST}") == DIGEST
+    assert G.digest_of(f"docker-pullable://reg.io/t/trainer@{DIGEST}") == DIGEST
+    assert G.digest_of(DIGEST) == DIGEST
+    assert G.digest_of("reg.io/t/trainer:1.0") is None
+    assert G.digest_of(None) is None
+    assert G.repository_of(f"reg.io:5000/t/trainer:1.0@{DIGEST}") == "reg.io:5000/t/trainer"
+    assert G.repository_of("reg.io:5000/t/trainer") == "reg.io:5000/t/trainer"
+
+
+def test_identity_key_separates_what_must_be_verified_apart():
+    base = G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU")
+    assert base.key == G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU").key      # stable
+    others = [G.identity_for("reg.io/trainer:1.1", "0.19.8", "GPU"),
+              G.identity_for("reg.io/trainer:1.0", "0.20.0", "GPU"),
+              G.identity_for("reg.io/trainer:1.0", None, "GPU"),
+              G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU")]
+    assert len({base.key} | {o.key for o in others}) == 5
+    # a pinned digest is the image, whatever tag is written next to it
+    a = G.identity_for(f"reg.io/trainer:1.0@{DIGEST}", "0.19.8", "GPU")
+    b = G.identity_for(f"reg.io/trainer:latest@{DIGEST}", "0.19.8", "GPU")
+    assert a.digest == DIGEST and a.key == b.key != base.key
+    assert len(a.key) == 16 and G.smoke_job_name(a, 3) == f"moe-smoke-{a.key}-3"
+    assert len(G.smoke_job_name(a, 999)) <= 63
+
+
+def test_identity_refuses_bad_input():
+    with pytest.raises(G.GateError, match="device: 'TPU' is not GPU or CPU"):
+        G.identity_for("img", None, "TPU")
+    with pytest.raises(G.GateError, match="image: empty"):
+        G.identity_for("", None, "GPU")
+
+
+# ---- documents --------------------------------------------------------------------------------
+def test_smoke_verdict_reader():
+    assert G.parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
+    with pytest.raises(G.GateError, match="SmokeVerdict.kind: 'Nope'"):
+        G.parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
+    with pytest.raises(G.GateError, match="version: 2 is not supported"):
+        G.parse_smoke_verdict(dict(smoke_doc(), version=2))
+    with pytest.raises(G.GateError, match="failedCheck: required when passed is false"):
+        G.parse_smoke_verdict(dict(smoke_doc(), passed=False))
+    with pytest.raises(G.GateError, match=r"checks\[0\].passed: 'yes' has the wrong type"):
+        doc = smoke_doc()
+        doc["checks"][0]["passed"] = "yes"
+        G.parse_smoke_verdict(doc)
+    with pytest.raises(G.GateError, match="passed: true but a check failed"):
+        doc = smoke_doc()
+        doc["checks"][2]["passed"] = False
+        G.parse_smoke_verdict(doc)
+    with pytest.raises(G.GateError, match="not JSON"):
+        G.parse_smoke_verdict("Traceback (most recent call last): ...")
+
+
+def test_config_from_env():
+    cfg = G.GateConfig.from_env({"POD_NAMESPACE": "moe-system", "MOE_GATE_PASS_TTL_SECONDS": "60",
+                                 "MOE_GATE_SMOKE_COMMAND": '["sh", "-c", "exit 0"]'})
+    assert (cfg.enabled, cfg.namespace, cfg.pass_ttl_seconds, cfg.fail_ttl_seconds) == \
+        (True, "moe-system", 60, G.DEFAULT_FAIL_TTL_SECONDS)
+    assert cfg.command == ("sh", "-c", "exit 0")
+    assert G.GateConfig.from_env({"MOE_GATE_ENABLED": "false"}).enabled is False
+    assert G.GateConfig.from_env({}, default_namespace="ops").namespace == "ops"
+    with pytest.raises(G.GateError, match="MOE_GATE_FAIL_TTL_SECONDS: '-5' is not a positive"):
+        G.GateConfig.from_env({"MOE_GATE_FAIL_TTL_SECONDS": "-5"})
+    with pytest.raises(G.GateError, match="MOE_GATE_SMOKE_COMMAND: .* is not a JSON list of strings"):
+        G.GateConfig.from_env({"MOE_GATE_SMOKE_COMMAND": '"moe-smoke"'})
+
+
+# ---- decisions ---------------------------------------------------------------------------------
+IDENT = G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU")
+
+
+def test_no_verdict_no_job_starts_one_smoke_job():
+    d = G.decide(IDENT, None, None, NOW, CFG)
+    assert (d.action, d.status, d.reason) == ("create_job", "Unknown", G.R_SMOKE_TEST_RUNNING)
+    assert d.job_name == f"moe-smoke-{IDENT.key}-1" and d.retry_seconds and d.stale_job is None
+    running = G.SmokeObservation(name=d.job_name, finished=False, pod_phase="Running")
+    w = G.decide(IDENT, None, running, NOW, CFG)
+    assert (w.action, w.status, w.reason) == ("wait", "Unknown", G.R_SMOKE_TEST_RUNNING)
+    assert "pod Running" in w.message
+
+
+def test_pass_is_recorded_with_expiry_then_cached_until_it_expires():
+    obs = finished(smoke_doc(), image_id=f"docker-pullable://reg.io/trainer@{DIGEST}")
+    d = G.decide(IDENT, None, obs, NOW, CFG)
+    assert (d.action, d.status, d.reason) == ("record", "True", G.R_SMOKE_TEST_PASSED)
+    rec = d.record
+    assert rec["passed"] and rec["attempt"] == 1 and rec["observedDigest"] == DIGEST
+    assert rec["expiresAt"] == "2026-12-06T14:00:00Z" and rec["identity"]["key"] == IDENT.key
+    assert "deepspeed 0.19.8" in d.message and DIGEST in d.message
+    stored = G.parse_stored_verdict(json.dumps(rec))
+    later = NOW + dt.timedelta(days=6, hours=23)
+    c = G.decide(IDENT, stored, None, later, CFG)
+    assert (c.action, c.status, c.reason) == ("none", "True", G.R_CACHED_VERDICT)
+    # expired: a new attempt with its own Job name, the old Job is cleaned up
+    e = G.decide(IDENT, stored, None, NOW + dt.timedelta(days=7, seconds=1), CFG)
+    assert (e.action, e.job_name, e.stale_job) == ("create_job", f"moe-smoke-{IDENT.key}-2",
+                                                  f"moe-smoke-{IDENT.key}-1")
+    # a verdict about another identity never counts
+    other = G.identity_for("reg.io/trainer:1.1", "0.19.8", "GPU")
+    assert G.decide(other, stored, None, later, CFG).action == "create_job"
+
+
+def test_fail_names_the_check_and_expires_sooner():
+    doc = smoke_doc(passed=False, failed="initialize",
+                    message="rank 0: AssertionError: Native DeepSpeed MoE is not supported with ZeRO Stage 3.")
+    d = G.decide(IDENT, None, finished(doc, code=1), NOW, CFG)
+    assert (d.action, d.status, d.reason) == ("record", "False", G.R_SMOKE_TEST_FAILED)
+    assert "check 'initialize' failed: rank 0: AssertionError: Native DeepSpeed MoE" in d.message
+    assert d.record["failedCheck"] == "initialize" and d.record["expiresAt"] == "2026-11-29T15:00:00Z"
+    assert "exception: " not in d.message               # the last exception line is already in it
+    cached = G.decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=59), CFG)
+    assert (cached.status, cached.reason) == ("False", G.R_SMOKE_TEST_FAILED)
+    assert "cached" in cached.message and G.store_name(IDENT) in cached.message
+    assert G.decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=61), CFG).action == "create_job"
+
+
+def test_a_pod_that_died_without_a_verdict_fails_the_gate():
+    d = G.decide(IDENT, None, finished(None, code=137, reason="OOMKilled"), NOW, CFG)
+    assert (d.status, d.reason) == ("False", G.R_SMOKE_TEST_FAILED)
+    assert "no verdict (exit code 137, reason OOMKilled)" in d.message
+    garbage = G.SmokeObservation(name="j", finished=True, exit_code=1, message="Segmentation fault")
+    g = G.decide(IDENT, None, garbage, NOW, CFG)
+    assert g.status == "False" and "SmokeVerdict: not JSON" in g.message
+    deadline = G.SmokeObservation(name="j", finished=True, reason="DeadlineExceeded",
+                                  message="Job was active longer than specified deadline")
+    assert "reason DeadlineExceeded" in G.decide(IDENT, None, deadline, NOW, CFG).message
+
+
+def test_declared_deepspeed_must_match_what_the_image_reports():
+    d = G.decide(IDENT, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG)
+    assert d.status == "False" and d.record["failedCheck"] == "imports"
+    assert "reports deepspeed 0.20.1, the spec declares 0.19.8" in d.message
+    undeclared = G.identity_for("reg.io/trainer:1.0", None, "GPU")
+    assert G.decide(undeclared, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG).status == "True"
+
+
+def test_pass_with_nonzero_exit_or_missing_checks_is_not_a_pass():
+    assert G.decide(IDENT, None, finished(smoke_doc(), code=1), NOW, CFG).status == "False"
+    short = smoke_doc()
+    short["checks"] = short["checks"][:2]
+    assert G.decide(IDENT, None, finished(short), NOW, CFG).status == "False"
+
+
+def test_fresh_reason_only_for_the_jobs_that_waited():
+    d = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG)
+    assert G.fresh_reason(d, G.R_SMOKE_TEST_RUNNING).reason == G.R_SMOKE_TEST_PASSED
+    assert G.fresh_reason(d, None).reason == G.R_CACHED_VERDICT
+
+
+def test_observe_reads_job_and_pod_status():
+    job = {"metadata": {"name": "moe-smoke-k-1"}, "status": {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "has reached the limit"}]}}
+    pod = {"metadata": {"creationTimestamp": "2026-11-29T14:00:00Z"},
+           "status": {"phase": "Failed", "containerStatuses": [{
+               "imageID": f"docker-pullable://reg.io/trainer@{DIGEST}",
+               "state": {"terminated": {"exitCode": 1, "reason": "Error", "message": '{"kind": 1}'}}}]}}
+    obs = G.observe(job, [pod])
+    assert obs.finished and obs.exit_code == 1 and obs.message == '{"kind": 1}' and obs.reason == "Error"
+    assert G.digest_of(obs.image_id) == DIGEST
+    assert G.observe(None, []) is None
+    assert not G.observe({"metadata": {"name": "j"}, "status": {"active": 1}}, []).finished
+
+
+def test_skip_audit_names_the_field_manager():
+    body = {"metadata": {"managedFields": [
+        {"manager": "kubectl-create", "operation": "Update", "time": "2026-11-29T13:00:00Z",
+         "fieldsV1": {"f:spec": {"f:image": {}}}},
+        {"manager": "kubectl-edit", "operation": "Update", "time": "2026-11-29T13:30:00Z",
+         "fieldsV1": {"f:spec": {"f:gate": {"f:skip": {}, "f:skipReason": {}}}}}]}}
+    assert G.skip_audit(body) == "set by kubectl-edit (Update) at 2026-11-29T13:30:00Z"
+    assert G.skip_audit({"metadata": {}}) == ""
+    assert "skipped for image reg.io/trainer:1.0" in G.skip_message(IDENT, "hotfix", "set by x")
+
+
+# ---- builders -----------------------------------------------------------------------------------
+def test_smoke_job_manifest():
+    job = B.smoke_job(IDENT, 1, CFG)
+    assert job["metadata"]["name"] == f"moe-smoke-{IDENT.key}-1" and job["metadata"]["namespace"] == "moe-system"
+    spec = job["spec"]
+    assert spec["backoffLimit"] == 0 and spec["activeDeadlineSeconds"] == G.DEFAULT_SMOKE_DEADLINE_SECONDS
+    pod = spec["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "reg.io/trainer:1.0" and c["command"] == ["moe-smoke"]
+    assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--expect-deepspeed", "0.19.8"]
+    assert c["resources"]["limits"] == {C.GPU_RESOURCE: 1}
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError" and pod["restartPolicy"] == "Never"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert spec["template"]["metadata"]["labels"][G.LABEL_GATE_KEY] == IDENT.key
+    cpu = B.smoke_job(G.identity_for("moe-trainer:local", None, "CPU"), 2, CFG)
+    cc = cpu["spec"]["template"]["spec"]["containers"][0]
+    assert "--cpu" in cc["args"] and "resources" not in cc
+    custom = B.smoke_job(IDENT, 1, G.GateConfig(command=("sh", "-c", "echo hi"), extra_args=("x",)))
+    assert custom["spec"]["template"]["spec"]["containers"][0]["command"] == ["sh", "-c", "echo hi"]
+    assert custom["spec"]["template"]["spec"]["containers"][0]["args"] == ["x"]
+
+
+def test_verdict_configmap_round_trips():
+    rec = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
+    cm = B.verdict_configmap(rec, "moe-system")
+    assert cm["metadata"]["name"] == G.store_name(IDENT)
+    assert cm["metadata"]["labels"][f"{C.GROUP}/gate-passed"] == "true"
+    assert G.parse_stored_verdict(cm["data"][G.VERDICT_KEY]) == rec
+    with pytest.raises(G.GateError, match="GateVerdict.expiresAt: 'soon' is not an RFC 3339 time"):
+        G.parse_stored_verdict(json.dumps(dict(rec, expiresAt="soon")))
