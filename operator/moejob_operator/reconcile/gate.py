@@ -1,17 +1,35 @@
-"""The DeepSpeed upgrade gate, as seen by the reconcile loop (issue 7 fills in the smoke test).
+"""The DeepSpeed upgrade gate, as seen by the reconcile loop: read the verdict store and the
+smoke-test Job, decide (:func:`moejob_operator.core.gate.decide`), then create the Job or store
+the verdict. The reconcile loop calls :func:`check` before launching workers: ``UpgradeVerified``
+``Unknown`` means "not yet" (a temporary error with a delay), ``False`` blocks the launch.
 
-Until the gate lands, every job is ``UpgradeVerified=True`` with reason ``GateNotConfigured``;
-``spec.gate.skip`` gives ``GateSkipped`` (audited: the reason is in the condition and a Warning
-Event). The seam for the real gate is :func:`check`: it returns a :class:`Verdict`; status
-``Unknown`` means "not yet" (the job waits, reason ``GatePending``), ``False`` blocks the launch.
+Concurrency: the Job name and the ConfigMap name derive from the identity, so two jobs asking at
+once create one Job ("already exists" = share it) and write the same verdict (create, or replace
+an older attempt under its resourceVersion; a conflict means someone else just wrote it).
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
 
 from .. import constants as C
+from ..builders import smoke as B
+from ..core import gate as G
 from ..spec import JobSpec
+
+log = logging.getLogger("moejob_operator")
+
+R_GATE_MISCONFIGURED = "GateMisconfigured"
+_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 @dataclass(frozen=True)
@@ -22,9 +40,122 @@ class Verdict:
     retry_seconds: float | None = None
 
 
-def check(client, job: dict, spec: JobSpec) -> Verdict:   # noqa: ARG001 - seam for issue 7
+def gate_config(env: dict[str, str] | None = None) -> G.GateConfig:
+    """Settings from the operator's env; the namespace defaults to the one it runs in."""
+    default_ns = "default"
+    try:
+        default_ns = _SA_NAMESPACE.read_text().strip() or default_ns
+    except OSError:
+        pass
+    return G.GateConfig.from_env(os.environ if env is None else env, default_namespace=default_ns)
+
+
+def _previous_reason(job: dict[str, Any]) -> str | None:
+    for c in (job.get("status") or {}).get("conditions") or ():
+        if c.get("type") == C.COND_UPGRADE_VERIFIED:
+            return c.get("reason")
+    return None
+
+
+def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = None,
+          config: G.GateConfig | None = None) -> Verdict:
+    now = now or dt.datetime.now(dt.timezone.utc)
+    identity = G.identity_for(spec.image, spec.deepspeed_version, spec.device)
     if spec.gate.skip:
         return Verdict("True", C.R_GATE_SKIPPED,
-                       f"upgrade gate skipped for image {spec.image}: {spec.gate.skip_reason}")
-    return Verdict("True", C.R_GATE_NOT_CONFIGURED,
-                   f"no smoke-test gate is configured; image {spec.image} launches unverified")
+                       G.skip_message(identity, spec.gate.skip_reason or "", G.skip_audit(job)))
+    try:
+        config = config or gate_config()
+    except G.GateError as exc:
+        return Verdict("Unknown", R_GATE_MISCONFIGURED, f"upgrade gate settings are invalid: {exc}", 60.0)
+    if not config.enabled:
+        return Verdict("True", C.R_GATE_NOT_CONFIGURED,
+                       f"the upgrade gate is disabled (MOE_GATE_ENABLED); {identity.describe()} launches unverified")
+    store = Store(client, config.namespace)
+    stored = store.read(identity)
+    obs = None
+    if not G.is_current(stored, identity, now):
+        attempt = int(stored["attempt"]) + 1 if stored and stored["identity"].get("key") == identity.key else 1
+        obs = store.observe(G.smoke_job_name(identity, attempt))
+    d = G.fresh_reason(G.decide(identity, stored, obs, now, config), _previous_reason(job))
+    if d.action == "create_job":
+        if d.stale_job:
+            store.delete_job(d.stale_job)
+        created = store.create_job(B.smoke_job(identity, int(d.job_name.rsplit("-", 1)[1]), config,
+                                               image_pull_policy=spec.image_pull_policy))
+        if not created:
+            d = G.Decision("wait", d.status, d.reason, d.message.replace("started", "sharing", 1),
+                           job_name=d.job_name, retry_seconds=d.retry_seconds)
+        log.info("gate %s: %s smoke Job %s/%s", identity.key, "created" if created else "shares",
+                 config.namespace, d.job_name)
+    elif d.action == "record":
+        store.write(d.record)
+    return Verdict(d.status, d.reason, d.message, d.retry_seconds)
+
+
+class Store:
+    """Verdict ConfigMaps and smoke Jobs in the operator's namespace."""
+
+    def __init__(self, client, namespace: str):
+        self.client, self.namespace = client, namespace
+        self.batch = k8s.BatchV1Api(client.api)
+
+    def read(self, identity: G.Identity) -> dict[str, Any] | None:
+        cm = self.client.get_configmap(self.namespace, G.store_name(identity))
+        raw = ((cm or {}).get("data") or {}).get(G.VERDICT_KEY)
+        if raw is None:
+            return None
+        try:
+            doc = G.parse_stored_verdict(raw)
+        except G.GateError as exc:
+            log.warning("ignoring unreadable verdict %s/%s: %s", self.namespace, G.store_name(identity), exc)
+            return None
+        doc["_resourceVersion"] = cm["metadata"].get("resourceVersion")
+        return doc
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Create, or replace a verdict of an older attempt; a newer/equal one already there wins."""
+        if self.client.create(B.verdict_configmap(record, self.namespace)):
+            return
+        name = f"{G.STORE_PREFIX}{record['identity']['key']}"
+        cm = self.client.get_configmap(self.namespace, name)
+        try:
+            old = G.parse_stored_verdict((cm or {}).get("data", {}).get(G.VERDICT_KEY, ""))
+            if old["attempt"] >= record["attempt"]:
+                return
+        except G.GateError:
+            pass
+        body = B.verdict_configmap(record, self.namespace,
+                                   resource_version=(cm or {}).get("metadata", {}).get("resourceVersion"))
+        try:
+            self.client.core.replace_namespaced_config_map(name, self.namespace, body, _preload_content=False)
+        except ApiException as exc:
+            if exc.status not in (404, 409):      # someone else wrote it first: theirs is as good
+                raise
+
+    def observe(self, job_name: str) -> G.SmokeObservation | None:
+        try:
+            job = json.loads(self.batch.read_namespaced_job(job_name, self.namespace, _preload_content=False).data)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        pods = self.client.list_pods(self.namespace, {"job-name": job_name})
+        return G.observe(job, pods)
+
+    def create_job(self, job: dict[str, Any]) -> bool:
+        try:
+            self.batch.create_namespaced_job(self.namespace, job, _preload_content=False)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+
+    def delete_job(self, name: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(name, self.namespace, propagation_policy="Background",
+                                             _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
