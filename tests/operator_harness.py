@@ -96,3 +96,30 @@ def example(name: str, **overrides) -> dict:
     for k, v in overrides.items():
         doc["spec"][k] = v
     return doc
+
+
+def seed_topology(kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvswitch-h100-8") -> None:
+    """Fresh cached TopologyReports, as a discovery pod would have left them."""
+    import json
+    from moejob_operator.core.topology import load_topology, report_to_json
+    from moejob_operator.status import now_iso
+
+    for node in nodes:
+        doc = report_to_json(load_topology(fixture))
+        doc.update(node=node, collectedAt=now_iso())
+        body = {"metadata": {"name": f"{C.TOPOLOGY_CONFIGMAP_PREFIX}{node}"},
+                "data": {C.TOPOLOGY_KEY: json.dumps(doc)}}
+        try:
+            kube.core.create_namespaced_config_map(namespace, body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+
+def children(kube, namespace: str, name: str) -> list[str]:
+    sel = f"{C.LABEL_JOB}={name}"
+    out = [f"pod/{p.metadata.name}" for p in kube.core.list_namespaced_pod(namespace, label_selector=sel).items]
+    out += [f"cm/{c.metadata.name}" for c in kube.core.list_namespaced_config_map(namespace, label_selector=sel).items]
+    out += [f"svc/{s.metadata.name}" for s in kube.core.list_namespaced_service(namespace, label_selector=sel).items]
+    out += [f"sa/{s.metadata.name}" for s in kube.core.list_namespaced_service_account(namespace, label_selector=sel).items]
+    return sorted(out)

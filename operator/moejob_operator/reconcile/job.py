@@ -52,11 +52,11 @@ class Pass:
         self.status: dict[str, Any] = copy.deepcopy(self.old)
         self.events: list[tuple[str, str, str]] = []
 
-    def cond(self, ctype: str, status: str, reason: str, message: str) -> None:
+    def cond(self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False) -> None:
         conds, transition = set_condition(self.status.get("conditions"), ctype, status, reason,
                                           message, generation=self.generation, now=now_iso(self.now))
         self.status["conditions"] = conds
-        if transition is not None:
+        if transition is not None and not quiet:
             self.events.append((event_type_for(transition), reason, message))
 
     def cond_status(self, ctype: str) -> str | None:
@@ -87,9 +87,10 @@ class Pass:
 
     def fail(self, reason: str, message: str) -> None:
         self.cond(C.COND_FAILED, TRUE, reason, message)
-        self.cond(C.COND_SUCCEEDED, FALSE, reason, message)
+        # the Failed event says it all: the companion conditions flip quietly
+        self.cond(C.COND_SUCCEEDED, FALSE, reason, message, quiet=True)
         if self.cond_status(C.COND_RUNNING) is not None:
-            self.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "the job has failed")
+            self.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "the job has failed", quiet=True)
         self.status.setdefault("completionTime", now_iso(self.now))
 
 
@@ -145,8 +146,10 @@ def _accept_spec(p: Pass) -> JobSpec | None:
             raise SpecError("metadata.name", f"{p.job.name!r} is longer than {common.MAX_JOB_NAME} "
                             "characters (worker pod hostnames must fit in 63)")
         spec = parse_spec(raw)
+        planning.prevalidate(spec)
     except SpecError as exc:
-        p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_INVALID_SPEC, str(exc))
+        # before launch the Failed event carries the message; after launch this condition does
+        p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=not launched)
         if launched:
             return None            # keep the running gang; the user can fix the spec
         p.fail(C.R_INVALID_SPEC, str(exc))
@@ -190,14 +193,14 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
     try:
         plan = planning.make_plan(p.client, p.job, spec, found.reports)
     except SpecError as exc:
-        p.cond(C.COND_PLANNED, FALSE, C.R_INVALID_SPEC, str(exc))
+        p.cond(C.COND_PLANNED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=True)
         p.fail(C.R_INVALID_SPEC, str(exc))
         return None
     except planning.NotYet as exc:
         p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc))
         return exc.retry_seconds
     except planning.Refused as exc:
-        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc))
+        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc), quiet=True)
         p.fail(exc.reason, str(exc))
         return None
     p.client.create(configmaps.plan_configmap(p.job, plan, spec_hash))

@@ -80,6 +80,17 @@ def resolve_model(spec: JobSpec) -> ResolvedModel:
                     "a model directory is only readable inside the worker")
 
 
+def prevalidate(spec: JobSpec) -> ResolvedModel:
+    """What can be checked without the cluster: the model resolves, EP divides its experts.
+    Runs before discovery, so a bad spec creates no children at all."""
+    model = resolve_model(spec)
+    ep = spec.placement.expert_parallel_size
+    if ep is not None and model.spec.num_experts % ep:
+        raise SpecError("spec.placement.expertParallelSize",
+                        f"{ep} does not divide the model's {model.spec.num_experts} experts")
+    return model
+
+
 def _to_spec_error(exc: DocumentError) -> Exception:
     text = str(exc)
     if text.startswith("memory:"):

@@ -1,0 +1,60 @@
+"""The bad-input corpus (tests/badspecs/*.yaml) without a cluster: every manifest is refused by
+the operator's own checks, with the field the header names. The cluster test
+(test_operator_badspecs.py) checks what the API server and the running operator make of them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moejob_operator.core.topology import load_topology
+from moejob_operator.reconcile import planning
+from moejob_operator.builders.common import MAX_JOB_NAME, JobRef
+from moejob_operator.spec import SpecError, parse_spec
+
+BAD = sorted((Path(__file__).parent / "badspecs").glob("*.yaml"))
+
+
+def expectation(path: Path) -> tuple[str, str | None]:
+    m = re.search(r"^# expect: (\S+)(?: (\S+))?$", path.read_text(), re.M)
+    assert m, f"{path.name} has no '# expect:' header"
+    return m.group(1), m.group(2)
+
+
+def test_corpus_is_big_enough():
+    assert len(BAD) >= 25
+    kinds = {expectation(p)[0] for p in BAD}
+    assert {"schema", "InvalidSpec", "InsufficientMemory"} <= kinds
+
+
+def _refusal(doc: dict) -> Exception:
+    try:
+        if len(doc["metadata"]["name"]) > MAX_JOB_NAME:
+            raise SpecError("metadata.name", "too long")
+        spec = parse_spec(doc["spec"])
+        planning.prevalidate(spec)
+        reports = {}
+        for node in ("node-a", "node-b"):
+            rep = load_topology("nvswitch-h100-8").model_copy(update={"node": node})
+            reports[node] = rep
+        planning.make_plan(None, JobRef("ns", doc["metadata"]["name"], "uid-1234"), spec, reports)
+    except (SpecError, planning.Refused) as exc:
+        return exc
+    raise AssertionError(f"{doc['metadata']['name']} was accepted")
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_operator_refuses_every_bad_spec(path):
+    kind, field = expectation(path)
+    exc = _refusal(yaml.safe_load(path.read_text()))
+    if kind == "InvalidSpec":
+        assert isinstance(exc, SpecError) and exc.field == field, f"{type(exc).__name__}: {exc}"
+    elif kind == "InsufficientMemory":
+        assert isinstance(exc, planning.Refused) and exc.reason == "InsufficientMemory"
+        assert "GiB" in str(exc)
+    else:   # the server's schema refuses these; the operator must too (rules enforced twice)
+        assert isinstance(exc, SpecError), str(exc)
