@@ -48,7 +48,8 @@ def run(argv=None) -> int:
 
     ckpt_dir = args.checkpoint_dir or os.environ.get("MOE_CHECKPOINT_DIR") or plan.training.checkpoint_dir
     try:
-        env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=args.cpu)
+        force_cpu = args.cpu or plan.raw.get("device") == "cpu"
+        env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)
     except distenv.RendezvousError as exc:
         log.error("rendezvous: %s", exc)
         return EXIT_CONFIG

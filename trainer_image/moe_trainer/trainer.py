@@ -76,6 +76,8 @@ class Trainer:
         p, t = self.plan, self.t
         model = models.build_model(p.model.hf_config, p.model.path, seed=t.seed)
         models.apply_moe_impl(model, t.moe_impl)
+        if p.raw.get("training", {}).get("activationCheckpointing"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.num_experts = models.num_experts_of(model)
         self.top_k = models.top_k_of(model)
         n_layers = len(models.find_moe_layers(model))
@@ -169,9 +171,9 @@ class Trainer:
                 raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")
             aux = routing.balance_loss(self.probe, E, t.balance.mode)
             loss = lm if aux is None or t.balance.coef == 0 else lm + t.balance.coef * aux
+            sl, sc, sm = routing.step_counts(self.probe, E)   # before backward: recompute re-fires hooks
             self.engine.backward(loss)
             self.engine.step()
-            sl, sc, sm = routing.step_counts(self.probe, E)
             load += sl
             coact += sc
             maxlog = torch.maximum(maxlog, sm)

@@ -1,0 +1,105 @@
+"""Record real routing statistics for the placement benchmark: train a small many-expert Mixtral on
+the real-text corpus and keep the RoutingStats v1 document of the last `--window` steps.
+
+    python -m moe_trainer.record_routing --experts 64 --top-k 8 --layers 4 --steps 300 \
+        --balance per_layer_aux --out benchmarks/results/routing_stats_real_text.json
+
+One process, ZeRO-3 without AutoEP (CPU friendly); the statistics are the same kind a
+multi-rank run aggregates. Prints per-layer max/mean expert load of the recorded window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from moe_trainer.launch import launch
+from moe_trainer.routing import check_routing_stats, max_mean_per_layer
+
+
+def plan_doc(a) -> dict:
+    cfg = {"model_type": "mixtral", "vocab_size": 320, "hidden_size": a.hidden, "intermediate_size": a.ffn,
+           "num_hidden_layers": a.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": a.experts, "num_experts_per_tok": a.top_k, "max_position_embeddings": 1024,
+           "router_aux_loss_coef": 0.0, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    return {
+        "kind": "MoEPlan", "version": 1, "job": {"namespace": "bench", "name": "record-routing"},
+        "model": {"family": "mixtral", "preset": f"mixtral-{a.layers}x{a.experts}e-top{a.top_k}-h{a.hidden}",
+                  "path": None, "hfConfig": cfg},
+        "worldSize": 1, "epSize": 1, "ranks": [{"rank": 0, "node": "local", "nodeRank": 0, "localRank": 0}],
+        "deepspeed": {"zero_optimization": {"stage": 3}},
+        "training": {"steps": a.steps, "seqLen": a.seq_len, "microBatch": a.micro_batch, "gradAccum": 1,
+                     "lr": a.lr, "warmupSteps": max(1, a.steps // 20), "checkpointEverySteps": a.steps - a.window
+                     if a.steps > a.window else a.steps, "seed": a.seed, "moeImpl": a.impl,
+                     "balance": {"mode": a.balance, "coef": a.coef},
+                     "data": {"kind": "corpus"}, "deadExpertSteps": 50},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--window", type=int, default=100, help="record routing over the last N steps")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--balance", default="per_layer_aux", choices=["per_layer_aux", "global_aux", "none"])
+    ap.add_argument("--coef", type=float, default=0.01)
+    ap.add_argument("--impl", default="grouped", choices=["hf", "grouped"])
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="moe-record-"))
+    try:
+        plan = work / "plan.json"
+        plan.write_text(json.dumps(plan_doc(a)))
+        t0 = time.time()
+        codes = launch(1, ["--plan", str(plan), "--checkpoint-dir", str(work / "ck"), "--cpu"],
+                       env=dict(os.environ, MOE_CPU_THREADS=os.environ.get("MOE_CPU_THREADS", "2")))
+        if codes != [0]:
+            raise SystemExit(f"trainer failed: {codes}")
+        full = json.loads((work / "ck" / "routing_stats.json").read_text())
+        window = _window(work / "ck", full, a)
+        check_routing_stats(window)
+        window["source"] = "trainer"
+        window["model"] += f" balance={a.balance} coef={a.coef} real-text corpus, last {window['steps']} steps"
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(window))
+        losses = json.loads((work / "ck" / "losses.json").read_text())["losses"]
+        mm = max_mean_per_layer(window["load"])
+        print(json.dumps({"out": a.out, "balance": a.balance, "seconds": round(time.time() - t0, 1),
+                          "lossFirst": round(losses[0], 3), "lossLast": round(sum(losses[-10:]) / 10, 3),
+                          "maxMeanPerLayer": [round(x, 2) for x in mm],
+                          "maxMeanOfSummedLoad": round(max_mean_per_layer([list(map(sum, zip(*window["load"])))])[0], 2)}))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _window(ckpt: Path, full: dict, a) -> dict:
+    """Final totals minus the totals at the checkpoint `window` steps before the end."""
+    import numpy as np
+    import torch
+    if a.steps <= a.window:
+        return full
+    start = a.steps - a.window
+    state = torch.load(ckpt / "ds" / f"step-{start}" / "trainer_state.pt", weights_only=False)
+    from moe_trainer.routing import routing_stats_doc
+    # trainer_state keeps slot ids; with no placement the slots are the original ids
+    load = np.asarray(full["load"]) - np.rint(state["routing"]["load"].numpy()).astype(np.int64)
+    co = np.asarray(full["coactivation"]) - np.rint(state["routing"]["coact"].numpy()).astype(np.int64)
+    return routing_stats_doc(load, co, full["tokens"] - state["routing"]["tokens"],
+                             full["steps"] - state["routing"]["steps"], full["topK"], full["model"])
+
+
+if __name__ == "__main__":
+    main()
