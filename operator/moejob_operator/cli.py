@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .core.errors import DocumentError
+from .run import add_operator
 
 EXIT_USAGE = 2
 
@@ -134,7 +135,7 @@ def add_plan(sub) -> None:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan]
+COMMANDS: list[Callable] = [add_plan, add_operator]
 
 
 def build_parser() -> argparse.ArgumentParser:
