@@ -5,8 +5,9 @@ Each check returns `Finding`s (the `health` entries of TrainerProgress v1):
   RouterLogitsOutOfRange  max |router logit| of a layer above `router_logit_limit`
   DeadExpert              an expert's load stayed below `dead_fraction` x fair share for
                           `dead_steps` consecutive steps (fair share = tokens*topK/E per step)
-  Straggler               a rank's step time stayed above `straggler_factor` x the median
-                          step time for `straggler_steps` consecutive steps
+  Straggler               a rank's busy time per step (step time minus time blocked in the
+                          timed collectives) stayed above `straggler_factor` x the median
+                          for `straggler_steps` consecutive steps
   Fragmentation           CUDA allocator 1 - allocated/reserved above `fragmentation_limit`
 """
 

@@ -240,7 +240,10 @@ class Trainer:
             dist.all_reduce(flat)
             dist.all_reduce(maxlog, op=dist.ReduceOp.MAX)
             times = [torch.zeros(1, dtype=torch.float64, device=env.device) for _ in range(env.world_size)]
-            dist.all_gather(times, torch.tensor([dt], dtype=torch.float64, device=env.device))
+            # Straggler signal: step time minus time blocked in collectives (in synchronous training
+            # everyone's wall time equals the slowest rank's; the time outside collectives does not).
+            busy = max(0.0, dt - comm["allToAll"] - comm["allGather"])
+            dist.all_gather(times, torch.tensor([busy], dtype=torch.float64, device=env.device))
             L, E = load.shape
             g_load = flat[:L * E].reshape(L, E)
             g_coact = flat[L * E:L * E + L * E * E].reshape(L, E, E)
