@@ -94,7 +94,7 @@ def node_agent(control_plane, tmp_path_factory):
 
     agent = NodeAgent(control_plane.api_client(), [NodeSpec(n, f) for n, f in GPU_NODES.items()],
                       run_dir=tmp_path_factory.mktemp("nodeagent"),
-                      api_server=control_plane.server)
+                      api_server=control_plane.server, bind_fallback_seconds=5, resync_seconds=5)
     agent.start()
     try:
         yield agent

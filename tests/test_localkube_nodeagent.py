@@ -297,3 +297,10 @@ def test_kill_container_simulates_a_crash(kube, node_agent, namespace, wait_for)
     assert not procs.group_alive(pid)
     with pytest.raises(LookupError, match=f"no running container \\* in pod {namespace}/victim"):
         node_agent.kill_container(namespace, "victim")
+
+
+def test_agent_binds_pods_no_scheduler_looks_at(kube, node_agent, namespace, wait_for):
+    kube.core.create_namespaced_pod(namespace, _pod("orphan", "print('bound by the agent')", node="node-b",
+                                                    schedulerName="no-such-scheduler"))
+    pod = wait_for(lambda: _phase(kube, namespace, "orphan", "Succeeded"), timeout=40)
+    assert pod.spec.node_name == "node-b"

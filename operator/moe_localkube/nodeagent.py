@@ -213,10 +213,7 @@ class NodeAgent:
                         obj = ev["object"]
                         rv = obj.metadata.resource_version
                         pod = self.api.sanitize_for_serialization(obj)
-                        if ev["type"] == "DELETED":
-                            self._on_deleted(pod)
-                        else:
-                            self._sync(pod)
+                        self._handle(self._on_deleted if ev["type"] == "DELETED" else self._sync, pod)
                         if self._stop.is_set():
                             w.stop()
                             break
@@ -236,13 +233,22 @@ class NodeAgent:
         for obj in listed.items:
             pod = self.api.sanitize_for_serialization(obj)
             seen.add(pod["metadata"]["uid"])
-            self._sync(pod)
-            self._maybe_bind(pod)
+            self._handle(self._sync, pod)
+            self._handle(self._maybe_bind, pod)
         with self._lock:
             gone = [w.pod for uid, w in self._workers.items() if uid not in seen]
         for pod in gone:
-            self._on_deleted(pod)
+            self._handle(self._on_deleted, pod)
         return listed.metadata.resource_version
+
+    @staticmethod
+    def _handle(fn, pod: dict) -> None:
+        """One pod's trouble must not stall the others: log it and go on."""
+        try:
+            fn(pod)
+        except Exception:  # noqa: BLE001
+            meta = pod.get("metadata", {})
+            log.exception("pod %s/%s: %s failed", meta.get("namespace"), meta.get("name"), fn.__name__)
 
     def _sync(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -283,8 +289,8 @@ class NodeAgent:
             return
         if any(c.get("type") == "PodScheduled" for c in status.get("conditions") or []):
             return   # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
-        created = datetime.strptime(pod["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ")
-        if (datetime.utcnow() - created).total_seconds() < self.bind_fallback_seconds:
+        created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        if (datetime.now(timezone.utc) - created).total_seconds() < self.bind_fallback_seconds:
             return
         meta = pod["metadata"]
         log.warning("pod %s/%s: unscheduled after %.0fs, binding it to %s", meta["namespace"], meta["name"],
