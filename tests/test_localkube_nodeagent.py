@@ -201,9 +201,16 @@ def test_in_cluster_config_with_service_account(kube, node_agent, namespace, wai
             v1.list_namespaced_secret("{namespace}")
         except client.exceptions.ApiException as exc:
             print(exc.status)
-    """))
+        token = open("/var/run/projected/token").read()
+        print(token.count("."), open("/var/run/projected/cfg/k").read(), open("/var/run/projected/ns").read())
+    """, container={"volumeMounts": [{"name": "proj", "mountPath": "/var/run/projected", "readOnly": True}]},
+        volumes=[{"name": "proj", "projected": {"sources": [
+            {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+            {"configMap": {"name": "probe", "items": [{"key": "k", "path": "cfg/k"}]}},
+            {"downwardAPI": {"items": [{"path": "ns", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}]))
     pod = wait_for(lambda: _phase(kube, namespace, "incluster", "Succeeded", "Failed"), timeout=60)
-    assert node_agent.read_log(namespace, "incluster").split() == ["v", "403"], node_agent.read_log(namespace, "incluster")
+    out = node_agent.read_log(namespace, "incluster").split()
+    assert out == ["v", "403", "2", "v", namespace], out   # a JWT has two dots
     assert pod.status.phase == "Succeeded"
 
 
