@@ -124,6 +124,9 @@ def test_on_failure_restarts_in_place_and_counts(kube, node_agent, namespace, wa
     assert node_agent.read_log(namespace, "flaky").strip() == "attempt 2"
     assert node_agent.read_log(namespace, "flaky", previous=True).strip() == "attempt 1"
     assert kubectl.run("logs", "-n", namespace, "flaky", "--previous").stdout.strip() == "attempt 1"
+    events = kube.core.list_namespaced_event(namespace, field_selector="involvedObject.name=flaky").items
+    reasons = [e.reason for e in events if e.source.component == "kubelet"]
+    assert reasons.count("Started") == 3 and reasons.count("BackOff") == 2, reasons
 
 
 def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, wait_for, kubectl):

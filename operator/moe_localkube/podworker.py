@@ -157,6 +157,23 @@ class PodWorker(threading.Thread):
             else:
                 log.warning("pod %s/%s: status update failed: %s", self.ns, self.pod_name, exc.reason)
 
+    def event(self, reason: str, message: str, warning: bool = False, container: str | None = None) -> None:
+        """A kubelet-style Event on the pod (for ``kubectl describe``); best effort."""
+        if self._shutdown_req.is_set():
+            return
+        obj = {"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "namespace": self.ns, "uid": self.uid}
+        if container:
+            obj["fieldPath"] = f"spec.containers{{{container}}}"
+        now = now_iso()
+        try:
+            self.agent.core.create_namespaced_event(self.ns, {
+                "metadata": {"generateName": f"{self.pod_name}."}, "involvedObject": obj,
+                "reason": reason, "message": message, "type": "Warning" if warning else "Normal",
+                "source": {"component": "kubelet", "host": self.spec.get("nodeName", "")},
+                "firstTimestamp": now, "lastTimestamp": now, "count": 1})
+        except Exception as exc:  # noqa: BLE001 - events are not worth failing a pod over
+            log.debug("event %s for %s/%s: %s", reason, self.ns, self.pod_name, exc)
+
     # ------------------------------------------------------------ containers
     def _start(self, c: ContainerRun) -> None:
         c.restarts += 1
@@ -173,6 +190,7 @@ class PodWorker(threading.Thread):
                                 targets=self.agent.mount_targets)
         self.agent.pids.add(c.proc.pid)
         c.started_at = now_iso()
+        self.event("Started", f"Started container {c.name} (pid {c.proc.pid})", container=c.name)
 
     def _on_exit(self, c: ContainerRun, code: int) -> None:
         if code < 0:
@@ -193,6 +211,8 @@ class PodWorker(threading.Thread):
             c.next_start = time.monotonic() + delay
             c.waiting = {"reason": "CrashLoopBackOff",
                          "message": f"back-off {delay:.1f}s restarting failed container={c.name} pod={self.pod_name}"}
+            self.event("BackOff", f"Back-off restarting container {c.name} (exit code {code})",
+                       warning=code != 0, container=c.name)
         else:
             c.final = True
 
@@ -233,6 +253,8 @@ class PodWorker(threading.Thread):
 
     def _finish(self) -> None:
         if self._delete_req.is_set() and not self._shutdown_req.is_set():
+            if any(c.proc is not None for c in [*self.inits, *self.mains]):
+                self.event("Killing", f"Stopping pod (grace period {self.delete_grace:g}s)")
             self._kill_all(self.delete_grace)
             self.agent.force_delete(self.ns, self.pod_name, self.uid)
         elif self._shutdown_req.is_set():
@@ -268,6 +290,8 @@ class PodWorker(threading.Thread):
             except (ConfigError, sandbox.SandboxError, ApiException) as exc:
                 reason = "CreateContainerError" if isinstance(exc, sandbox.SandboxError) else "CreateContainerConfigError"
                 msg = exc.reason if isinstance(exc, ApiException) else str(exc)
+                if all(c.waiting.get("message") != msg for c in [*self.inits, *self.mains]):
+                    self.event("Failed", f"Error: {msg}", warning=True)
                 for c in [*self.inits, *self.mains]:
                     c.waiting = {"reason": reason, "message": msg}
                 self.report()
@@ -322,6 +346,7 @@ class PodWorker(threading.Thread):
             self._start(c)
 
     def _deadline(self) -> None:
+        self.event("DeadlineExceeded", "Pod was active on the node longer than the specified deadline", warning=True)
         self._kill_all(2.0)
         self.phase, self.reason = "Failed", "DeadlineExceeded"
         self.message = "Pod was active on the node longer than the specified deadline"
