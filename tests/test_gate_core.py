@@ -180,10 +180,13 @@ def test_pass_with_nonzero_exit_or_missing_checks_is_not_a_pass():
     assert G.decide(IDENT, None, finished(short), NOW, CFG).status == "False"
 
 
-def test_fresh_reason_only_for_the_jobs_that_waited():
-    d = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG)
-    assert G.fresh_reason(d, G.R_SMOKE_TEST_RUNNING).reason == G.R_SMOKE_TEST_PASSED
-    assert G.fresh_reason(d, None).reason == G.R_CACHED_VERDICT
+def test_a_job_that_waited_reads_smoke_test_passed_others_cached_verdict():
+    rec = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
+    waited = G.decide(IDENT, rec, None, NOW, CFG, waited=True)
+    assert (waited.action, waited.status, waited.reason) == ("none", "True", G.R_SMOKE_TEST_PASSED)
+    assert G.decide(IDENT, rec, None, NOW, CFG).reason == G.R_CACHED_VERDICT
+    bad = G.decide(IDENT, None, finished(smoke_doc(False, "train"), code=1), NOW, CFG).record
+    assert "cached" not in G.decide(IDENT, bad, None, NOW, CFG, waited=True).message
 
 
 def test_observe_reads_job_and_pod_status():

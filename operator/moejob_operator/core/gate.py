@@ -384,14 +384,16 @@ def _from_record(rec: dict[str, Any], identity: Identity, *, fresh: bool) -> tup
 
 
 def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservation | None,
-           now: dt.datetime, config: GateConfig) -> Decision:
+           now: dt.datetime, config: GateConfig, *, waited: bool = False) -> Decision:
     """One gate decision for one job.
 
     stored: the current GateVerdict in the store (None: none, or unreadable); obs: the smoke Job
-    of attempt `stored.attempt + 1` (the one this identity would run next), None when absent.
+    of attempt `stored.attempt + 1` (the one this identity would run next), None when absent;
+    waited: this job was waiting for a smoke test (its condition said SmokeTestRunning), so a
+    verdict now is the one it waited for (SmokeTestPassed), not an earlier one (CachedVerdict).
     """
     if is_current(stored, identity, now):
-        status, reason, message = _from_record(stored, identity, fresh=False)
+        status, reason, message = _from_record(stored, identity, fresh=waited)
         return Decision("none", status, reason, message)
     attempt = int(stored["attempt"]) + 1 if stored and stored.get("identity", {}).get("key") == identity.key else 1
     job = smoke_job_name(identity, attempt)
@@ -408,15 +410,6 @@ def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservat
     rec = verdict_from_observation(identity, obs, attempt, now, config)
     status, reason, message = _from_record(rec, identity, fresh=True)
     return Decision("record", status, reason, message, job_name=job, record=rec)
-
-
-def fresh_reason(decision: Decision, previous_reason: str | None) -> Decision:
-    """A pass first seen by a job that was not waiting for it reads CachedVerdict: the job did
-    not wait for that smoke test (another job did)."""
-    if decision.reason == R_SMOKE_TEST_PASSED and previous_reason != R_SMOKE_TEST_RUNNING:
-        return Decision(decision.action, decision.status, R_CACHED_VERDICT, decision.message,
-                        decision.job_name, decision.record, decision.retry_seconds, decision.stale_job)
-    return decision
 
 
 # ---- skipping ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from .. import constants as C
+from .. import metrics
 from ..builders import smoke as B
 from ..core import gate as G
 from ..spec import JobSpec
@@ -50,16 +51,20 @@ def gate_config(env: dict[str, str] | None = None) -> G.GateConfig:
     return G.GateConfig.from_env(os.environ if env is None else env, default_namespace=default_ns)
 
 
-def _previous_reason(job: dict[str, Any]) -> str | None:
+def _previous(job: dict[str, Any]) -> dict[str, Any]:
     for c in (job.get("status") or {}).get("conditions") or ():
         if c.get("type") == C.COND_UPGRADE_VERIFIED:
-            return c.get("reason")
-    return None
+            return c
+    return {}
 
 
 def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = None,
           config: G.GateConfig | None = None) -> Verdict:
     now = now or dt.datetime.now(dt.timezone.utc)
+    prev = _previous(job)
+    if (job.get("status") or {}).get("launchedSpec") and prev.get("status") == "True":
+        # the gate guards launches: a running job keeps its verdict even when it expires meanwhile
+        return Verdict("True", prev.get("reason", ""), prev.get("message", ""))
     identity = G.identity_for(spec.image, spec.deepspeed_version, spec.device)
     if spec.gate.skip:
         return Verdict("True", C.R_GATE_SKIPPED,
@@ -77,7 +82,7 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
     if not G.is_current(stored, identity, now):
         attempt = int(stored["attempt"]) + 1 if stored and stored["identity"].get("key") == identity.key else 1
         obs = store.observe(G.smoke_job_name(identity, attempt))
-    d = G.fresh_reason(G.decide(identity, stored, obs, now, config), _previous_reason(job))
+    d = G.decide(identity, stored, obs, now, config, waited=prev.get("reason") == G.R_SMOKE_TEST_RUNNING)
     if d.action == "create_job":
         if d.stale_job:
             store.delete_job(d.stale_job)
@@ -90,6 +95,9 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
                  config.namespace, d.job_name)
     elif d.action == "record":
         store.write(d.record)
+    if d.action in ("record", "none") and (prev.get("status"), prev.get("reason")) != (d.status, d.reason):
+        metrics.record_smoke_verdict(identity.image, "Passed" if d.status == "True" else "Failed",
+                                     cached=d.reason == G.R_CACHED_VERDICT or d.action == "none")
     return Verdict(d.status, d.reason, d.message, d.retry_seconds)
 
 

@@ -1,0 +1,162 @@
+"""The upgrade gate with the real operator, API server, job controller and node agent.
+
+What runs in the smoke pods (honestly): the operator is started with MOE_GATE_SMOKE_COMMAND set
+to a stand-in script (written below) that, for an image whose name contains `native-moe`, runs
+the **real** `moe-smoke --cpu --inject native-moe` (DeepSpeed refuses native MoE under ZeRO-3 at
+`initialize`), and otherwise sleeps a few seconds and prints a passing SmokeVerdict we control
+(fast: the concurrency and caching tests are about the gate, not about DeepSpeed). The jobs are
+created with `runPolicy.suspend: true`, so passing the gate launches no trainer processes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import pytest
+
+from moejob_operator import constants as C
+from moejob_operator.core import gate as G
+from moe_localkube.testing import create_namespace, delete_namespace, unique_name
+from operator_harness import Operator, apply_job, condition, events_for, example, get_job, install_crd
+
+pytestmark = pytest.mark.cluster
+
+STAND_IN = r'''
+import json, os, subprocess, sys, time
+image = os.environ.get("MOE_GATE_IMAGE", "")
+if "native-moe" in image:
+    sys.exit(subprocess.call(["moe-smoke", "--cpu", "--inject", "native-moe", "--steps", "3"]))
+time.sleep(float(os.environ.get("STAND_IN_SLEEP", "4")))
+checks = [{"name": n, "passed": True, "seconds": 0.1, "message": "stand-in"}
+          for n in ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")]
+v = {"kind": "SmokeVerdict", "version": 1, "passed": True, "failedCheck": None, "checks": checks,
+     "exception": None, "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0",
+     "cuda": None}, "durationSeconds": 4.0, "standIn": True}
+open("/dev/termination-log", "w").write(json.dumps(v))
+print(json.dumps(v))
+'''
+
+
+@pytest.fixture(scope="module")
+def gate_ns(kube):
+    ns = create_namespace(kube, unique_name("moe-gate-system"))
+    yield ns
+    delete_namespace(kube, ns)
+
+
+@pytest.fixture(scope="module")
+def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
+    install_crd(kube)
+    d = tmp_path_factory.mktemp("gate-operator")
+    script = d / "smoke_stand_in.py"
+    script.write_text(STAND_IN)
+    op = Operator(control_plane, d).start(
+        MOE_OPERATOR_NAMESPACE=gate_ns, MOE_GATE_ENABLED="true",
+        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
+    yield op
+    op.stop()
+
+
+def gate_job(name: str, image: str, tmp_path) -> dict:
+    job = example("tiny-cpu.yaml", image=image, metadata={"name": name},
+                  checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(tmp_path)}}},
+                  runPolicy={"suspend": True, "backoffLimit": 0})
+    return job
+
+
+def smoke_jobs(kube, ns: str) -> list:
+    return kube.batch.list_namespaced_job(ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
+
+
+def verified(kube, ns, name) -> dict:
+    return condition(get_job(kube, ns, name), C.COND_UPGRADE_VERIFIED)
+
+
+def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
+        kube, namespace, operator_proc, gate_ns, wait_for, tmp_path):
+    image = f"registry.local/moe-trainer:{unique_name('pass')}"
+    names = ["gate-a", "gate-b", "gate-c"]
+    threads = [threading.Thread(target=apply_job, args=(kube, namespace, gate_job(n, image, tmp_path)))
+               for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    logs = operator_proc.logs
+    for n in names:
+        wait_for(lambda n=n: verified(kube, namespace, n).get("reason") == G.R_SMOKE_TEST_RUNNING,
+                 timeout=90, message=f"{n} waits for the smoke test\n{logs()}")
+    jobs = smoke_jobs(kube, gate_ns)
+    key = G.identity_for(image, None, "CPU").key
+    assert [j.metadata.name for j in jobs] == [f"moe-smoke-{key}-1"]
+    assert get_job(kube, namespace, "gate-a")["status"]["phase"] == "Gating"
+
+    for n in names:
+        wait_for(lambda n=n: verified(kube, namespace, n).get("status") == "True", timeout=90,
+                 message=f"{n} verified\n{logs()}")
+        assert verified(kube, namespace, n)["reason"] == G.R_SMOKE_TEST_PASSED
+    assert len(smoke_jobs(kube, gate_ns)) == 1               # still one Job for three jobs
+    cm = kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
+    stored = G.parse_stored_verdict(cm.data[G.VERDICT_KEY])
+    assert stored["passed"] and stored["attempt"] == 1 and stored["smokeJob"] == f"moe-smoke-{key}-1"
+    # the jobs went on past the gate (suspended: no workers)
+    wait_for(lambda: condition(get_job(kube, namespace, "gate-a"), C.COND_SUSPENDED).get("status") == "True",
+             timeout=30, message=logs())
+
+    # a later job with the same identity: cached verdict, no new Job
+    apply_job(kube, namespace, gate_job("gate-late", image, tmp_path))
+    wait_for(lambda: verified(kube, namespace, "gate-late").get("status") == "True", timeout=60,
+             message=logs())
+    late = verified(kube, namespace, "gate-late")
+    assert late["reason"] == G.R_CACHED_VERDICT and "passed the smoke test" in late["message"]
+    assert len(smoke_jobs(kube, gate_ns)) == 1
+    reasons = wait_for(lambda: (lambda r: r if G.R_CACHED_VERDICT in r else None)(
+        {e.reason for e in events_for(kube, namespace, "gate-late")}), timeout=10, message="CachedVerdict event")
+    assert G.R_SMOKE_TEST_RUNNING not in reasons
+
+
+def test_a_failed_smoke_test_blocks_launch_and_says_why(kube, kubectl, namespace, operator_proc, gate_ns,
+                                                        wait_for, tmp_path):
+    image = f"registry.local/moe-trainer:{unique_name('native-moe')}"
+    job = gate_job("gate-fail", image, tmp_path)
+    job["spec"]["runPolicy"]["suspend"] = False
+    apply_job(kube, namespace, job)
+    wait_for(lambda: get_job(kube, namespace, "gate-fail").get("status", {}).get("phase") == "Failed",
+             timeout=240, message=operator_proc.logs())
+    cond = verified(kube, namespace, "gate-fail")
+    assert (cond["status"], cond["reason"]) == ("False", G.R_SMOKE_TEST_FAILED)
+    assert "check 'initialize' failed" in cond["message"]
+    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in cond["message"]
+    failed = condition(get_job(kube, namespace, "gate-fail"), C.COND_FAILED)
+    assert failed["reason"] == G.R_SMOKE_TEST_FAILED
+    # never launched: no worker pods
+    assert not kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
+    warnings = wait_for(lambda: [e for e in events_for(kube, namespace, "gate-fail")
+                                 if e.type == "Warning" and e.reason == G.R_SMOKE_TEST_FAILED],
+                        timeout=10, message="Warning event SmokeTestFailed")
+    assert "check 'initialize' failed" in warnings[0].message
+    out = kubectl.run("describe", "moejob", "gate-fail", "-n", namespace)
+    assert "SmokeTestFailed" in out.stdout and "initialize" in out.stdout, out.stdout
+    # the real moe-smoke ran in the pod and its verdict is stored
+    key = G.identity_for(image, None, "CPU").key
+    stored = G.parse_stored_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
+                                    .data[G.VERDICT_KEY])
+    assert stored["failedCheck"] == "initialize" and stored["versions"]["deepspeed"] == "0.19.8"
+
+
+def test_skipping_the_gate_is_audited(kube, namespace, operator_proc, gate_ns, wait_for, tmp_path):
+    job = gate_job("gate-skip", "registry.local/moe-trainer:never-tested", tmp_path)
+    job["spec"]["gate"] = {"skip": True, "skipReason": "INC-123 hotfix, approved by on-call"}
+    apply_job(kube, namespace, job)
+    wait_for(lambda: verified(kube, namespace, "gate-skip").get("status") == "True", timeout=60,
+             message=operator_proc.logs())
+    cond = verified(kube, namespace, "gate-skip")
+    assert cond["reason"] == C.R_GATE_SKIPPED and "INC-123 hotfix" in cond["message"]
+    assert "set by " in cond["message"]                      # who (field manager) and when
+    ev = wait_for(lambda: [e for e in events_for(kube, namespace, "gate-skip") if e.reason == C.R_GATE_SKIPPED],
+                  timeout=10, message="GateSkipped event")
+    assert ev[0].type == "Warning" and "INC-123 hotfix" in ev[0].message
+    key = G.identity_for("registry.local/moe-trainer:never-tested", None, "CPU").key
+    assert not [j for j in smoke_jobs(kube, gate_ns) if key in j.metadata.name]
