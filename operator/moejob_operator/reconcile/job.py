@@ -176,7 +176,14 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
         ann = (cm["metadata"].get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
         if ann == spec_hash or p.status.get("launchedSpec"):
             plan = json.loads(cm["data"][C.PLAN_KEY])
-            p.status["plan"] = planning.summary(plan)
+            summary = planning.summary(plan)
+            p.status["plan"] = summary
+            # level-based: the plan's existence is the truth, whatever the status says
+            if p.cond_status(C.COND_TOPOLOGY) != TRUE:
+                p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED,
+                       f"topology reports used for the plan: {', '.join(summary.get('nodes', []))}")
+            if p.cond_status(C.COND_PLANNED) != TRUE:
+                p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
             return plan
         # spec edited before launch: plan again
         p.client.delete_configmap(p.job.namespace, name)

@@ -1,0 +1,97 @@
+"""Failure policy with the real operator: a retryable worker exit restarts the gang from the
+checkpoint (the step count continues), exceeding backoffLimit fails the job with the reason, and
+an operator killed mid-launch (several points) is replaced by one that converges with no
+duplicate children."""
+
+from __future__ import annotations
+
+import pytest
+
+from moejob_operator import constants as C
+from moejob_operator.reconcile.job import FAULT_ANNOTATIONS
+from operator_harness import (Operator, apply_job, children, condition, events_for, example, get_job,
+                              install_crd, seed_topology)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+AT_STEP, CODE = list(FAULT_ANNOTATIONS)
+
+
+@pytest.fixture(scope="module")
+def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
+    install_crd(kube)
+    op = Operator(control_plane, tmp_path_factory.mktemp("operator-fail")).start()
+    yield op
+    op.stop()
+
+
+def _job(name, tmp_path, *, steps, backoff, fault_step, code=75):
+    job = example("tiny-cpu.yaml", metadata={"name": name, "annotations": {
+        AT_STEP: str(fault_step), CODE: str(code)}},
+        checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}},
+        runPolicy={"backoffLimit": backoff, "activeDeadlineSeconds": 600})
+    job["spec"]["training"].update(steps=steps, seqLen=32)
+    return job
+
+
+def test_retryable_exit_restarts_gang_from_checkpoint(kube, namespace, operator_proc, node_agent,
+                                                      wait_for, tmp_path):
+    seed_topology(kube, namespace)
+    apply_job(kube, namespace, _job("retry", tmp_path, steps=6, backoff=2, fault_step=3))
+
+    def done():
+        st = get_job(kube, namespace, "retry").get("status") or {}
+        return st.get("phase") in ("Succeeded", "Failed") and st
+    st = wait_for(done, timeout=420, interval=1, message="retry job finished\n" + operator_proc.logs())
+    assert st["phase"] == "Succeeded", st
+    assert st["restarts"] == 1 and st["failedRestarts"] == 1 and st["attempt"] == 1
+    assert st["progress"]["step"] == 6
+    log = node_agent.read_log(namespace, "retry-worker-0")
+    assert "resumed from step 2" in log, log[-3000:]       # checkpoint every 2, fault after step 3
+    reasons = [e.reason for e in events_for(kube, namespace, "retry")]
+    assert C.R_RESTARTING in reasons
+
+
+def test_backoff_limit_exceeded_fails(kube, namespace, operator_proc, wait_for, tmp_path):
+    seed_topology(kube, namespace)
+    apply_job(kube, namespace, _job("nobackoff", tmp_path, steps=4, backoff=0, fault_step=1))
+    wait_for(lambda: condition(get_job(kube, namespace, "nobackoff"), C.COND_FAILED).get("status") == "True",
+             timeout=300, interval=1, message=operator_proc.logs())
+    failed = condition(get_job(kube, namespace, "nobackoff"), C.COND_FAILED)
+    assert failed["reason"] == C.R_BACKOFF_LIMIT_EXCEEDED
+    assert "exit code 75" in failed["message"] and "backoffLimit is 0" in failed["message"]
+    wait_for(lambda: not [p for p in kube.core.list_namespaced_pod(
+        namespace, label_selector=f"{C.LABEL_JOB}=nobackoff").items if p.status.phase in ("Pending", "Running")],
+        timeout=60)
+
+
+@pytest.mark.parametrize("point", ["after-plan", "after-rbac", "after-first-worker"])
+def test_operator_killed_mid_launch_converges(control_plane, kube, namespace, node_agent, wait_for,
+                                              tmp_path, point):
+    install_crd(kube)
+    seed_topology(kube, namespace)
+    crashing = Operator(control_plane, tmp_path / "op").start(MOE_OPERATOR_CRASH_AT=point)
+    job = example("tiny-cpu.yaml", metadata={"name": "crash"})
+    # a scheduler nobody runs: the workers are created but never start (launch is what we test)
+    job["spec"]["scheduling"] = {"schedulerName": "nobody-schedules-this"}
+    apply_job(kube, namespace, job)
+    try:
+        assert crashing.wait_exit(60) == 3, crashing.logs()
+    finally:
+        crashing.stop()
+    partial = children(kube, namespace, "crash")
+    assert "cm/crash-plan" in partial
+    restarted = Operator(control_plane, tmp_path / "op2").start()
+    try:
+        want = sorted(["cm/crash-plan", "cm/crash-progress", "cm/crash-routing-stats",
+                       "pod/crash-worker-0", "pod/crash-worker-1", "sa/crash-worker", "svc/crash-workers"])
+        wait_for(lambda: children(kube, namespace, "crash") == want, timeout=60,
+                 message=f"children after restart: {children(kube, namespace, 'crash')}\n{restarted.logs()}")
+        st = get_job(kube, namespace, "crash")["status"]
+        assert st["gangComplete"] == 0 and st["restarts"] == 0
+        assert condition(get_job(kube, namespace, "crash"), C.COND_PLANNED)["status"] == "True"
+        pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=crash").items
+        assert sorted(p.metadata.labels[C.LABEL_ATTEMPT] for p in pods) == ["0", "0"]
+        roles = kube.rbac.list_namespaced_role(namespace, label_selector=f"{C.LABEL_JOB}=crash").items
+        assert [r.metadata.name for r in roles] == ["crash-worker"]
+    finally:
+        restarted.stop()
