@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .core.errors import DocumentError
 from .run import add_operator
+from .smoke_cli import add_smoke
 
 EXIT_USAGE = 2
 
@@ -135,7 +136,7 @@ def add_plan(sub) -> None:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan, add_operator]
+COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke]
 
 
 def build_parser() -> argparse.ArgumentParser:
