@@ -239,12 +239,19 @@ async def _run_kopf(args, lost: threading.Event, health: Health) -> None:
                 stop_flag.set()
             await asyncio.sleep(1)
 
+    settings = kopf.OperatorSettings()     # handlers.configure() adjusts it at startup
+    if args.namespace:
+        # Watched namespaces are exact names: kopf need not list/watch namespaces (which would
+        # need a cluster-wide grant and retries ~20 s on 403 before falling back).
+        settings.scanning.disabled = True
     beat = loop.create_task(heartbeat())
     try:
         if args.namespace:
-            await kopf.operator(standalone=True, namespaces=args.namespace, stop_flag=stop_flag)
+            await kopf.operator(standalone=True, namespaces=args.namespace, stop_flag=stop_flag,
+                                settings=settings)
         else:
-            await kopf.operator(standalone=True, clusterwide=True, stop_flag=stop_flag)
+            await kopf.operator(standalone=True, clusterwide=True, stop_flag=stop_flag,
+                                settings=settings)
     finally:
         beat.cancel()
 
