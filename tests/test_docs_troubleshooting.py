@@ -1,0 +1,30 @@
+"""docs/troubleshooting.md has a row for every condition reason the operator can set: the
+reasons in constants.py, the upgrade gate's own reasons, and the trainer's health finding types
+(which become Healthy=False reasons)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from moejob_operator import constants as C
+from moejob_operator.core import gate as core_gate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented() -> set[str]:
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    return set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+
+
+def test_every_reason_has_a_row():
+    reasons = {v for k, v in vars(C).items() if k.startswith("R_")}
+    reasons |= {v for k, v in vars(core_gate).items() if k.startswith("R_") and isinstance(v, str)}
+    gate_src = (ROOT / "operator" / "moejob_operator" / "reconcile" / "gate.py").read_text()
+    reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.M))
+    health_src = (ROOT / "trainer_image" / "moe_trainer" / "health.py").read_text()
+    findings = set(re.findall(r'Finding\("(\w+)"', health_src))
+    assert len(reasons) >= 30 and len(findings) >= 4
+    missing = (reasons | findings) - documented()
+    assert not missing, f"docs/troubleshooting.md lacks rows for {sorted(missing)}"
