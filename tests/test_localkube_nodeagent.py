@@ -12,6 +12,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from moe_localkube import procs
+from moe_localkube.controlplane import free_ports
 from moe_localkube.nodeagent import read_log
 from moe_localkube.podfiles import memory_dir
 
@@ -271,8 +272,9 @@ def test_two_pods_rendezvous_over_gloo_by_pod_hostname(kube, node_agent, namespa
         print(socket.gethostname(), int(t.item()), flush=True)
         dist.destroy_process_group()
     """
+    port = str(free_ports(1)[0])   # pods share the host network: a fixed port collides with parallel runs
     for rank, node in enumerate(("node-a", "node-b")):
-        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": f"w0.job.{namespace}.svc", "MASTER_PORT": "29555"}
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": f"w0.job.{namespace}.svc", "MASTER_PORT": port}
         kube.core.create_namespaced_pod(namespace, _pod(
             f"w{rank}", script, node=node, hostname=f"w{rank}", subdomain="job",
             container={"env": [{"name": k, "value": v} for k, v in env.items()]}))
