@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from .. import constants as C
+from .. import metrics
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, SpecError, changed_immutable_fields, parse_spec
 from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
@@ -96,14 +97,17 @@ class Pass:
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None."""
-    body = client.get_job(namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return None
-    p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
-    try:
-        return _run(p)
-    finally:
-        p.flush()
+    with metrics.reconcile_timer():
+        body = client.get_job(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            metrics.forget_job(namespace, name)
+            return None
+        p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
+        try:
+            return _run(p)
+        finally:
+            p.flush()
+            metrics.observe_job(namespace, name, p.status)
 
 
 def _run(p: Pass) -> float | None:
@@ -116,6 +120,7 @@ def _run(p: Pass) -> float | None:
     plan = _plan(p, spec)
     if not isinstance(plan, dict):
         return plan
+    metrics.observe_plan(p.job.namespace, p.job.name, plan)
 
     verdict = gate.check(p.client, p.body, spec)
     p.cond(C.COND_UPGRADE_VERIFIED, verdict.status, verdict.reason, verdict.message)
