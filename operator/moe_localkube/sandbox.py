@@ -149,4 +149,6 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
     lines.append('exec "$@"')
     wrapper = [shutil.which("unshare") or "unshare", "--mount", "--uts", "--propagation", "private", "--",
                "/bin/sh", "-c", "\n".join(lines), "moe-pod", *argv]
-    return procs.spawn(wrapper, log_path, env=env, cwd="/")
+    # die_with_parent: the pod worker thread outlives its containers (it kills them before it
+    # ends), so the kernel's parent-death signal only fires if the whole agent process is killed.
+    return procs.spawn(wrapper, log_path, env=env, cwd="/", die_with_parent=True)
