@@ -77,7 +77,7 @@ def metric(port: int, name: str) -> float | None:
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if line.startswith(name + " ") or (not name.endswith("}") and line.startswith(name + "{")):
             return float(line.rsplit(" ", 1)[1])
     return None
 
@@ -129,6 +129,12 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
         assert not kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
         assert kube.coordination.read_namespaced_lease("moe-operator-leader", rel_ns).spec.holder_identity \
             == f"{name}-local-0"
+
+        # the reconcile loop's metrics, scraped from the running process
+        assert metric(mp, 'moe_operator_jobs{condition="Planned",status="True"}') == 1
+        assert metric(mp, 'moe_operator_plan_world_size{job="%s",namespace="%s"}' % (jname, namespace)) == 2
+        assert metric(mp, "moe_operator_plan_cross_group_vs_contiguous") is not None
+        assert (metric(mp, "moe_operator_reconcile_duration_seconds_count") or 0) >= 2
 
         # nothing was refused (the chart's RBAC sufficed) and the token leaked nowhere
         text = logs()
