@@ -244,3 +244,23 @@ def test_verdict_configmap_round_trips():
     assert G.parse_stored_verdict(cm["data"][G.VERDICT_KEY]) == rec
     with pytest.raises(G.GateError, match="GateVerdict.expiresAt: 'soon' is not an RFC 3339 time"):
         G.parse_stored_verdict(json.dumps(dict(rec, expiresAt="soon")))
+
+
+def test_a_leftover_job_counts_from_when_it_ran_and_an_expired_one_is_replaced():
+    ran = "2026-11-29T13:30:00Z"
+    obs = G.SmokeObservation(name=f"moe-smoke-{IDENT.key}-1", finished=True, exit_code=0,
+                             message=json.dumps(smoke_doc()), finished_at=ran)
+    d = G.decide(IDENT, None, obs, NOW, CFG)
+    assert d.action == "record" and d.record["verifiedAt"] == ran and d.record["expiresAt"] == "2026-12-06T13:30:00Z"
+    # the store was deleted 8 days later: the Job's verdict has expired, so test again as attempt 2
+    old = dt.timedelta(days=8)
+    e = G.decide(IDENT, None, obs, NOW + old, CFG)
+    assert (e.action, e.status, e.job_name, e.stale_job) == (
+        "create_job", "Unknown", f"moe-smoke-{IDENT.key}-2", f"moe-smoke-{IDENT.key}-1")
+    assert e.record["attempt"] == 1 and e.record["passed"]     # remembered, already expired
+    assert G.decide(IDENT, e.record, None, NOW + old, CFG).job_name == f"moe-smoke-{IDENT.key}-2"
+
+
+def test_failure_message_says_how_to_test_again_now():
+    d = G.decide(IDENT, None, finished(smoke_doc(False, "train", message="loss is nan"), code=1), NOW, CFG)
+    assert f"kubectl -n moe-system delete job moe-smoke-x-1 configmap moe-gate-{IDENT.key}" in d.message

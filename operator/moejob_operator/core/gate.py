@@ -40,7 +40,7 @@ SMOKE_CHECKS = ("imports", "initialize", "permutation", "train", "checkpoint", "
 DEFAULT_PASS_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_FAIL_TTL_SECONDS = 3600
 DEFAULT_SMOKE_DEADLINE_SECONDS = 1800      # the smoke Job's activeDeadlineSeconds (image pull + JIT + run)
-WAIT_SECONDS = 10.0                        # "not yet" delay while the smoke Job runs
+WAIT_SECONDS = 5.0                        # "not yet" delay while the smoke Job runs
 
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _TRUE = ("1", "true", "yes", "on", "enabled")
@@ -256,6 +256,7 @@ class SmokeObservation:
     reason: str | None = None         # pod/Job failure reason (OOMKilled, DeadlineExceeded, ...)
     image_id: str | None = None       # containerStatuses[].imageID: the digest actually run
     pod_phase: str | None = None
+    finished_at: str | None = None    # when the smoke run ended (the verdict's age counts from here)
 
 
 def observe(job: dict[str, Any] | None, pods: list[dict[str, Any]]) -> SmokeObservation | None:
@@ -268,6 +269,9 @@ def observe(job: dict[str, Any] | None, pods: list[dict[str, Any]]) -> SmokeObse
     if "Failed" in conds:
         obs["reason"] = conds["Failed"].get("reason") or "Failed"
         obs["message"] = conds["Failed"].get("message")
+    for c in conds.values():
+        obs["finished_at"] = c.get("lastTransitionTime") or obs.get("finished_at")
+    obs["finished_at"] = status.get("completionTime") or obs.get("finished_at")
     for pod in sorted(pods, key=lambda p: p["metadata"].get("creationTimestamp") or ""):
         pst = pod.get("status") or {}
         for cs in pst.get("containerStatuses") or ():
@@ -276,7 +280,8 @@ def observe(job: dict[str, Any] | None, pods: list[dict[str, Any]]) -> SmokeObse
             obs["pod_phase"] = pst.get("phase")
             if term is not None:
                 obs.update(finished=True, exit_code=term.get("exitCode"), message=term.get("message"),
-                           reason=term.get("reason") or obs.get("reason"))
+                           reason=term.get("reason") or obs.get("reason"),
+                           finished_at=term.get("finishedAt") or obs.get("finished_at"))
     return SmokeObservation(**obs)
 
 
@@ -360,15 +365,17 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
         smoke["message"] = f"the verdict lists checks {[c['name'] for c in smoke['checks']]}, " \
                            f"expected {list(SMOKE_CHECKS)}"
     ttl = config.pass_ttl_seconds if passed else config.fail_ttl_seconds
+    verified = min(now, _parse_time(obs.finished_at)) if obs.finished_at else now
     return {"kind": VERDICT_KIND, "version": VERDICT_VERSION, "identity": identity.to_doc(),
             "attempt": attempt, "passed": passed, "failedCheck": None if passed else smoke.get("failedCheck"),
             "message": smoke["message"], "exception": None if passed else smoke.get("exception"),
             "versions": smoke.get("versions") or {}, "durationSeconds": smoke.get("durationSeconds"),
             "observedDigest": digest_of(obs.image_id), "smokeJob": obs.name,
-            "verifiedAt": _iso(now), "expiresAt": _iso(now + dt.timedelta(seconds=ttl))}
+            "verifiedAt": _iso(verified), "expiresAt": _iso(verified + dt.timedelta(seconds=ttl))}
 
 
-def _from_record(rec: dict[str, Any], identity: Identity, *, fresh: bool) -> tuple[str, str, str]:
+def _from_record(rec: dict[str, Any], identity: Identity, *, fresh: bool,
+                 namespace: str) -> tuple[str, str, str]:
     vs = rec.get("versions") or {}
     stack = ", ".join(f"{k} {vs[k]}" for k in ("deepspeed", "torch", "transformers", "cuda") if vs.get(k))
     where = f"smoke Job {rec.get('smokeJob')} at {rec['verifiedAt']}"
@@ -379,8 +386,8 @@ def _from_record(rec: dict[str, Any], identity: Identity, *, fresh: bool) -> tup
                                 f"valid until {rec['expiresAt']})")
     return "False", R_SMOKE_TEST_FAILED, (f"{identity.describe()}: {failure_text(rec)} ({where}"
                                           f"{'; cached' if not fresh else ''}; tested again after "
-                                          f"{rec['expiresAt']} or when ConfigMap "
-                                          f"{store_name(identity)} is deleted)")
+                                          f"{rec['expiresAt']}, or now after `kubectl -n {namespace} delete job "
+                                          f"{rec.get('smokeJob')} configmap {store_name(identity)}`)")
 
 
 def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservation | None,
@@ -393,7 +400,7 @@ def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservat
     verdict now is the one it waited for (SmokeTestPassed), not an earlier one (CachedVerdict).
     """
     if is_current(stored, identity, now):
-        status, reason, message = _from_record(stored, identity, fresh=waited)
+        status, reason, message = _from_record(stored, identity, fresh=waited, namespace=config.namespace)
         return Decision("none", status, reason, message)
     attempt = int(stored["attempt"]) + 1 if stored and stored.get("identity", {}).get("key") == identity.key else 1
     job = smoke_job_name(identity, attempt)
@@ -408,7 +415,15 @@ def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservat
                         f"{'; pod ' + obs.pod_phase if obs.pod_phase else ''})", job_name=job,
                         retry_seconds=WAIT_SECONDS)
     rec = verdict_from_observation(identity, obs, attempt, now, config)
-    status, reason, message = _from_record(rec, identity, fresh=True)
+    if _parse_time(rec["expiresAt"]) <= now:
+        # a Job left from an expired verdict (the ConfigMap was deleted): store it to remember the
+        # attempt, and test again under the next attempt's name
+        nxt = smoke_job_name(identity, attempt + 1)
+        return Decision("create_job", "Unknown", R_SMOKE_TEST_RUNNING,
+                        f"started smoke-test Job {config.namespace}/{nxt} for {identity.describe()} (the "
+                        f"verdict of {job} expired); the job launches when it passes", job_name=nxt,
+                        record=rec, retry_seconds=WAIT_SECONDS, stale_job=job)
+    status, reason, message = _from_record(rec, identity, fresh=True, namespace=config.namespace)
     return Decision("record", status, reason, message, job_name=job, record=rec)
 
 

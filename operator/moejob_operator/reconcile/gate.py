@@ -84,6 +84,8 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
         obs = store.observe(G.smoke_job_name(identity, attempt))
     d = G.decide(identity, stored, obs, now, config, waited=prev.get("reason") == G.R_SMOKE_TEST_RUNNING)
     if d.action == "create_job":
+        if d.record:
+            store.write(d.record)
         if d.stale_job:
             store.delete_job(d.stale_job)
         created = store.create_job(B.smoke_job(identity, int(d.job_name.rsplit("-", 1)[1]), config,
