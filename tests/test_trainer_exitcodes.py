@@ -43,3 +43,41 @@ def test_nan_loss_exits_65_with_progress_on_grouped_zero3(tmp_path):
     log = (tmp_path / "log.rank0.log").read_text()
     assert "step 1/3 loss" in log
     assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False)" in log
+
+
+def test_comm_failure_classification():
+    from moe_trainer.train import is_comm_failure
+    assert is_comm_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert not is_comm_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_comm_failure(KeyError("gloo"))
+
+
+@pytest.mark.slow
+def test_lost_peer_exits_75(tmp_path):
+    """SIGKILL one rank mid-run: the survivor sees the broken connection and exits 75 (retryable)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from moe_trainer.launch import free_port
+    doc = json.loads((FIXTURES / "tiny_mixtral_autoep.json").read_text())
+    doc["training"]["steps"] = 500
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    cmd = [sys.executable, "-m", "moe_trainer.train", "--plan", str(tmp_path / "plan.json"),
+           "--checkpoint-dir", str(tmp_path / "ck"), "--cpu"]
+    procs = [subprocess.Popen(cmd, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for r in range(2)]
+    try:
+        progress = tmp_path / "ck" / "progress.json"
+        deadline = time.monotonic() + 300
+        while not (progress.exists() and json.loads(progress.read_text())["step"] >= 2):
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.5)
+        procs[1].kill()
+        assert procs[0].wait(timeout=120) == 75
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()

@@ -19,6 +19,19 @@ log = logging.getLogger("moe_trainer")
 EXIT_OK, EXIT_DATAERR, EXIT_RETRYABLE, EXIT_CONFIG, EXIT_UNEXPECTED = 0, 65, 75, 78, 1
 
 
+# Communication failures surface as plain RuntimeErrors from gloo (and sometimes NCCL): a lost
+# peer is retryable, the gang restarts from the latest checkpoint.
+COMM_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo",
+                        "NCCL", "ProcessGroup", "c10d", "remote worker", "timed out", "Timed out")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    import torch.distributed as dist
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_FAILURE_MARKERS)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", help="MoEPlan v1 JSON (default $MOE_PLAN, then /etc/moe/plan.json)")
@@ -40,7 +53,6 @@ def run(argv=None) -> int:
         log.error("bad plan: %s", exc)
         return EXIT_CONFIG
 
-    import torch
     from moe_trainer import distenv
     from moe_trainer.data import DataError
     from moe_trainer.models import ModelError
@@ -75,10 +87,13 @@ def run(argv=None) -> int:
     except (PlanError, ModelError, DataError) as exc:
         log.error("bad config: %s", exc)
         return EXIT_CONFIG
-    except (OSError, TimeoutError, torch.distributed.DistError) as exc:
+    except (OSError, TimeoutError) as exc:
         log.error("retryable failure: %s", exc)
         return EXIT_RETRYABLE
-    except Exception:
+    except Exception as exc:
+        if is_comm_failure(exc):
+            log.error("retryable failure (lost peer / communication): %s", exc)
+            return EXIT_RETRYABLE
         log.exception("unexpected failure")
         return EXIT_UNEXPECTED
     finally:
