@@ -82,3 +82,22 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     assert 0.05 <= took["allGather"] < 0.3
     assert dscomm.all_to_all_single is fake_a2a
     assert timer.take() == {"allToAll": 0.0, "allGather": 0.0}
+
+
+def test_prometheus_metrics_are_served():
+    import urllib.request
+    from moe_trainer.launch import free_port
+    port = free_port()
+    m = progress.Metrics(port, "tiny")
+    try:
+        m.update(doc(loss=2.5, moe={"maxMeanLoadPerLayer": [1.5, 1.2], "deadExperts": [[0, 1]],
+                                    "allToAllSecondsPerStep": 0.01, "allGatherSecondsPerStep": 0.02,
+                                    "fragmentation": None}), tokens=256)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    finally:
+        m.close()
+    assert 'moe_trainer_loss{job="tiny"} 2.5' in text
+    assert 'moe_trainer_expert_load_max_mean{job="tiny",layer="0"} 1.5' in text
+    assert 'moe_trainer_comm_seconds_per_step{job="tiny",op="all_gather"} 0.02' in text
+    assert 'moe_trainer_tokens_total{job="tiny"} 256.0' in text
+    assert 'moe_trainer_dead_experts{job="tiny"} 1.0' in text
