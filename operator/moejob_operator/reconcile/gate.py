@@ -76,6 +76,16 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
     if not config.enabled:
         return Verdict("True", C.R_GATE_NOT_CONFIGURED,
                        f"the upgrade gate is disabled (MOE_GATE_ENABLED); {identity.describe()} launches unverified")
+    try:
+        return _decide_and_act(client, job, spec, identity, prev, now, config)
+    except ApiException as exc:
+        return Verdict("Unknown", C.R_GATE_PENDING,
+                       f"cannot use the verdict store / smoke Jobs in namespace {config.namespace}: "
+                       f"{exc.status} {exc.reason}", 30.0)
+
+
+def _decide_and_act(client, job, spec: JobSpec, identity: G.Identity, prev: dict[str, Any],
+                    now: dt.datetime, config: G.GateConfig) -> Verdict:
     store = Store(client, config.namespace)
     stored = store.read(identity)
     obs = None
