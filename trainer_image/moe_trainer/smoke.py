@@ -172,7 +172,9 @@ class SmokeRank:
         t = plan.training
         model = models.build_model(plan.model.hf_config, seed=t.seed)
         self.reference = copy.deepcopy(model).to(env.device).eval()   # unpermuted, unsharded
-        self.originals = models.original_expert_tensors(model)
+        # verify_placement compares on the engine's device (the trainer's own call assumes CPU)
+        self.originals = [{k: v.to(env.device) for k, v in layer.items()}
+                          for layer in models.original_expert_tensors(model)]
         self.permutation = [list(r) for r in plan.placement.permutation]
         models.permute_experts(model, self.permutation)
         if self.args.inject == "native-moe":
