@@ -383,7 +383,9 @@ def run_ranks(args: argparse.Namespace, nproc: int) -> tuple[list[int | None], l
         tail: collections.deque = collections.deque(maxlen=40)
         th = threading.Thread(target=_pump, args=(p.stdout, tail, f"[rank{rank}] "), daemon=True)
         th.start()
-        procs.append(p), tails.append(tail), pumps.append(th)
+        procs.append(p)
+        tails.append(tail)
+        pumps.append(th)
     deadline = time.monotonic() + args.timeout
     first_fail: float | None = None
     timed_out = False

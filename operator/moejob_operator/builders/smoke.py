@@ -49,6 +49,7 @@ def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
         "command": command,
         "args": args,
         "env": [{"name": "TORCH_EXTENSIONS_DIR", "value": f"{SCRATCH}/torch_extensions"},
+                {"name": "HOME", "value": f"{SCRATCH}/home"},          # caches (triton, HF) of a uid without a home
                 {"name": "HF_HUB_OFFLINE", "value": "1"},
                 {"name": "NCCL_NVLS_ENABLE", "value": "0"},
                 {"name": "MOE_GATE_KEY", "value": identity.key},
