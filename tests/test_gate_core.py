@@ -25,7 +25,8 @@ def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom") -> dict:
         checks.append({"name": name, "passed": True, "seconds": 1.0, "message": "ok"})
     return {"kind": "SmokeVerdict", "version": 1, "passed": passed, "failedCheck": failed, "checks": checks,
             "exception": None if passed else "Traceback...\n" + message.removeprefix("rank 0: "),
-            "versions": {"deepspeed": ds, "torch": "2.13.0", "transformers": "5.17.0", "cuda": "12.8"},
+            "versions": {"deepspeed": ds, "torch": "2.13.0", "transformers": "5.17.0", "cuda": "12.8",
+                         "device": "cuda"},
             "durationSeconds": 12.5}
 
 
@@ -223,7 +224,7 @@ def test_smoke_job_manifest():
     pod = spec["template"]["spec"]
     c = pod["containers"][0]
     assert c["image"] == "reg.io/trainer:1.0" and c["command"] == ["moe-smoke"]
-    assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--expect-deepspeed", "0.19.8"]
+    assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--gpu", "--expect-deepspeed", "0.19.8"]
     assert c["resources"]["limits"] == {C.GPU_RESOURCE: 1}
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError" and pod["restartPolicy"] == "Never"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -264,3 +265,12 @@ def test_a_leftover_job_counts_from_when_it_ran_and_an_expired_one_is_replaced()
 def test_failure_message_says_how_to_test_again_now():
     d = G.decide(IDENT, None, finished(smoke_doc(False, "train", message="loss is nan"), code=1), NOW, CFG)
     assert f"kubectl -n moe-system delete job moe-smoke-x-1 configmap moe-gate-{IDENT.key}" in d.message
+
+
+def test_a_gpu_identity_needs_a_run_on_a_gpu():
+    cpu_run = smoke_doc()
+    cpu_run["versions"]["device"] = "cpu"
+    d = G.decide(IDENT, None, finished(cpu_run), NOW, CFG)
+    assert d.status == "False" and "a GPU identity was tested on cpu, not on a GPU" in d.message
+    cpu_ident = G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU")
+    assert G.decide(cpu_ident, None, finished(cpu_run), NOW, CFG).status == "True"

@@ -81,7 +81,17 @@ def test_expected_deepspeed_mismatch_fails_imports_without_distributed_setup(tmp
     assert "the image has deepspeed 0.19.8, the job declares 0.99.0" in v["checks"][0]["message"]
 
 
+def test_gpu_required_but_absent_fails_imports(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "moe_trainer.smoke", "--gpu", "--steps", "3",
+                        "--termination-log", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    v = json.loads(p.stdout)
+    assert p.returncode == 1 and v["failedCheck"] == "imports"
+    assert "no CUDA device is visible" in v["checks"][0]["message"]
+
+
 def test_usage_errors_exit_2():
+    assert smoke.run(["--cpu", "--gpu"]) == smoke.EXIT_USAGE
     assert smoke.run(["--steps", "1"]) == smoke.EXIT_USAGE
     assert smoke.run(["--inject", "segfault"]) == smoke.EXIT_USAGE
 

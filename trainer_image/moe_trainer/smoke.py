@@ -466,6 +466,8 @@ def compact(verdict: dict, limit: int = TERMINATION_LIMIT) -> str:
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moe-smoke", description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="CPU + gloo even when a GPU is present")
+    ap.add_argument("--gpu", action="store_true",
+                    help="fail unless a GPU is used (no silent CPU fallback; the operator's GPU smoke Job)")
     ap.add_argument("--nproc", type=int, help="ranks (default: 2 on CPU, 1 on GPU); EP size = ranks")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps of the train check (>= 3)")
     ap.add_argument("--inject", choices=INJECTIONS, help="fault injection (tests): native-moe | nan")
@@ -487,7 +489,10 @@ def run(argv=None) -> int:
         return worker_main(args)
 
     t0 = time.perf_counter()
-    if not args.cpu and not _cuda_visible():
+    if args.cpu and args.gpu:
+        print("moe-smoke: error: --cpu and --gpu exclude each other", file=sys.stderr)
+        return EXIT_USAGE
+    if not args.cpu and not args.gpu and not _cuda_visible():
         print("moe-smoke: no GPU visible: running on CPU (gloo)", file=sys.stderr)
         args.cpu = True
     nproc = args.nproc or (2 if args.cpu else 1)

@@ -24,8 +24,7 @@ def _labels(component: str, identity: G.Identity) -> dict[str, str]:
 
 def smoke_args(identity: G.Identity) -> list[str]:
     args = ["--workdir", f"{SCRATCH}/work"]
-    if identity.device == "CPU":
-        args.append("--cpu")
+    args.append("--cpu" if identity.device == "CPU" else "--gpu")
     if identity.deepspeed_version:
         args += ["--expect-deepspeed", identity.deepspeed_version]
     return args

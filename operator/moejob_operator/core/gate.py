@@ -360,6 +360,11 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
         smoke["failedCheck"] = "imports"
         smoke["message"] = (f"the image reports deepspeed {reported}, the spec declares "
                             f"{identity.deepspeed_version}")
+    ran_on = (smoke.get("versions") or {}).get("device")
+    if passed and identity.device == "GPU" and ran_on != "cuda":
+        passed = False
+        smoke["failedCheck"] = "imports"
+        smoke["message"] = f"a GPU identity was tested on {ran_on or 'an unknown device'}, not on a GPU"
     if passed and smoke.get("checks") and [c["name"] for c in smoke["checks"]] != list(SMOKE_CHECKS):
         passed = False
         smoke["message"] = f"the verdict lists checks {[c['name'] for c in smoke['checks']]}, " \
