@@ -21,9 +21,10 @@ def test_local_command_uses_the_installed_moe_smoke():
 def test_image_command_runs_the_image_with_one_gpu():
     cmd = smoke_command(parse("--image", "reg.io/trainer:1.2"))
     assert cmd[:6] == ["docker", "run", "--rm", "--entrypoint", "moe-smoke", "--ipc=host"]
-    assert cmd[6:9] == ["--gpus", "1", "reg.io/trainer:1.2"]
+    assert cmd[6:10] == ["--gpus", "1", "reg.io/trainer:1.2", "--gpu"]
     cpu = smoke_command(parse("--image", "reg.io/trainer:1.2", "--runtime", "podman", "--cpu"))
-    assert cpu[0] == "podman" and "--gpus" not in cpu and "--cpu" in cpu[cpu.index("reg.io/trainer:1.2"):]
+    assert cpu[0] == "podman" and "--gpus" not in cpu and "--gpu" not in cpu
+    assert "--cpu" in cpu[cpu.index("reg.io/trainer:1.2"):]
 
 
 def test_format_names_the_failed_check_and_the_exception():

@@ -34,8 +34,9 @@ def smoke_command(args: argparse.Namespace, python: str = sys.executable) -> lis
     opts += ["--timeout", f"{args.timeout:g}"]
     if args.image:
         runtime = [args.runtime, "run", "--rm", "--entrypoint", "moe-smoke", "--ipc=host"]
-        if not args.cpu:
+        if not args.cpu:      # and no silent CPU fallback when the runtime hands over no GPU
             runtime += ["--gpus", "1"] if args.runtime == "docker" else ["--device", "nvidia.com/gpu=all"]
+            opts = ["--gpu"] + opts
         return runtime + [args.image] + opts
     exe = shutil.which("moe-smoke")
     return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts
