@@ -105,3 +105,25 @@ def test_routing_stats_progress_and_heatmap(runs):
     assert moe["fragmentation"] is None                     # CPU
     assert (d / "expert_load.png").stat().st_size > 1000
     assert (d / "ds" / "latest").read_text().strip() == "step-10"
+
+
+@pytest.mark.parametrize("preset, family", [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
+def test_other_families_train_under_autoep(tmp_path, preset, family):
+    """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3 steps."""
+    from moe_trainer.models import TINY_HF_CONFIGS
+    doc = json.loads(PLAN.read_text())
+    doc["model"] = {"family": family, "preset": preset, "path": None, "hfConfig": TINY_HF_CONFIGS[preset]}
+    doc["deepspeed"]["expert_parallel"]["preset_model"] = family
+    doc["training"]["steps"] = 3
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(doc))
+    assert run(tmp_path / "ck", plan=plan, MOE_VERIFY_PLACEMENT="1") == [0, 0]
+    stats = json.loads((tmp_path / "ck" / "routing_stats.json").read_text())
+    check_routing_stats(stats)
+    assert stats["steps"] == 3 and stats["model"] == preset
+    perm = doc["placement"]["permutation"]
+    for rank in range(2):
+        rep = json.loads((tmp_path / "ck" / f"placement_check_rank{rank}.json").read_text())
+        assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [r[rank * 2:rank * 2 + 2] for r in perm]
+    log = (tmp_path / "ck-log.rank0.log").read_text()
+    assert "MoE blocks after initialize: 2 x AutoEPMoELayer" in log

@@ -60,6 +60,10 @@ def read_env(plan_world_size: int, rank_gpus: list[int | None], force_cpu: bool 
     return DistEnv(rank, world, local_rank, torch.device("cpu"), "gloo")
 
 
+def _no_shm_op():
+    return None
+
+
 def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
     """Start the process group (also for world size 1: DeepSpeed ZeRO needs one)."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -73,10 +77,14 @@ def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch as ds_torch_comm
+    # Not `import deepspeed.comm.torch as m`: `deepspeed.comm` star-exports PyTorch as `torch`,
+    # so that spelling binds the torch package instead of DeepSpeed's backend module.
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     if env.device.type == "cpu" and os.environ.get("MOE_DS_SHM_OP", "0") != "1":
-        ds_torch_comm.build_shm_op = lambda: None
+        ds_torch_comm.build_shm_op = _no_shm_op
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
 

@@ -105,12 +105,13 @@ def build_model(hf_config: dict | None = None, path: str | None = None, seed: in
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
-    """The MoE blocks in decoder-layer order: modules `*.layers.<i>.mlp` with `gate` and `experts`."""
+    """The MoE blocks in decoder-layer order: modules `*.layers.<i>.mlp` with `experts` and a router."""
     refs = []
     for name, module in model.named_modules():
         parts = name.split(".")
-        if len(parts) >= 3 and parts[-1] == "mlp" and parts[-3] == "layers" \
-                and hasattr(module, "gate") and hasattr(module, "experts"):
+        # HF blocks have `gate`; AutoEP layers have `router` (aliased as `gate` only for some presets)
+        if len(parts) >= 3 and parts[-1] == "mlp" and parts[-3] == "layers" and hasattr(module, "experts") \
+                and (hasattr(module, "gate") or hasattr(module, "router")):
             refs.append(MoELayerRef(index=len(refs), decoder_layer=int(parts[-2]), name=name, block=module))
     return refs
 
