@@ -3,7 +3,7 @@
 What runs in the smoke pods (honestly): the operator is started with MOE_GATE_SMOKE_COMMAND set
 to a stand-in script (written below) that, for an image whose name contains `native-moe`, runs
 the **real** `moe-smoke --cpu --inject native-moe` (DeepSpeed refuses native MoE under ZeRO-3 at
-`initialize`), and otherwise sleeps a few seconds and prints a passing SmokeVerdict we control
+`initialize`), for `real-smoke` the real passing `moe-smoke --cpu`, and otherwise sleeps a few seconds and prints a passing SmokeVerdict we control
 (fast: the concurrency and caching tests are about the gate, not about DeepSpeed). The jobs are
 created with `runPolicy.suspend: true`, so passing the gate launches no trainer processes.
 """
@@ -28,6 +28,8 @@ import json, os, subprocess, sys, time
 image = os.environ.get("MOE_GATE_IMAGE", "")
 if "native-moe" in image:
     sys.exit(subprocess.call(["moe-smoke", "--cpu", "--inject", "native-moe", "--steps", "3"]))
+if "real-smoke" in image:
+    sys.exit(subprocess.call(["moe-smoke", "--cpu", "--workdir", "/var/tmp/moe-smoke/work"]))
 time.sleep(float(os.environ.get("STAND_IN_SLEEP", "4")))
 checks = [{"name": n, "passed": True, "seconds": 0.1, "message": "stand-in"}
           for n in ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")]
@@ -160,3 +162,20 @@ def test_skipping_the_gate_is_audited(kube, namespace, operator_proc, gate_ns, w
     assert ev[0].type == "Warning" and "INC-123 hotfix" in ev[0].message
     key = G.identity_for("registry.local/moe-trainer:never-tested", None, "CPU").key
     assert not [j for j in smoke_jobs(kube, gate_ns) if key in j.metadata.name]
+
+
+def test_the_real_smoke_program_passes_through_the_job(kube, namespace, operator_proc, gate_ns, wait_for,
+                                                       tmp_path):
+    image = f"registry.local/moe-trainer:{unique_name('real-smoke')}"
+    apply_job(kube, namespace, gate_job("gate-real", image, tmp_path))
+    wait_for(lambda: verified(kube, namespace, "gate-real").get("status") == "True", timeout=240,
+             message=operator_proc.logs())
+    assert verified(kube, namespace, "gate-real")["reason"] == G.R_SMOKE_TEST_PASSED
+    key = G.identity_for(image, None, "CPU").key
+    stored = G.parse_stored_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
+                                    .data[G.VERDICT_KEY])
+    assert stored["passed"] and stored["versions"]["deepspeed"] == "0.19.8"
+    assert stored["versions"]["device"] == "cpu" and stored["durationSeconds"] > 0
+    pod = kube.core.list_namespaced_pod(gate_ns, label_selector=f"job-name=moe-smoke-{key}-1").items[0]
+    smoke = G.parse_smoke_verdict(pod.status.container_statuses[0].state.terminated.message)
+    assert [c["name"] for c in smoke["checks"]] == list(G.SMOKE_CHECKS) and "standIn" not in smoke
