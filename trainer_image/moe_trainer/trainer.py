@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, writ
 log = logging.getLogger("moe_trainer")
 
 EXIT_OK, EXIT_DATAERR, EXIT_RETRYABLE, EXIT_CONFIG = 0, 65, 75, 78
+RECENT_STEPS = 20
 
 
 class NonFiniteLoss(RuntimeError):
@@ -116,7 +118,8 @@ class Trainer:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
-        self.window = routing.RoutingAccumulator(L, E, self.env.device)   # since last report
+        self.recent_load: deque = deque(maxlen=RECENT_STEPS)   # load[L, E] per step, original ids
+        self._logged: set[tuple[str, str]] = set()
         self.health = HealthMonitor(L, E, self.env.world_size, dead_steps=t.dead_expert_steps,
                                     dead_fraction=t.dead_expert_fraction,
                                     router_logit_limit=t.router_logit_limit,
@@ -212,8 +215,17 @@ class Trainer:
         if self.metrics:
             self.metrics.update(doc, tokens)
 
+    def log_findings(self, step: int, findings) -> None:
+        """Log a finding when it appears (not on every step it persists)."""
+        now = {(f.type, f.message.split(":")[0]) for f in findings}
+        for f in findings:
+            if (f.type, f.message.split(":")[0]) not in self._logged:
+                log.warning("step %d health %s: %s", step, f.type, f.message)
+        self._logged = now
+
     def moe_section(self, comm: dict, frag: float | None) -> dict:
-        load = routing.load_to_original_ids(self.window.load.cpu().numpy(), self.permutation)
+        """Load balance over the last RECENT_STEPS steps; comm times and fragmentation of this step."""
+        load = sum(self.recent_load)
         return {"maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
                 "deadExperts": self.health.dead_experts(),
                 "allToAllSecondsPerStep": round(comm["allToAll"], 6),
@@ -251,17 +263,16 @@ class Trainer:
             step += 1
             self.acc.add(g_load, g_coact, tokens_per_step)
             self.acc.steps += 1
-            self.window.add(g_load, g_coact, tokens_per_step)
             self.losses.append(loss)
             orig_load = routing.load_to_original_ids(g_load.cpu().numpy(), self.permutation)
+            self.recent_load.append(orig_load)
             findings = self.health.check_loss(loss)
             findings += self.health.check_router_logits(maxlog.cpu().numpy())
             findings += self.health.update_dead(orig_load)
             findings += self.health.update_stragglers([float(x.item()) for x in times])
             frag = fragmentation(env.device)
             findings += self.health.check_fragmentation(frag)
-            for f in findings:
-                log.warning("step %d health %s: %s", step, f.type, f.message)
+            self.log_findings(step, findings)
             elapsed = time.perf_counter() - t_run
             done = step - self.start_step
             tps = tokens_per_step * done / elapsed if elapsed > 0 else 0.0
@@ -278,12 +289,10 @@ class Trainer:
                 self.publish(doc, tokens_per_step, force=True)
                 raise NonFiniteLoss(f"loss is {loss} at step {step}")
             if step % t.checkpoint_every_steps == 0 or step == t.steps:
-                if self.is_rank0:
-                    write_json_atomic(Path(self.ckpt_dir) / "progress.json",
-                                      dict(doc, phase="Checkpointing")) if self.ckpt_dir else None
+                if self.is_rank0 and self.ckpt_dir:
+                    write_json_atomic(Path(self.ckpt_dir) / "progress.json", dict(doc, phase="Checkpointing"))
                 self.save(step)
                 doc["checkpoint"] = self.last_ckpt
-                self.window = routing.RoutingAccumulator(L, E, env.device)
             if step == t.steps:
                 doc["phase"] = "Finished"
             self.publish(doc, tokens_per_step, force=step == t.steps)
