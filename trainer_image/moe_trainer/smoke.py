@@ -166,8 +166,6 @@ class SmokeRank:
         self.plan = plan = parse_plan(smoke_plan_doc(world, device, self.args.steps))
         self.env = env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=self.args.cpu)
         distenv.set_cpu_threads(env)
-        if env.device.type == "cpu":
-            _skip_shm_op_build()
         distenv.init_distributed(env, timeout_s=120)
         t = plan.training
         model = models.build_model(plan.model.hf_config, seed=t.seed)
@@ -312,17 +310,6 @@ class SmokeRank:
                  ("permutation", self.permutation_check), ("train", self.train),
                  ("checkpoint", self.checkpoint), ("fused_adam", self.fused_adam))
         return all(self.rec.run(name, fn) for name, fn in steps)
-
-
-def _skip_shm_op_build() -> None:
-    """DeepSpeed's TorchBackend JIT-builds a shared-memory op (used only for inference all-reduce)
-    at init; on a fresh CPU machine that is minutes of compiling. `import deepspeed.comm.torch as m`
-    binds the `torch` module (deepspeed.comm has an attribute `torch`), so patch through
-    sys.modules. MOE_DS_SHM_OP=1 keeps the build, as in distenv."""
-    if os.environ.get("MOE_DS_SHM_OP", "0") == "1":
-        return
-    import deepspeed.comm.torch  # noqa: F401 - load the module
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
 
 def _swap_in_native_moe(model) -> None:
