@@ -54,3 +54,16 @@ def test_npy_and_synthetic_and_errors(tmp_path):
         data.make_batch_source(DataSpec(kind="tokens", path=str(tmp_path)), 16, 2, 0, 256)
     with pytest.raises(data.DataError, match=r"does not exist"):
         data.make_batch_source(DataSpec(kind="text", path=str(tmp_path / "nope")), 16, 2, 0, 320)
+
+
+def test_hf_tokenizer_from_a_local_directory(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    (tmp_path / "text.txt").write_text("hello world" + corpus.DOC_SEPARATOR + "world hello zzz")
+    src = data.make_batch_source(DataSpec(kind="text", path=str(tmp_path / "text.txt"), tokenizer=str(tmp_path / "tok")),
+                                 seq_len=3, micro_batch=1, seed=0, vocab_size=4)
+    assert src.tokens.tolist() == [2, 3, 1, 3, 2, 0, 1]
