@@ -26,10 +26,18 @@ VARIANTS = {
     "autoep": "(a) HF Mixtral + AutoEP, ZeRO-3",
     "hf": "(b) HF Mixtral experts (transformers default experts impl = grouped_mm), ZeRO-3",
     "hf_eager": "(b') HF Mixtral experts, eager per-expert loop, ZeRO-3",
-    "grouped": "(c) grouped MoE block (moe_trainer.grouped_moe), ZeRO-3",
-    "grouped_fused": "(c') grouped MoE block + torch.compile'd SwiGLU, ZeRO-3",
+    "grouped": "(c) grouped MoE block (trainer default: compiled SwiGLU on CUDA), ZeRO-3",
+    "grouped_eager": "(c') grouped MoE block, eager SwiGLU, ZeRO-3",
 }
-DEFAULT_VARIANTS = "autoep,hf,hf_eager,grouped,grouped_fused"
+DEFAULT_VARIANTS = "autoep,hf,grouped,grouped_eager,autoep@32,grouped@32"
+
+
+def parse_variant(spec: str) -> tuple[str, int | None]:
+    """'grouped@32' -> ('grouped', 32): same variant at another micro-batch."""
+    name, _, batch = spec.partition("@")
+    if name not in VARIANTS:
+        raise SystemExit(f"--variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    return name, int(batch) if batch else None
 
 FULL = dict(hidden=1024, inter=3584, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=32000,
             seq=1024, batch=16)
@@ -89,7 +97,7 @@ def build_model(variant: str, d: dict, device, dtype):
         model.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
     elif variant.startswith("grouped"):
         from moe_trainer.grouped_moe import swap_moe_blocks
-        assert swap_moe_blocks(model, fused_act=variant == "grouped_fused") == d["layers"]
+        assert swap_moe_blocks(model, fused_act=False if variant == "grouped_eager" else None) == d["layers"]
     return model
 
 
@@ -102,14 +110,16 @@ def _mem(torch, on_gpu):
 def train_worker(args) -> dict:
     torch, on_gpu, device, dtype = _setup(args.tiny)
     import deepspeed
-    d = TINY if args.tiny else FULL
+    variant, batch = parse_variant(args.worker)
+    d = dict(TINY if args.tiny else FULL)
+    d["batch"] = batch or d["batch"]
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    model = build_model(args.worker, d, device, dtype)
+    model = build_model(variant, d, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=on_gpu)
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=ds_config(d, on_gpu, args.worker == "autoep"))
+                                           config=ds_config(d, on_gpu, variant == "autoep"))
     init_s = time.perf_counter() - t0
     if on_gpu:
         torch.cuda.synchronize()
@@ -124,24 +134,30 @@ def train_worker(args) -> dict:
         engine.step()
         return loss
 
-    losses, step_s = [], []
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and on_gpu:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+    # No host sync inside the timed window (the loss is read at the end): the host may run ahead
+    # of the GPU exactly as in training. Warm-up steps are timed on their own (compile, JIT).
+    losses, warm_s = [], []
+    for i in range(args.warmup):
         t = time.perf_counter()
-        loss = step(i)
+        losses.append(step(i).detach())
         if on_gpu:
             torch.cuda.synchronize()
-        step_s.append(time.perf_counter() - t)
-        losses.append(float(loss))
-    timed = step_s[args.warmup:]
+        warm_s.append(time.perf_counter() - t)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        losses.append(step(i).detach())
+    if on_gpu:
+        torch.cuda.synchronize()
+    timed_s = time.perf_counter() - t
+    losses = [float(x) for x in losses]
     tokens = d["batch"] * d["seq"]
     res = {
-        "variant": args.worker, "label": VARIANTS[args.worker], "params": n_params,
-        "tokensPerSecond": tokens * len(timed) / sum(timed),
-        "stepSecondsMedian": sorted(timed)[len(timed) // 2], "stepSeconds": timed,
-        "firstStepSeconds": step_s[0], "initSeconds": init_s, "losses": losses,
+        "variant": args.worker, "label": VARIANTS[variant] + (f", micro-batch {batch}" if batch else ""),
+        "params": n_params, "microBatch": d["batch"],
+        "tokensPerSecond": tokens * args.steps / timed_s, "stepSecondsMean": timed_s / args.steps,
+        "warmupStepSeconds": warm_s, "initSeconds": init_s, "losses": losses,
         "memoryAfterInit": mem_init, "memorySteady": _mem(torch, on_gpu),
     }
     if args.profile and on_gpu:
@@ -149,16 +165,45 @@ def train_worker(args) -> dict:
     return res
 
 
-def profile_steps(torch, step, args) -> str:
+def _device_us(prof) -> float:
+    """Sum of kernel time over a profile, microseconds: device events only (CPU ops also carry
+    the device time of the kernels they launch; counting both would double it), the same sum as
+    the profiler table's "Self CUDA time total"."""
+    from torch.autograd import DeviceType
+    return sum(e.self_device_time_total for e in prof.key_averages()
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+
+
+def profile_steps(torch, step, args) -> dict:
+    """3 profiled steps: kernel table by device time, and GPU-busy vs wall time per step."""
     from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for i in range(3):
             step(i)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
-    path = Path(args.out) / f"trainer_profile_{args.worker}.txt"
-    path.write_text(table)
-    return str(path)
+    wall = (time.perf_counter() - t) / 3
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    path = Path(args.out) / f"trainer_profile_{args.worker.replace('@', '_b')}.txt"
+    path.write_text(table + "\n\nBy self CPU time:\n" + cpu_table)
+    busy = _device_us(prof) / 3 / 1e3
+    return {"table": path.name, "gpuBusyMsPerStep": busy, "wallMsPerStepProfiled": wall * 1e3}
+
+
+def _dev_ms(torch, fn, on_gpu, iters=10) -> float | None:
+    """Kernel time of fn() in ms (sum of device time, host gaps excluded), via torch.profiler."""
+    if not on_gpu:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return _device_us(prof) / iters / 1e3
 
 
 def _time(torch, fn, on_gpu, warmup=5, iters=20) -> float:
@@ -207,16 +252,21 @@ def layer_worker(args) -> dict:
             block(x).backward(grad)
         return run
 
-    res = {"tokens": tokens, "ms": {}}
+    res = {"tokens": tokens, "ms": {}, "deviceMs": {}}
+
+    def measure(name, fn):
+        res["ms"][name] = _time(torch, fn, on_gpu)
+        res["deviceMs"][name] = _dev_ms(torch, fn, on_gpu)
+
     for impl in ("eager", "grouped_mm"):
         cfg._experts_implementation = impl if (impl == "eager" or on_gpu) else "eager"
-        res["ms"][f"hf_{impl}"] = _time(torch, fwd_bwd(hf), on_gpu)
-    for fused in (False, True):
+        measure(f"hf_{impl}", fwd_bwd(hf))
+    for fused in (True, False):
         if fused and not on_gpu:
             continue
         fast = GroupedMoeBlock.from_hf(hf, fused_act=fused)
-        name = "grouped_fused" if fused else "grouped"
-        res["ms"][name] = _time(torch, fwd_bwd(fast), on_gpu)
+        name = "grouped" if fused else "grouped_eager"
+        measure(name, fwd_bwd(fast))
         # the same layer's pieces, each forward + backward on its own
         x2 = x.detach().reshape(-1, d["hidden"])
         logits, w, ids = fast.gate(x2)
@@ -245,17 +295,21 @@ def layer_worker(args) -> dict:
             ysr = ys.detach().requires_grad_()
             combine(ysr, wr, pl).backward(gt)
 
-        res["ms"][name + ".experts"] = _time(torch, experts, on_gpu)
-        res["ms"][name + ".router"] = _time(torch, router, on_gpu)
-        res["ms"][name + ".plan_dispatch_combine"] = _time(torch, permute, on_gpu)
-    ms = res["ms"]
-    for name in ("grouped", "grouped_fused"):
-        if name in ms:
-            total, exp = ms[name], ms[name + ".experts"]
-            res[name + ".routingShare"] = (total - exp) / total
-    # HF paths: same expert GEMM work, so (total - our expert FFN time) / total, an estimate
-    for name in ("hf_grouped_mm", "hf_eager"):
-        res[name + ".routingShareEst"] = max(0.0, (ms[name] - ms["grouped.experts"]) / ms[name])
+        measure(name + ".experts", experts)
+        measure(name + ".router", router)
+        measure(name + ".plan_dispatch_combine", permute)
+    # routing + permutation share = (layer - expert FFN) / layer, in wall time (host gaps included)
+    # and in device time (kernels only). HF paths: our expert FFN time as the estimate of theirs.
+    ref = "grouped" if "grouped" in res["ms"] else "grouped_eager"
+    for key in ("ms", "deviceMs"):
+        t = res[key]
+        if t.get(ref) is None:
+            continue
+        for name in ("grouped", "grouped_eager"):
+            if name in t:
+                res[f"{name}.routingShare.{key}"] = (t[name] - t[name + ".experts"]) / t[name]
+        for name in ("hf_grouped_mm", "hf_eager"):
+            res[f"{name}.routingShareEst.{key}"] = max(0.0, (t[name] - t[ref + ".experts"]) / t[name])
     return res
 
 
@@ -289,6 +343,17 @@ def check_worker(args) -> dict:
            "gradX": rel(xb.grad, x.grad)}
     for (n, p), (_, q) in zip(fast.named_parameters(), hf.named_parameters()):
         res["grad." + n] = rel(p.grad, q.grad)
+    ids_ref = torch.sort(hf.gate(x.detach().reshape(-1, d["hidden"]))[2], -1).values
+    res["routingFlipFraction"] = float((torch.sort(fast.last_topk_ids, -1).values != ids_ref).any(-1).float().mean())
+    # same comparison against HF's eager block run in the same dtype (same rounding of weights)
+    hf_low = copy.deepcopy(hf).to(dtype)
+    xl = x.detach().to(dtype).requires_grad_()
+    y_low = hf_low(xl)
+    y_low.backward(grad.to(dtype))
+    res["sameDtype.out"] = rel(y, y_low)
+    res["sameDtype.gradX"] = rel(xb.grad, xl.grad)
+    for (n, p), (_, q) in zip(fast.named_parameters(), hf_low.named_parameters()):
+        res["sameDtype.grad." + n] = rel(p.grad, q.grad)
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -302,15 +367,24 @@ def check_worker(args) -> dict:
     return res
 
 
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_worker(variant: str, args, log) -> dict:
     out_json = Path(args.out) / f".{variant}.json"
     cmd = [sys.executable, __file__, "--worker", variant, "--result", str(out_json), "--out", args.out,
            "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) \
         + (["--profile"] if variant in args.profile_variants.split(",") else [])
     t = time.perf_counter()
+    env = dict(os.environ)
+    env.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another run on this host
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=args.worker_timeout)
+                              timeout=args.worker_timeout, env=env)
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
         proc = subprocess.CompletedProcess(cmd, -9, out + f"\nTIMEOUT after {args.worker_timeout}s")
@@ -329,26 +403,29 @@ def run_worker(variant: str, args, log) -> dict:
 def report(results: dict, tag: str, d: dict, args) -> str:
     tr = results["train"]
     base = {k: tr[k]["tokensPerSecond"] for k in ("autoep", "hf") if "tokensPerSecond" in tr.get(k, {})}
+    base.update({k: tr[k]["tokensPerSecond"] for k in tr if k.startswith("autoep@") and "tokensPerSecond" in tr[k]})
     gib = 2 ** 30
     lines = [f"# Trainer benchmark ({tag})", "",
              f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, {d['experts']} experts "
              f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
              f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed steps after "
              f"{args.warmup} warm-up. Device: {results['device']}.", "",
-             "| variant | tokens/s | vs (a) | vs (b) | median step ms | peak alloc GiB | peak reserved GiB | loss[0] |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc GiB | peak reserved GiB | loss first/last |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for k, r in tr.items():
         if "error" in r:
-            lines.append(f"| {r['label']} | failed | | | | | | |")
+            lines.append(f"| {r['label']} | failed | | | | | | | |")
             continue
         tps = r["tokensPerSecond"]
-        ra = f"{tps / base['autoep']:.2f}x" if "autoep" in base else "-"
-        rb = f"{tps / base['hf']:.2f}x" if "hf" in base else "-"
+        suffix = k[k.index("@"):] if "@" in k else ""
+        ra = f"{tps / base['autoep' + suffix]:.2f}x" if "autoep" + suffix in base else "-"
+        rb = f"{tps / base['hf']:.2f}x" if "hf" in base and not suffix else "-"
+        busy = f"{r['profile']['gpuBusyMsPerStep']:.1f}" if "profile" in r else "-"
         m = r.get("memorySteady", {})
         alloc = f"{m['maxAllocatedBytes'] / gib:.1f}" if m else "-"
         resv = f"{m['maxReservedBytes'] / gib:.1f}" if m else "-"
-        lines.append(f"| {r['label']} | {tps / 1e3:.1f}k | {ra} | {rb} | {r['stepSecondsMedian'] * 1e3:.1f} "
-                     f"| {alloc} | {resv} | {r['losses'][0]:.4f} |")
+        lines.append(f"| {r['label']} | {tps / 1e3:.1f}k | {ra} | {rb} | {r['stepSecondsMean'] * 1e3:.1f} "
+                     f"| {busy} | {alloc} | {resv} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
     chk = results.get("check", {})
     lines += ["", "Correctness on the device (grouped bf16 vs HF eager fp32, relative L2 error): " +
               ", ".join(f"{k} {v:.2e}" for k, v in chk.items() if isinstance(v, float)) +
@@ -356,10 +433,13 @@ def report(results: dict, tag: str, d: dict, args) -> str:
                if "syncDebugError" in chk else "")]
     lay = results.get("layer", {})
     if "ms" in lay:
-        lines += ["", f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO), median ms:", "",
-                  "| path | ms |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in lay["ms"].items()]
-        lines += [""] + [f"- {k}: {v:.1%}" for k, v in lay.items() if k.endswith(("routingShare", "routingShareEst"))]
+        dev = lay.get("deviceMs", {})
+        lines += ["", f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms (median, "
+                  "CUDA events) and device ms (sum of kernel time, torch.profiler):", "",
+                  "| path | wall ms | device ms |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.3f} | {dev[k]:.3f} |" if dev.get(k) is not None else f"| {k} | {v:.3f} | - |"
+                  for k, v in lay["ms"].items()]
+        lines += [""] + [f"- {k}: {v:.1%}" for k, v in lay.items() if ".routingShare" in k]
     return "\n".join(lines) + "\n"
 
 
@@ -369,14 +449,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
-    ap.add_argument("--profile-variants", default="grouped,hf")
+    ap.add_argument("--profile-variants", default="autoep,hf,grouped,grouped@32")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=None, help="results file suffix (default h200 on GPU, cpu_tiny on CPU)")
+    ap.add_argument("--render", default=None, help="re-render the .md from a results .json and exit")
     ap.add_argument("--worker-timeout", type=int, default=240, help="seconds per variant process")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        args.steps, args.warmup = results["steps"], results["warmup"]
+        md = report(results, Path(args.render).stem.removeprefix("trainer_"), results["config"], args)
+        Path(args.render).with_suffix(".md").write_text(md)
+        print(md)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.worker:
         workers = {"layer": layer_worker, "check": check_worker}
@@ -394,12 +482,13 @@ def main(argv=None) -> int:
         results["check"] = run_worker("check", args, log)
         print("check:", json.dumps(results["check"]), flush=True)
         for v in args.variants.split(","):
+            parse_variant(v)
             results["train"][v] = run_worker(v, args, log)
         results["layer"] = run_worker("layer", args, log)
     (Path(args.out) / f"trainer_{tag}.json").write_text(json.dumps(results, indent=1))
     md = report(results, tag, d, args)
     (Path(args.out) / f"trainer_{tag}.md").write_text(md)
-    print(md)
+    print(md, flush=True)
     return 0
 
 
