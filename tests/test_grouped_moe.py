@@ -74,13 +74,16 @@ def test_matches_hf_qwen3_moe(norm_topk_prob):
     _assert_same(hf, fast, torch.randn(2, 5, H), atol=1e-5)
 
 
-def test_bf16_grouped_mm_close_to_hf_fp32():
-    hf = _init(MixtralSparseMoeBlock(_mixtral_cfg()), seed=4)
-    fast = GroupedMoeBlock.from_hf(copy.deepcopy(hf).to(torch.bfloat16), impl="grouped_mm")
-    x = torch.randn(4, 8, H)
-    ref = hf(x)
-    y = fast(x.to(torch.bfloat16)).float()
-    assert ((y - ref).norm() / ref.norm()).item() < 2e-2
+def test_bf16_grouped_mm_close_to_hf_in_bf16():
+    """Same bf16 weights and inputs: same routing, expert math within bf16 rounding.
+    (Against fp32 HF a few tokens flip their top-k under bf16 rounding, so that is no test.)"""
+    hf = _init(MixtralSparseMoeBlock(_mixtral_cfg()), seed=4).to(torch.bfloat16)
+    fast = GroupedMoeBlock.from_hf(copy.deepcopy(hf), impl="grouped_mm")
+    for seed in range(5):
+        x = torch.randn(4, 8, H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        ref = hf(x).float()
+        y = fast(x).float()
+        assert ((y - ref).norm() / ref.norm()).item() < 2e-2
 
 
 def test_expert_permutation_preserves_function():
