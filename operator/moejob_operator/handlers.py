@@ -15,6 +15,7 @@ import threading
 from collections import defaultdict
 
 import kopf
+from kubernetes.client.rest import ApiException
 
 from . import constants as C
 from .reconcile.client import Client
@@ -36,7 +37,12 @@ def _pass(namespace: str, name: str) -> float | None:
     with _locks_guard:
         lock = _locks[(namespace, name)]
     with lock:
-        return reconcile(client(), namespace, name)
+        try:
+            return reconcile(client(), namespace, name)
+        except ApiException as exc:
+            if exc.status in (409, 429) or exc.status >= 500:   # conflicts, overload: soon again
+                raise kopf.TemporaryError(f"API server said {exc.status} {exc.reason}", delay=2) from None
+            raise
 
 
 @kopf.on.startup()
@@ -68,16 +74,30 @@ def _owner_job(labels: dict[str, str]) -> str | None:
     return labels.get(C.LABEL_JOB)
 
 
-@kopf.on.event("v1", "pods", labels={C.LABEL_JOB: kopf.PRESENT, C.LABEL_MANAGED_BY: C.MANAGED_BY})
-def on_child_pod(namespace: str, labels: dict, type: str, **_) -> None:
+def _phase_changed(type: str, old, new, **_) -> bool:
+    """Pod events worth a pass: DELETED, and MODIFIED when the phase or a container state moved
+    (ADDED is the operator's own create; None is the initial listing, which resume handles)."""
+    if type == "DELETED":
+        return True
+    if type != "MODIFIED" or not old or not new:
+        return False
+    o, n = old.get("status") or {}, new.get("status") or {}
+    return (o.get("phase") != n.get("phase") or o.get("containerStatuses") != n.get("containerStatuses")
+            or bool(new.get("metadata", {}).get("deletionTimestamp")))
+
+
+@kopf.on.event("v1", "pods", labels={C.LABEL_JOB: kopf.PRESENT, C.LABEL_MANAGED_BY: C.MANAGED_BY},
+               when=_phase_changed)
+def on_child_pod(namespace: str, labels: dict, **_) -> None:
     job = _owner_job(labels)
-    if job and type is not None:              # None: the initial listing; resume handles that
+    if job:
         _pass(namespace, job)
 
 
 @kopf.on.event("v1", "configmaps", labels={C.LABEL_COMPONENT: "progress",
-                                           C.LABEL_MANAGED_BY: C.MANAGED_BY})
-def on_progress(namespace: str, labels: dict, type: str, **_) -> None:
+                                           C.LABEL_MANAGED_BY: C.MANAGED_BY},
+               when=lambda type, **_: type == "MODIFIED")
+def on_progress(namespace: str, labels: dict, **_) -> None:
     job = _owner_job(labels)
-    if job and type == "MODIFIED":
+    if job:
         _pass(namespace, job)

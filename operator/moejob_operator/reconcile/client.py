@@ -20,13 +20,22 @@ from .. import constants as C
 from ..status import now_iso
 
 
+POOL_SIZE = 32   # > kopf's worker threads: a smaller pool drops connections and pays TLS handshakes
+
+
 def api_client_from_env() -> k8s.ApiClient:
     """In-cluster credentials when present, else $KUBECONFIG / ~/.kube/config."""
+    cfg = k8s.Configuration()
     try:
-        k8s_config.load_incluster_config()
-        return k8s.ApiClient()
+        k8s_config.load_incluster_config(client_configuration=cfg)
     except k8s_config.ConfigException:
-        return k8s_config.new_client_from_config()
+        k8s_config.load_kube_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = POOL_SIZE
+    return k8s.ApiClient(cfg)
+
+
+class NotReady(Exception):
+    """The API server asks to retry shortly (e.g. a new ServiceAccount has no token yet)."""
 
 
 class Client:
@@ -42,7 +51,16 @@ class Client:
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
     def _json(resp) -> Any:
-        return json.loads(resp.data)
+        return json.loads(Client._done(resp))
+
+    @staticmethod
+    def _done(resp) -> bytes:
+        """Read the body and hand the connection back to the pool: with _preload_content=False
+        urllib3 keeps it checked out otherwise, and every call pays a new TLS handshake."""
+        try:
+            return resp.data
+        finally:
+            resp.release_conn()
 
     def _get(self, fn, *args, **kw) -> dict[str, Any] | None:
         try:
@@ -59,18 +77,18 @@ class Client:
 
     def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            self.custom.patch_namespaced_custom_object_status(
+            self._done(self.custom.patch_namespaced_custom_object_status(
                 C.GROUP, C.VERSION, namespace, C.PLURAL, name, {"status": status},
-                _preload_content=False)
+                _preload_content=False))
         except ApiException as exc:
             if exc.status != 404:
                 raise
 
     def delete_job(self, namespace: str, name: str) -> None:
         try:
-            self.custom.delete_namespaced_custom_object(
+            self._done(self.custom.delete_namespaced_custom_object(
                 C.GROUP, C.VERSION, namespace, C.PLURAL, name,
-                body=k8s.V1DeleteOptions(propagation_policy="Background"), _preload_content=False)
+                body=k8s.V1DeleteOptions(propagation_policy="Background"), _preload_content=False))
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -87,11 +105,15 @@ class Client:
               "Role": self.rbac.create_namespaced_role,
               "RoleBinding": self.rbac.create_namespaced_role_binding}[kind]
         try:
-            fn(ns, obj, _preload_content=False)
+            self._done(fn(ns, obj, _preload_content=False))
             return True
         except ApiException as exc:
             if exc.status == 409:
                 return False
+            # 1.20's ServiceAccount admission refuses pods until the token controller has made
+            # the account's token ("retry after the token is automatically created")
+            if exc.status in (429, 500, 503) and "retry" in (exc.body or "").lower():
+                raise NotReady(f"{kind} {obj['metadata']['name']}: {exc.reason}") from None
             raise
 
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -99,7 +121,7 @@ class Client:
 
     def delete_configmap(self, namespace: str, name: str) -> None:
         try:
-            self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
+            self._done(self.core.delete_namespaced_config_map(name, namespace, _preload_content=False))
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -117,7 +139,7 @@ class Client:
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         try:
-            self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            self._done(self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False))
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -147,6 +169,6 @@ class Client:
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False)
+            self._done(self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False))
         except ApiException:
             pass   # an Event is best effort; never fail a reconcile for it

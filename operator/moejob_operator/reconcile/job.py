@@ -22,7 +22,7 @@ from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, SpecError, changed_immutable_fields, parse_spec
 from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
 from . import gate, machine, planning, topology
-from .client import Client
+from .client import Client, NotReady
 
 log = logging.getLogger("moejob_operator")
 
@@ -135,7 +135,7 @@ def _run(p: Pass) -> float | None:
     if p.cond_status(C.COND_SUSPENDED) == TRUE:
         p.cond(C.COND_SUSPENDED, FALSE, C.R_RESUMED, "resumed: relaunching the workers")
     elif p.cond_status(C.COND_SUSPENDED) is None:
-        p.cond(C.COND_SUSPENDED, FALSE, C.R_NOT_SUSPENDED, "not suspended")
+        p.cond(C.COND_SUSPENDED, FALSE, C.R_NOT_SUSPENDED, "not suspended", quiet=True)
 
     if not p.status.get("launchedSpec"):
         _launch_children(p, spec)
@@ -167,7 +167,9 @@ def _accept_spec(p: Pass) -> JobSpec | None:
                    "running with the launched values (revert the change, or create a new job)")
             return parse_spec({**launched, **{k: v for k, v in (raw or {}).items()
                                               if k not in launched}})
-    p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid")
+    # the first acceptance is no news (no Event); re-acceptance after a refusal is
+    p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid",
+           quiet=p.cond_status(C.COND_SPEC_ACCEPTED) is None)
     return spec
 
 
@@ -296,7 +298,11 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
                                      attempt=attempt, spec_hash=h, extra_env=extra_env)
             if spec.device == "CPU":
                 pod["spec"]["containers"][0]["command"] = [*workers.TRAINER_COMMAND, "--cpu"]
-            p.client.create(pod)
+            try:
+                p.client.create(pod)
+            except NotReady as exc:
+                log.info("%s/%s: %s; retrying", p.job.namespace, p.job.name, exc)
+                return 0.5
             _crashpoint("after-first-worker")
         if p.status.get("gangComplete") != attempt and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count:
             p.status["gangComplete"] = attempt
@@ -321,7 +327,8 @@ def _progress(p: Pass) -> None:
     raw = ((cm or {}).get("data") or {}).get(C.PROGRESS_KEY)
     if not raw:
         if p.cond_status(C.COND_HEALTHY) is None:
-            p.cond(C.COND_HEALTHY, UNKNOWN, C.R_NO_PROGRESS_YET, "the trainer has not reported yet")
+            p.cond(C.COND_HEALTHY, UNKNOWN, C.R_NO_PROGRESS_YET, "the trainer has not reported yet",
+                   quiet=True)
         return
     try:
         doc = json.loads(raw)

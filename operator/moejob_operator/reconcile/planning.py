@@ -6,8 +6,12 @@ memory) or :class:`NotYet` (routing statistics of an earlier job not there yet).
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from .. import constants as C
@@ -119,15 +123,53 @@ def read_routing_stats(client, job: JobRef, spec: JobSpec):
                         f"ConfigMap {src.config_map}: {exc}") from None
 
 
+# Plans are pure functions of (spec, nodes, reports, routing stats): jobs with the same inputs
+# (sweeps, retries, many small jobs at once) share one computation. Only ``job`` differs.
+_MEMO: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_MEMO_SIZE = 64
+_memo_lock = threading.Lock()
+
+
+def _memo_key(spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
+              stats_raw: str | None, cpu_memory_bytes: int) -> str:
+    h = hashlib.sha256()
+    h.update(spec.immutable_hash().encode())
+    for n in nodes:
+        h.update(n.encode())
+        h.update(reports[n].model_dump_json(exclude={"collectedAt", "collected_at"}).encode())
+    h.update((stats_raw or "").encode())
+    h.update(str(cpu_memory_bytes).encode())
+    return h.hexdigest()
+
+
 def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
               cpu_memory_bytes: int = 0) -> dict[str, Any]:
     """The MoEPlan v1 document for ``spec`` on the first ``nodes.count`` discovered nodes."""
-    model = resolve_model(spec)
-    stats = read_routing_stats(client, job, spec)
     nodes = list(reports)[: spec.nodes.count]
     if len(nodes) < spec.nodes.count:
         raise NotYet(C.R_NO_CANDIDATE_NODES, f"{len(nodes)} node(s) discovered, "
                      f"spec.nodes.count is {spec.nodes.count}", 15.0)
+    stats = read_routing_stats(client, job, spec)
+    stats_digest = None if stats is None else hashlib.sha256(
+        stats.load.tobytes() + stats.coact.tobytes() + repr((stats.top_k, stats.tokens)).encode()).hexdigest()
+    key = _memo_key(spec, nodes, reports, stats_digest, cpu_memory_bytes)
+    with _memo_lock:
+        hit = _MEMO.get(key)
+        if hit is not None:
+            _MEMO.move_to_end(key)
+    if hit is not None:
+        return {**copy.deepcopy(hit), "job": {"namespace": job.namespace, "name": job.name}}
+    doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes)
+    with _memo_lock:
+        _MEMO[key] = copy.deepcopy(doc)
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return doc
+
+
+def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
+               stats, cpu_memory_bytes: int) -> dict[str, Any]:
+    model = resolve_model(spec)
     t = spec.training
     opts = TrainingOptions(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps,
                            checkpoint_every_steps=spec.checkpoint.every_steps, seed=t.seed,

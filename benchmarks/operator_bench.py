@@ -1,0 +1,213 @@
+"""Operator throughput: N MoETrainingJobs applied at once -> time until all their worker pods exist.
+
+    .venv/bin/python benchmarks/operator_bench.py [--jobs 100] [--out benchmarks/results]
+
+Setup (all real: kube-apiserver v1.20.2 + etcd + controller manager, the operator as its own
+`kopf run` process): two Ready fake GPU nodes (registered like the node agent does, no kubelet),
+fresh cached TopologyReports in the namespace (so no discovery pods: the cache path), the upgrade
+gate off (MOE_GATE_ENABLED=false: no smoke Job). Each job is the tiny CPU example (2 node ranks);
+its workers use a scheduler nobody runs, so they are *created* and never start: the benchmark
+measures the operator (validate, plan with core.build_plan, create 8 children, write status), not
+the trainer. Latency per job = the later of its two worker pods' ADDED watch events minus the
+moment its create request was sent. Peak RSS = the operator process's VmHWM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from kubernetes import watch
+from kubernetes.client.rest import ApiException
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from moe_localkube import procs  # noqa: E402
+from moe_localkube.controlplane import ControlPlane  # noqa: E402
+from moe_localkube.nodes import NodeSpec, node_manifest, node_status  # noqa: E402
+from moe_localkube.testing import Kube, create_namespace  # noqa: E402
+from moejob_operator import constants as C  # noqa: E402
+from operator_harness import install_crd, seed_topology  # noqa: E402
+
+
+def register_nodes(kube: Kube, names=("node-a", "node-b")) -> None:
+    for name in names:
+        spec = NodeSpec(name)
+        try:
+            kube.core.create_node(node_manifest(spec))
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        kube.core.patch_node_status(name, {"status": node_status(spec)})
+
+
+def peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def run(jobs: int, workdir: Path) -> dict:
+    cp = ControlPlane(workdir / "cp").start()
+    op = None
+    try:
+        api = cp.api_client()
+        kube = Kube.from_api_client(api)
+        install_crd(kube)
+        register_nodes(kube)
+        ns = create_namespace(kube, "bench")
+        seed_topology(kube, ns)
+        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_GATE_ENABLED="false")
+        op = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "-m",
+                          "moejob_operator.handlers"], workdir / "operator.log", env=env)
+        base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+        base["spec"]["scheduling"] = {"schedulerName": "benchmark-no-scheduler"}
+
+        # warm-up job: the operator's first pass imports the planner (numpy/scipy); not measured
+        seen: dict[str, float] = {}
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def watch_pods():
+            w = watch.Watch()
+            try:
+                for ev in w.stream(kube.core.list_namespaced_pod, ns,
+                                   label_selector=f"{C.LABEL_COMPONENT}=worker", timeout_seconds=600):
+                    if ev["type"] == "ADDED":
+                        with lock:
+                            seen.setdefault(ev["object"].metadata.name, time.monotonic())
+                    if done.is_set():
+                        w.stop()
+            except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
+                pass
+
+        watcher = threading.Thread(target=watch_pods, daemon=True)
+        watcher.start()
+        time.sleep(3.0)   # operator and watch up
+
+        def make(name: str) -> dict:
+            d = copy.deepcopy(base)
+            d["metadata"] = {"name": name}
+            return d
+
+        warm = make("warmup")
+        kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, warm)
+        t0 = time.monotonic()
+        while not {"warmup-worker-0", "warmup-worker-1"} <= set(seen):
+            if time.monotonic() - t0 > 120:
+                raise SystemExit("warm-up job never got its workers: see " + str(workdir / "operator.log"))
+            time.sleep(0.05)
+        warmup_s = time.monotonic() - t0
+
+        applied: dict[str, float] = {}
+        cpu_before = cpu_seconds(op.pid)
+        load_before = os.getloadavg()[0]
+
+        def apply(i: int) -> None:
+            name = f"bench-{i:03d}"
+            applied[name] = time.monotonic()
+            kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, make(name))
+
+        start = time.monotonic()
+        with cf.ThreadPoolExecutor(8) as pool:
+            list(pool.map(apply, range(jobs)))
+        apply_s = time.monotonic() - start
+        deadline = time.monotonic() + 300
+        names = list(applied)
+        while time.monotonic() < deadline:
+            with lock:
+                if all(f"{n}-worker-0" in seen and f"{n}-worker-1" in seen for n in names):
+                    break
+            time.sleep(0.05)
+        done.set()
+        with lock:
+            lat = {n: max(seen[f"{n}-worker-0"], seen[f"{n}-worker-1"]) - applied[n]
+                   for n in names if f"{n}-worker-0" in seen and f"{n}-worker-1" in seen}
+        rss = peak_rss_bytes(op.pid)
+        op_cpu = cpu_seconds(op.pid) - cpu_before
+        pods = len(kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker").items)
+        values = list(lat.values())
+        return {
+            "jobs": jobs, "completed": len(lat), "workerPods": pods,
+            "p50Seconds": round(percentile(values, 50), 3) if values else None,
+            "p99Seconds": round(percentile(values, 99), 3) if values else None,
+            "maxSeconds": round(max(values), 3) if values else None,
+            "meanSeconds": round(statistics.mean(values), 3) if values else None,
+            "applySeconds": round(apply_s, 3), "warmupJobSeconds": round(warmup_s, 3),
+            "operatorPeakRssBytes": rss, "cpus": os.cpu_count(),
+            "operatorCpuSeconds": round(op_cpu, 2), "loadAverage1mBefore": round(load_before, 2),
+            "targets": {"p50Seconds": 1.0, "p99Seconds": 3.0},
+        }
+    finally:
+        if op is not None:
+            procs.stop(op)
+        cp.stop()
+
+
+def markdown(r: dict) -> str:
+    ok = lambda v, t: "yes" if v is not None and v <= t else "no"  # noqa: E731
+    return "\n".join([
+        "# Operator benchmark: jobs applied at once -> all worker pods created",
+        "",
+        f"{r['jobs']} MoETrainingJobs (tiny CPU example, 2 node ranks each) created from 8 client "
+        f"threads in {r['applySeconds']} s against the local v1.20.2 control plane on a "
+        f"{r['cpus']}-core machine (API server, etcd and the operator share it); cached topology, "
+        "gate off, workers created but not run. Command: `.venv/bin/python benchmarks/operator_bench.py`.",
+        "",
+        "| metric | value | target | met |",
+        "|---|---|---|---|",
+        f"| p50 apply -> both workers created | {r['p50Seconds']} s | <= 1 s | {ok(r['p50Seconds'], 1.0)} |",
+        f"| p99 | {r['p99Seconds']} s | <= 3 s | {ok(r['p99Seconds'], 3.0)} |",
+        f"| max | {r['maxSeconds']} s | | |",
+        f"| jobs completed / worker pods | {r['completed']} / {r['workerPods']} | {r['jobs']} / {2 * r['jobs'] + 2} | |",
+        f"| operator peak RSS | {r['operatorPeakRssBytes'] / 2**20:.0f} MiB | | |",
+        f"| first (warm-up) job | {r['warmupJobSeconds']} s | | |",
+        f"| operator CPU for the {r['jobs']} jobs | {r['operatorCpuSeconds']} s | | |",
+        f"| machine load (1 min) before the burst | {r['loadAverage1mBefore']} | | |",
+        "",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--workdir", help="keep the control plane's and the operator's logs here")
+    args = ap.parse_args()
+    if args.workdir:
+        result = run(args.jobs, Path(args.workdir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="moe-opbench-") as tmp:
+            result = run(args.jobs, Path(tmp))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "operator.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "operator.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
