@@ -17,6 +17,7 @@ from pathlib import Path
 from .core.errors import DocumentError
 from .run import add_operator
 from .smoke_cli import add_smoke
+from .demo import add_demo
 
 EXIT_USAGE = 2
 
@@ -136,7 +137,7 @@ def add_plan(sub) -> None:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke]
+COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke, add_demo]
 
 
 def build_parser() -> argparse.ArgumentParser:

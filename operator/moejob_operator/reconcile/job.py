@@ -274,7 +274,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
         return _finished(p)
     if d.action == "succeed":
         p.cond(C.COND_SUCCEEDED, TRUE, C.R_TRAINING_FINISHED, d.message)
-        p.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "training finished")
+        p.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "training finished", quiet=True)
         p.status["completionTime"] = now_iso(p.now)
         return _finished(p)
     if d.action == "restart":
