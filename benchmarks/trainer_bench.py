@@ -452,6 +452,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-variants", default="autoep,hf,grouped,grouped@32")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default=None, help="results file suffix (default h200 on GPU, cpu_tiny on CPU)")
+    ap.add_argument("--skip", default="", help="comma list of 'check', 'layer' to skip")
     ap.add_argument("--render", default=None, help="re-render the .md from a results .json and exit")
     ap.add_argument("--worker-timeout", type=int, default=240, help="seconds per variant process")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -479,12 +480,14 @@ def main(argv=None) -> int:
     results = {"onGpu": on_gpu, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
                "torch": torch.__version__, "config": d, "steps": args.steps, "warmup": args.warmup, "train": {}}
     with open(Path(args.out) / f"trainer_{tag}.log", "w") as log:
-        results["check"] = run_worker("check", args, log)
-        print("check:", json.dumps(results["check"]), flush=True)
+        if "check" not in args.skip.split(","):
+            results["check"] = run_worker("check", args, log)
+            print("check:", json.dumps(results["check"]), flush=True)
         for v in args.variants.split(","):
             parse_variant(v)
             results["train"][v] = run_worker(v, args, log)
-        results["layer"] = run_worker("layer", args, log)
+        if "layer" not in args.skip.split(","):
+            results["layer"] = run_worker("layer", args, log)
     (Path(args.out) / f"trainer_{tag}.json").write_text(json.dumps(results, indent=1))
     md = report(results, tag, d, args)
     (Path(args.out) / f"trainer_{tag}.md").write_text(md)
