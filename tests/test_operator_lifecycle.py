@@ -1,0 +1,100 @@
+"""Lifecycle with the real operator, without running the trainer (workers use a scheduler nobody
+runs, so they are created and stay Pending): immutable-field edits are refused with a condition,
+a deleted worker pod brings the gang back, suspend deletes the workers and resume relaunches them,
+a lost node fails the job when re-planning is not allowed."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from moejob_operator import constants as C
+from moe_localkube.nodes import NodeSpec, node_manifest, node_status
+from operator_harness import (Operator, apply_job, condition, events_for, example, get_job,
+                              install_crd, seed_topology)
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
+    install_crd(kube)
+    op = Operator(control_plane, tmp_path_factory.mktemp("operator-life")).start()
+    yield op
+    op.stop()
+
+
+def _patch(kube, ns, name, spec):
+    kube.custom.patch_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, name, {"spec": spec})
+
+
+def _workers(kube, ns, name):
+    return sorted((p.metadata.name, p.metadata.labels[C.LABEL_ATTEMPT], p.metadata.uid)
+                  for p in kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_JOB}={name},"
+                                                         f"{C.LABEL_COMPONENT}=worker").items
+                  if not p.metadata.deletion_timestamp)
+
+
+def _parked(name: str) -> dict:
+    job = example("tiny-cpu.yaml", metadata={"name": name})
+    job["spec"]["scheduling"] = {"schedulerName": "nobody-schedules-this"}
+    job["spec"]["gate"] = {"skip": True, "skipReason": "lifecycle test: the trainer never runs"}
+    return job
+
+
+def test_immutable_edit_deleted_worker_suspend_resume(kube, namespace, operator_proc, wait_for):
+    seed_topology(kube, namespace)
+    apply_job(kube, namespace, _parked("life"))
+    wait_for(lambda: len(_workers(kube, namespace, "life")) == 2, timeout=60, message=operator_proc.logs())
+    first = _workers(kube, namespace, "life")
+    job = get_job(kube, namespace, "life")
+    assert condition(job, C.COND_UPGRADE_VERIFIED)["reason"] == C.R_GATE_SKIPPED
+    assert any(e.reason == C.R_GATE_SKIPPED and e.type == "Warning" for e in events_for(kube, namespace, "life"))
+
+    # an immutable field: refused with a condition, nothing relaunched
+    _patch(kube, namespace, "life", {"training": {"steps": 99}})
+    wait_for(lambda: condition(get_job(kube, namespace, "life"), C.COND_SPEC_ACCEPTED).get("reason")
+             == C.R_IMMUTABLE_FIELD_CHANGED, timeout=30, message=operator_proc.logs())
+    assert "training" in condition(get_job(kube, namespace, "life"), C.COND_SPEC_ACCEPTED)["message"]
+    assert _workers(kube, namespace, "life") == first
+    _patch(kube, namespace, "life", {"training": {"steps": 10}})       # reverted: accepted again
+    wait_for(lambda: condition(get_job(kube, namespace, "life"), C.COND_SPEC_ACCEPTED).get("status") == "True",
+             timeout=30)
+
+    # a worker deleted by someone: the gang comes back (attempt 1), not counted against backoff
+    kube.core.delete_namespaced_pod("life-worker-1", namespace)
+    wait_for(lambda: [a for _, a, _ in _workers(kube, namespace, "life")] == ["1", "1"], timeout=60,
+             message=operator_proc.logs())
+    st = get_job(kube, namespace, "life")["status"]
+    assert st["restarts"] == 1 and st["failedRestarts"] == 0
+
+    # suspend deletes the workers; resume relaunches them
+    _patch(kube, namespace, "life", {"runPolicy": {"suspend": True}})
+    wait_for(lambda: _workers(kube, namespace, "life") == [] and
+             get_job(kube, namespace, "life")["status"]["phase"] == "Suspended", timeout=60,
+             message=operator_proc.logs())
+    _patch(kube, namespace, "life", {"runPolicy": {"suspend": False}})
+    wait_for(lambda: len(_workers(kube, namespace, "life")) == 2, timeout=60, message=operator_proc.logs())
+    assert condition(get_job(kube, namespace, "life"), C.COND_SUSPENDED)["reason"] == C.R_RESUMED
+
+
+def test_lost_node_fails_without_replan(kube, namespace, operator_proc, wait_for):
+    spec = NodeSpec("node-lost")
+    kube.core.create_node(node_manifest(spec))
+    try:
+        kube.core.patch_node_status("node-lost", {"status": node_status(spec)})
+        kube.core.patch_node("node-lost", {"spec": {"taints": None}})
+        seed_topology(kube, namespace, nodes=("node-a", "node-lost"))
+        job = _parked("lost")
+        job["spec"]["nodes"]["nodeNames"] = ["node-a", "node-lost"]
+        apply_job(kube, namespace, job)
+        wait_for(lambda: len(_workers(kube, namespace, "lost")) == 2, timeout=60, message=operator_proc.logs())
+    finally:
+        try:
+            kube.core.delete_node("node-lost")
+        except ApiException:
+            pass
+    wait_for(lambda: condition(get_job(kube, namespace, "lost"), C.COND_FAILED).get("reason") == C.R_NODE_LOST,
+             timeout=60, message=operator_proc.logs())
+    assert "node-lost" in condition(get_job(kube, namespace, "lost"), C.COND_FAILED)["message"]
+    wait_for(lambda: _workers(kube, namespace, "lost") == [], timeout=30)
