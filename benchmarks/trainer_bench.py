@@ -32,12 +32,27 @@ VARIANTS = {
 DEFAULT_VARIANTS = "autoep,hf,grouped,grouped_eager,autoep@32,grouped@32"
 
 
+# ZeRO modifiers ('grouped+persist'): test where a ZeRO-3 step's time goes.
+ZERO_MODS = {
+    "z2": "ZeRO-2 instead of 3 (no parameter partitioning: no gather/release hooks)",
+    "persist": "ZeRO-3 with stage3_param_persistence_threshold=1e9 (every parameter persistent: no per-step gathers)",
+}
+
+
 def parse_variant(spec: str) -> tuple[str, int | None]:
-    """'grouped@32' -> ('grouped', 32): same variant at another micro-batch."""
+    """'grouped@32' -> ('grouped', 32): same variant at another micro-batch; 'grouped+z2' -> ZeRO mod."""
     name, _, batch = spec.partition("@")
+    name = name.split("+")[0]
     if name not in VARIANTS:
         raise SystemExit(f"--variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    for mod in zero_mods(spec):
+        if mod not in ZERO_MODS:
+            raise SystemExit(f"--variants: unknown modifier {mod!r} (known: {', '.join(ZERO_MODS)})")
     return name, int(batch) if batch else None
+
+
+def zero_mods(spec: str) -> list[str]:
+    return spec.partition("@")[0].split("+")[1:]
 
 FULL = dict(hidden=1024, inter=3584, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=32000,
             seq=1024, batch=16)
@@ -54,7 +69,7 @@ def mixtral_config(d: dict):
         tie_word_embeddings=False, use_cache=False, output_router_logits=False)
 
 
-def ds_config(d: dict, on_gpu: bool, autoep: bool) -> dict:
+def ds_config(d: dict, on_gpu: bool, autoep: bool, mods: list[str] = ()) -> dict:
     h = d["hidden"]
     cfg = {
         "train_micro_batch_size_per_gpu": d["batch"], "gradient_accumulation_steps": 1,
@@ -66,6 +81,11 @@ def ds_config(d: dict, on_gpu: bool, autoep: bool) -> dict:
             "stage3_param_persistence_threshold": 10 * h,
         },
     }
+    if "z2" in mods:
+        cfg["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                    "reduce_bucket_size": h * h}
+    if "persist" in mods:
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9
     if autoep:
         cfg["expert_parallel"] = {"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}
     return cfg
@@ -119,7 +139,7 @@ def train_worker(args) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=on_gpu)
     t0 = time.perf_counter()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=ds_config(d, on_gpu, variant == "autoep"))
+                                           config=ds_config(d, on_gpu, variant == "autoep", zero_mods(args.worker)))
     init_s = time.perf_counter() - t0
     if on_gpu:
         torch.cuda.synchronize()
@@ -154,7 +174,8 @@ def train_worker(args) -> dict:
     losses = [float(x) for x in losses]
     tokens = d["batch"] * d["seq"]
     res = {
-        "variant": args.worker, "label": VARIANTS[variant] + (f", micro-batch {batch}" if batch else ""),
+        "variant": args.worker, "label": VARIANTS[variant] + "".join(f"; {ZERO_MODS[m]}" for m in zero_mods(args.worker))
+        + (f", micro-batch {batch}" if batch else ""),
         "params": n_params, "microBatch": d["batch"],
         "tokensPerSecond": tokens * args.steps / timed_s, "stepSecondsMean": timed_s / args.steps,
         "warmupStepSeconds": warm_s, "initSeconds": init_s, "losses": losses,
