@@ -223,10 +223,11 @@ _PRESETS: dict[str, dict[str, Any]] = {
         pad_token_id=258),
     # The DESIGN.md H200 benchmark shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
     # micro-batch 16, bf16). DESIGN.md does not record the expert width or vocabulary: 3.5h like
-    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters) and the byte vocabulary.
+    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters), vocabulary 32000 and 4 KV heads as in
+    # the measured run (benchmarks/trainer_bench.py): 430M parameters.
     "bench-mixtral": dict(
-        model_type="mixtral", vocab_size=320, hidden_size=1024, intermediate_size=3584,
-        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+        model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
         max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
         router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
