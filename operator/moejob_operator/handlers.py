@@ -74,16 +74,30 @@ def _owner_job(labels: dict[str, str]) -> str | None:
     return labels.get(C.LABEL_JOB)
 
 
-def _phase_changed(type: str, old, new, **_) -> bool:
-    """Pod events worth a pass: DELETED, and MODIFIED when the phase or a container state moved
-    (ADDED is the operator's own create; None is the initial listing, which resume handles)."""
-    if type == "DELETED":
-        return True
-    if type != "MODIFIED" or not old or not new:
-        return False
-    o, n = old.get("status") or {}, new.get("status") or {}
-    return (o.get("phase") != n.get("phase") or o.get("containerStatuses") != n.get("containerStatuses")
-            or bool(new.get("metadata", {}).get("deletionTimestamp")))
+_pod_seen: dict[str, tuple] = {}
+_pod_seen_lock = threading.Lock()
+
+
+def _pod_signature(body) -> tuple:
+    status = body.get("status") or {}
+    states = tuple(sorted((cs.get("name", ""), tuple(sorted((cs.get("state") or {}).keys())),
+                           ((cs.get("state") or {}).get("terminated") or {}).get("exitCode"))
+                          for cs in status.get("containerStatuses") or ()))
+    return (status.get("phase"), states, bool(body.get("metadata", {}).get("deletionTimestamp")))
+
+
+def _phase_changed(type: str, body, **_) -> bool:
+    """Pod events worth a pass: DELETED, and changes of phase, container state or deletion.
+    ADDED is the operator's own create; None is the initial listing, which resume handles."""
+    uid = body.get("metadata", {}).get("uid", "")
+    sig = _pod_signature(body)
+    with _pod_seen_lock:
+        if type == "DELETED":
+            _pod_seen.pop(uid, None)
+            return True
+        old = _pod_seen.get(uid)
+        _pod_seen[uid] = sig
+    return type == "MODIFIED" and old is not None and old != sig or (type == "MODIFIED" and old is None and sig[0] != "Pending")
 
 
 @kopf.on.event("v1", "pods", labels={C.LABEL_JOB: kopf.PRESENT, C.LABEL_MANAGED_BY: C.MANAGED_BY},
@@ -101,3 +115,11 @@ def on_progress(namespace: str, labels: dict, **_) -> None:
     job = _owner_job(labels)
     if job:
         _pass(namespace, job)
+
+
+@kopf.on.event("v1", "nodes", when=lambda type, **_: type == "DELETED")
+def on_node_deleted(name: str, **_) -> None:
+    """A node went away: every job planned on it re-plans or fails now, not at the next resync."""
+    client().forget_nodes()
+    for ns, job in client().jobs_planned_on(name):
+        _pass(ns, job)

@@ -75,6 +75,13 @@ class Client:
         return self._get(self.custom.get_namespaced_custom_object, C.GROUP, C.VERSION, namespace,
                          C.PLURAL, name)
 
+    def jobs_planned_on(self, node: str) -> list[tuple[str, str]]:
+        """(namespace, name) of every job whose plan uses ``node`` (from ``status.plan.nodes``)."""
+        resp = self.custom.list_cluster_custom_object(C.GROUP, C.VERSION, C.PLURAL,
+                                                      _preload_content=False)
+        return [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in self._json(resp)["items"]
+                if node in (((j.get("status") or {}).get("plan") or {}).get("nodes") or ())]
+
     def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
             self._done(self.custom.patch_namespaced_custom_object_status(
@@ -154,6 +161,10 @@ class Client:
         with self._lock:
             self._node_cache = (time.monotonic(), items)
         return items
+
+    def forget_nodes(self) -> None:
+        with self._lock:
+            self._node_cache = None
 
     # ---- events --------------------------------------------------------------------------
     def event(self, job: dict[str, Any], etype: str, reason: str, message: str) -> None:
