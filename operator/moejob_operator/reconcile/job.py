@@ -302,7 +302,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
                 p.client.create(pod)
             except NotReady as exc:
                 log.info("%s/%s: %s; retrying", p.job.namespace, p.job.name, exc)
-                return 0.5
+                return 1.0
             _crashpoint("after-first-worker")
         if p.status.get("gangComplete") != attempt and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count:
             p.status["gangComplete"] = attempt
