@@ -116,3 +116,14 @@ def test_role_is_limited_to_own_configmaps():
 def test_worker_pods_refuse_wrong_rank_count():
     with pytest.raises(ValueError, match="plan has 1 node ranks"):
         workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a"], attempt=0, spec_hash="h")
+
+
+def test_workers_get_a_bound_token_not_the_legacy_automount():
+    pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == workers.TOKEN_VOLUME)
+    kinds = [next(iter(src)) for src in vol["projected"]["sources"]]
+    assert kinds == ["serviceAccountToken", "configMap", "downwardAPI"]
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == workers.TOKEN_VOLUME)
+    assert mount == {"name": workers.TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+                     "readOnly": True}

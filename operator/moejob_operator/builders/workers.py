@@ -18,6 +18,8 @@ from .common import (JobRef, checkpoint_dir, child_metadata, master_addr, plan_c
                      worker_account_name, worker_name)
 
 TRAINER_COMMAND = ("moe-train",)
+TOKEN_VOLUME = "api-token"
+SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 RUN_AS_USER = 1000
 
 
@@ -62,6 +64,16 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
             src = {"configMap": {"name": dv.config_map.name}}
         volumes.append({"name": C.DATA_VOLUME, **src})
         mounts.append({"name": C.DATA_VOLUME, "mountPath": spec.data.path, "readOnly": True})
+
+    # The trainer's API credentials: a bound, expiring ServiceAccount token (what 1.21+ injects by
+    # default), projected explicitly. Unlike the legacy automount it does not make admission wait
+    # for the token controller to mint a Secret for the new per-job ServiceAccount (1.20).
+    volumes.append({"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}})
+    mounts.append({"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True})
 
     if spec.device == "GPU":
         # NCCL needs more shared memory than the container default (64 MiB).
@@ -152,7 +164,7 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
         "hostname": worker_name(job, node_rank),
         "subdomain": service_name(job),
         "serviceAccountName": worker_account_name(job),
-        "automountServiceAccountToken": True,   # the trainer publishes progress with it
+        "automountServiceAccountToken": False,  # bound token projected instead (_volumes)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
