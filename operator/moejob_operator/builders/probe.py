@@ -13,6 +13,7 @@ from typing import Any
 
 from .. import constants as C
 from .common import JobRef, child_metadata
+from .workers import SA_TOKEN_DIR, TOKEN_VOLUME, token_volume
 
 
 def discovery_account_name(job: JobRef) -> str:
@@ -51,7 +52,7 @@ def discovery_pod(job: JobRef, node: str, image: str, image_pull_policy: str = "
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": discovery_account_name(job),
-        "automountServiceAccountToken": True,
+        "automountServiceAccountToken": False,   # bound token projected below (no 1.20 admission wait)
         "enableServiceLinks": False,
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchFields": [
@@ -65,12 +66,14 @@ def discovery_pod(job: JobRef, node: str, image: str, image_pull_policy: str = "
             "env": [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
                     # NVML needs the driver libraries, not a GPU allocation: no nvidia.com/gpu request
                     {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}],
+            "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True}],
             "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
                           "limits": {"memory": "256Mi"}},
             "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
                                 "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}},
         }],
     }
+    spec["volumes"] = [token_volume()]
     if tolerations:
         spec["tolerations"] = tolerations
     return {"apiVersion": "v1", "kind": "Pod",

@@ -23,6 +23,16 @@ SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 RUN_AS_USER = 1000
 
 
+def token_volume() -> dict[str, Any]:
+    """A bound, expiring ServiceAccount token with the cluster CA and the namespace: the volume
+    1.21+ injects by default, written out for 1.20 (see _volumes)."""
+    return {"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+
+
 def headless_service(job: JobRef) -> dict[str, Any]:
     """Gives every worker a stable DNS name ``<pod>.<job>-workers.<ns>.svc.cluster.local``."""
     return {
@@ -68,11 +78,7 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
     # The trainer's API credentials: a bound, expiring ServiceAccount token (what 1.21+ injects by
     # default), projected explicitly. Unlike the legacy automount it does not make admission wait
     # for the token controller to mint a Secret for the new per-job ServiceAccount (1.20).
-    volumes.append({"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace",
-                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}})
+    volumes.append(token_volume())
     mounts.append({"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True})
 
     if spec.device == "GPU":
