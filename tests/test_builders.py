@@ -72,7 +72,11 @@ def test_workers_rendezvous_and_pinning():
         assert env["RANK"] == str(rank * 8)
         assert env["WORLD_SIZE"] == "16" and env["NPROC_PER_NODE"] == "8" and env["NNODES"] == "2"
         assert env["MASTER_ADDR"] == "tiny-cpu-worker-0.tiny-cpu-workers.team-a.svc.cluster.local"
-        assert env["MASTER_PORT"] == str(C.MASTER_PORT)
+        rendezvous, metrics_port = common.job_ports(JOB)
+        assert env["MASTER_PORT"] == str(rendezvous)
+        assert env["MOE_METRICS_PORT"] == str(metrics_port)
+        ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+        assert ports == {"rendezvous": rendezvous, "metrics": metrics_port}
         assert env["NCCL_NVLS_ENABLE"] == "0"
         assert env["MOE_PLAN"] == "/etc/moe/plan.json"
         assert env["MOE_CHECKPOINT_DIR"] == "/ckpt/tiny-cpu-0b6f6c2e"
@@ -121,9 +125,34 @@ def test_worker_pods_refuse_wrong_rank_count():
 def test_workers_get_a_bound_token_not_the_legacy_automount():
     pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
     assert pod["spec"]["automountServiceAccountToken"] is False
-    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == workers.TOKEN_VOLUME)
+    vol = next(v for v in pod["spec"]["volumes"] if v["name"] == common.TOKEN_VOLUME)
     kinds = [next(iter(src)) for src in vol["projected"]["sources"]]
     assert kinds == ["serviceAccountToken", "configMap", "downwardAPI"]
-    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == workers.TOKEN_VOLUME)
-    assert mount == {"name": workers.TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == common.TOKEN_VOLUME)
+    assert mount == {"name": common.TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
                      "readOnly": True}
+
+
+def test_job_ports_are_deterministic_distinct_and_outside_the_ephemeral_range():
+    """Two jobs on one host network (the local node agent) must not both listen on one port."""
+    ports = {}
+    for ns in ("team-a", "team-b"):
+        for i in range(200):
+            job = common.JobRef(namespace=ns, name=f"job-{i}", uid=f"u{i}")
+            rendezvous, metrics_port = common.job_ports(job)
+            assert common.job_ports(common.JobRef(ns, f"job-{i}", "other-uid")) == (rendezvous, metrics_port)
+            assert 20000 <= rendezvous < 32000 and rendezvous % 2 == 0 and metrics_port == rendezvous + 1
+            ports[(ns, i)] = rendezvous
+    assert common.job_ports(common.JobRef("team-a", "tiny", "u")) != common.job_ports(common.JobRef("team-b", "tiny", "u"))
+    # 400 jobs over 6000 slots: a handful of shared slots at most (birthday bound ~13)
+    assert len(set(ports.values())) >= 380
+
+
+def test_service_port_matches_the_workers_rendezvous_port():
+    svc = workers.headless_service(JOB)
+    rendezvous, _ = common.job_ports(JOB)
+    assert svc["spec"]["ports"] == [{"name": "rendezvous", "port": rendezvous, "targetPort": rendezvous,
+                                     "protocol": "TCP"}]
+    pod = workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0,
+                              spec_hash="h")[1]
+    assert _env(pod)["MASTER_PORT"] == str(rendezvous)

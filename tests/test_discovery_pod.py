@@ -74,6 +74,17 @@ def test_pod_is_pinned_restricted_and_publishes_its_node_configmap():
         "moe-discovery-gpu-7-example-internal-" + pod["metadata"]["name"].rsplit("-", 1)[1]
 
 
+def test_pod_uses_a_projected_bound_token_not_the_legacy_automount():
+    """1.20 admission refuses an automounting pod until the token controller has minted a Secret
+    for the job's new ServiceAccount; a projected token needs no Secret."""
+    pod = D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa")
+    assert pod["spec"]["automountServiceAccountToken"] is False
+    (vol,) = pod["spec"]["volumes"]
+    assert vol["projected"]["sources"][0]["serviceAccountToken"]["path"] == "token"
+    (mount,) = pod["spec"]["containers"][0]["volumeMounts"]
+    assert mount == {"name": vol["name"], "mountPath": publish.SA_DIR.as_posix(), "readOnly": True}
+
+
 def test_request_mode_asks_for_all_gpus_and_no_env_devices():
     pod = D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa",
                           gpu_access="request", gpu_count=4)
@@ -126,7 +137,8 @@ def test_cached_report_is_current_by_age_and_boot_id():
         return {"metadata": meta, "data": {"topology.json": json.dumps({"collectedAt": collected})}}
 
     node = {"status": {"nodeInfo": {"bootID": "boot-1"}}}
-    assert D.ANNOTATION_BOOT_ID == publish.ANNOTATION_BOOT_ID   # both sides agree on the key
+    assert C.ANNOTATION_BOOT_ID == publish.ANNOTATION_BOOT_ID   # both sides agree on the key
+    assert C.LABEL_NODE == publish.LABEL_NODE
     assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z"), node, now=now)[0] is True
     ok, why = D.cached_report_is_current(cm("2026-11-27T13:00:00Z"), node, now=now)
     assert not ok and why == "report is 176400s old (max 86400s)"

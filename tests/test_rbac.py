@@ -22,7 +22,7 @@ import yaml
 
 from moe_localkube import binaries
 from moejob_operator import constants as C
-from moejob_operator.builders import probe, rbac
+from moejob_operator.builders import discovery, rbac
 from moejob_operator.builders.common import JobRef
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,8 @@ RESOURCES = {
     "secret": ("", "secrets"), "namespace": ("", "namespaces"),
     "role": ("rbac.authorization.k8s.io", "roles"),
     "role_binding": ("rbac.authorization.k8s.io", "rolebindings"),
-    "custom_object": (C.GROUP, C.PLURAL), "job": ("batch", "jobs"),
+    "custom_object": (C.GROUP, C.PLURAL), "cluster_custom_object": (C.GROUP, C.PLURAL),
+    "job": ("batch", "jobs"),
     "lease": ("coordination.k8s.io", "leases"),
 }
 CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
@@ -125,7 +126,8 @@ def derived_needs() -> dict[str, set[Need]]:
         if path.name not in ("client.py", "gate.py"):
             job_side |= api_calls(path.read_text())
     job = JobRef(namespace="ns", name="job", uid="u")
-    job_side |= role_needs([rbac.role(job), *probe.discovery_rbac(job, ["node-a"])])
+    job_side |= role_needs([rbac.role(job), *discovery.discovery_children(job.name, ["node-a"], namespace="ns",
+                                                                         image="i")])
     gate_src = (PKG / "reconcile" / "gate.py").read_text()
     gate = api_calls(gate_src)
     for name in set(re.findall(r"self\.client\.(\w+)\(", gate_src)) - {"create"}:
@@ -206,7 +208,7 @@ def test_no_grant_reaches_secrets_nodes_write_or_rbac_escalation():
     everything = set().union(*(grants(d) for d in docs if d["kind"] in ("Role", "ClusterRole")))
     assert not {n for n in everything if n[1] in ("secrets", "namespaces", "clusterroles",
                                                   "clusterrolebindings", "pods/exec")}
-    assert not {n for n in everything if n[1] == "nodes" and n[2] != "list"}
+    assert not {n for n in everything if n[1] == "nodes" and n[2] not in ("list", "watch")}
     assert not {n for n in everything if n[2] in ("escalate", "bind", "impersonate", "deletecollection")}
     # the lease update is pinned to the one Lease by name
     (le,) = [d for d in docs if d["metadata"]["name"] == "rel-moe-operator-leader-election" and d["kind"] == "Role"]

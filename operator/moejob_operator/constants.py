@@ -13,6 +13,8 @@ LABEL_PREFIX = GROUP
 LABEL_JOB = f"{GROUP}/job"                # owning MoETrainingJob name
 LABEL_COMPONENT = f"{GROUP}/component"    # discovery | worker | plan | smoke | progress
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
+LABEL_NODE = f"{GROUP}/node"              # node a discovery pod / topology ConfigMap is about
+ANNOTATION_BOOT_ID = f"{GROUP}/boot-id"   # on moe-topology-<node>, by moe-discover: host boot id
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "moe-operator"
 
@@ -91,7 +93,12 @@ R_HEALTH_FINDINGS = "HealthFindings"
 # Reconcile timing (seconds)
 TOPOLOGY_REPORT_MAX_AGE_SECONDS = 24 * 3600   # a cached moe-topology-<node> report younger than this is reused
 DISCOVERY_TIMEOUT_SECONDS = 300
-MASTER_PORT = 29500
+# Rendezvous and metrics ports: per job, not constant (builders.common.job_ports): on the local
+# node agent every pod shares the host network, so two jobs with one fixed port collide. Even
+# ports in [PORT_BASE, PORT_BASE + 2 * PORT_SLOTS) rendezvous, the odd port above serves metrics;
+# the range stays below Linux's ephemeral ports (32768-60999).
+PORT_BASE = 20000
+PORT_SLOTS = 6000
 CHECKPOINT_VOLUME = "checkpoint"
 DATA_VOLUME = "data"
 PLAN_VOLUME = "plan"

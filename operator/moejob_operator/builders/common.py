@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,22 @@ def master_addr(job: JobRef) -> str:
     return f"{worker_name(job, 0)}.{service_name(job)}.{job.namespace}.svc.cluster.local"
 
 
+def job_ports(job: JobRef) -> tuple[int, int]:
+    """(rendezvous port, metrics port) of ``job``: deterministic, different for most pairs of jobs.
+
+    Pods on one host network (the local node agent runs every pod that way; ``hostNetwork`` on a
+    cluster) would otherwise collide on a fixed 29500 as soon as two jobs run at once. On a
+    cluster each pod has its own network namespace and any port works. The hash is of
+    ``namespace/name`` (not the uid): a re-created job keeps its ports. Two jobs share a port
+    pair with probability 1/PORT_SLOTS; rendezvous ports are even and metrics ports odd, so one
+    job's metrics port is never another's rendezvous port.
+    """
+    digest = hashlib.sha256(f"{job.namespace}/{job.name}".encode()).digest()
+    slot = int.from_bytes(digest[:8], "big") % C.PORT_SLOTS
+    rendezvous = C.PORT_BASE + 2 * slot
+    return rendezvous, rendezvous + 1
+
+
 def checkpoint_dir(job: JobRef, mount_path: str) -> str:
     """Per-job directory under the checkpoint mount: a re-created job of the same name (new
     uid) starts fresh instead of resuming someone else's checkpoints."""
@@ -80,3 +97,23 @@ def child_metadata(job: JobRef, name: str, component: str, *, extra_labels: dict
     if annotations:
         meta["annotations"] = dict(sorted(annotations.items()))
     return meta
+
+
+# The API credentials of pods that talk to the API server (workers, discovery): a bound, expiring
+# ServiceAccount token with the cluster CA and the namespace, the volume 1.21+ injects by default,
+# written out so that 1.20's admission does not wait for the token controller to mint a Secret for
+# a freshly created ServiceAccount (the legacy automount does).
+TOKEN_VOLUME = "api-token"
+SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def token_volume() -> dict[str, Any]:
+    return {"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+
+
+def token_mount() -> dict[str, Any]:
+    return {"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True}

@@ -21,6 +21,12 @@ Decisions (docs/discovery.md has the long form):
   pod then waits until every GPU of the node is free.
 - **Restricted security**: uid/gid 65534 (nobody), non-root, no privilege escalation, all
   capabilities dropped, read-only root filesystem, seccomp RuntimeDefault. NVML needs none of it.
+- **Projected, bound ServiceAccount token** (``common.token_volume``, as for the workers) instead
+  of the legacy automount: on 1.20 the automount makes admission refuse the pod until the token
+  controller has minted a Secret for the job's fresh ServiceAccount.
+- **One pod per node and namespace**, not per job: two jobs that need the same node's report at
+  once share the pod (the second one's create answers "already exists") and both read the one
+  ConfigMap it publishes.
 """
 
 from __future__ import annotations
@@ -32,10 +38,9 @@ import re
 from typing import Any, Iterable, Literal
 
 from .. import constants as C
+from .common import token_mount, token_volume
 
 COMPONENT = "discovery"
-LABEL_NODE = f"{C.GROUP}/node"            # node a discovery pod / topology ConfigMap is about
-ANNOTATION_BOOT_ID = f"{C.GROUP}/boot-id"  # written by moe-discover: the host's boot id
 DISCOVERY_POD_PREFIX = "moe-discovery-"
 DISCOVER_COMMAND = ("moe-discover",)
 NOBODY = 65534
@@ -135,6 +140,7 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         "command": list(DISCOVER_COMMAND),
         "args": ["--configmap", topology_configmap_name(node), "--namespace", namespace],
         "env": env,
+        "volumeMounts": [token_mount()],
         "resources": resources,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
@@ -146,19 +152,20 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         "restartPolicy": "Never",
         "activeDeadlineSeconds": active_deadline_seconds,
         "serviceAccountName": service_account,
-        "automountServiceAccountToken": True,   # moe-discover writes the ConfigMap with it
+        "automountServiceAccountToken": False,  # bound token projected instead (see above)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 5,
         "securityContext": {"runAsNonRoot": True, "runAsUser": NOBODY, "runAsGroup": NOBODY,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "tolerations": [{"key": C.GPU_RESOURCE, "operator": "Exists"}, *map(dict, tolerations)],
         "containers": [container],
+        "volumes": [token_volume()],
     }
     if runtime_class_name:
         spec["runtimeClassName"] = runtime_class_name
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": _metadata(discovery_pod_name(node), namespace, owner, job_name,
-                                  {LABEL_NODE: node_label_value(node)}),
+                                  {C.LABEL_NODE: node_label_value(node)}),
             "spec": spec}
 
 
@@ -166,7 +173,7 @@ def discovery_service_account(name: str, *, namespace: str, owner: dict[str, Any
                               job_name: str | None = None) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "ServiceAccount",
             "metadata": _metadata(name, namespace, owner, job_name),
-            "automountServiceAccountToken": False}   # only the discovery pod opts in
+            "automountServiceAccountToken": False}   # pods get a projected token (common.token_volume)
 
 
 def discovery_role(name: str, nodes: Iterable[str], *, namespace: str,
@@ -240,7 +247,7 @@ def cached_report_is_current(configmap: dict[str, Any] | None, node: dict[str, A
     age = (now - collected).total_seconds()
     if age > max_age_seconds:
         return False, f"report is {int(age)}s old (max {max_age_seconds}s)"
-    cached_boot = ((configmap.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_BOOT_ID)
+    cached_boot = ((configmap.get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_BOOT_ID)
     node_boot = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID")
     if cached_boot and node_boot and cached_boot != node_boot:
         return False, "node rebooted since the report was collected"

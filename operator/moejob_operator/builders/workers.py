@@ -13,35 +13,24 @@ from typing import Any
 
 from .. import constants as C
 from ..spec import JobSpec
-from .common import (JobRef, checkpoint_dir, child_metadata, master_addr, plan_configmap_name,
-                     progress_configmap_name, routing_stats_configmap_name, service_name,
+from .common import (JobRef, checkpoint_dir, child_metadata, job_ports, master_addr, plan_configmap_name, progress_configmap_name,
+                     routing_stats_configmap_name, service_name, token_mount, token_volume,
                      worker_account_name, worker_name)
 
 TRAINER_COMMAND = ("moe-train",)
-TOKEN_VOLUME = "api-token"
-SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 RUN_AS_USER = 1000
-
-
-def token_volume() -> dict[str, Any]:
-    """A bound, expiring ServiceAccount token with the cluster CA and the namespace: the volume
-    1.21+ injects by default, written out for 1.20 (see _volumes)."""
-    return {"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace",
-                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
 
 
 def headless_service(job: JobRef) -> dict[str, Any]:
     """Gives every worker a stable DNS name ``<pod>.<job>-workers.<ns>.svc.cluster.local``."""
+    rendezvous, _ = job_ports(job)
     return {
         "apiVersion": "v1", "kind": "Service",
         "metadata": child_metadata(job, service_name(job), "worker"),
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                  "selector": {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: "worker"},
-                 "ports": [{"name": "rendezvous", "port": C.MASTER_PORT,
-                            "targetPort": C.MASTER_PORT, "protocol": "TCP"}]},
+                 "ports": [{"name": "rendezvous", "port": rendezvous,
+                            "targetPort": rendezvous, "protocol": "TCP"}]},
     }
 
 
@@ -79,7 +68,7 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
     # default), projected explicitly. Unlike the legacy automount it does not make admission wait
     # for the token controller to mint a Secret for the new per-job ServiceAccount (1.20).
     volumes.append(token_volume())
-    mounts.append({"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True})
+    mounts.append(token_mount())
 
     if spec.device == "GPU":
         # NCCL needs more shared memory than the container default (64 MiB).
@@ -91,6 +80,7 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
 def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
          extra_env: dict[str, str]) -> list[dict[str, Any]]:
     nproc = spec.nodes.gpus_per_node
+    rendezvous, metrics_port = job_ports(job)
     env = {
         # torchrun-style rendezvous (DeepSpeed's init_distributed reads these); RANK/LOCAL_RANK are
         # the pod's first process, a pod with NPROC_PER_NODE > 1 starts the rest itself.
@@ -101,7 +91,7 @@ def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
         "RANK": str(node_rank * nproc),
         "LOCAL_RANK": "0",
         "MASTER_ADDR": master_addr(job),
-        "MASTER_PORT": str(C.MASTER_PORT),
+        "MASTER_PORT": str(rendezvous),   # per job: pods on one host network must not collide
         # NVLink SHARP multicast: off (needs fabric manager support we cannot assume).
         "NCCL_NVLS_ENABLE": "0",
         "MOE_DEVICE": spec.device.lower(),
@@ -113,6 +103,9 @@ def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
         "MOE_PROGRESS_CONFIGMAP": progress_configmap_name(job),
         "MOE_ROUTING_STATS_CONFIGMAP": routing_stats_configmap_name(job),
         "MOE_ATTEMPT": str(attempt),
+        # Prometheus endpoint (the trainer serves it on rank 0 only; every pod gets the same env
+        # and port so that any pod can be rank 0 and the PodMonitor's `port: metrics` finds it)
+        "MOE_METRICS_PORT": str(metrics_port),
     }
     env.update(extra_env)
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
@@ -148,13 +141,15 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
     meta["labels"] = dict(sorted({**(sched.pod_labels or {}), **meta["labels"]}.items()))
 
     volumes, mounts = _volumes(job, spec)
+    rendezvous, metrics_port = job_ports(job)
     container: dict[str, Any] = {
         "name": "trainer",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(TRAINER_COMMAND),
         "env": _env(job, spec, node_rank, attempt, extra_env or {}),
-        "ports": [{"name": "rendezvous", "containerPort": C.MASTER_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # Restricted profile minus a read-only root filesystem: DeepSpeed and Triton JIT-build
         # kernels into the home directory's caches at start.

@@ -77,8 +77,13 @@ class Client:
 
     def jobs_planned_on(self, node: str) -> list[tuple[str, str]]:
         """(namespace, name) of every job whose plan uses ``node`` (from ``status.plan.nodes``)."""
-        resp = self.custom.list_cluster_custom_object(C.GROUP, C.VERSION, C.PLURAL,
-                                                      _preload_content=False)
+        try:
+            resp = self.custom.list_cluster_custom_object(C.GROUP, C.VERSION, C.PLURAL,
+                                                          _preload_content=False)
+        except ApiException as exc:
+            if exc.status == 403:     # watchNamespaces: no cluster-wide list; the resync timer acts
+                return []
+            raise
         return [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in self._json(resp)["items"]
                 if node in (((j.get("status") or {}).get("plan") or {}).get("nodes") or ())]
 

@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import constants as C
-from ..builders import probe
-from ..builders.common import JobRef
+from ..builders import discovery as D
+from ..builders.common import JobRef, owner_reference
 from ..core.errors import DocumentError
 from ..core.topology import TopologyReport, parse_topology
 from ..spec import JobSpec
-from ..status import parse_time
 from . import machine
 
 MAX_CANDIDATES = 64
+MESSAGE_TAIL = 200   # characters of a failed discovery pod's termination message in the condition
 
 
 @dataclass
@@ -31,24 +31,29 @@ class Found:
     retry_seconds: float = 2.0
 
 
-def _fresh(cm: dict[str, Any] | None, now: dt.datetime) -> TopologyReport | None:
-    raw = ((cm or {}).get("data") or {}).get(C.TOPOLOGY_KEY)
-    if not raw:
+def _fresh(cm: dict[str, Any] | None, node: dict[str, Any], now: dt.datetime) -> TopologyReport | None:
+    """The cached report when it is current (age, boot id: D.cached_report_is_current) and valid."""
+    if not D.cached_report_is_current(cm, node, now=now)[0]:
         return None
     try:
-        report = parse_topology(json.loads(raw))
+        return parse_topology(json.loads(cm["data"][C.TOPOLOGY_KEY]))
     except (ValueError, DocumentError):
         return None
-    collected = parse_time(str(json.loads(raw).get("collectedAt") or ""))
-    if collected is None or (now - collected).total_seconds() > C.TOPOLOGY_REPORT_MAX_AGE_SECONDS:
-        return None
-    return report
+
+
+def _termination_message(pod: dict[str, Any]) -> str:
+    for cs in (pod.get("status") or {}).get("containerStatuses") or ():
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("message"):
+            return " ".join(term["message"].split())[-MESSAGE_TAIL:]
+    return ""
 
 
 def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime) -> Found:
     job = JobRef.from_body(body)
+    nodes = {n["metadata"]["name"]: n for n in client.list_nodes()}
     candidates = machine.candidate_nodes(
-        client.list_nodes(), node_names=spec.nodes.node_names,
+        list(nodes.values()), node_names=spec.nodes.node_names,
         selectors=[spec.nodes.node_selector, spec.scheduling.node_selector])[:MAX_CANDIDATES]
     found = Found(candidates=candidates)
     if len(candidates) < spec.nodes.count:
@@ -59,7 +64,8 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         return found
     missing = []
     for node in candidates:
-        report = _fresh(client.get_configmap(job.namespace, probe.topology_configmap_name(node)), now)
+        cm = client.get_configmap(job.namespace, D.topology_configmap_name(node))
+        report = _fresh(cm, nodes[node], now)
         if report is not None:
             found.reports[node] = report
         else:
@@ -74,26 +80,42 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
                          f"{', '.join(found.reports)}")
         return found
 
-    for obj in probe.discovery_rbac(job, missing):
+    # ServiceAccount, Role (may update every candidate's report), RoleBinding; pods below
+    owner = owner_reference(job)
+    for obj in D.discovery_children(job.name, candidates, namespace=job.namespace, image=spec.image,
+                                    owner=owner)[:3]:
         client.create(obj)
+    # Discovery pods are per node and namespace (moe-discovery-<node>): another job's may be
+    # running for the same node already; its report serves this job too.
     pods = {p["metadata"]["name"]: p for p in client.list_pods(
-        job.namespace, {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: "discovery"})}
-    failed = []
+        job.namespace, {C.LABEL_COMPONENT: D.COMPONENT, C.LABEL_MANAGED_BY: C.MANAGED_BY})}
+    failed, rerun = [], []
     tolerations = [t.model_dump(by_alias=True, exclude_none=True)
                    for t in spec.scheduling.tolerations or ()]
     for node in missing:
-        name = probe.discovery_pod_name(job, node)
+        name = D.discovery_pod_name(node)
         pod = pods.get(name)
         if pod is None:
-            client.create(probe.discovery_pod(job, node, spec.image, spec.image_pull_policy, tolerations))
-        elif (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
-            # finished but no (fresh) report: show why and retry with a new pod
-            view = machine.PodView.from_pod(pod)
-            failed.append(f"{node} (exit code {view.exit_code})")
-            client.delete_pod(job.namespace, name, uid=view.uid)
+            client.create(D.discovery_pod(
+                node, namespace=job.namespace, image=spec.image,
+                service_account=D.discovery_account_name(job.name), owner=owner,
+                job_name=job.name, image_pull_policy=spec.image_pull_policy,
+                tolerations=tolerations))
+            continue
+        phase = (pod.get("status") or {}).get("phase")
+        if phase not in ("Failed", "Succeeded"):
+            continue
+        # finished without a (current) report: show why and run a new pod
+        view = machine.PodView.from_pod(pod)
+        if phase == "Failed":
+            why = _termination_message(pod)
+            failed.append(f"{node} (exit code {view.exit_code}{': ' + why if why else ''})")
+        else:
+            rerun.append(node)      # an earlier run's pod: its report has aged out since
+        client.delete_pod(job.namespace, name, uid=view.uid)
     found.pending = True
     found.failed = bool(failed)
-    found.message = (f"discovery running on {', '.join(missing)}" if not failed else
-                     f"discovery failed on {', '.join(failed)}; retrying")
-    found.retry_seconds = 2.0 if not failed else 10.0
+    found.message = (f"discovery failed on {', '.join(failed)}; retrying" if failed else
+                     f"discovery running on {', '.join(missing)}")
+    found.retry_seconds = 10.0 if failed else 1.0 if rerun else 2.0
     return found
