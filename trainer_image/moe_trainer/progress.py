@@ -54,25 +54,46 @@ def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def _http_detail(exc: BaseException) -> str:
+    """The API server's Status message of an HTTP error (why a patch was refused), else ''."""
+    if not isinstance(exc, urllib.error.HTTPError):
+        return ""
+    try:
+        body = exc.read().decode(errors="replace")
+        return str(json.loads(body).get("message", body))[:300]
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 class ConfigMapPublisher:
-    """PATCHes progress into a ConfigMap with the pod's service-account token."""
+    """PATCHes progress into a ConfigMap with the pod's service-account token.
+
+    ``send`` merge-patches any body (``{"data": {...}, "binaryData": {...}}``) into the ConfigMap;
+    ``publish`` sends a progress document, at most every ``interval_s`` unless forced. The routing
+    statistics use ``send`` with their own ConfigMap (``moe_trainer.routing_publish``)."""
 
     def __init__(self, name: str, sa_dir: Path = SA_DIR, interval_s: float = 5.0, timeout_s: float = 5.0):
         self.name, self.sa_dir, self.interval_s, self.timeout_s = name, Path(sa_dir), interval_s, timeout_s
         self._last = 0.0
         self.failures = 0
+        self.last_error: str | None = None
+
+    @staticmethod
+    def in_cluster() -> bool:
+        return (SA_DIR / "token").is_file() and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     @classmethod
-    def from_env(cls) -> "ConfigMapPublisher | None":
-        name = os.environ.get("MOE_PROGRESS_CONFIGMAP")
+    def from_env(cls, var: str = "MOE_PROGRESS_CONFIGMAP", timeout_s: float = 5.0) -> "ConfigMapPublisher | None":
+        name = os.environ.get(var)
         if not name:
             return None
-        if not (SA_DIR / "token").is_file() or not os.environ.get("KUBERNETES_SERVICE_HOST"):
-            log.warning("MOE_PROGRESS_CONFIGMAP=%s but no in-cluster credentials; file only", name)
+        if not cls.in_cluster():
+            log.warning("%s=%s but no in-cluster credentials; file only", var, name)
             return None
-        return cls(name, interval_s=float(os.environ.get("MOE_PROGRESS_INTERVAL_SECONDS", "5")))
+        return cls(name, interval_s=float(os.environ.get("MOE_PROGRESS_INTERVAL_SECONDS", "5")),
+                   timeout_s=timeout_s)
 
-    def request(self, doc: dict) -> urllib.request.Request:
+    def patch_request(self, body: dict) -> urllib.request.Request:
         ns = (self.sa_dir / "namespace").read_text().strip()
         token = (self.sa_dir / "token").read_text().strip()
         host = os.environ["KUBERNETES_SERVICE_HOST"]
@@ -80,25 +101,34 @@ class ConfigMapPublisher:
         if ":" in host:
             host = f"[{host}]"
         url = f"https://{host}:{port}/api/v1/namespaces/{ns}/configmaps/{self.name}"
-        body = json.dumps({"data": {"progress.json": json.dumps(doc)}}).encode()
-        return urllib.request.Request(url, data=body, method="PATCH", headers={
+        return urllib.request.Request(url, data=json.dumps(body).encode(), method="PATCH", headers={
             "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json",
             "Accept": "application/json"})
+
+    def request(self, doc: dict) -> urllib.request.Request:
+        return self.patch_request({"data": {"progress.json": json.dumps(doc)}})
+
+    def send(self, body: dict) -> bool:
+        """One merge-patch; failures are logged and counted, never raised."""
+        try:
+            ctx = ssl.create_default_context(cafile=str(self.sa_dir / "ca.crt"))
+            with urllib.request.urlopen(self.patch_request(body), context=ctx, timeout=self.timeout_s) as resp:
+                resp.read()
+            self.last_error = None
+            return True
+        except (urllib.error.URLError, OSError, ssl.SSLError, ValueError) as exc:
+            self.failures += 1
+            detail = _http_detail(exc)
+            self.last_error = f"{exc} {detail}".strip()
+            log.warning("ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, self.last_error)
+            return False
 
     def publish(self, doc: dict, force: bool = False) -> bool:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return False
         self._last = now
-        try:
-            ctx = ssl.create_default_context(cafile=str(self.sa_dir / "ca.crt"))
-            with urllib.request.urlopen(self.request(doc), context=ctx, timeout=self.timeout_s) as resp:
-                resp.read()
-            return True
-        except (urllib.error.URLError, OSError, ssl.SSLError, ValueError) as exc:
-            self.failures += 1
-            log.warning("progress ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, exc)
-            return False
+        return self.send({"data": {"progress.json": json.dumps(doc)}})
 
 
 class Metrics:

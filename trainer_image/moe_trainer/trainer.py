@@ -28,6 +28,7 @@ from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation
 from moe_trainer.plan import MoEPlan
 from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
+from moe_trainer.routing_publish import RoutingStatsPublisher
 
 log = logging.getLogger("moe_trainer")
 
@@ -129,6 +130,8 @@ class Trainer:
         self.start_step = 0
         self.last_ckpt: dict | None = None
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
+        self.routing_publisher = RoutingStatsPublisher.from_env() if self.is_rank0 else None
+        self._routing_written_step: int | None = None
         port = os.environ.get("MOE_METRICS_PORT")
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
 
@@ -193,8 +196,21 @@ class Trainer:
                                          self.model_name)
 
     def write_routing(self) -> None:
-        if self.is_rank0 and self.ckpt_dir:
-            write_json_atomic(Path(self.ckpt_dir) / "routing_stats.json", self.routing_doc())
+        """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next plan."""
+        if not self.is_rank0 or self._routing_written_step == self.acc.steps:
+            return
+        doc = self.routing_doc()
+        path = None
+        if self.ckpt_dir:
+            path = str(Path(self.ckpt_dir) / "routing_stats.json")
+            write_json_atomic(path, doc)
+        if self.routing_publisher:
+            self.routing_publisher.publish(doc, self.acc.steps, path)
+        self._routing_written_step = self.acc.steps
+
+    def routing_status(self) -> dict | None:
+        """The progress document's `routingStats` section (None without a ConfigMap to publish to)."""
+        return None if self.routing_publisher is None else self.routing_publisher.status
 
     def save(self, step: int) -> None:
         if not self.ckpt_dir:
@@ -294,6 +310,10 @@ class Trainer:
                 self.save(step)
                 doc["checkpoint"] = self.last_ckpt
             if step == t.steps:
+                self.write_routing()       # no-op when the final checkpoint just wrote it
+            if self.routing_status() is not None:
+                doc["routingStats"] = self.routing_status()
+            if step == t.steps:
                 doc["phase"] = "Finished"
             self.publish(doc, tokens_per_step, force=step == t.steps)
             code = ckpt.fault_due(step, self.ckpt_dir)
@@ -306,9 +326,9 @@ class Trainer:
         return EXIT_OK
 
     def finish(self) -> None:
+        self.write_routing()
         if not (self.is_rank0 and self.ckpt_dir):
             return
-        self.write_routing()
         write_json_atomic(Path(self.ckpt_dir) / "losses.json", {"losses": self.losses})
         try:
             from moe_trainer.heatmap import save_heatmap

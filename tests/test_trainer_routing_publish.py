@@ -1,0 +1,125 @@
+"""Rank 0's RoutingStats -> ConfigMap encoding: JSON when small, gzip+base64 binaryData when large,
+refused (and said so) when even that exceeds the ConfigMap limit; the operator's reader accepts both."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_trainer import progress, routing, routing_publish
+from moe_trainer.routing_publish import GZ_KEY, KEY, RoutingStatsPublisher, decode, encode
+
+
+def stats_doc(layers=2, experts=8, top_k=2, tokens=512, seed=0):
+    rng = np.random.default_rng(seed)
+    load = np.zeros((layers, experts))
+    coact = np.zeros((layers, experts, experts))
+    for layer in range(layers):
+        for _ in range(tokens):
+            chosen = rng.choice(experts, top_k, replace=False)
+            load[layer, chosen] += 1
+            for i in chosen:
+                for j in chosen:
+                    if i != j:
+                        coact[layer, i, j] += 1
+    doc = routing.routing_stats_doc(load, coact, tokens, 3, top_k, "test")
+    routing.check_routing_stats(doc)
+    return doc
+
+
+def test_small_document_goes_to_data_and_clears_the_gzip_key():
+    doc = stats_doc()
+    enc = encode(doc)
+    assert enc.key == KEY and enc.body["binaryData"] == {GZ_KEY: None}
+    assert json.loads(enc.body["data"][KEY]) == doc
+    assert enc.stored_bytes == enc.json_bytes == len(enc.body["data"][KEY])
+
+
+def test_large_document_is_gzipped_under_binary_data_and_round_trips():
+    doc = stats_doc(layers=2, experts=16)
+    limit = encode(doc).json_bytes - 1          # one byte too big for plain JSON
+    enc = encode(doc, limit)
+    assert enc.key == GZ_KEY and enc.body["data"] == {KEY: None}
+    assert enc.stored_bytes < enc.json_bytes and enc.stored_bytes <= limit
+    assert decode({"binaryData": enc.body["binaryData"]}) == doc
+
+
+def test_operator_reader_accepts_both_keys():
+    from moejob_operator.core.routing import parse_routing_stats
+    from moejob_operator.reconcile.planning import routing_stats_text
+    doc = stats_doc(experts=16)
+    for limit in (10**6, encode(doc).json_bytes - 1):
+        enc = encode(doc, limit)
+        cm = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in enc.body.items()}
+        stats = parse_routing_stats(json.loads(routing_stats_text(cm, "ns/x")))
+        assert stats.load.tolist() == doc["load"] and stats.coact.tolist() == doc["coactivation"]
+
+
+class FakeSend(progress.ConfigMapPublisher):
+    def __init__(self, ok=True):
+        super().__init__("a-routing-stats")
+        self.ok, self.bodies = ok, []
+
+    def send(self, body):
+        self.bodies.append(body)
+        if not self.ok:
+            self.last_error = "HTTP Error 403: Forbidden"
+        return self.ok
+
+
+def test_too_large_is_not_sent_and_the_status_says_why(tmp_path, caplog):
+    doc = stats_doc(experts=16)
+    pub = RoutingStatsPublisher(FakeSend(), limit=100)
+    status = pub.publish(doc, step=3, file_path=str(tmp_path / "routing_stats.json"))
+    assert pub.publisher.bodies == [] and status["published"] is False and status["key"] is None
+    assert "too large for ConfigMap a-routing-stats" in status["message"]
+    assert "2 layers x 16^2" in status["message"] and "routing_stats.json" in status["message"]
+    assert "too large" in caplog.text
+
+
+def test_publish_reports_success_and_failure():
+    doc = stats_doc()
+    ok = RoutingStatsPublisher(FakeSend()).publish(doc, step=5, file_path=None)
+    assert ok["published"] and ok["key"] == KEY and ok["step"] == 5
+    bad = RoutingStatsPublisher(FakeSend(ok=False)).publish(doc, step=5, file_path=None)
+    assert not bad["published"] and "403" in bad["message"]
+
+
+def test_publisher_needs_the_env_and_in_cluster_credentials(monkeypatch):
+    monkeypatch.delenv(routing_publish.ENV, raising=False)
+    assert RoutingStatsPublisher.from_env() is None
+    monkeypatch.setenv(routing_publish.ENV, "a-routing-stats")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert RoutingStatsPublisher.from_env() is None
+
+
+def test_patch_request_carries_nulls_for_the_other_key(tmp_path, monkeypatch):
+    (tmp_path / "token").write_text("t")
+    (tmp_path / "namespace").write_text("team-a")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")
+    pub = progress.ConfigMapPublisher("a-routing-stats", sa_dir=tmp_path)
+    req = pub.patch_request(encode(stats_doc()).body)
+    assert req.full_url.endswith("/namespaces/team-a/configmaps/a-routing-stats")
+    assert json.loads(req.data)["binaryData"] == {GZ_KEY: None}
+    assert req.get_method() == "PATCH" and req.headers["Content-type"] == "application/merge-patch+json"
+
+
+@pytest.mark.parametrize("layers,experts,top_k,fits", [
+    (32, 8, 2, KEY),          # Mixtral-8x7B shape
+    (32, 64, 8, KEY),
+    (24, 128, 8, GZ_KEY),
+    (48, 128, 8, None),       # Qwen3-30B-A3B shape: too large even gzipped
+])
+def test_which_model_sizes_fit(layers, experts, top_k, fits):
+    """Realistic counts over 4M tokens (the sizes docs/trainer.md quotes)."""
+    rng = np.random.default_rng(1)
+    tokens = 1 << 22
+    load = rng.multinomial(tokens * top_k, np.ones(experts) / experts, size=layers)
+    coact = rng.poisson(tokens * top_k * (top_k - 1) / experts / (experts - 1), size=(layers, experts, experts))
+    coact = (coact + coact.transpose(0, 2, 1)) // 2
+    for layer in range(layers):
+        np.fill_diagonal(coact[layer], 0)
+    doc = {"kind": "RoutingStats", "version": 1, "numLayers": layers, "numExperts": experts, "topK": top_k,
+           "tokens": tokens, "steps": 1, "load": load.tolist(), "coactivation": coact.tolist()}
+    assert encode(doc).key == fits
