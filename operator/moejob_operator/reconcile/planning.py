@@ -6,8 +6,13 @@ memory) or :class:`NotYet` (routing statistics of an earlier job not there yet).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import copy
+import datetime as dt
+import gzip
 import hashlib
+import io
 import json
 import re
 import threading
@@ -106,21 +111,126 @@ def _to_spec_error(exc: DocumentError) -> Exception:
     return Refused(C.R_PLAN_FAILED, text)
 
 
-def read_routing_stats(client, job: JobRef, spec: JobSpec):
+# Routing statistics of an earlier job (docs/trainer.md, "Routing statistics hand-off"). The trainer
+# stores large documents gzip+base64 under binaryData; a ConfigMap holds at most 1 MiB.
+ROUTING_STATS_GZ_KEY = C.ROUTING_STATS_KEY + ".gz"
+ROUTING_STATS_MAX_JSON_BYTES = 256 * 2**20     # refuse to inflate more than this (gzip bomb)
+# How long a job waits, counted from its creation, for statistics that are not there yet:
+SOURCE_MISSING_WAIT_SECONDS = 15 * 60          # no such source job (a typo?) / configMapName never filled
+SOURCE_ACTIVE_WAIT_SECONDS = 24 * 3600         # the source job is still pending or training
+SOURCE_SUCCEEDED_GRACE_SECONDS = 60            # the trainer publishes before it exits: a little slack
+
+
+def routing_stats_text(cm: dict[str, Any] | None, where: str) -> str | None:
+    """The RoutingStats JSON of a ConfigMap: ``data[routing_stats.json]`` or, for large documents,
+    ``binaryData[routing_stats.json.gz]`` (gzip, base64 as the API returns it). None when empty."""
+    cm = cm or {}
+    raw = (cm.get("data") or {}).get(C.ROUTING_STATS_KEY)
+    if raw:
+        return raw
+    packed = (cm.get("binaryData") or {}).get(ROUTING_STATS_GZ_KEY)
+    if not packed:
+        return None
+    try:
+        with gzip.GzipFile(fileobj=io.BytesIO(base64.b64decode(packed, validate=True))) as f:
+            text = f.read(ROUTING_STATS_MAX_JSON_BYTES + 1)
+    except (binascii.Error, OSError, EOFError) as exc:
+        raise SpecError("spec.placement.routingStatsFrom",
+                        f"ConfigMap {where}: binaryData.{ROUTING_STATS_GZ_KEY} is not gzip+base64: {exc}") from None
+    if len(text) > ROUTING_STATS_MAX_JSON_BYTES:
+        raise SpecError("spec.placement.routingStatsFrom", f"ConfigMap {where}: binaryData."
+                        f"{ROUTING_STATS_GZ_KEY} inflates to more than {ROUTING_STATS_MAX_JSON_BYTES} bytes")
+    return text.decode("utf-8", errors="replace")
+
+
+def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | None = None):
     src = spec.placement.routing_stats_from
     if src is None:
         return None
-    cm = client.get_configmap(job.namespace, src.config_map)
-    raw = ((cm or {}).get("data") or {}).get(C.ROUTING_STATS_KEY)
+    where = f"{job.namespace}/{src.config_map}"
+    raw = routing_stats_text(client.get_configmap(job.namespace, src.config_map), where)
     if not raw:
-        raise NotYet(C.R_ROUTING_STATS_UNAVAILABLE,
-                     f"ConfigMap {job.namespace}/{src.config_map} has no {C.ROUTING_STATS_KEY} yet "
-                     "(spec.placement.routingStatsFrom)", 30.0)
+        raise _no_stats_yet(client, job, src, now or dt.datetime.now(dt.timezone.utc))
     try:
         return parse_routing_stats(json.loads(raw))
     except (ValueError, DocumentError) as exc:
-        raise SpecError("spec.placement.routingStatsFrom",
-                        f"ConfigMap {src.config_map}: {exc}") from None
+        raise SpecError("spec.placement.routingStatsFrom", f"ConfigMap {where}: {exc}") from None
+
+
+def _cond(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or ():
+        if c.get("type") == ctype:
+            return c
+    return {}
+
+
+def _age(stamp: str | None, now: dt.datetime) -> float:
+    if not stamp:
+        return 0.0
+    t = dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    return (now - t).total_seconds()
+
+
+def _source_progress_note(client, namespace: str, source: str) -> str:
+    """What the source trainer said about publishing (``routingStats.message`` of its progress)."""
+    cm = client.get_configmap(namespace, f"{source}-progress") or {}
+    try:
+        doc = json.loads((cm.get("data") or {}).get(C.PROGRESS_KEY) or "{}")
+    except ValueError:
+        return ""
+    msg = (doc.get("routingStats") or {}).get("message") if isinstance(doc, dict) else None
+    return f"; its trainer reported: {msg}" if msg else ""
+
+
+def _no_stats_yet(client, job: JobRef, src, now: dt.datetime) -> Exception:
+    """No statistics in the ConfigMap: NotYet while they may still come (bounded), Refused when
+    they never will (source job Failed, or Succeeded without publishing)."""
+    field = "spec.placement.routingStatsFrom"
+    where = f"ConfigMap {job.namespace}/{src.config_map}"
+    limit = SOURCE_MISSING_WAIT_SECONDS
+    if src.job_name is None:
+        msg = f"{where} has no {C.ROUTING_STATS_KEY} yet ({field}.configMapName)"
+    else:
+        source = client.get_job(job.namespace, src.job_name)
+        failed, succeeded = _cond(source, C.COND_FAILED), _cond(source, C.COND_SUCCEEDED)
+        if source is None:
+            msg = f"source job {src.job_name} ({field}.jobName) does not exist (yet)"
+        elif failed.get("status") == "True":
+            return Refused(C.R_ROUTING_STATS_UNAVAILABLE,
+                           f"source job {src.job_name} failed ({failed.get('reason')}: "
+                           f"{failed.get('message')}) and will never publish routing statistics; "
+                           f"use another job, or {field}.configMapName with a ConfigMap you fill")
+        elif succeeded.get("status") == "True":
+            done = (source.get("status") or {}).get("completionTime") or succeeded.get("lastTransitionTime")
+            if _age(done, now) > SOURCE_SUCCEEDED_GRACE_SECONDS:
+                return Refused(C.R_ROUTING_STATS_UNAVAILABLE,
+                               f"source job {src.job_name} succeeded but {where} holds no routing "
+                               f"statistics{_source_progress_note(client, job.namespace, src.job_name)}; "
+                               f"the trainer also leaves routing_stats.json in its checkpoint dir "
+                               f"(put it in a ConfigMap and use {field}.configMapName)")
+            return NotYet(C.R_ROUTING_STATS_UNAVAILABLE,
+                          f"source job {src.job_name} succeeded; waiting for {where}", 5.0)
+        else:
+            phase = (source.get("status") or {}).get("phase") or "Pending"
+            msg = (f"waiting for source job {src.job_name} (phase {phase}) to publish its routing "
+                   f"statistics to {where} (at its first checkpoint or at the end)")
+            limit = SOURCE_ACTIVE_WAIT_SECONDS
+    me = client.get_job(job.namespace, job.name) or {}
+    waited = _age((me.get("metadata") or {}).get("creationTimestamp"), now)
+    if waited > limit:
+        return Refused(C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; gave up after {int(waited)} s "
+                       f"(limit {limit} s)")
+    return NotYet(C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; waited {int(waited)} s of {limit} s", 30.0)
+
+
+def stats_source(spec: JobSpec, stats) -> dict[str, Any] | None:
+    """``placement.routingStatsFrom`` of the plan: where the statistics came from (a note for people)."""
+    src = spec.placement.routing_stats_from
+    if src is None or stats is None:
+        return None
+    return {"job": src.job_name, "configMap": src.config_map, "tokens": int(stats.tokens),
+            "steps": int(stats.steps), "numLayers": int(stats.num_layers),
+            "numExperts": int(stats.num_experts)}
 
 
 # Plans are pure functions of (spec, nodes, reports, routing stats): jobs with the same inputs
@@ -158,12 +268,16 @@ def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyRep
         if hit is not None:
             _MEMO.move_to_end(key)
     if hit is not None:
-        return {**copy.deepcopy(hit), "job": {"namespace": job.namespace, "name": job.name}}
-    doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes)
-    with _memo_lock:
-        _MEMO[key] = copy.deepcopy(doc)
-        while len(_MEMO) > _MEMO_SIZE:
-            _MEMO.popitem(last=False)
+        doc = {**copy.deepcopy(hit), "job": {"namespace": job.namespace, "name": job.name}}
+    else:
+        doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes)
+        with _memo_lock:
+            _MEMO[key] = copy.deepcopy(doc)
+            while len(_MEMO) > _MEMO_SIZE:
+                _MEMO.popitem(last=False)
+    source = stats_source(spec, stats)
+    if source is not None and isinstance(doc.get("placement"), dict):
+        doc["placement"]["routingStatsFrom"] = source
     return doc
 
 
@@ -210,6 +324,9 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         out["crossGroupVsContiguous"] = f"{float(q['crossGroupVsContiguous']):.3f}"
     if "maxMeanLoad" in q:
         out["maxMeanLoad"] = f"{float(q['maxMeanLoad']):.3f}"
+    src = (plan.get("placement") or {}).get("routingStatsFrom")
+    if src:
+        out["routingStatsFrom"] = src.get("job") or src.get("configMap")
     return {k: v for k, v in out.items() if v is not None}
 
 

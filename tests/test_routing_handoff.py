@@ -1,0 +1,161 @@
+"""Routing statistics from one job to the next plan (trainer -> ConfigMap -> operator).
+
+Unit part (no cluster): what the planning step does when the source ConfigMap is empty (wait,
+bounded) and when the statistics will never come (source Failed, or Succeeded without them).
+Cluster part: job A trains and publishes; job B (suspended, never trains) plans from A's stats.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from moejob_operator import constants as C
+from moejob_operator.builders.common import JobRef
+from moejob_operator.reconcile import planning
+from moejob_operator.spec import parse_spec
+
+NOW = dt.datetime(2026, 11, 29, 14, 0, 0, tzinfo=dt.timezone.utc)
+
+
+def iso(seconds_ago: float) -> str:
+    return (NOW - dt.timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class FakeClient:
+    def __init__(self, configmaps=None, jobs=None):
+        self.configmaps, self.jobs = configmaps or {}, jobs or {}
+
+    def get_configmap(self, namespace, name):
+        return self.configmaps.get(name)
+
+    def get_job(self, namespace, name):
+        return self.jobs.get(name)
+
+
+def job_b(**source):
+    spec = parse_spec({"image": "moe-trainer:local", "device": "CPU", "model": {"preset": "tiny-mixtral"},
+                       "nodes": {"count": 1},
+                       "placement": {"strategy": "TopologyAware", "routingStatsFrom": source}})
+    return JobRef.from_body({"metadata": {"name": "b", "namespace": "ns", "uid": "u" * 36}}), spec
+
+
+def body(created_ago: float, *conds, completion_ago: float | None = None, phase="Running"):
+    status = {"phase": phase, "conditions": [
+        {"type": t, "status": s, "reason": r, "message": m, "lastTransitionTime": iso(created_ago / 2)}
+        for t, s, r, m in conds]}
+    if completion_ago is not None:
+        status["completionTime"] = iso(completion_ago)
+    return {"metadata": {"creationTimestamp": iso(created_ago)}, "status": status}
+
+
+def read(client, **source):
+    job, spec = job_b(**source)
+    return planning.read_routing_stats(client, job, spec, now=NOW)
+
+
+def test_source_still_training_is_a_bounded_wait():
+    client = FakeClient(jobs={"a": body(600), "b": body(100)})
+    with pytest.raises(planning.NotYet, match=r"waiting for source job a \(phase Running\).*waited 100 s of 86400 s") as exc:
+        read(client, jobName="a")
+    assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE and exc.value.retry_seconds == 30.0
+    client.jobs["b"] = body(planning.SOURCE_ACTIVE_WAIT_SECONDS + 5)
+    with pytest.raises(planning.Refused, match=r"gave up after 86405 s \(limit 86400 s\)"):
+        read(client, jobName="a")
+
+
+def test_missing_source_job_waits_less():
+    client = FakeClient(jobs={"b": body(60)})
+    with pytest.raises(planning.NotYet, match="source job nope .* does not exist"):
+        read(client, jobName="nope")
+    client.jobs["b"] = body(planning.SOURCE_MISSING_WAIT_SECONDS + 1)
+    with pytest.raises(planning.Refused, match="does not exist .*gave up"):
+        read(client, jobName="nope")
+
+
+def test_failed_source_job_is_permanent_at_once():
+    client = FakeClient(jobs={"b": body(10), "a": body(600, ("Failed", "True", "BackoffLimitExceeded", "3 restarts"))})
+    with pytest.raises(planning.Refused, match="source job a failed .BackoffLimitExceeded: 3 restarts. and will "
+                                               "never publish") as exc:
+        read(client, jobName="a")
+    assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE
+
+
+def test_succeeded_source_without_stats_quotes_its_trainer():
+    progress = {"kind": "TrainerProgress", "version": 1, "routingStats": {
+        "message": "routing statistics too large for ConfigMap a-routing-stats: 4749633 bytes"}}
+    client = FakeClient(jobs={"b": body(10), "a": body(600, ("Succeeded", "True", "Finished", "done"),
+                                                       completion_ago=3)},
+                        configmaps={"a-progress": {"data": {C.PROGRESS_KEY: json.dumps(progress)}},
+                                    "a-routing-stats": {"data": {}}})
+    with pytest.raises(planning.NotYet, match="succeeded; waiting"):       # grace: publish precedes exit
+        read(client, jobName="a")
+    client.jobs["a"] = body(600, ("Succeeded", "True", "Finished", "done"), completion_ago=120)
+    with pytest.raises(planning.Refused, match="succeeded but .* no routing statistics; its trainer reported: "
+                                               "routing statistics too large"):
+        read(client, jobName="a")
+
+
+def test_config_map_name_source_and_bad_payloads():
+    client = FakeClient(jobs={"b": body(10)}, configmaps={"mine": {"binaryData": {"routing_stats.json.gz": "bm90IGd6"}}})
+    with pytest.raises(planning.SpecError, match=r"ConfigMap ns/mine: binaryData.routing_stats.json.gz is not gzip"):
+        read(client, configMapName="mine")
+    client.configmaps["mine"] = {"data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 2}'}}
+    with pytest.raises(planning.SpecError, match="ns/mine: .*version"):
+        read(client, configMapName="mine")
+    del client.configmaps["mine"]
+    with pytest.raises(planning.NotYet, match="ConfigMap ns/mine has no routing_stats.json yet"):
+        read(client, configMapName="mine")
+
+
+# ---- cluster: A trains and publishes, B plans from it --------------------------------------
+@pytest.fixture(scope="module")
+def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
+    from operator_harness import Operator, install_crd
+    install_crd(kube)
+    op = Operator(control_plane, tmp_path_factory.mktemp("operator")).start()
+    yield op
+    op.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):
+    from operator_harness import apply_job, condition, example, get_job
+
+    from moe_trainer.routing_publish import decode
+    a = example("tiny-cpu.yaml", checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}})
+    a["metadata"]["name"] = "stats-a"
+    a["spec"]["training"]["steps"] = 2
+    apply_job(kube, namespace, a)
+    out = kubectl.run("wait", "--for=condition=Succeeded", "moejob/stats-a", "-n", namespace,
+                      "--timeout=400s", check=False, timeout=420)
+    assert out.returncode == 0, f"{out.stderr}\n{get_job(kube, namespace, 'stats-a').get('status')}\n" \
+                                f"{operator_proc.logs()}"
+    cm = kube.core.read_namespaced_config_map("stats-a-routing-stats", namespace).to_dict()
+    stats = decode({"data": cm.get("data"), "binaryData": cm.get("binary_data")})
+    assert stats is not None, cm
+    assert stats["steps"] == 2 and stats["numExperts"] == 8 and stats["tokens"] > 0
+    progress = json.loads(kube.core.read_namespaced_config_map("stats-a-progress", namespace).data[C.PROGRESS_KEY])
+    assert progress["routingStats"]["published"] is True and progress["routingStats"]["step"] == 2
+
+    b = example("tiny-cpu.yaml", placement={"strategy": "TopologyAware", "expertParallelSize": 2,
+                                            "routingStatsFrom": {"jobName": "stats-a"}})
+    b["metadata"]["name"] = "stats-b"
+    b["spec"].setdefault("runPolicy", {})["suspend"] = True
+    apply_job(kube, namespace, b)
+    wait_for(lambda: condition(get_job(kube, namespace, "stats-b"), C.COND_PLANNED).get("status") == "True",
+             timeout=120, message="B planned\n" + operator_proc.logs())
+    plan = json.loads(kube.core.read_namespaced_config_map("stats-b-plan", namespace).data[C.PLAN_KEY])
+    placement = plan["placement"]
+    assert placement["routingStatsFrom"]["job"] == "stats-a"
+    assert placement["routingStatsFrom"]["tokens"] == stats["tokens"]
+    assert placement["quality"]["basis"] == "routingStats"
+    contiguous = [list(range(8)) for _ in range(placement["numLayers"])]
+    assert placement["permutation"] != contiguous
+    assert get_job(kube, namespace, "stats-b")["status"]["plan"]["routingStatsFrom"] == "stats-a"
+    pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=stats-b,"
+                                                                   f"{C.LABEL_COMPONENT}=worker").items
+    assert pods == []
