@@ -6,13 +6,20 @@ the environment already sets it (NVLink SHARP multicast is left off on the lent 
 CPU: gloo. DeepSpeed's TorchBackend JIT-builds a shared-memory all-reduce op (`deepspeed_shm_comm`)
 at init; it serves only `inference_all_reduce`, never training, so on CPU the trainer skips the
 build (MOE_DS_SHM_OP=1 restores it; the build is cached in TORCH_EXTENSIONS_DIR either way).
+When it is built, a build killed half-way leaves torch's baton file
+`<TORCH_EXTENSIONS_DIR>/deepspeed_shm_comm/lock`, and every later build waits on it forever:
+the trainer builds under an flock of its own (released by the kernel when a builder dies), so a
+baton found while holding that flock is stale and is removed.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -60,8 +67,38 @@ def read_env(plan_world_size: int, rank_gpus: list[int | None], force_cpu: bool 
     return DistEnv(rank, world, local_rank, torch.device("cpu"), "gloo")
 
 
+log = logging.getLogger("moe_trainer.distenv")
+
+SHM_OP_NAME = "deepspeed_shm_comm"
+
+
 def _no_shm_op():
     return None
+
+
+def extension_build_dir(name: str = SHM_OP_NAME) -> Path:
+    """Where torch JIT-builds extension `name` (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<acc>)."""
+    from torch.utils import cpp_extension
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def guarded_build(build, build_dir: Path | None = None):
+    """`build` wrapped so that builders on this machine take turns under an flock next to the build
+    dir, and a baton `lock` file found while holding it (left by a killed build) is removed."""
+    def wrapped(*args, **kwargs):
+        d = Path(build_dir) if build_dir is not None else extension_build_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d.parent / f".{d.name}.moe-build.flock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                baton = d / "lock"
+                if baton.exists():
+                    log.warning("removing stale %s (a killed build left it; no trainer is building now)", baton)
+                    baton.unlink(missing_ok=True)
+                return build(*args, **kwargs)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return wrapped
 
 
 def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
@@ -85,6 +122,8 @@ def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     if env.device.type == "cpu" and os.environ.get("MOE_DS_SHM_OP", "0") != "1":
         ds_torch_comm.build_shm_op = _no_shm_op
+    elif env.device.type == "cpu" and getattr(ds_torch_comm.build_shm_op, "__name__", "") != "wrapped":
+        ds_torch_comm.build_shm_op = guarded_build(ds_torch_comm.build_shm_op)
     deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False,
                                timeout=datetime.timedelta(seconds=timeout_s))
 
