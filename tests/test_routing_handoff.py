@@ -159,3 +159,46 @@ def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_pr
     pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=stats-b,"
                                                                    f"{C.LABEL_COMPONENT}=worker").items
     assert pods == []
+
+
+@pytest.mark.cluster
+def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, control_plane, tmp_path, monkeypatch):
+    """The real API server takes both encodings (and the nulls that clear the other key) from a
+    token that may only get/update/patch the ConfigMap; the operator's reader reads them back."""
+    import base64
+    from urllib.parse import urlparse
+
+    from moe_trainer import progress
+    from moe_trainer.routing_publish import GZ_KEY, KEY, RoutingStatsPublisher
+    from test_trainer_routing_publish import stats_doc
+    name = "a-routing-stats"
+    kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": {}})
+    kube.rbac.create_namespaced_role(namespace, {"metadata": {"name": "stats"}, "rules": [
+        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name],
+         "verbs": ["get", "update", "patch"]}]})
+    kube.rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "stats"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "stats"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
+    secret = kube.core.read_namespaced_service_account("default", namespace).secrets[0].name
+    (tmp_path / "token").write_text(base64.b64decode(
+        kube.core.read_namespaced_secret(secret, namespace).data["token"]).decode())
+    (tmp_path / "namespace").write_text(namespace)
+    (tmp_path / "ca.crt").write_bytes(open(control_plane.ca_path, "rb").read())
+    url = urlparse(control_plane.server)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", url.hostname)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(url.port))
+    doc = stats_doc(experts=16)
+
+    def stored():
+        cm = kube.core.read_namespaced_config_map(name, namespace)
+        return {"data": cm.data or {}, "binaryData": cm.binary_data or {}}
+
+    for limit, key in ((1000, GZ_KEY), (10**6, KEY), (1000, GZ_KEY)):
+        pub = RoutingStatsPublisher(progress.ConfigMapPublisher(name, sa_dir=tmp_path), limit=limit)
+        status = pub.publish(doc, step=3, file_path=None)
+        assert status["published"] and status["key"] == key, status
+        cm = stored()
+        assert set(cm["data"]) | set(cm["binaryData"]) == {key}      # the other key was cleared
+        got = json.loads(planning.routing_stats_text(cm, name))
+        assert got == doc
