@@ -19,11 +19,13 @@ import concurrent.futures as cf
 import copy
 import json
 import os
+import ssl
 import statistics
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -62,6 +64,24 @@ def peak_rss_bytes(pid: int) -> int:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def request_counts(cp: ControlPlane) -> dict[str, float]:
+    """apiserver_request_total by "VERB resource" (from the API server's /metrics)."""
+    ctx = ssl.create_default_context(cafile=str(cp.ca_path))
+    req = urllib.request.Request(cp.server + "/metrics",
+                                 headers={"Authorization": f"Bearer {cp.admin_token}"})
+    with urllib.request.urlopen(req, context=ctx, timeout=30) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+            key = f"{labels.get('verb', '').strip(chr(34))} {labels.get('resource', '').strip(chr(34))}"
+            sub = labels.get("subresource", "").strip(chr(34))
+            key += f"/{sub}" if sub else ""
+            out[key] = out.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -123,6 +143,9 @@ def run(jobs: int, workdir: Path) -> dict:
         warmup_s = time.monotonic() - t0
 
         applied: dict[str, float] = {}
+        cp_pids = {name: proc.pid for name, proc in cp._procs.items()}
+        cp_cpu_before = {name: cpu_seconds(pid) for name, pid in cp_pids.items()}
+        requests_before = request_counts(cp)
         cpu_before = cpu_seconds(op.pid)
         load_before = os.getloadavg()[0]
 
@@ -146,8 +169,13 @@ def run(jobs: int, workdir: Path) -> dict:
         with lock:
             lat = {n: max(seen[f"{n}-worker-0"], seen[f"{n}-worker-1"]) - applied[n]
                    for n in names if f"{n}-worker-0" in seen and f"{n}-worker-1" in seen}
+        burst_s = time.monotonic() - start
+        time.sleep(1.0)   # let the passes that created the last pods finish their status/events
         rss = peak_rss_bytes(op.pid)
         op_cpu = cpu_seconds(op.pid) - cpu_before
+        cp_cpu = {name: round(cpu_seconds(pid) - cp_cpu_before[name], 2) for name, pid in cp_pids.items()}
+        requests = {k: int(v - requests_before.get(k, 0)) for k, v in request_counts(cp).items()
+                    if v - requests_before.get(k, 0) >= 1}
         pods = len(kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker").items)
         values = list(lat.values())
         return {
@@ -159,6 +187,12 @@ def run(jobs: int, workdir: Path) -> dict:
             "applySeconds": round(apply_s, 3), "warmupJobSeconds": round(warmup_s, 3),
             "operatorPeakRssBytes": rss, "cpus": os.cpu_count(),
             "operatorCpuSeconds": round(op_cpu, 2), "loadAverage1mBefore": round(load_before, 2),
+            "burstSeconds": round(burst_s, 3),
+            # CPU of the control plane processes during the burst (+1 s), and API requests by
+            # verb/resource (all clients: the operator, the benchmark's own creates and watch,
+            # the controller manager)
+            "controlPlaneCpuSeconds": cp_cpu,
+            "apiRequests": dict(sorted(requests.items(), key=lambda kv: -kv[1])),
             "targets": {"p50Seconds": 1.0, "p99Seconds": 3.0},
         }
     finally:
@@ -187,6 +221,13 @@ def markdown(r: dict) -> str:
         f"| first (warm-up) job | {r['warmupJobSeconds']} s | | |",
         f"| operator CPU for the {r['jobs']} jobs | {r['operatorCpuSeconds']} s | | |",
         f"| machine load (1 min) before the burst | {r['loadAverage1mBefore']} | | |",
+        f"| burst: first create -> last worker pod | {r.get('burstSeconds')} s | | |",
+        *(f"| {name} CPU during the burst | {sec} s | | |"
+          for name, sec in (r.get("controlPlaneCpuSeconds") or {}).items()),
+        f"| API requests during the burst (all clients) | {sum((r.get('apiRequests') or {}).values())} | | |",
+        "",
+        "API requests by verb and resource: " + ", ".join(
+            f"{k} {v}" for k, v in (r.get("apiRequests") or {}).items()),
         "",
     ])
 

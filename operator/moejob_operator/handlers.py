@@ -48,7 +48,12 @@ def _pass(namespace: str, name: str) -> float | None:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.enabled = False               # the reconciler posts its own Events
-    settings.execution.max_workers = 16
+    # Sync handlers run in this many threads. A pass is mostly waiting on API round trips, so
+    # a burst of new jobs is bounded by it; the client's connection pool is larger (client.py).
+    settings.execution.max_workers = 32
+    # kopf waits this long after an object's event for more events to batch (default 0.1 s):
+    # on every pass's path, and the reconciler re-reads the job anyway.
+    settings.batching.batch_window = 0.02
     settings.persistence.finalizer = C.FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=C.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=C.GROUP)

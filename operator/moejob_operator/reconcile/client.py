@@ -7,7 +7,10 @@ the operator's largest CPU cost otherwise, and everything above this module work
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
+import logging
+import queue
 import threading
 import time
 from typing import Any
@@ -20,7 +23,11 @@ from .. import constants as C
 from ..status import now_iso
 
 
-POOL_SIZE = 32   # > kopf's worker threads: a smaller pool drops connections and pays TLS handshakes
+POOL_SIZE = 64   # > kopf's worker threads + create_all's + the event poster: a smaller pool drops
+                 # connections and pays TLS handshakes
+CREATE_THREADS = 16
+EVENT_QUEUE_MAX = 10000
+log = logging.getLogger("moejob_operator")
 
 
 def api_client_from_env() -> k8s.ApiClient:
@@ -46,7 +53,10 @@ class Client:
         self.rbac = k8s.RbacAuthorizationV1Api(self.api)
         self._node_cache: tuple[float, list[dict[str, Any]]] | None = None
         self._node_cache_seconds = node_cache_seconds
+        self._cm_cache: dict[tuple[str, str], tuple[float, dict[str, Any] | None]] = {}
         self._lock = threading.Lock()
+        self._events: queue.Queue | None = None
+        self._pool: cf.ThreadPoolExecutor | None = None
 
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
@@ -128,8 +138,39 @@ class Client:
                 raise NotReady(f"{kind} {obj['metadata']['name']}: {exc.reason}") from None
             raise
 
+    def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:
+        """``create`` each of ``objs`` concurrently (independent children: one round trip of
+        latency instead of one per object); results in order. Raises the first error after all
+        have been tried."""
+        if len(objs) <= 1:
+            return [self.create(o) for o in objs]
+        with self._lock:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="moe-create")
+        futures = [self._pool.submit(self.create, o) for o in objs]
+        cf.wait(futures)
+        return [f.result() for f in futures]
+
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get(self.core.read_namespaced_config_map, name, namespace)
+
+    def get_configmap_cached(self, namespace: str, name: str, *, max_age: float = 2.0
+                             ) -> dict[str, Any] | None:
+        """``get_configmap`` through a short-lived cache, for documents many jobs read at once
+        (the namespace's ``moe-topology-<node>`` reports): a burst of jobs costs one GET per
+        report and ``max_age``, not one per job. A report published meanwhile is seen at most
+        ``max_age`` late."""
+        key = (namespace, name)
+        with self._lock:
+            hit = self._cm_cache.get(key)
+            if hit is not None and time.monotonic() - hit[0] < max_age:
+                return hit[1]
+        cm = self.get_configmap(namespace, name)
+        with self._lock:
+            if len(self._cm_cache) > 4096:
+                self._cm_cache.clear()
+            self._cm_cache[key] = (time.monotonic(), cm)
+        return cm
 
     def delete_configmap(self, namespace: str, name: str) -> None:
         try:
@@ -173,9 +214,43 @@ class Client:
 
     # ---- events --------------------------------------------------------------------------
     def event(self, job: dict[str, Any], etype: str, reason: str, message: str) -> None:
+        """Queue an Event; one background thread posts them in order. A reconcile pass does not
+        wait for its Events (best effort anyway), so under a burst of jobs the writes that move
+        jobs on (children, status) go first and the kopf worker is free sooner."""
+        body = self._event_body(job, etype, reason, message)
+        with self._lock:
+            if self._events is None:
+                self._events = queue.Queue(EVENT_QUEUE_MAX)
+                threading.Thread(target=self._post_events, name="moe-events", daemon=True).start()
+        try:
+            self._events.put_nowait(body)
+        except queue.Full:
+            log.warning("event queue full: dropping %s %s", reason, message[:80])
+
+    def flush_events(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued Event is posted (tests, shutdown); False on timeout."""
+        q = self._events
+        if q is None:
+            return True
+        deadline = time.monotonic() + timeout
+        while q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not q.unfinished_tasks
+
+    def _post_events(self) -> None:
+        assert self._events is not None
+        while True:
+            body = self._events.get()
+            try:
+                self.post_event(body)
+            finally:
+                self._events.task_done()
+
+    @staticmethod
+    def _event_body(job: dict[str, Any], etype: str, reason: str, message: str) -> dict[str, Any]:
         meta = job["metadata"]
         now = now_iso()
-        body = {
+        return {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": meta["name"],
@@ -184,7 +259,10 @@ class Client:
             "source": {"component": C.MANAGED_BY}, "reportingComponent": C.MANAGED_BY,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
+
+    def post_event(self, body: dict[str, Any]) -> None:
         try:
-            self._done(self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False))
-        except ApiException:
-            pass   # an Event is best effort; never fail a reconcile for it
+            self._done(self.core.create_namespaced_event(body["metadata"]["namespace"], body,
+                                                         _preload_content=False))
+        except Exception as exc:  # noqa: BLE001 - an Event is best effort; never kill the poster
+            log.debug("event not posted: %s", exc)

@@ -64,7 +64,7 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         return found
     missing = []
     for node in candidates:
-        cm = client.get_configmap(job.namespace, D.topology_configmap_name(node))
+        cm = client.get_configmap_cached(job.namespace, D.topology_configmap_name(node))
         report = _fresh(cm, nodes[node], now)
         if report is not None:
             found.reports[node] = report
