@@ -89,9 +89,9 @@ def test_commands_the_operator_puts_in_pods_are_installed_in_the_trainer_image()
     scripts of the project (the trainer image installs the whole project)."""
     from moejob_operator.builders import smoke, workers
     from moejob_operator.builders.common import JobRef
-    from moejob_operator.builders.probe import discovery_pod
+    from moejob_operator.builders.discovery import discovery_pod
 
-    pod = discovery_pod(JobRef("ns", "j", "u"), "node-a", "img")
+    pod = discovery_pod("node-a", namespace="ns", image="img", service_account="sa")
     used = {pod["spec"]["containers"][0]["command"][0], workers.TRAINER_COMMAND[0],
             smoke.SMOKE_COMMAND[0]}
     assert used <= SCRIPTS, used - SCRIPTS
