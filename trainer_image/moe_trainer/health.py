@@ -92,11 +92,17 @@ class HealthMonitor:
 
 
 def fragmentation(device) -> float | None:
-    """1 - allocated/reserved on CUDA; None on CPU (no caching allocator to ask)."""
+    """Share of the caching allocator's reserved memory that sits free inside split blocks
+    (``inactive_split_bytes / reserved_bytes``): memory that is reserved but, being cut into
+    pieces, cannot serve a large request. None on CPU (no caching allocator to ask).
+
+    ``1 - allocated/reserved`` would count the cached (reusable) activation blocks between steps
+    as fragmentation: on an H200 run it read 0.68 for a healthy allocator."""
     import torch
     if getattr(device, "type", "cpu") != "cuda":
         return None
-    reserved = torch.cuda.memory_reserved(device)
+    stats = torch.cuda.memory_stats(device)
+    reserved = stats.get("reserved_bytes.all.current", 0)
     if reserved == 0:
         return 0.0
-    return 1.0 - torch.cuda.memory_allocated(device) / reserved
+    return stats.get("inactive_split_bytes.all.current", 0) / reserved
