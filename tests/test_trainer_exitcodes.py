@@ -30,26 +30,18 @@ def test_world_size_mismatch_exits_78(monkeypatch, caplog):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("report_every, per_step_log", [(1, True), (10, False)])
-def test_nan_loss_exits_65_with_progress_on_grouped_zero3(tmp_path, report_every, per_step_log):
+def test_nan_loss_exits_65_with_progress_on_grouped_zero3(tmp_path):
     """One process, ZeRO-3 without AutoEP, the grouped MoE block (moeImpl=grouped): step 1 trains,
-    step 2's loss is poisoned by the test hook -> exit 65, progress says Failed / NonFiniteLoss.
-    Losses are read on the host every ``reportEverySteps`` (and at the end): with 1 every step is
-    logged, with 10 the NaN is found at the end of the 3-step run; progress names step 2 either way."""
+    step 2's loss is poisoned by the test hook -> exit 65, progress says Failed / NonFiniteLoss."""
     env = dict(os.environ, MOE_FAULT_NAN_AT_STEP="2")
-    plan = json.loads((FIXTURES / "tiny_mixtral_zero3_grouped.json").read_text())
-    plan["training"]["reportEverySteps"] = report_every
-    plan["training"]["checkpointEverySteps"] = 3      # a checkpoint at step 2 would also report there
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    codes = launch(1, ["--plan", str(tmp_path / "plan.json"), "--checkpoint-dir",
+    codes = launch(1, ["--plan", str(FIXTURES / "tiny_mixtral_zero3_grouped.json"), "--checkpoint-dir",
                        str(tmp_path / "ck"), "--cpu"], env=env, timeout=300, log_prefix=str(tmp_path / "log"))
     assert codes == [65], (tmp_path / "log.rank0.log").read_text()[-3000:]
     prog = json.loads((tmp_path / "ck" / "progress.json").read_text())
     assert prog["phase"] == "Failed" and prog["step"] == 2 and prog["loss"] is None
     assert [h["type"] for h in prog["health"]] == ["NonFiniteLoss"]
     log = (tmp_path / "log.rank0.log").read_text()
-    assert "at step 2" in log
-    assert ("step 1/3 loss" in log) == per_step_log
+    assert "step 1/3 loss" in log
     assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False)" in log
 
 

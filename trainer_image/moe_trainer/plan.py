@@ -80,9 +80,6 @@ class TrainingSpec:
     warmup_steps: int = 2
     min_lr_ratio: float = 0.1
     checkpoint_every_steps: int = 5
-    # Host reads of loss/routing counts happen once per this many steps (and at checkpoints, faults
-    # and the end): a per-step read stalls the host on the GPU and costs the CPU/GPU overlap.
-    report_every_steps: int = 10
     seed: int = 1234
     grad_clip: float = 1.0
     moe_impl: str = "hf"
@@ -210,7 +207,6 @@ def _parse_training(doc: dict | None) -> TrainingSpec:
         lr=num("lr", "lr", (int, float)), warmup_steps=warmup,
         min_lr_ratio=num("minLrRatio", "min_lr_ratio", (int, float)),
         checkpoint_every_steps=num("checkpointEverySteps", "checkpoint_every_steps"),
-        report_every_steps=num("reportEverySteps", "report_every_steps"),
         seed=seed, grad_clip=num("gradClip", "grad_clip", (int, float)), moe_impl=moe_impl,
         balance=BalanceSpec(mode=mode, coef=coef),
         data=DataSpec(kind=kind, path=data_path,
