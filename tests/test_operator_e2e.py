@@ -30,8 +30,12 @@ def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for
 
     wait_for(lambda: condition(get_job(kube, namespace, name), C.COND_TOPOLOGY).get("status") == "True",
              timeout=60, message="topology discovered\n" + operator_proc.logs())
-    disc = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=discovery").items
-    assert len(disc) == 2 and all(p.status.phase == "Succeeded" for p in disc)
+    # The reports land in ConfigMaps before each discovery process exits: the pods end Succeeded
+    # shortly after TopologyDiscovered turns True.
+    def discovery_succeeded():
+        pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=discovery").items
+        return len(pods) == 2 and all(p.status.phase == "Succeeded" for p in pods)
+    wait_for(discovery_succeeded, timeout=30, message="discovery pods Succeeded")
     plan_cm = wait_for(lambda: kube.core.read_namespaced_config_map(f"{name}-plan", namespace),
                        timeout=30)
     plan = json.loads(plan_cm.data[C.PLAN_KEY])
