@@ -32,10 +32,11 @@ def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for
              timeout=60, message="topology discovered\n" + operator_proc.logs())
     # The reports land in ConfigMaps before each discovery process exits: the pods end Succeeded
     # shortly after TopologyDiscovered turns True.
-    def discovery_succeeded():
-        pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=discovery").items
-        return len(pods) == 2 and all(p.status.phase == "Succeeded" for p in pods)
-    wait_for(discovery_succeeded, timeout=30, message="discovery pods Succeeded")
+    def discovery_pods():
+        return kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=discovery").items
+    wait_for(lambda: len(discovery_pods()) == 2 and all(p.status.phase == "Succeeded" for p in discovery_pods()),
+             timeout=60, message="discovery pods Succeeded: "
+             + ", ".join(f"{p.metadata.name}={p.status.phase}" for p in discovery_pods()))
     plan_cm = wait_for(lambda: kube.core.read_namespaced_config_map(f"{name}-plan", namespace),
                        timeout=30)
     plan = json.loads(plan_cm.data[C.PLAN_KEY])
