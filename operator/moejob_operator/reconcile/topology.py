@@ -105,6 +105,13 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         phase = (pod.get("status") or {}).get("phase")
         if phase not in ("Failed", "Succeeded"):
             continue
+        if phase == "Succeeded":
+            # The pod publishes before it exits: the cached read above may predate its report.
+            report = _fresh(client.get_configmap(job.namespace, D.topology_configmap_name(node)),
+                            nodes[node], now)
+            if report is not None:
+                found.reports[node] = report
+                continue
         # finished without a (current) report: show why and run a new pod
         view = machine.PodView.from_pod(pod)
         if phase == "Failed":
@@ -113,6 +120,10 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         else:
             rerun.append(node)      # an earlier run's pod: its report has aged out since
         client.delete_pod(job.namespace, name, uid=view.uid)
+    if all(node in found.reports for node in missing):     # every pod had published after all
+        found.message = (f"fresh topology reports for {len(found.reports)} node(s): "
+                         f"{', '.join(found.reports)}")
+        return found
     found.pending = True
     found.failed = bool(failed)
     found.message = (f"discovery failed on {', '.join(failed)}; retrying" if failed else
