@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from kubernetes.client.rest import ApiException
 
@@ -123,3 +124,15 @@ def children(kube, namespace: str, name: str) -> list[str]:
     out += [f"svc/{s.metadata.name}" for s in kube.core.list_namespaced_service(namespace, label_selector=sel).items]
     out += [f"sa/{s.metadata.name}" for s in kube.core.list_namespaced_service_account(namespace, label_selector=sel).items]
     return sorted(out)
+
+
+def module_operator(dirname: str = "operator"):
+    """A module-scoped ``operator_proc`` fixture: the CRD installed and one real operator process
+    for the module's tests (``operator_proc = module_operator()`` in the test module)."""
+    @pytest.fixture(scope="module")
+    def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
+        install_crd(kube)
+        op = Operator(control_plane, tmp_path_factory.mktemp(dirname)).start()
+        yield op
+        op.stop()
+    return operator_proc

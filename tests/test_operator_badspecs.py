@@ -9,19 +9,14 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
-from operator_harness import (Operator, apply_job, children, condition, events_for, get_job,
-                              install_crd, seed_topology)
+from operator_harness import (apply_job, children, condition, events_for, get_job, module_operator,
+                              seed_topology)
 from test_spec_badspecs import BAD, expectation
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
-    install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-bad")).start()
-    yield op
-    op.stop()
+operator_proc = module_operator("operator-bad")
 
 
 def test_bad_specs_are_refused(kube, namespace, operator_proc, wait_for):

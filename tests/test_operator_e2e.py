@@ -9,17 +9,12 @@ import json
 import pytest
 
 from moejob_operator import constants as C
-from operator_harness import Operator, apply_job, condition, events_for, example, get_job, install_crd
+from operator_harness import apply_job, condition, events_for, example, get_job, module_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
-    install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator")).start()
-    yield op
-    op.stop()
+operator_proc = module_operator()
 
 
 def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):

@@ -8,19 +8,14 @@ import pytest
 
 from moejob_operator import constants as C
 from moejob_operator.reconcile.job import FAULT_ANNOTATIONS
-from operator_harness import (Operator, apply_job, children, condition, events_for, example, get_job,
-                              install_crd, seed_topology)
+from operator_harness import (apply_job, condition, events_for, example, get_job, module_operator,
+                              seed_topology)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 AT_STEP, CODE = list(FAULT_ANNOTATIONS)
 
 
-@pytest.fixture(scope="module")
-def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
-    install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-fail")).start()
-    yield op
-    op.stop()
+operator_proc = module_operator("operator-fail")
 
 
 def _job(name, tmp_path, *, steps, backoff, fault_step, code=75):

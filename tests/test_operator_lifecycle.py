@@ -10,18 +10,13 @@ from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
 from moe_localkube.nodes import NodeSpec, node_manifest, node_status
-from operator_harness import (Operator, apply_job, condition, events_for, example, get_job,
-                              install_crd, seed_topology)
+from operator_harness import (apply_job, condition, events_for, example, get_job, module_operator,
+                              seed_topology)
 
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
-    install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-life")).start()
-    yield op
-    op.stop()
+operator_proc = module_operator("operator-life")
 
 
 def _patch(kube, ns, name, spec):

@@ -16,6 +16,7 @@ from moejob_operator import constants as C
 from moejob_operator.builders.common import JobRef
 from moejob_operator.reconcile import planning
 from moejob_operator.spec import parse_spec
+from operator_harness import module_operator
 
 NOW = dt.datetime(2026, 11, 29, 14, 0, 0, tzinfo=dt.timezone.utc)
 
@@ -111,13 +112,7 @@ def test_config_map_name_source_and_bad_payloads():
 
 
 # ---- cluster: A trains and publishes, B plans from it --------------------------------------
-@pytest.fixture(scope="module")
-def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
-    from operator_harness import Operator, install_crd
-    install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator")).start()
-    yield op
-    op.stop()
+operator_proc = module_operator()
 
 
 @pytest.mark.cluster
