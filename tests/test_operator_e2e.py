@@ -50,5 +50,7 @@ def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for
     assert all(p.metadata.owner_references[0].name == name for p in pods)
     reasons = {e.reason for e in events_for(kube, namespace, name)}
     assert {C.R_DISCOVERED, C.R_PLAN_READY, "WorkersCreated", C.R_TRAINING_FINISHED} <= reasons
+    # ranks exit one by one at the end: that is not "pending" (it read "1 of 2 worker pods running")
+    assert C.R_WORKERS_PENDING not in reasons
     got = kubectl.run("get", "moejob", "-n", namespace)
     assert "Succeeded" in got.stdout

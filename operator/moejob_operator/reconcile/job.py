@@ -325,8 +325,11 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
             p.event("Normal", "WorkersCreated",
                     f"created {len(d.create_ranks)} worker pod(s), attempt {attempt}, on "
                     f"{', '.join(rank2node)}")
-    if d.counts.get("running", 0) == spec.nodes.count:
+    running, succeeded = d.counts.get("running", 0), d.counts.get("succeeded", 0)
+    if running == spec.nodes.count:
         p.cond(C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{spec.nodes.count} worker pod(s) running")
+    elif succeeded and running + succeeded == spec.nodes.count:
+        pass        # ranks finishing one by one: still Running until the gang has Succeeded
     elif p.cond_status(C.COND_RUNNING) != FALSE or d.action == "create":
         # on the first launch the WorkersCreated Event says it: no second Event for "pending"
         p.cond(C.COND_RUNNING, FALSE, C.R_WORKERS_PENDING,
