@@ -5,6 +5,9 @@ a lost node fails the job when re-planning is not allowed."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 from kubernetes.client.rest import ApiException
 
@@ -93,3 +96,41 @@ def test_lost_node_fails_without_replan(kube, namespace, operator_proc, wait_for
              timeout=60, message=operator_proc.logs())
     assert "node-lost" in condition(get_job(kube, namespace, "lost"), C.COND_FAILED)["message"]
     wait_for(lambda: _workers(kube, namespace, "lost") == [], timeout=30)
+
+
+def test_lost_node_replans_on_the_remaining_nodes(kube, namespace, operator_proc, wait_for):
+    """runPolicy.allowReplanOnNodeLoss: the gang planned on node-a + node-aa loses node-aa ->
+    the plan is made again on the nodes that are left (node-a + node-b) and the gang relaunches
+    (attempt 1), instead of failing. Only node-a and node-aa have cached reports, which is enough
+    to plan without probing node-b; after the loss node-b's discovery pod runs first."""
+    spec = NodeSpec("node-aa")
+    kube.core.create_node(node_manifest(spec))
+    try:
+        kube.core.patch_node_status("node-aa", {"status": node_status(spec)})
+        kube.core.patch_node("node-aa", {"spec": {"taints": None}})
+        seed_topology(kube, namespace, nodes=("node-a", "node-aa"))
+        time.sleep(2.5)   # the operator lists nodes through a 2 s cache (reconcile/client.py)
+        job = _parked("replan")
+        job["spec"]["runPolicy"] = {"allowReplanOnNodeLoss": True, "backoffLimit": 2}
+        apply_job(kube, namespace, job)
+        wait_for(lambda: len(_workers(kube, namespace, "replan")) == 2, timeout=60, message=operator_proc.logs())
+        assert set(get_job(kube, namespace, "replan")["status"]["plan"]["nodes"]) == {"node-a", "node-aa"}
+    finally:
+        try:
+            kube.core.delete_node("node-aa")
+        except ApiException:
+            pass
+
+    def relaunched():
+        st = get_job(kube, namespace, "replan").get("status", {})
+        workers = _workers(kube, namespace, "replan")
+        return (len(workers) == 2 and all(a == "1" for _, a, _ in workers)
+                and set((st.get("plan") or {}).get("nodes", ())) == {"node-a", "node-b"})
+    wait_for(relaunched, timeout=90, message=operator_proc.logs())
+    job = get_job(kube, namespace, "replan")
+    assert condition(job, C.COND_PLANNED)["status"] == "True"
+    assert condition(job, C.COND_FAILED).get("status") != "True"
+    assert job["status"]["restarts"] == 1
+    plan = json.loads(kube.core.read_namespaced_config_map("replan-plan", namespace).data[C.PLAN_KEY])
+    assert {r["node"] for r in plan["ranks"]} == {"node-a", "node-b"}
+    assert any(e.reason == C.R_NODE_LOST for e in events_for(kube, namespace, "replan"))
