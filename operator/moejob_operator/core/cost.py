@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .routing import RoutingStats
-from .topology import TIER_NETWORK, TIER_NODE, TIER_NVLINK, ClusterTopology
+from .topology import TIER_NODE, TIER_NVLINK, ClusterTopology
 
 if TYPE_CHECKING:
     from .placement import Placement

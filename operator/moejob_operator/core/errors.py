@@ -7,6 +7,8 @@ input without reading a traceback.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -63,3 +65,14 @@ def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)
         raise DocumentError(
             f"{document} version: {_short(version)} is not a known version {list(versions)}")
     return obj
+
+
+def read_json_document(document: str, path: str | Path, *, what: str = "file", hint: str = "") -> Any:
+    """The decoded JSON of ``path``; a missing file or bad JSON raises ``DocumentError`` naming
+    the document (``MoEPlan: no such file 'x.json'``)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DocumentError(f"{document}: no such {what} {str(path)!r}{hint}") from None
+    except json.JSONDecodeError as exc:
+        raise DocumentError(f"{document} {path}: not JSON ({exc})") from None

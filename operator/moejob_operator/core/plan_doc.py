@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import DocumentError, check_kind_version
+from .errors import DocumentError, check_kind_version, read_json_document
 from .models import FAMILIES, spec_from_hf_config
 
 PLAN_KIND = "MoEPlan"
@@ -165,13 +165,7 @@ def read_plan(src: str | Path | dict) -> dict[str, Any]:
     """Read and validate a plan from a path or an already decoded object."""
     if isinstance(src, dict):
         return parse_plan(src)
-    try:
-        obj = json.loads(Path(src).read_text())
-    except FileNotFoundError:
-        raise DocumentError(f"{PLAN_KIND}: no such file {str(src)!r}") from None
-    except json.JSONDecodeError as exc:
-        raise DocumentError(f"{PLAN_KIND} {src}: not JSON ({exc})") from None
-    return parse_plan(obj)
+    return parse_plan(read_json_document(PLAN_KIND, src))
 
 
 def plan_json(doc: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DocumentError, check_kind_version
+from .errors import DocumentError, check_kind_version, read_json_document
 
 DOCUMENT = "RoutingStats"
 
@@ -138,13 +138,7 @@ def read_routing_stats(src: str | Path | dict) -> RoutingStats:
     """Read from a path or an already decoded object; raises ``DocumentError``."""
     if isinstance(src, dict):
         return parse_routing_stats(src)
-    try:
-        obj = json.loads(Path(src).read_text())
-    except FileNotFoundError:
-        raise DocumentError(f"{DOCUMENT}: no such file {str(src)!r}") from None
-    except json.JSONDecodeError as exc:
-        raise DocumentError(f"{DOCUMENT} {src}: not JSON ({exc})") from None
-    return parse_routing_stats(obj)
+    return parse_routing_stats(read_json_document(DOCUMENT, src))
 
 
 def write_routing_stats(stats: RoutingStats, path: str | Path) -> None:

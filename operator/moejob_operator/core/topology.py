@@ -10,7 +10,6 @@ placement solvers and the cost model need.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from .errors import DocumentError, check_kind_version, from_validation_error
+from .errors import DocumentError, check_kind_version, from_validation_error, read_json_document
 
 FIXTURE_DIR = Path(__file__).parent / "fixtures" / "topology"
 DOCUMENT = "TopologyReport"
@@ -158,14 +157,8 @@ def load_topology(path_or_fixture: str | Path) -> TopologyReport:
     path = Path(path_or_fixture)
     if not path.exists() and str(path_or_fixture) in list_fixtures():
         path = FIXTURE_DIR / f"{path_or_fixture}.json"
-    try:
-        obj = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DocumentError(f"{DOCUMENT}: no such file or fixture {str(path_or_fixture)!r} "
-                            f"(fixtures: {', '.join(list_fixtures())})") from None
-    except json.JSONDecodeError as exc:
-        raise DocumentError(f"{DOCUMENT} {path}: not JSON ({exc})") from None
-    return parse_topology(obj)
+    return parse_topology(read_json_document(DOCUMENT, path, what="file or fixture",
+                                             hint=f" (fixtures: {', '.join(list_fixtures())})"))
 
 
 def report_to_json(report: TopologyReport) -> dict:
