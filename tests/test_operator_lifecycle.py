@@ -5,6 +5,7 @@ a lost node fails the job when re-planning is not allowed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -20,6 +21,23 @@ pytestmark = pytest.mark.cluster
 
 
 operator_proc = module_operator("operator-life")
+
+
+@contextlib.contextmanager
+def extra_node(kube, name: str):
+    """A Ready, untainted Node that no agent runs pods on, deleted when the block ends (the
+    deletion is what the node-loss tests are about)."""
+    spec = NodeSpec(name)
+    kube.core.create_node(node_manifest(spec))
+    try:
+        kube.core.patch_node_status(name, {"status": node_status(spec)})
+        kube.core.patch_node(name, {"spec": {"taints": None}})
+        yield
+    finally:
+        try:
+            kube.core.delete_node(name)
+        except ApiException:
+            pass
 
 
 def _patch(kube, ns, name, spec):
@@ -77,21 +95,12 @@ def test_immutable_edit_deleted_worker_suspend_resume(kube, namespace, operator_
 
 
 def test_lost_node_fails_without_replan(kube, namespace, operator_proc, wait_for):
-    spec = NodeSpec("node-lost")
-    kube.core.create_node(node_manifest(spec))
-    try:
-        kube.core.patch_node_status("node-lost", {"status": node_status(spec)})
-        kube.core.patch_node("node-lost", {"spec": {"taints": None}})
+    with extra_node(kube, "node-lost"):
         seed_topology(kube, namespace, nodes=("node-a", "node-lost"))
         job = _parked("lost")
         job["spec"]["nodes"]["nodeNames"] = ["node-a", "node-lost"]
         apply_job(kube, namespace, job)
         wait_for(lambda: len(_workers(kube, namespace, "lost")) == 2, timeout=60, message=operator_proc.logs())
-    finally:
-        try:
-            kube.core.delete_node("node-lost")
-        except ApiException:
-            pass
     wait_for(lambda: condition(get_job(kube, namespace, "lost"), C.COND_FAILED).get("reason") == C.R_NODE_LOST,
              timeout=60, message=operator_proc.logs())
     assert "node-lost" in condition(get_job(kube, namespace, "lost"), C.COND_FAILED)["message"]
@@ -103,11 +112,7 @@ def test_lost_node_replans_on_the_remaining_nodes(kube, namespace, operator_proc
     the plan is made again on the nodes that are left (node-a + node-b) and the gang relaunches
     (attempt 1), instead of failing. Only node-a and node-aa have cached reports, which is enough
     to plan without probing node-b; after the loss node-b's discovery pod runs first."""
-    spec = NodeSpec("node-aa")
-    kube.core.create_node(node_manifest(spec))
-    try:
-        kube.core.patch_node_status("node-aa", {"status": node_status(spec)})
-        kube.core.patch_node("node-aa", {"spec": {"taints": None}})
+    with extra_node(kube, "node-aa"):
         seed_topology(kube, namespace, nodes=("node-a", "node-aa"))
         time.sleep(2.5)   # the operator lists nodes through a 2 s cache (reconcile/client.py)
         job = _parked("replan")
@@ -115,11 +120,6 @@ def test_lost_node_replans_on_the_remaining_nodes(kube, namespace, operator_proc
         apply_job(kube, namespace, job)
         wait_for(lambda: len(_workers(kube, namespace, "replan")) == 2, timeout=60, message=operator_proc.logs())
         assert set(get_job(kube, namespace, "replan")["status"]["plan"]["nodes"]) == {"node-a", "node-aa"}
-    finally:
-        try:
-            kube.core.delete_node("node-aa")
-        except ApiException:
-            pass
 
     def relaunched():
         st = get_job(kube, namespace, "replan").get("status", {})
