@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from moejob_operator.core.cost import distinct_remote, gpu_load, score
+from moejob_operator.core.cost import autoep_sends, distinct_remote, gpu_load, score
 from moejob_operator.core.placement import Placement, solve
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
 from moejob_operator.core.topology import ClusterTopology
@@ -84,3 +84,43 @@ def test_quality_and_errors():
         score(solve("contiguous", topo, st, ep_size=4, num_experts=4, num_layers=1), small, st, hidden_size=1)
     with pytest.raises(ValueError, match="trace is 1 layers x 4 experts, placement is 2 x 4"):
         score(Placement("p", np.tile(np.arange(4), (2, 1)), np.arange(4), 4), topo, st, hidden_size=1)
+
+
+def test_autoep_sends_hand_computed():
+    # one EP group of 2 ranks, experts {0,1} on rank 0, {2,3} on rank 1, loads 1,2,3,4 (T = 10):
+    # rank 0 (L=3) dispatches (10-3)/2 = 3.5 rows, returns 3*(1/2) = 1.5 in the combine -> 5;
+    # rank 1 (L=7) dispatches 1.5, combines 3.5 -> 5. Two replicas split the tokens evenly.
+    p = Placement("p", np.array([[0, 1, 2, 3]]), np.arange(2), 2)
+    assert autoep_sends(p, np.array([[1.0, 2.0, 3.0, 4.0]])).tolist() == [5.0, 5.0]
+    q = Placement("q", np.array([[0, 1, 2, 3]]), np.arange(4), 2)
+    assert autoep_sends(q, np.array([[1.0, 2.0, 3.0, 4.0]])).tolist() == [2.5, 2.5, 2.5, 2.5]
+    # 4 ranks: the combine share grows with a rank's load; one expert per rank
+    r = Placement("r", np.array([[0, 1, 2, 3]]), np.arange(4), 4)
+    sent = autoep_sends(r, np.array([[1.0, 2.0, 3.0, 4.0]]))
+    assert sent.tolist() == pytest.approx([(10 - L) / 4 + L * 3 / 4 for L in (1, 2, 3, 4)])
+    assert autoep_sends(Placement("one", np.array([[0, 1]]), np.arange(1), 1), np.array([[5.0, 5.0]])).tolist() == [0]
+
+
+def test_autoep_sends_match_a_token_level_simulation_and_ignore_coactivation():
+    """Simulate AutoEP's AllToAllV on sampled tokens (token t on rank t % W; one row per remote
+    (token, expert) out, one back in the combine) and compare with the load-only model; the total
+    is the same for every placement (co-activation cannot reduce it), only per-GPU shares move."""
+    topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=4)
+    st = synthetic_trace(2, 16, 4, 40000, seed=3)
+    totals = []
+    for strategy in ("contiguous", "balanced", "topology_aware"):
+        p = solve(strategy, topo, st, ep_size=4, num_experts=16, num_layers=2)
+        sim = np.zeros(4)
+        for layer in range(2):
+            src = np.arange(st.token_experts.shape[1]) % 4
+            dest = p.expert2rank(layer)[st.token_experts[layer]]          # [T, k]
+            remote = dest != src[:, None]
+            sim += np.bincount(src, weights=remote.sum(1), minlength=4)                 # dispatch
+            sim += np.bincount(dest[remote], minlength=4)                               # combine
+        model = autoep_sends(p, st.load.astype(float))
+        assert model == pytest.approx(sim, rel=0.02), strategy
+        s = score(p, topo, st, hidden_size=4, bytes_per_elem=2)
+        assert s.autoep_bytes_per_gpu == pytest.approx(tuple(model * 8))
+        assert s.quality()["autoEpMaxGpuBytesPerStep"] == round(model.max() * 8)
+        totals.append(model.sum())
+    assert max(totals) == pytest.approx(min(totals))

@@ -81,7 +81,31 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     assert 0.02 <= took["allToAll"] < 0.2
     assert 0.05 <= took["allGather"] < 0.3
     assert dscomm.all_to_all_single is fake_a2a
-    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0}
+    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0, "allToAllBytes": 0}
+
+
+def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
+    """AutoEP's call shape: rows per destination rank in input_split_sizes; the caller's own rows
+    stay local. Without splits (the count exchange) (P-1)/P of the input leaves."""
+    import torch
+    import deepspeed.comm as dscomm
+    from moe_trainer.commtime import CommTimer
+
+    monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
+    monkeypatch.setattr(dscomm, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dscomm, "get_world_size", lambda group=None: 4)
+    timer = CommTimer().install()
+    try:
+        x = torch.zeros(10, 8, dtype=torch.bfloat16)            # 16-byte rows
+        dscomm.all_to_all_single(torch.empty(0), x, output_split_sizes=[1, 2, 3, 4],
+                                 input_split_sizes=[2, 5, 1, 2], group=None)
+        first = timer.take()["allToAllBytes"]
+        dscomm.all_to_all_single(torch.empty(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
+        second = timer.take()["allToAllBytes"]
+    finally:
+        timer.uninstall()
+    assert first == (2 + 1 + 2) * 16       # rank 1's own 5 rows are not sent
+    assert second == 8 * 4 * 3 // 4
 
 
 def test_prometheus_metrics_are_served():

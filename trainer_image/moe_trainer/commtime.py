@@ -6,6 +6,12 @@ attribute at call time. The clock covers the call and, for async calls, the `wai
 returned handle, so on CPU/gloo it is the blocking time; on CUDA it is host-side time (launch +
 waits), not kernel time, which under-counts overlapped communication. Nested calls
 (allgather_fn -> all_gather_into_tensor) are counted once.
+
+It also counts the bytes this rank sends to *other* ranks in all-to-alls (`allToAllBytes`): for
+`all_to_all_single` with `input_split_sizes` the rows addressed to other ranks times the row size,
+without them (equal split) `(P-1)/P` of the input. AutoEP calls it four times per MoE layer and
+micro-step (dispatch and combine, forward and backward), so this is the measured counterpart of
+the planner's `core.cost.autoep_sends` prediction.
 """
 
 from __future__ import annotations
@@ -38,9 +44,27 @@ class _TimedHandle:
         return getattr(self._handle, name)
 
 
+def all_to_all_sent_bytes(args: tuple, kwargs: dict) -> int:
+    """Bytes an ``all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group)``
+    call sends to ranks other than the caller."""
+    import deepspeed.comm as dscomm
+    tensor = kwargs.get("tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
+    if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
+        return 0
+    splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+    group = kwargs.get("group", args[4] if len(args) > 4 else None)
+    row = tensor.element_size() * (tensor.numel() // tensor.shape[0])
+    if splits:
+        me = dscomm.get_rank(group=group)
+        return int((sum(splits) - splits[me]) * row)
+    size = dscomm.get_world_size(group=group)
+    return int(tensor.shape[0] * row * (size - 1) // max(size, 1))
+
+
 class CommTimer:
     def __init__(self):
         self.seconds = {"allToAll": 0.0, "allGather": 0.0}
+        self.sent_bytes = 0
         self._local = threading.local()
         self._originals = {}
 
@@ -48,13 +72,15 @@ class CommTimer:
         self.seconds[kind] += dt
 
     def take(self) -> dict[str, float]:
-        """Seconds per kind since the last take()."""
-        out = dict(self.seconds)
+        """Seconds per kind and all-to-all bytes sent to other ranks (``allToAllBytes``) since the
+        last take()."""
+        out = dict(self.seconds, allToAllBytes=self.sent_bytes)
         for k in self.seconds:
             self.seconds[k] = 0.0
+        self.sent_bytes = 0
         return out
 
-    def _wrap(self, fn, kind):
+    def _wrap(self, fn, kind, name):
         timer = self
 
         @functools.wraps(fn)
@@ -62,6 +88,8 @@ class CommTimer:
             if getattr(timer._local, "depth", 0):
                 return fn(*args, **kwargs)
             timer._local.depth = 1
+            if name == "all_to_all_single":
+                timer.sent_bytes += all_to_all_sent_bytes(args, kwargs)
             t0 = time.perf_counter()
             try:
                 out = fn(*args, **kwargs)
@@ -79,7 +107,7 @@ class CommTimer:
             fn = getattr(dscomm, name, None)
             if fn is not None and name not in self._originals:
                 self._originals[name] = fn
-                setattr(dscomm, name, self._wrap(fn, kind))
+                setattr(dscomm, name, self._wrap(fn, kind, name))
         return self
 
     def uninstall(self) -> None:

@@ -91,6 +91,15 @@ class HealthMonitor:
                         f"allocator fragmentation {fragmentation:.2f} > {self.fragmentation_limit:g}")]
 
 
+def memory_peaks(device) -> tuple[int, int]:
+    """(peak allocated, peak reserved) bytes of the caching allocator since the process started;
+    (0, 0) on CPU."""
+    import torch
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0, 0
+    return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+
+
 def fragmentation(device) -> float | None:
     """Share of the caching allocator's reserved memory that sits free inside split blocks
     (``inactive_split_bytes / reserved_bytes``): memory that is reserved but, being cut into

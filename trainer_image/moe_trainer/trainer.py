@@ -25,7 +25,7 @@ from moe_trainer import data as data_mod
 from moe_trainer import models, routing
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
-from moe_trainer.health import HealthMonitor, fragmentation
+from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
 from moe_trainer.plan import MoEPlan
 from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
 from moe_trainer.routing_publish import RoutingStatsPublisher
@@ -242,13 +242,18 @@ class Trainer:
                 log.warning("step %d health %s: %s", step, f.type, f.message)
         self._logged = now
 
-    def moe_section(self, comm: dict, frag: float | None) -> dict:
-        """Load balance over the last RECENT_STEPS steps; comm times and fragmentation of this step."""
+    def moe_section(self, comm: dict, frag: float | None, per_rank: list[list[float]]) -> dict:
+        """Load balance over the last RECENT_STEPS steps; comm times, all-to-all bytes sent by each
+        rank and fragmentation of this step; each rank's memory peaks since the start (CUDA)."""
         load = sum(self.recent_load)
+        cuda = self.env.device.type == "cuda"
         return {"maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
                 "deadExperts": self.health.dead_experts(),
                 "allToAllSecondsPerStep": round(comm["allToAll"], 6),
-                "allGatherSecondsPerStep": round(comm["allGather"], 6), "fragmentation": frag}
+                "allGatherSecondsPerStep": round(comm["allGather"], 6), "fragmentation": frag,
+                "allToAllBytesPerStepByRank": [int(r[1]) for r in per_rank],
+                "peakMemoryAllocatedBytesByRank": [int(r[2]) for r in per_rank] if cuda else None,
+                "peakMemoryReservedBytesByRank": [int(r[3]) for r in per_rank] if cuda else None}
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -271,11 +276,15 @@ class Trainer:
                               torch.tensor([lm], dtype=torch.float64, device=env.device)])
             dist.all_reduce(flat)
             dist.all_reduce(maxlog, op=dist.ReduceOp.MAX)
-            times = [torch.zeros(1, dtype=torch.float64, device=env.device) for _ in range(env.world_size)]
-            # Straggler signal: step time minus time blocked in collectives (in synchronous training
-            # everyone's wall time equals the slowest rank's; the time outside collectives does not).
+            # Per rank, in one all-gather: the straggler signal (step time minus time blocked in
+            # collectives: in synchronous training everyone's wall time equals the slowest rank's,
+            # the time outside collectives does not), all-to-all bytes sent, memory peaks.
             busy = max(0.0, dt - comm["allToAll"] - comm["allGather"])
-            dist.all_gather(times, torch.tensor([busy], dtype=torch.float64, device=env.device))
+            mine = torch.tensor([busy, comm["allToAllBytes"], *memory_peaks(env.device)],
+                                dtype=torch.float64, device=env.device)
+            per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]
+            dist.all_gather(per_rank, mine)
+            per_rank = torch.stack(per_rank).cpu().tolist()
             L, E = load.shape
             g_load = flat[:L * E].reshape(L, E)
             g_coact = flat[L * E:L * E + L * E * E].reshape(L, E, E)
@@ -289,7 +298,7 @@ class Trainer:
             findings = self.health.check_loss(loss)
             findings += self.health.check_router_logits(maxlog.cpu().numpy())
             findings += self.health.update_dead(orig_load)
-            findings += self.health.update_stragglers([float(x.item()) for x in times])
+            findings += self.health.update_stragglers([r[0] for r in per_rank])
             frag = fragmentation(env.device)
             findings += self.health.check_fragmentation(frag)
             self.log_findings(step, findings)
@@ -310,7 +319,7 @@ class Trainer:
             nonfinite = not math.isfinite(loss)
             phase = "Failed" if nonfinite else "Training"
             doc = progress_doc(phase=phase, step=step, total_steps=t.steps, loss=loss, tokens_per_second=tps,
-                               eta_seconds=eta, checkpoint=self.last_ckpt, moe=self.moe_section(comm, frag),
+                               eta_seconds=eta, checkpoint=self.last_ckpt, moe=self.moe_section(comm, frag, per_rank),
                                health=[f.to_doc() for f in findings])
             if nonfinite:
                 self.publish(doc, tokens_per_step, force=True)

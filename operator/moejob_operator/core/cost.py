@@ -12,6 +12,15 @@ Two evaluation paths:
   experts is estimated from the expected count of its experts in S and of its expert pairs in
   S (``_hit_prob``). Exact for top-1 and top-2; for top-k > 2 it is a lower bound, so it
   under-estimates bytes (the benchmark prints how much).
+
+**What AutoEP actually sends.** DeepSpeed 0.19.8's AutoEP all-to-all (``_AllToAllV`` in
+``module_inject/auto_ep_layer.py``) sends one row per (token, expert) assignment whose expert
+lives on another EP rank: nothing is de-duplicated, so co-activation does not change its bytes.
+``autoep_sends`` models that path exactly from ``load`` alone: per EP group of P ranks carrying
+``T`` assignments per layer, rank r (experts with load ``L_r``) sends ``(T - L_r) / P`` rows in
+the dispatch and ``L_r (P - 1) / P`` in the combine. The total, ``2 T (P-1)/P``, is the same for
+every placement; only the split across GPUs follows the load. The de-duplicated figures above
+are what a per-rank/hierarchical dispatcher (DeepEP) would send.
 """
 
 from __future__ import annotations
@@ -36,13 +45,19 @@ class Score:
     worst_layer_max_mean_load: float
     all_to_all_seconds_per_step: float  # sum over layers of max over GPUs, dispatch + combine
     method: str                         # "tokens" | "pairwise"
+    autoep_bytes_per_gpu: tuple[float, ...] = ()   # AutoEP forward dispatch + combine, per GPU
+
+    @property
+    def autoep_max_gpu_bytes_per_step(self) -> float:
+        return max(self.autoep_bytes_per_gpu, default=0.0)
 
     def quality(self, contiguous: "Score | None" = None) -> dict:
         """``MoEPlan.placement.quality`` (docs/contracts.md)."""
         out = {"crossGroupBytesPerStep": int(round(self.cross_group_bytes_per_step)),
                "crossNodeBytesPerStep": int(round(self.cross_node_bytes_per_step)),
                "maxMeanLoad": round(self.max_mean_load, 4),
-               "allToAllSecondsPerStep": self.all_to_all_seconds_per_step}
+               "allToAllSecondsPerStep": self.all_to_all_seconds_per_step,
+               "autoEpMaxGpuBytesPerStep": int(round(self.autoep_max_gpu_bytes_per_step))}
         if contiguous is not None:
             base = contiguous.cross_group_bytes_per_step
             out["crossGroupVsContiguous"] = round(self.cross_group_bytes_per_step / base, 4) if base else 1.0
@@ -97,7 +112,26 @@ def score(placement: "Placement", topo: ClusterTopology, trace: RoutingStats, *,
     mean = loads.mean(axis=1)
     ratio = np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
     f = 2.0 * token_bytes * per_step            # x2: dispatch + combine
-    return Score(float(cg * f), float(cn * f), float(ratio.mean()), float(ratio.max()), float(secs * f), method)
+    autoep = autoep_sends(placement, trace.load.astype(float)) * token_bytes * per_step
+    return Score(float(cg * f), float(cn * f), float(ratio.mean()), float(ratio.max()), float(secs * f), method,
+                 tuple(float(x) for x in autoep))
+
+
+def autoep_sends(placement: "Placement", load: np.ndarray) -> np.ndarray:
+    """Rows each GPU sends to other GPUs in AutoEP's forward dispatch + combine, summed over
+    layers, for ``load[L, E]`` assignments; ``[W]``. Each source rank is assumed to route like the
+    whole (its share of ``load`` is ``load / W``); backward sends the same again."""
+    L, _ = load.shape
+    P, W = placement.ep_size, placement.world_size
+    R = W // P
+    out = np.zeros(W)
+    for layer in range(L):
+        e2r = placement.expert2rank(layer)
+        rank_load = np.bincount(e2r, weights=load[layer], minlength=P) / R    # per EP group
+        total = rank_load.sum()
+        sent = (total - rank_load) / P + rank_load * (P - 1) / P
+        out[placement.rank2gpu] += np.tile(sent, R)
+    return out
 
 
 def _token_costs(placement: "Placement", topo: ClusterTopology, trace: RoutingStats):

@@ -156,6 +156,7 @@ def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
         quality[key] = int(round(quality[key] * scale))
     quality["allToAllSecondsPerStep"] = quality["allToAllSecondsPerStep"] * scale
     quality["contiguousCrossGroupBytesPerStep"] = int(round(base.cross_group_bytes_per_step * scale))
+    quality["autoEpMaxGpuBytesPerStep"] = int(round(quality["autoEpMaxGpuBytesPerStep"] * scale))
     return ours, quality
 
 
