@@ -7,13 +7,15 @@ import copy
 import datetime as dt
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pynvml
 import pytest
 
 from moe_trainer.discovery import fake_nvml, nvml_probe
 from moe_trainer.discovery.fake_nvml import FakeNvml, load_recording
-from moe_trainer.discovery.nvml_probe import DiscoveryError, parse_bus_id, probe
+from moe_trainer.discovery.nvml_probe import DiscoveryError, parse_bus_id, pci_address, probe
+from moejob_operator.core.errors import DocumentError
 from moejob_operator.core.topology import FIXTURE_DIR, nvlink_groups, parse_topology
 
 REAL_DIR = Path(__file__).parent / "fixtures" / "topology"
@@ -241,3 +243,37 @@ def test_real_h200_recording_reproduces_the_real_report():
     replay, _ = probe(FakeNvml(recording), node=real["node"], source="nvml")
     assert without_node_time(replay) == without_node_time(real) | {"fixture": None}
     assert nvlink_groups(parse_topology(real)) == [[0]]
+
+
+def test_real_h200x2_nvswitch_recording_reproduces_the_real_report():
+    """The 2-GPU H200 device machine (HGX board passed through to a VM): 18 active links per GPU to
+    NVSwitches NVML cannot show (remote PCI FFFFFFFF:FF:FF.0 -> null). The first discovery run there
+    wrote the placeholder as a bus id and the planner refused the report; now: one NVLink group."""
+    real = json.loads((REAL_DIR / "h200x2-vm-nvswitch.json").read_text())
+    assert real["source"] == "nvml" and len(real["gpus"]) == 2
+    recording, _ = load_recording("h200x2-vm-nvswitch")
+    replay, _ = probe(FakeNvml(recording), node=real["node"], source="nvml")
+    assert without_node_time(replay) == without_node_time(real) | {"fixture": None}
+    for gpu in real["gpus"]:
+        assert len(gpu["nvlinks"]) == 18
+        assert all(lk["remote"] == "switch" and lk["remotePciBusId"] is None for lk in gpu["nvlinks"])
+    report = parse_topology(real)
+    assert nvlink_groups(report) == [[0, 1]]
+    from moejob_operator.core.topology import ClusterTopology
+    topo = ClusterTopology.from_reports([report])
+    assert topo.tier(0, 1) == "nvlink" and topo.nvlink_gbps.tolist() == [450.0, 450.0]
+
+
+def test_placeholder_remote_pci_ids_read_as_unknown():
+    """Reports written before the fix carry 'ffffffff:ff:ff.0'; the parser reads it as null, and a
+    GPU-to-GPU link must still name a real GPU."""
+    real = json.loads((REAL_DIR / "h200x2-vm-nvswitch.json").read_text())
+    for gpu in real["gpus"]:
+        for lk in gpu["nvlinks"]:
+            lk["remotePciBusId"] = "ffffffff:ff:ff.0"
+    assert nvlink_groups(parse_topology(real)) == [[0, 1]]
+    real["gpus"][0]["nvlinks"][0]["remote"] = "gpu"
+    with pytest.raises(DocumentError, match=r"gpus\[0\]\.nvlinks\[0\]\.remotePciBusId"):
+        parse_topology(real)
+    assert pci_address(SimpleNamespace(busId="FFFFFFFF:FF:FF.0", busIdLegacy="FFFFFFF:FF:FF.0")) is None
+    assert str(pci_address(SimpleNamespace(busId="00000000:18:00.0"))) == "0000:18:00.0"

@@ -57,9 +57,16 @@ class _Doc(BaseModel):
 class NvLink(_Doc):
     link: int = Field(ge=0)
     remote: Literal["gpu", "switch", "other"]
-    remote_pci_bus_id: str
+    # null when NVML cannot see the remote (NVSwitches behind a VM answer FFFFFFFF:FF:FF.0, read
+    # as null too); a "gpu" remote must name a GPU of the report (checked below)
+    remote_pci_bus_id: str | None = None
 
-    _norm = field_validator("remote_pci_bus_id")(lambda v: normalize_pci_bus_id(v))
+    @field_validator("remote_pci_bus_id")
+    @classmethod
+    def _norm(cls, v: str | None) -> str | None:
+        if v is None or re.fullmatch(r"f{4,8}:ff:ff\.0", v.strip().lower()):
+            return None
+        return normalize_pci_bus_id(v)
 
 
 class Gpu(_Doc):

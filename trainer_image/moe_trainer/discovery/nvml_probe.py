@@ -87,18 +87,26 @@ def parse_bus_id(text: str | bytes) -> PciAddress:
 
 def pci_address(info: Any) -> PciAddress | None:
     """The address in an `nvmlPciInfo_t`-like object: `busId` first, then `busIdLegacy`, then the
-    numeric domain/bus/device fields (function 0). None when none of them is usable."""
+    numeric domain/bus/device fields (function 0). None when none of them is usable, and for the
+    all-ones placeholder `FFFFFFFF:FF:FF.0` NVML gives for a remote it cannot see (the NVSwitches
+    of an HGX board passed through to a VM: recorded on the 2-GPU H200 device machine)."""
+    address = None
     for field in ("busId", "busIdLegacy"):
         raw = getattr(info, field, None)
         if raw:
             try:
-                return parse_bus_id(raw)
+                address = parse_bus_id(raw)
+                break
             except ValueError:
                 continue
-    try:
-        return PciAddress(int(info.domain), int(info.bus), int(info.device), 0)
-    except (AttributeError, TypeError, ValueError):
+    if address is None:
+        try:
+            address = PciAddress(int(info.domain), int(info.bus), int(info.device), 0)
+        except (AttributeError, TypeError, ValueError):
+            return None
+    if address.bus == 0xFF and address.device == 0xFF and address.domain in (0xFFFF, 0xFFFFFFF, 0xFFFFFFFF):
         return None
+    return address
 
 
 def cuda_version_string(version: int | None) -> str | None:
