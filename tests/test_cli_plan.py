@@ -45,7 +45,7 @@ def test_plan_with_stats_config_file_and_overrides(capsys, tmp_path):
     assert code == 0, err
     assert "routingStats routing" in out and "spans NVLink groups" in out
     doc = read_plan(tmp_path / "plan.json")
-    assert doc["model"]["path"] == str(tmp_path / "config.json") and doc["model"]["preset"] is None
+    assert doc["model"]["path"] is None and doc["model"]["preset"] is None and doc["model"]["hfConfig"] == cfg
     assert doc["deepspeed"]["steps_per_print"] == 1
     assert doc["placement"]["quality"]["basis"] == "routingStats"
 

@@ -90,10 +90,15 @@ def test_bad_configs_name_the_field():
 def test_resolve_model_from_config_file(tmp_path):
     cfg = models.preset_hf_config("tiny-deepseek-v3")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # a config alone: the plan carries hfConfig, no path (the trainer initialises from it)
     for ref in (tmp_path / "config.json", tmp_path):
         resolved = models.resolve_model(str(ref))
-        assert resolved.preset is None and resolved.path == str(tmp_path / "config.json")
+        assert resolved.preset is None and resolved.path is None and resolved.hf_config == cfg
         assert resolved.spec == models.resolve_model("tiny-deepseek-v3").spec
+    # a folder with weights: the trainer loads it (from_pretrained takes the folder)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for ref in (tmp_path / "config.json", tmp_path):
+        assert models.resolve_model(str(ref)).path == str(tmp_path)
     (tmp_path / "bad.json").write_text("{nope")
     with pytest.raises(DocumentError, match=r"cannot read .*bad.json"):
         models.resolve_model(str(tmp_path / "bad.json"))

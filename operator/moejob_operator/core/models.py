@@ -162,6 +162,9 @@ class ResolvedModel:
 # ---- presets -------------------------------------------------------------------------------
 # Published dims of the released checkpoints' config.json (Hugging Face hub), plus tiny debug
 # models sized for CPU tests (byte tokenizer: vocab 256).
+# Files that make a folder a loadable checkpoint (transformers' from_pretrained).
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+
 _PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(
         model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
@@ -352,5 +355,9 @@ def resolve_model(ref: str) -> ResolvedModel:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise DocumentError(f"model: cannot read {path}: {exc}") from None
+    # The trainer loads weights from a folder (from_pretrained); a config alone means a fresh,
+    # seeded initialisation from the hfConfig the plan carries (a plan naming the bare config
+    # file failed in the trainer: "model.path ... is not a local directory").
+    weights = any(next(path.parent.glob(pattern), None) for pattern in WEIGHT_FILES)
     return ResolvedModel(spec=spec_from_hf_config(cfg, str(path)), hf_config=cfg, preset=None,
-                         path=str(path))
+                         path=str(path.parent) if weights else None)
