@@ -67,14 +67,15 @@ def discover(out: Path, env: dict) -> tuple[Path, str]:
 
 
 def make_plan(path: Path, model_path: Path, topo_path: Path, gpus: int, strategy: str,
-              stats: routing.RoutingStats | None, a) -> dict:
+              stats: routing.RoutingStats | None, a, micro_batch: int | None = None) -> dict:
+    micro = micro_batch or a.micro_batch
     report = load_topology(str(topo_path))
     training = plan_mod.TrainingOptions(steps=a.steps, lr=3e-4, warmup_steps=5, seed=1234,
                                         checkpoint_every_steps=a.steps, grad_clip=1.0,
                                         data={"kind": "corpus"})
     result = plan_mod.build_plan(f"mgpu-{strategy}-{gpus}", "bench", models.resolve_model(str(model_path)),
                                  [report], gpus_per_node=gpus, strategy=strategy, routing_stats=stats,
-                                 global_batch=a.micro_batch * gpus, micro_batch=a.micro_batch,
+                                 global_batch=micro * gpus, micro_batch=micro,
                                  seq_len=a.seq_len, ep_size=gpus, training=training)
     plan_mod.write_plan(result, str(path))
     return json.loads(path.read_text())
@@ -88,7 +89,7 @@ def train(plan_path: Path, nproc: int, work: Path, tag: str, env: dict, timeout:
                    log_prefix=str(work / f"log-{tag}"))
     wall = time.monotonic() - t0
     log = (work / f"log-{tag}.rank0.log").read_text(errors="replace")
-    steps = [(int(m[1]), float(m[2]), float(m[3]), float(m[4]), float(m[5])) for m in STEP_LINE.findall(log)]
+    steps = [(int(m[0]), float(m[1]), float(m[2]), float(m[3]), float(m[4])) for m in STEP_LINE.findall(log)]
     out = {"codes": codes, "wallSeconds": round(wall, 1), "steps": len(steps)}
     if codes != [0] * nproc or not steps:
         out["logTail"] = log[-3000:]
@@ -170,7 +171,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--strategies", default="contiguous,balanced,topology_aware")
+    ap.add_argument("--cases", default="contiguous:N,balanced:N,topology_aware:N,contiguous:1",
+                    help="STRATEGY:GPUS[@MICRO_BATCH], comma-separated, run in this order (N = all GPUs)")
+    ap.add_argument("--stats", help="RoutingStats of an earlier recording run of this model, seed and "
+                                    "data (skips the recording run)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per training run")
     a = ap.parse_args()
     import torch
@@ -205,31 +209,41 @@ def main() -> None:
     result["discoverySeconds"] = round(time.monotonic() - t0, 1)
     save()
 
-    # 2. record routing statistics on real text
-    rec_plan = work / "plan-record.json"
-    make_plan(rec_plan, model_path, topo_path, gpus, "contiguous", None, a)
-    rec = train(rec_plan, gpus, work, "record", env, a.timeout)
-    result["recordRun"] = {k: v for k, v in rec.items() if k != "routingStats"}
-    save()
-    if "routingStats" not in rec:
-        raise SystemExit(f"recording run failed: {rec.get('logTail', '')[-1500:]}")
-    shutil.copy(rec["routingStats"], out / "routing_stats.json")
-    stats = routing.read_routing_stats(rec["routingStats"])
+    # 2. record routing statistics on real text (or take those of an earlier run)
+    if a.stats:
+        shutil.copy(a.stats, out / "routing_stats.json")
+        result["recordRun"] = {"statsFrom": a.stats}
+    else:
+        rec_plan = work / "plan-record.json"
+        make_plan(rec_plan, model_path, topo_path, gpus, "contiguous", None, a)
+        rec = train(rec_plan, gpus, work, "record", env, a.timeout)
+        result["recordRun"] = {k: v for k, v in rec.items() if k != "routingStats"}
+        save()
+        if "routingStats" not in rec:
+            raise SystemExit(f"recording run failed: {rec.get('logTail', '')[-1500:]}")
+        shutil.copy(rec["routingStats"], out / "routing_stats.json")
+    stats = routing.read_routing_stats(str(out / "routing_stats.json"))
 
-    # 3. placements side by side (+ 4. one GPU)
-    cases = [(s, gpus) for s in a.strategies.split(",")] + [("contiguous", 1)]
-    for strategy, n in cases:
-        name = f"{strategy} ({n} GPU{'s' if n > 1 else ''})"
-        path = work / f"plan-{strategy}-{n}.json"
-        doc = make_plan(path, model_path, topo_path, n, strategy, stats if n > 1 else None, a)
-        pred = predicted(doc, ClusterTopology.from_reports([report]) if n == gpus else topo)
-        run = train(path, n, work, f"{strategy}-{n}", env, a.timeout)
+    # 3. placements side by side, 4. fewer GPUs / other micro-batches for the memory model
+    for i, case in enumerate(a.cases.split(",")):
+        strategy, _, rest = case.partition(":")
+        n_text, _, micro_text = rest.partition("@")
+        n = gpus if n_text in ("", "N") else int(n_text)
+        micro = int(micro_text) if micro_text else a.micro_batch
+        name = f"{strategy} ({n} GPU{'s' if n > 1 else ''}, mb {micro})"
+        tag = f"{i}-{strategy}-{n}-mb{micro}"     # own checkpoint dir: a repeat must not resume
+        path = work / f"plan-{tag}.json"
+        doc = make_plan(path, model_path, topo_path, n, strategy, stats if n > 1 else None, a, micro)
+        pred = predicted(doc, topo)
+        run = train(path, n, work, tag, env, a.timeout)
         if "routingStats" in run:
             run["maxMeanLoad"] = measured_gpu_load(doc, run.pop("routingStats"))
+        name = name if name not in result["runs"] else f"{name} #{sum(k.startswith(name) for k in result['runs']) + 1}"
         result["runs"][name] = {"predicted": pred, "measured": run,
                                 "permutationLayer0": doc["placement"]["permutation"][0]}
         save()
-    base = result["runs"].get(f"contiguous ({gpus} GPUs)", {}).get("measured", {}).get("tokensPerSecond")
+    base = next((r["measured"].get("tokensPerSecond") for k, r in result["runs"].items()
+                 if k.startswith(f"contiguous ({gpus} GPUs, mb {a.micro_batch})")), None)
     for run in result["runs"].values():
         m = run["measured"]
         if base and "tokensPerSecond" in m:

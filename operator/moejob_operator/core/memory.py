@@ -45,6 +45,12 @@ DEFAULT_CAPACITY_FACTOR = 2.0    # all-to-all receive buffer vs a perfectly bala
 GPU_CONTEXT_BYTES = int(1.5 * GiB)   # CUDA context ~0.5 GiB + NCCL ~0.5 GiB + cuBLAS/workspaces
 CPU_BASELINE_BYTES = int(0.6 * GiB)  # python + torch + deepspeed + transformers imported (RSS)
 FRAGMENTATION = 0.10             # caching-allocator slack over the dynamic total
+# fp32 temporaries of the optimizer step per element of the rank's partition (per sub-group): the
+# fp32 gradient copy and one more of the same size (unscale/clip + torch's fused AdamW). Measured
+# on the 2-GPU H200 (benchmarks/results/multigpu_h200x2_*): one GPU holding 816M elements peaked
+# at 18.24 GiB allocated at micro-batch 4 and 8 alike = states 12.17 GiB + 8 B x 816M; 4 B (the
+# earlier value) put that peak 3 GiB low.
+STEP_TEMP_BYTES = 8
 ADAM_BYTES = 12                  # fp32 master + exp_avg + exp_avg_sq
 
 
@@ -189,7 +195,7 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
 
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
     sub_group = zero.get("sub_group_size", 1_000_000_000)
-    step = params + persistent + grads + optim + 4 * min(per_gpu(stage >= 1), sub_group)
+    step = params + persistent + grads + optim + STEP_TEMP_BYTES * min(per_gpu(stage >= 1), sub_group)
     dynamic = max(fwd_bwd, step)
     base = CPU_BASELINE_BYTES if device == "cpu" else GPU_CONTEXT_BYTES
     overhead = base + FRAGMENTATION * dynamic
