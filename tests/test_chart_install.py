@@ -139,8 +139,9 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
         # nothing was refused (the chart's RBAC sufficed) and the token leaked nowhere
         text = logs()
         assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[-3000:]
-        events = " ".join(f"{e.reason} {e.message}" for e in events_for(kube, namespace, jname))
-        assert C.R_PLAN_READY in events
+        events = wait_for(lambda: " ".join(f"{e.reason} {e.message}" for e in events_for(kube, namespace, jname))
+                          if C.R_PLAN_READY in {e.reason for e in events_for(kube, namespace, jname)} else None,
+                          timeout=10, message="PlanReady event")
         for where, blob in (("logs", text), ("events", events), ("status", json.dumps(status))):
             assert token not in blob and token[-24:] not in blob, f"the SA token appears in the {where}"
     finally:

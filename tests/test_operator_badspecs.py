@@ -44,7 +44,10 @@ def test_bad_specs_are_refused(kube, namespace, operator_proc, wait_for):
         failed = condition(job, C.COND_FAILED)
         assert failed["reason"] == kind, f"{name}: {failed}"
         assert job["status"]["phase"] == "Failed"
-        events = [e for e in events_for(kube, namespace, name) if e.reason == kind and e.type == "Warning"]
+        # Events trail their pass by up to a few seconds (the poster yields to passes)
+        events = wait_for(lambda: [e for e in events_for(kube, namespace, name)
+                                   if e.reason == kind and e.type == "Warning"], timeout=10,
+                          message=f"{name}: {kind} Warning event")
         assert len(events) == 1, f"{name}: {len(events)} {kind} Warning events"
         if field != "spec":
             assert field in events[0].message, f"{name}: event {events[0].message!r} does not name {field}"

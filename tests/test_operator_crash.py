@@ -34,7 +34,9 @@ def test_operator_killed_mid_launch_converges(control_plane, kube, namespace, no
                        "pod/crash-worker-0", "pod/crash-worker-1", "sa/crash-worker", "svc/crash-workers"])
         wait_for(lambda: children(kube, namespace, "crash") == want, timeout=60,
                  message=f"children after restart: {children(kube, namespace, 'crash')}\n{restarted.logs()}")
-        st = get_job(kube, namespace, "crash")["status"]
+        # the pass writes status after creating the pods
+        st = wait_for(lambda: "gangComplete" in (get_job(kube, namespace, "crash").get("status") or {})
+                      and get_job(kube, namespace, "crash")["status"], timeout=30, message="status.gangComplete")
         assert st["gangComplete"] == 0 and st["restarts"] == 0
         assert condition(get_job(kube, namespace, "crash"), C.COND_PLANNED)["status"] == "True"
         pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=crash").items

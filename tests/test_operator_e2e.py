@@ -48,8 +48,10 @@ def test_tiny_cpu_job_succeeds(kube, kubectl, namespace, operator_proc, wait_for
     pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
     assert sorted(p.metadata.name for p in pods) == [f"{name}-worker-0", f"{name}-worker-1"]
     assert all(p.metadata.owner_references[0].name == name for p in pods)
-    reasons = {e.reason for e in events_for(kube, namespace, name)}
-    assert {C.R_DISCOVERED, C.R_PLAN_READY, "WorkersCreated", C.R_TRAINING_FINISHED} <= reasons
+    want = {C.R_DISCOVERED, C.R_PLAN_READY, "WorkersCreated", C.R_TRAINING_FINISHED}
+    reasons = wait_for(lambda: {e.reason for e in events_for(kube, namespace, name)} >= want
+                       and {e.reason for e in events_for(kube, namespace, name)}, timeout=10,
+                       message=f"events {want}")
     # ranks exit one by one at the end: that is not "pending" (it read "1 of 2 worker pods running")
     assert C.R_WORKERS_PENDING not in reasons
     got = kubectl.run("get", "moejob", "-n", namespace)

@@ -41,8 +41,8 @@ def test_retryable_exit_restarts_gang_from_checkpoint(kube, namespace, operator_
     assert st["progress"]["step"] == 6
     log = node_agent.read_log(namespace, "retry-worker-0")
     assert "resumed from step 2" in log, log[-3000:]       # checkpoint every 2, fault after step 3
-    reasons = [e.reason for e in events_for(kube, namespace, "retry")]
-    assert C.R_RESTARTING in reasons
+    wait_for(lambda: C.R_RESTARTING in [e.reason for e in events_for(kube, namespace, "retry")],
+             timeout=10, message="Restarting event")
 
 
 def test_backoff_limit_exceeded_fails(kube, namespace, operator_proc, wait_for, tmp_path):

@@ -1,8 +1,9 @@
 """The chart's RBAC is exactly what the code needs: derived from the source, not listed by hand.
 
 Needs come from (1) every Kubernetes API method the operator's code references (AST of
-``reconcile/*.py`` and ``run.py``: ``<api>.<verb>_[namespaced_]<resource>[_status]``), (2) what
-kopf watches and patches (the decorators in ``handlers.py``), (3) the Roles the builders create for
+``reconcile/*.py``, ``childwatch.py`` (list + watch) and ``run.py``:
+``<api>.<verb>_[namespaced_]<resource>[_status]``), (2) what kopf watches and patches (the
+decorators in ``handlers.py``), (3) the Roles the builders create for
 worker and discovery pods (RBAC escalation prevention: the operator must hold what it grants),
 (4) kopf's CRD observation. The rendered chart must grant every need, in the right scope, and
 nothing beyond the needs plus a short list of documented extras. A new API call in the code
@@ -32,7 +33,8 @@ CHART = ROOT / "charts" / "moe-operator"
 # kubernetes client method suffix -> (API group, resource). An unknown suffix fails the test:
 # add the resource here and the grant to charts/moe-operator/templates/rbac.yaml.
 RESOURCES = {
-    "config_map": ("", "configmaps"), "pod": ("", "pods"), "service": ("", "services"),
+    "config_map": ("", "configmaps"), "pod": ("", "pods"),
+    "pod_for_all_namespaces": ("", "pods"), "config_map_for_all_namespaces": ("", "configmaps"), "service": ("", "services"),
     "service_account": ("", "serviceaccounts"), "event": ("", "events"), "node": ("", "nodes"),
     "secret": ("", "secrets"), "namespace": ("", "namespaces"),
     "role": ("rbac.authorization.k8s.io", "roles"),
@@ -85,8 +87,9 @@ def client_method_calls(source: str) -> dict[str, set[Need]]:
 
 
 def kopf_needs(source: str) -> set[Need]:
-    """What kopf does for each decorated resource: list + watch, and patch for the job
-    (it keeps progress and the diff base in annotations on it)."""
+    """What kopf does for each decorated resource: list + watch; patch where it keeps state on the
+    object (create/update/resume/timer/delete handlers: annotations, finalizer) or may remove a
+    finalizer it once added (``settings.persistence.finalizer`` named in handlers.py)."""
     consts = {f"C.{k}": v for k, v in vars(C).items() if isinstance(v, str)}
     needs: set[Need] = set()
     for node in ast.walk(ast.parse(source)):
@@ -102,6 +105,8 @@ def kopf_needs(source: str) -> set[Need]:
             group = "" if version == "v1" else version.split("/")[0]
         needs |= {(group, resource, "list"), (group, resource, "watch")}
         if ast.unparse(node.func).split(".")[-1] in ("create", "update", "resume", "timer", "delete"):
+            needs.add((group, resource, "patch"))
+        elif group == C.GROUP and "settings.persistence.finalizer" in source:
             needs.add((group, resource, "patch"))
     return needs
 
@@ -122,6 +127,10 @@ def derived_needs() -> dict[str, set[Need]]:
     per_method = client_method_calls(client_src)
     job_side = api_calls(client_src)
     job_side |= kopf_needs((PKG / "handlers.py").read_text())
+    # childwatch.py lists to start and then watches what it lists
+    watched = api_calls((PKG / "childwatch.py").read_text())
+    assert watched, "childwatch.py lists nothing? update derived_needs"
+    job_side |= watched | {(g, r, "watch") for g, r, v in watched if v == "list"}
     for path in sorted((PKG / "reconcile").glob("*.py")):
         if path.name not in ("client.py", "gate.py"):
             job_side |= api_calls(path.read_text())

@@ -240,6 +240,8 @@ async def _run_kopf(args, lost: threading.Event, health: Health) -> None:
             await asyncio.sleep(1)
 
     settings = kopf.OperatorSettings()     # handlers.configure() adjusts it at startup
+    # the handlers' own child watches (moejob_operator.childwatch) follow the same scope
+    os.environ["MOE_WATCH_NAMESPACES"] = ",".join(args.namespace)
     if args.namespace:
         # Watched namespaces are exact names: kopf need not list/watch namespaces (which would
         # need a cluster-wide grant and retries ~20 s on 403 before falling back).

@@ -23,6 +23,8 @@ from .. import constants as C
 from ..status import now_iso
 
 
+EVENT_QUIET_SECONDS = 0.3   # Events wait until no pass has started for this long...
+EVENT_MAX_DELAY_SECONDS = 5.0   # ...but never longer than this after they were raised
 POOL_SIZE = 64   # > kopf's worker threads + create_all's + the event poster: a smaller pool drops
                  # connections and pays TLS handshakes
 CREATE_THREADS = 16
@@ -57,6 +59,7 @@ class Client:
         self._lock = threading.Lock()
         self._events: queue.Queue | None = None
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._last_pass = 0.0
 
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
@@ -213,17 +216,25 @@ class Client:
             self._node_cache = None
 
     # ---- events --------------------------------------------------------------------------
+    def pass_started(self) -> None:
+        """A reconcile pass begins: queued Events hold back (see ``_post_events``)."""
+        self._last_pass = time.monotonic()
+
     def event(self, job: dict[str, Any], etype: str, reason: str, message: str) -> None:
         """Queue an Event; one background thread posts them in order. A reconcile pass does not
-        wait for its Events (best effort anyway), so under a burst of jobs the writes that move
-        jobs on (children, status) go first and the kopf worker is free sooner."""
+        wait for its Events (best effort anyway), and the poster yields to passes: while passes
+        keep starting (a burst of new jobs) it waits until none has started for
+        ``EVENT_QUIET_SECONDS``, at most ``EVENT_MAX_DELAY_SECONDS`` after the Event was raised
+        (its timestamps are those of the transition). So the writes that move jobs on (children,
+        status) get the API server first; Kubernetes' own event recorder rate-limits for the same
+        reason. Measured on the 100-job benchmark: 400 Event POSTs were 18% of the burst's requests."""
         body = self._event_body(job, etype, reason, message)
         with self._lock:
             if self._events is None:
                 self._events = queue.Queue(EVENT_QUEUE_MAX)
                 threading.Thread(target=self._post_events, name="moe-events", daemon=True).start()
         try:
-            self._events.put_nowait(body)
+            self._events.put_nowait((time.monotonic(), body))
         except queue.Full:
             log.warning("event queue full: dropping %s %s", reason, message[:80])
 
@@ -240,7 +251,13 @@ class Client:
     def _post_events(self) -> None:
         assert self._events is not None
         while True:
-            body = self._events.get()
+            raised, body = self._events.get()
+            while True:
+                now = time.monotonic()
+                wait = min(self._last_pass + EVENT_QUIET_SECONDS, raised + EVENT_MAX_DELAY_SECONDS) - now
+                if wait <= 0:
+                    break
+                time.sleep(min(wait, 0.05))
             try:
                 self.post_event(body)
             finally:

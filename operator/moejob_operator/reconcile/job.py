@@ -95,10 +95,14 @@ class Pass:
         self.status.setdefault("completionTime", now_iso(self.now))
 
 
-def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None) -> float | None:
-    """Run one pass; returns seconds until the next wanted pass, or None."""
+def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,
+              body: dict[str, Any] | None = None) -> float | None:
+    """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
+    watch event just delivered it (a new job's first pass), instead of reading it."""
+    client.pass_started()
     with metrics.reconcile_timer():
-        body = client.get_job(namespace, name)
+        if body is None:
+            body = client.get_job(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.forget_job(namespace, name)
             return None
@@ -175,11 +179,14 @@ def _accept_spec(p: Pass) -> JobSpec | None:
 
 
 # ---- discover + plan ----------------------------------------------------------------------
-def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
+def _plan(p: Pass, spec: JobSpec, _reread_plan: bool = False) -> dict[str, Any] | float | None:
     """The job's plan (from its ConfigMap, or made now); else the requeue delay."""
     name = common.plan_configmap_name(p.job)
-    cm = p.client.get_configmap(p.job.namespace, name)
     spec_hash = spec.immutable_hash()
+    # A job that never recorded a plan has none unless an operator crashed between creating it
+    # and writing status: skip the read (the create below answers "already exists" then).
+    fresh = not p.status.get("plan") and not p.status.get("launchedSpec")
+    cm = None if fresh and not _reread_plan else p.client.get_configmap(p.job.namespace, name)
     if cm is not None:
         ann = (cm["metadata"].get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
         if ann == spec_hash or p.status.get("launchedSpec"):
@@ -218,7 +225,10 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
         p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc), quiet=True)
         p.fail(exc.reason, str(exc))
         return None
-    p.client.create(configmaps.plan_configmap(p.job, plan, spec_hash))
+    if not p.client.create(configmaps.plan_configmap(p.job, plan, spec_hash)):
+        if _reread_plan:
+            raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
+        return _plan(p, spec, _reread_plan=True)     # made by a pass that crashed: use or replace it
     summary = planning.summary(plan)
     p.status["plan"] = summary
     p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
@@ -228,14 +238,12 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
 
 # ---- launch + track -----------------------------------------------------------------------
 def _launch_children(p: Pass, spec: JobSpec) -> None:
-    # The ServiceAccount first (pod admission looks it up), then the rest at once: none of them
-    # depends on another, and each sequential round trip was latency on the way to the workers.
-    p.client.create(rbac.service_account(p.job))
-    p.client.create_all([configmaps.progress_configmap(p.job),
-                         configmaps.routing_stats_configmap(p.job),
-                         rbac.role(p.job), rbac.role_binding(p.job)])
+    # All at once (none depends on another; each sequential round trip was latency on the way to
+    # the workers), and before the pods: pod admission looks the ServiceAccount up.
+    p.client.create_all([rbac.service_account(p.job), configmaps.progress_configmap(p.job),
+                         configmaps.routing_stats_configmap(p.job), rbac.role(p.job),
+                         rbac.role_binding(p.job), workers.headless_service(p.job)])
     _crashpoint("after-rbac")
-    p.client.create(workers.headless_service(p.job))
     p.status["launchedSpec"] = spec.immutable_view()
     p.status.setdefault("startTime", now_iso(p.now))
     p.status.setdefault("attempt", 0)

@@ -1,0 +1,111 @@
+"""The handlers' own requeue (no kopf state on the job): delayed passes, one pending entry per
+job (the earliest wins), no second pass queued while one waits, the resync of known jobs, and
+error backoff."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from moejob_operator.handlers import ERROR_RETRY_SECONDS, Requeue
+
+
+class Recorder:
+    def __init__(self, hold: float = 0.0):
+        self.calls: list[tuple[float, tuple[str, str]]] = []
+        self.hold = hold
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+
+    def __call__(self, ns: str, name: str) -> None:
+        with self.lock:
+            self.calls.append((time.monotonic() - self.t0, (ns, name)))
+        time.sleep(self.hold)
+
+    def keys(self):
+        with self.lock:
+            return [k for _, k in self.calls]
+
+
+@pytest.fixture
+def rq():
+    made = []
+
+    def make(run, **kw):
+        r = Requeue(run, **kw)
+        r.start()
+        made.append(r)
+        return r
+    yield make
+    for r in made:
+        r.stop()
+
+
+def wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.01)
+    return cond()
+
+
+def test_delay_is_honoured_and_earliest_entry_wins(rq):
+    rec = Recorder()
+    r = rq(rec, resync_seconds=3600)
+    r.after(("ns", "a"), 0.3)
+    r.after(("ns", "a"), 5.0)          # later: ignored, the 0.3 s entry stays
+    r.after(("ns", "b"), 0.0)
+    assert wait(lambda: len(rec.calls) == 2, 2.0)
+    (tb, kb), (ta, ka) = rec.calls
+    assert (kb, ka) == (("ns", "b"), ("ns", "a"))
+    assert tb < 0.2 and 0.25 <= ta < 1.0
+    time.sleep(0.3)
+    assert len(rec.calls) == 2          # nothing left over from the superseded 5 s entry... yet
+    r.after(("ns", "a"), 0.0)
+    assert wait(lambda: len(rec.calls) == 3)
+
+
+def test_one_waiting_pass_per_job(rq):
+    """While a pass of job a runs (held 0.3 s), many requests for a queue exactly one more."""
+    rec = Recorder(hold=0.3)
+    r = rq(rec, threads=4, resync_seconds=3600)
+    r.after(("ns", "a"), 0.0)
+    assert wait(lambda: len(rec.calls) == 1)
+    for _ in range(20):
+        r.after(("ns", "a"), 0.0)
+        time.sleep(0.005)
+    time.sleep(1.0)
+    assert rec.keys() == [("ns", "a"), ("ns", "a")]
+
+
+def test_resync_runs_every_known_job_and_forget_stops_it(rq):
+    rec = Recorder()
+    r = rq(rec, resync_seconds=0.2)
+    r.known.update({("ns", "a"), ("ns", "b")})
+    assert wait(lambda: {("ns", "a"), ("ns", "b")} <= set(rec.keys()), 2.0)
+    r.forget(("ns", "a"))
+    n = len(rec.calls)
+    assert wait(lambda: len(rec.calls) >= n + 2, 2.0)
+    assert ("ns", "a") not in rec.keys()[n + 1:]
+
+
+def test_error_backoff_doubles_and_resets():
+    r = Requeue(lambda *a: None)
+    key = ("ns", "a")
+    first, cap = ERROR_RETRY_SECONDS
+    got = [r.failed(key) for _ in range(8)]
+    assert got[:3] == [first, 2 * first, 4 * first] and got[-1] == cap
+    r.succeeded(key)
+    assert r.failed(key) == first
+
+
+def test_stopped_requeue_runs_nothing():
+    rec = Recorder()
+    r = Requeue(rec, resync_seconds=0.05)
+    r.start()
+    r.stop()
+    r.after(("ns", "a"), 0.0)
+    r.known.add(("ns", "b"))
+    time.sleep(0.3)
+    assert rec.calls == []
