@@ -88,3 +88,22 @@ def test_a_succeeded_pod_without_any_report_is_rerun():
     found = ensure_reports(client, body, parse_spec(body["spec"]), NOW)
     assert found.pending and set(found.reports) == {"node-b"}
     assert client.deleted == [D.discovery_pod_name("node-a")]
+
+
+def test_reports_are_parsed_once_per_configmap_version(monkeypatch):
+    """Every pass reads the same reports: parse each (uid, resourceVersion) once."""
+    import json as _json
+    from moejob_operator.core.topology import load_topology
+    from moejob_operator.reconcile import topology as T
+    calls = []
+    real = T.parse_topology
+    monkeypatch.setattr(T, "parse_topology", lambda doc: calls.append(1) or real(doc))
+    monkeypatch.setattr(T, "_parsed", {})
+    doc = load_topology("nvswitch-h100-8").model_dump(mode="json", by_alias=True)
+    cm = {"metadata": {"uid": "u1", "resourceVersion": "7"}, "data": {C.TOPOLOGY_KEY: _json.dumps(doc)}}
+    first = T._parse_cached(cm)
+    assert T._parse_cached(cm) is first and len(calls) == 1
+    cm2 = {**cm, "metadata": {"uid": "u1", "resourceVersion": "8"}}
+    assert T._parse_cached(cm2) == first and len(calls) == 2
+    bad = {"metadata": {"uid": "u2", "resourceVersion": "1"}, "data": {C.TOPOLOGY_KEY: "{nope"}}
+    assert T._parse_cached(bad) is None and T._parse_cached(bad) is None and len(calls) == 2
