@@ -68,8 +68,11 @@ def gate_job(name: str, image: str, tmp_path) -> dict:
     return job
 
 
-def smoke_jobs(kube, ns: str) -> list:
-    return kube.batch.list_namespaced_job(ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
+def smoke_jobs(kube, ns: str, key: str | None = None) -> list:
+    """Smoke Jobs in the gate namespace; with ``key`` only that identity's (this operator also
+    reconciles jobs left in other tests' namespaces while those terminate, and gates their images)."""
+    jobs = kube.batch.list_namespaced_job(ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
+    return [j for j in jobs if key is None or j.metadata.name.startswith(f"moe-smoke-{key}-")]
 
 
 def verified(kube, ns, name) -> dict:
@@ -90,8 +93,8 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
     for n in names:
         wait_for(lambda n=n: verified(kube, namespace, n).get("reason") == G.R_SMOKE_TEST_RUNNING,
                  timeout=90, message=f"{n} waits for the smoke test\n{logs()}")
-    jobs = smoke_jobs(kube, gate_ns)
     key = G.identity_for(image, None, "CPU").key
+    jobs = smoke_jobs(kube, gate_ns, key)
     assert [j.metadata.name for j in jobs] == [f"moe-smoke-{key}-1"]
     assert get_job(kube, namespace, "gate-a")["status"]["phase"] == "Gating"
 
@@ -99,7 +102,7 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
         wait_for(lambda n=n: verified(kube, namespace, n).get("status") == "True", timeout=90,
                  message=f"{n} verified\n{logs()}")
         assert verified(kube, namespace, n)["reason"] == G.R_SMOKE_TEST_PASSED
-    assert len(smoke_jobs(kube, gate_ns)) == 1               # still one Job for three jobs
+    assert len(smoke_jobs(kube, gate_ns, key)) == 1          # still one Job for three jobs
     cm = kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
     stored = G.parse_stored_verdict(cm.data[G.VERDICT_KEY])
     assert stored["passed"] and stored["attempt"] == 1 and stored["smokeJob"] == f"moe-smoke-{key}-1"
@@ -113,7 +116,7 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
              message=logs())
     late = verified(kube, namespace, "gate-late")
     assert late["reason"] == G.R_CACHED_VERDICT and "passed the smoke test" in late["message"]
-    assert len(smoke_jobs(kube, gate_ns)) == 1
+    assert len(smoke_jobs(kube, gate_ns, key)) == 1
     reasons = wait_for(lambda: (lambda r: r if G.R_CACHED_VERDICT in r else None)(
         {e.reason for e in events_for(kube, namespace, "gate-late")}), timeout=10, message="CachedVerdict event")
     assert G.R_SMOKE_TEST_RUNNING not in reasons

@@ -109,3 +109,23 @@ def test_stopped_requeue_runs_nothing():
     r.known.add(("ns", "b"))
     time.sleep(0.3)
     assert rec.calls == []
+
+
+def test_lean_diff_base_equals_kopfs():
+    import kopf
+    from moejob_operator.handlers import LeanDiffBaseStorage
+    body = {"apiVersion": "moe-operator.io/v1alpha1", "kind": "MoETrainingJob",
+            "metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 2,
+                         "labels": {"team": "a"},
+                         "annotations": {"moe-operator.io/last-handled-configuration": "{}",
+                                         "kubectl.kubernetes.io/last-applied-configuration": "{}",
+                                         "note": "keep"},
+                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
+            "spec": {"model": {"preset": "tiny-mixtral"}, "nodes": {"count": 2}},
+            "status": {"conditions": [{"type": "Planned", "status": "True"}], "launchedSpec": {"x": 1}}}
+    ref = kopf.AnnotationsDiffBaseStorage(prefix="moe-operator.io")
+    lean = LeanDiffBaseStorage(prefix="moe-operator.io")
+    assert lean.build(body=kopf.Body(body)) == ref.build(body=kopf.Body(body))
+    assert lean.build(body=kopf.Body(body))["metadata"]["annotations"] == {"note": "keep"}
+    extra = ["status.launchedSpec"]
+    assert lean.build(body=kopf.Body(body), extra_fields=extra) == ref.build(body=kopf.Body(body), extra_fields=extra)

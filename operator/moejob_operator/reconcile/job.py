@@ -52,6 +52,8 @@ class Pass:
         self.old = copy.deepcopy(body.get("status") or {})
         self.status: dict[str, Any] = copy.deepcopy(self.old)
         self.events: list[tuple[str, str, str]] = []
+        # a plan made in this pass, written with the launch batch (or before any other return)
+        self.new_plan_cm: dict[str, Any] | None = None
 
     def cond(self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False) -> None:
         conds, transition = set_condition(self.status.get("conditions"), ctype, status, reason,
@@ -125,7 +127,13 @@ def _run(p: Pass) -> float | None:
     if not isinstance(plan, dict):
         return plan
     metrics.observe_plan(p.job.namespace, p.job.name, plan)
+    try:
+        return _gate_launch_track(p, spec, plan)
+    finally:
+        _persist_plan(p)          # every path that did not launch still keeps the plan
 
+
+def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
     verdict = gate.check(p.client, p.body, spec)
     p.cond(C.COND_UPGRADE_VERIFIED, verdict.status, verdict.reason, verdict.message)
     if verdict.status == UNKNOWN:
@@ -144,6 +152,8 @@ def _run(p: Pass) -> float | None:
     launching = not p.status.get("launchedSpec")
     if launching:
         _launch_children(p, spec)
+    else:
+        _persist_plan(p)          # a re-plan (node lost): the plan before the pods
     return _track(p, spec, plan, launching=launching)
 
 
@@ -179,14 +189,14 @@ def _accept_spec(p: Pass) -> JobSpec | None:
 
 
 # ---- discover + plan ----------------------------------------------------------------------
-def _plan(p: Pass, spec: JobSpec, _reread_plan: bool = False) -> dict[str, Any] | float | None:
+def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
     """The job's plan (from its ConfigMap, or made now); else the requeue delay."""
     name = common.plan_configmap_name(p.job)
     spec_hash = spec.immutable_hash()
     # A job that never recorded a plan has none unless an operator crashed between creating it
-    # and writing status: skip the read (the create below answers "already exists" then).
+    # and writing status: skip the read (writing the new one answers "already exists" then).
     fresh = not p.status.get("plan") and not p.status.get("launchedSpec")
-    cm = None if fresh and not _reread_plan else p.client.get_configmap(p.job.namespace, name)
+    cm = None if fresh else p.client.get_configmap(p.job.namespace, name)
     if cm is not None:
         ann = (cm["metadata"].get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
         if ann == spec_hash or p.status.get("launchedSpec"):
@@ -225,24 +235,47 @@ def _plan(p: Pass, spec: JobSpec, _reread_plan: bool = False) -> dict[str, Any] 
         p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc), quiet=True)
         p.fail(exc.reason, str(exc))
         return None
-    if not p.client.create(configmaps.plan_configmap(p.job, plan, spec_hash)):
-        if _reread_plan:
-            raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
-        return _plan(p, spec, _reread_plan=True)     # made by a pass that crashed: use or replace it
+    # Written later in this pass: with the launch batch (one round trip fewer on the way to the
+    # workers), else before the pass returns (_persist_plan).
+    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec_hash)
     summary = planning.summary(plan)
     p.status["plan"] = summary
     p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
-    _crashpoint("after-plan")
     return plan
+
+
+def _plan_written(p: Pass, created: bool) -> None:
+    """After writing ``p.new_plan_cm``: "already exists" is a plan a crashed pass wrote; the
+    workers read the ConfigMap, so it must be this spec's (else it is replaced)."""
+    cm, p.new_plan_cm = p.new_plan_cm, None
+    if not created:
+        name = cm["metadata"]["name"]
+        old = p.client.get_configmap(p.job.namespace, name)
+        ann = (((old or {}).get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
+        if ann != cm["metadata"]["annotations"][C.ANNOTATION_SPEC_HASH]:
+            p.client.delete_configmap(p.job.namespace, name)
+            if not p.client.create(cm):
+                raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
+    _crashpoint("after-plan")
+
+
+def _persist_plan(p: Pass) -> None:
+    if p.new_plan_cm is not None:
+        _plan_written(p, p.client.create(p.new_plan_cm))
 
 
 # ---- launch + track -----------------------------------------------------------------------
 def _launch_children(p: Pass, spec: JobSpec) -> None:
-    # All at once (none depends on another; each sequential round trip was latency on the way to
-    # the workers), and before the pods: pod admission looks the ServiceAccount up.
-    p.client.create_all([rbac.service_account(p.job), configmaps.progress_configmap(p.job),
-                         configmaps.routing_stats_configmap(p.job), rbac.role(p.job),
-                         rbac.role_binding(p.job), workers.headless_service(p.job)])
+    # All at once, the plan made in this pass too (none depends on another; each sequential round
+    # trip was latency on the way to the workers), and before the pods: pod admission looks the
+    # ServiceAccount up, the kubelet mounts the plan.
+    plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
+    created = p.client.create_all(plan_cm + [
+        rbac.service_account(p.job), configmaps.progress_configmap(p.job),
+        configmaps.routing_stats_configmap(p.job), rbac.role(p.job), rbac.role_binding(p.job),
+        workers.headless_service(p.job)])
+    if plan_cm:
+        _plan_written(p, created[0])
     _crashpoint("after-rbac")
     p.status["launchedSpec"] = spec.immutable_view()
     p.status.setdefault("startTime", now_iso(p.now))
