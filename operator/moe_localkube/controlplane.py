@@ -178,9 +178,13 @@ class ControlPlane:
             self._spawn("kube-scheduler", [str(kube["kube-scheduler"]), *common, "--profiling=false"])
 
     def _wait_ready(self) -> None:
+        """/readyz answers 200, then the ``default`` namespace exists: the API server's bootstrap
+        controller creates it asynchronously, and a loaded CI machine once saw /readyz pass
+        before it (a client using ``default`` at once got 404s)."""
         ctx = ssl.create_default_context(cafile=str(self.ca_path))
-        req = urllib.request.Request(f"{self.server}/readyz",
-                                     headers={"Authorization": f"Bearer {self.admin_token}"})
+        auth = {"Authorization": f"Bearer {self.admin_token}"}
+        checks = [urllib.request.Request(f"{self.server}/readyz", headers=auth),
+                  urllib.request.Request(f"{self.server}/api/v1/namespaces/default", headers=auth)]
         deadline = time.monotonic() + self.ready_timeout
         last = ""
         while time.monotonic() < deadline:
@@ -190,9 +194,13 @@ class ControlPlane:
                     raise ControlPlaneError(f"{name} exited with {proc.returncode} during start-up; "
                                             f"log {log}:\n{_tail(log)}")
             try:
-                with urllib.request.urlopen(req, context=ctx, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                while checks:
+                    with urllib.request.urlopen(checks[0], context=ctx, timeout=2) as resp:
+                        if resp.status != 200:
+                            break
+                    checks.pop(0)
+                if not checks:
+                    return
             except (urllib.error.URLError, OSError) as exc:
                 last = str(exc)
             time.sleep(0.1)
