@@ -82,7 +82,8 @@ def test_one_waiting_pass_per_job(rq):
 def test_resync_runs_every_known_job_and_forget_stops_it(rq):
     rec = Recorder()
     r = rq(rec, resync_seconds=0.2)
-    r.known.update({("ns", "a"), ("ns", "b")})
+    r.remember(("ns", "a"))
+    r.remember(("ns", "b"))
     assert wait(lambda: {("ns", "a"), ("ns", "b")} <= set(rec.keys()), 2.0)
     r.forget(("ns", "a"))
     n = len(rec.calls)
@@ -106,7 +107,7 @@ def test_stopped_requeue_runs_nothing():
     r.start()
     r.stop()
     r.after(("ns", "a"), 0.0)
-    r.known.add(("ns", "b"))
+    r.remember(("ns", "b"))
     time.sleep(0.3)
     assert rec.calls == []
 
@@ -129,3 +130,27 @@ def test_lean_diff_base_equals_kopfs():
     assert lean.build(body=kopf.Body(body))["metadata"]["annotations"] == {"note": "keep"}
     extra = ["status.launchedSpec"]
     assert lean.build(body=kopf.Body(body), extra_fields=extra) == ref.build(body=kopf.Body(body), extra_fields=extra)
+
+
+def test_jobs_remembered_while_the_resync_iterates(rq):
+    """kopf threads add jobs while the timer walks the set: the timer must survive (it once
+    iterated the live set: 'Set changed size during iteration' would have ended all requeues)."""
+    import sys
+    rec = Recorder()
+    r = rq(rec, threads=2, resync_seconds=0.005)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)        # switch threads often, so adds land inside the iteration
+
+    def add(base):
+        for i in range(5000):
+            r.remember(("ns", f"{base}-{i}"))
+    threads = [threading.Thread(target=add, args=(b,)) for b in ("a", "b", "c")]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    r.after(("ns", "late"), 0.0)
+    assert wait(lambda: ("ns", "late") in rec.keys(), 10.0)
