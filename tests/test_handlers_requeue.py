@@ -112,26 +112,6 @@ def test_stopped_requeue_runs_nothing():
     assert rec.calls == []
 
 
-def test_lean_diff_base_equals_kopfs():
-    import kopf
-    from moejob_operator.handlers import LeanDiffBaseStorage
-    body = {"apiVersion": "moe-operator.io/v1alpha1", "kind": "MoETrainingJob",
-            "metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 2,
-                         "labels": {"team": "a"},
-                         "annotations": {"moe-operator.io/last-handled-configuration": "{}",
-                                         "kubectl.kubernetes.io/last-applied-configuration": "{}",
-                                         "note": "keep"},
-                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
-            "spec": {"model": {"preset": "tiny-mixtral"}, "nodes": {"count": 2}},
-            "status": {"conditions": [{"type": "Planned", "status": "True"}], "launchedSpec": {"x": 1}}}
-    ref = kopf.AnnotationsDiffBaseStorage(prefix="moe-operator.io")
-    lean = LeanDiffBaseStorage(prefix="moe-operator.io")
-    assert lean.build(body=kopf.Body(body)) == ref.build(body=kopf.Body(body))
-    assert lean.build(body=kopf.Body(body))["metadata"]["annotations"] == {"note": "keep"}
-    extra = ["status.launchedSpec"]
-    assert lean.build(body=kopf.Body(body), extra_fields=extra) == ref.build(body=kopf.Body(body), extra_fields=extra)
-
-
 def test_jobs_remembered_while_the_resync_iterates(rq):
     """kopf threads add jobs while the timer walks the set: the timer must survive (it once
     iterated the live set: 'Set changed size during iteration' would have ended all requeues)."""
