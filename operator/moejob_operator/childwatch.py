@@ -24,6 +24,8 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
+from .reconcile.client import Client
+
 log = logging.getLogger("moejob_operator")
 
 WATCH_TIMEOUT_SECONDS = 60      # the server closes the stream after this; we resume at once
@@ -70,12 +72,7 @@ class ChildWatch:
         return self._list_all(**kw) if ns is None else self._list_ns(ns, **kw)
 
     def _current_version(self, ns: str | None) -> str:
-        resp = self._call(ns, limit=1)
-        try:
-            return json.loads(resp.data)["metadata"]["resourceVersion"]
-        finally:
-            resp.close()          # a stream left mid-way must not go back to the pool unread
-            resp.release_conn()
+        return Client._json(self._call(ns, limit=1))["metadata"]["resourceVersion"]
 
     def _run(self, ns: str | None) -> None:
         first, cap = RETRY_SECONDS

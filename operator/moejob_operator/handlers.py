@@ -280,7 +280,8 @@ def _pod_signature(body) -> tuple:
 
 def _phase_changed(type: str, body, **_) -> bool:
     """Pod events worth a pass: DELETED, and changes of phase, container state or deletion.
-    ADDED is the operator's own create; None is the initial listing, which resume handles."""
+    ADDED is the operator's own create (the watch starts from "now"; jobs' passes after a restart
+    come from kopf's initial listing of the jobs)."""
     uid = body.get("metadata", {}).get("uid", "")
     sig = _pod_signature(body)
     with _pod_seen_lock:
