@@ -201,8 +201,7 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
     fresh = not p.status.get("plan") and not p.status.get("launchedSpec")
     cm = None if fresh else p.client.get_configmap(p.job.namespace, name)
     if cm is not None:
-        ann = (cm["metadata"].get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
-        if ann == spec_hash or p.status.get("launchedSpec"):
+        if _spec_hash_of(cm) == spec_hash or p.status.get("launchedSpec"):
             plan = json.loads(cm["data"][C.PLAN_KEY])
             summary = planning.summary(plan)
             p.status["plan"] = summary
@@ -253,13 +252,16 @@ def _plan_written(p: Pass, created: bool) -> None:
     cm, p.new_plan_cm = p.new_plan_cm, None
     if not created:
         name = cm["metadata"]["name"]
-        old = p.client.get_configmap(p.job.namespace, name)
-        ann = (((old or {}).get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
-        if ann != cm["metadata"]["annotations"][C.ANNOTATION_SPEC_HASH]:
+        if _spec_hash_of(p.client.get_configmap(p.job.namespace, name)) != _spec_hash_of(cm):
             p.client.delete_configmap(p.job.namespace, name)
             if not p.client.create(cm):
                 raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
     _crashpoint("after-plan")
+
+
+def _spec_hash_of(cm: dict[str, Any] | None) -> str | None:
+    """The immutable-spec hash a plan ConfigMap was made from (None: no ConfigMap or no hash)."""
+    return (((cm or {}).get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
 
 
 def _persist_plan(p: Pass) -> None:
