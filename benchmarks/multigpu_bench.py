@@ -43,7 +43,7 @@ for sub in ("operator", "trainer_image"):
 
 from moejob_operator.core import cost, models, plan as plan_mod, routing  # noqa: E402
 from moejob_operator.core.placement import Placement  # noqa: E402
-from moejob_operator.core.topology import ClusterTopology, load_topology  # noqa: E402
+from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups  # noqa: E402
 
 MODEL = {"model_type": "mixtral", "vocab_size": 320, "hidden_size": 1024, "intermediate_size": 1024,
          "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
@@ -203,7 +203,7 @@ def main() -> None:
     topo_path, result["discoveryStderr"] = discover(out, env)
     report = load_topology(str(topo_path))
     topo = ClusterTopology.from_reports([report])
-    result["topologyNote"] = (f"{len(report.gpus)} GPUs, NVLink groups {[list(g) for g in _groups(report)]}, "
+    result["topologyNote"] = (f"{len(report.gpus)} GPUs, NVLink groups {nvlink_groups(report)}, "
                               f"NVLink {float(topo.nvlink_gbps[0]):.0f} GB/s per GPU (0 = none), "
                               f"driver {report.driver_version}")
     result["discoverySeconds"] = round(time.monotonic() - t0, 1)
@@ -254,11 +254,6 @@ def main() -> None:
         for f in sorted(work.glob("log-*.log")) + sorted(work.glob("plan-*.json")):
             tar.add(f, arcname=f.name)
     print(markdown(result))
-
-
-def _groups(report):
-    from moejob_operator.core.topology import nvlink_groups
-    return nvlink_groups(report)
 
 
 if __name__ == "__main__":
