@@ -121,17 +121,10 @@ def autoep_sends(placement: "Placement", load: np.ndarray) -> np.ndarray:
     """Rows each GPU sends to other GPUs in AutoEP's forward dispatch + combine, summed over
     layers, for ``load[L, E]`` assignments; ``[W]``. Each source rank is assumed to route like the
     whole (its share of ``load`` is ``load / W``); backward sends the same again."""
-    L, _ = load.shape
-    P, W = placement.ep_size, placement.world_size
-    R = W // P
-    out = np.zeros(W)
-    for layer in range(L):
-        e2r = placement.expert2rank(layer)
-        rank_load = np.bincount(e2r, weights=load[layer], minlength=P) / R    # per EP group
-        total = rank_load.sum()
-        sent = (total - rank_load) / P + rank_load * (P - 1) / P
-        out[placement.rank2gpu] += np.tile(sent, R)
-    return out
+    P = placement.ep_size
+    received = gpu_load(placement, load)                          # [L, W]: each GPU's L_r
+    per_group = load.sum(axis=1, keepdims=True) / (placement.world_size // P)   # T per EP group
+    return ((per_group - received) / P + received * (P - 1) / P).sum(axis=0)
 
 
 def _token_costs(placement: "Placement", topo: ClusterTopology, trace: RoutingStats):
