@@ -79,6 +79,16 @@ def get_job(kube, namespace: str, name: str) -> dict:
     return kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
 
 
+def launched(kube, namespace: str, name: str, wait_for, attempt: int = 0, timeout: float = 30) -> dict:
+    """The job once its status records the launch of ``attempt``: a first launch writes status
+    after the worker pods and the trainer's other children (reconcile/job.py _complete_launch),
+    so a test that saw the pods waits for this before it reads status."""
+    def done():
+        job = get_job(kube, namespace, name)
+        return (job.get("status") or {}).get("gangComplete") == attempt and job
+    return wait_for(done, timeout=timeout, message=f"{name}: status records launch attempt {attempt}")
+
+
 def condition(job: dict, ctype: str) -> dict:
     for c in (job.get("status") or {}).get("conditions") or ():
         if c["type"] == ctype:

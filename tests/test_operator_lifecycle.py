@@ -14,8 +14,8 @@ from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
 from moe_localkube.nodes import NodeSpec, node_manifest, node_status
-from operator_harness import (apply_job, condition, events_for, example, get_job, module_operator,
-                              seed_topology)
+from operator_harness import (apply_job, condition, events_for, example, get_job, launched,
+                              module_operator, seed_topology)
 
 pytestmark = pytest.mark.cluster
 
@@ -63,7 +63,7 @@ def test_immutable_edit_deleted_worker_suspend_resume(kube, namespace, operator_
     apply_job(kube, namespace, _parked("life"))
     wait_for(lambda: len(_workers(kube, namespace, "life")) == 2, timeout=60, message=operator_proc.logs())
     first = _workers(kube, namespace, "life")
-    job = get_job(kube, namespace, "life")
+    job = launched(kube, namespace, "life", wait_for)
     assert condition(job, C.COND_UPGRADE_VERIFIED)["reason"] == C.R_GATE_SKIPPED
     # Events trail the pass that raised them (the poster yields to passes: reconcile/client.py)
     wait_for(lambda: any(e.reason == C.R_GATE_SKIPPED and e.type == "Warning"
@@ -121,7 +121,7 @@ def test_lost_node_replans_on_the_remaining_nodes(kube, namespace, operator_proc
         job["spec"]["runPolicy"] = {"allowReplanOnNodeLoss": True, "backoffLimit": 2}
         apply_job(kube, namespace, job)
         wait_for(lambda: len(_workers(kube, namespace, "replan")) == 2, timeout=60, message=operator_proc.logs())
-        assert set(get_job(kube, namespace, "replan")["status"]["plan"]["nodes"]) == {"node-a", "node-aa"}
+        assert set(launched(kube, namespace, "replan", wait_for)["status"]["plan"]["nodes"]) == {"node-a", "node-aa"}
 
     def relaunched():
         st = get_job(kube, namespace, "replan").get("status", {})

@@ -27,6 +27,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from typing import Callable
 
 import kopf
 from kubernetes.client.rest import ApiException
@@ -35,6 +36,7 @@ from . import constants as C
 from . import metrics
 from .childwatch import ChildWatch
 from .reconcile.client import Client
+from .reconcile.deferred import YieldingQueue
 from .reconcile.job import reconcile
 
 log = logging.getLogger("moejob_operator")
@@ -181,15 +183,70 @@ class Requeue:
         self._pool.submit(job)
 
 
+# A launching pass's remainder (reconcile(defer=...)): at most one per job, run by the finisher
+# once a burst of passes has passed, or first thing by the job's next pass, whichever comes first.
+FINISH_QUIET_SECONDS = 0.1
+FINISH_MAX_DELAY_SECONDS = 2.0
+FINISH_THREADS = 4
+_pending: dict[tuple[str, str], Callable[[], None]] = {}
+_pending_guard = threading.Lock()
+_finisher: YieldingQueue | None = None
+
+
+def _defer(key: tuple[str, str], finish: Callable[[], None]) -> None:
+    """reconcile's ``defer`` (called in the job's pass, under its lock)."""
+    global _finisher
+    with _pending_guard:
+        _pending[key] = finish
+        if _finisher is None:
+            _finisher = YieldingQueue("moe-finish", _run_finish, client().clock,
+                                      quiet=FINISH_QUIET_SECONDS, max_delay=FINISH_MAX_DELAY_SECONDS,
+                                      threads=FINISH_THREADS)
+        finisher = _finisher
+    if not finisher.put(key):
+        _finish_pending(key)      # queue full: now, in this pass
+
+
+def _take_pending(key: tuple[str, str]) -> Callable[[], None] | None:
+    with _pending_guard:
+        return _pending.pop(key, None)
+
+
+def _run_finish(key: tuple[str, str]) -> None:
+    _serialised(key, lambda: _finish_pending(key))
+
+
+def _finish_pending(key: tuple[str, str]) -> None:
+    finish = _take_pending(key)
+    if finish is not None:
+        finish()
+
+
+def drain_deferred(timeout: float = 10.0) -> bool:
+    """Run every deferred launch remainder now-ish (shutdown, tests); False on timeout."""
+    return _finisher is None or _finisher.drain(timeout)
+
+
 def run_pass(namespace: str, name: str, body: dict | None = None) -> float | None:
-    """One serialised pass; schedules the next one it asks for (or a retry after an error)."""
+    """One serialised pass (after the remainder of the job's previous pass, if one is still
+    deferred); schedules the next one it asks for (or a retry after an error)."""
     key = (namespace, name)
+
+    def once() -> float | None:
+        _finish_pending(key)
+        return reconcile(client(), namespace, name, body=body, defer=lambda f: _defer(key, f))
+    return _serialised(key, once)
+
+
+def _serialised(key: tuple[str, str], work: Callable[[], float | None]) -> float | None:
+    """``work`` under the job's lock; schedules the pass it asks for, or a retry after an error."""
+    namespace, name = key
     with _locks_guard:
         lock = _locks[key]
     delay: float | None
     with lock:
         try:
-            delay = reconcile(client(), namespace, name, body=body)
+            delay = work()
             requeue.succeeded(key)
         except ApiException as exc:
             if exc.status in (409, 429) or exc.status >= 500:   # conflicts, overload: soon again
@@ -237,6 +294,7 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
 def shutdown(**_) -> None:
     stop_child_watches()
     requeue.stop()
+    drain_deferred(5.0)    # launched jobs' status; a new operator would redo them otherwise
 
 
 def _job_event_wanted(type: str | None, body, **_) -> bool:

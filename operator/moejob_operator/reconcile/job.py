@@ -5,6 +5,9 @@ job and its children fresh and moves as far as it can; it never sleeps. It retur
 after which it wants to run again ("not yet"), or None when only a change (a pod, the progress
 ConfigMap, the spec) can move the job on. All state lives in the cluster (children with
 deterministic names, ``status``), so a restarted operator continues where the old one stopped.
+
+A launching pass ends at the worker pods; the rest of it (the children only a running trainer
+uses, then the status write) can be handed to ``defer`` (see :func:`reconcile`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import datetime as dt
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from .. import constants as C
 from .. import metrics
@@ -54,6 +57,8 @@ class Pass:
         self.events: list[tuple[str, str, str]] = []
         # a plan made in this pass, written with the launch batch (or before any other return)
         self.new_plan_cm: dict[str, Any] | None = None
+        # this pass created the worker pods of a first launch: the trainer's other children follow
+        self.launched = False
 
     def cond(self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False) -> None:
         conds, transition = set_condition(self.status.get("conditions"), ctype, status, reason,
@@ -98,9 +103,15 @@ class Pass:
 
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,
-              body: dict[str, Any] | None = None) -> float | None:
+              body: dict[str, Any] | None = None,
+              defer: Callable[[Callable[[], None]], None] | None = None) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
-    watch event just delivered it (a new job's first pass), instead of reading it."""
+    watch event just delivered it (a new job's first pass), instead of reading it.
+
+    ``defer``: when this pass has launched the workers, it ends there and hands the rest (the
+    children only the running trainer uses, then the status write: :func:`_complete_launch`) to
+    ``defer`` as a callable, which the caller runs later, before the job's next pass (handlers:
+    once a burst of new jobs has its pods). Without ``defer`` (or after an error) it runs now."""
     client.pass_started()
     with metrics.reconcile_timer():
         if body is None:
@@ -109,11 +120,17 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
             metrics.forget_job(namespace, name)
             return None
         p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
+        done = False
         try:
-            return _run(p)
+            delay = _run(p)
+            done = True
+            return delay
         finally:
-            p.flush()
             metrics.observe_job(namespace, name, p.status)
+            if done and p.launched and defer is not None:
+                defer(lambda: _complete_launch(p))
+            else:
+                _complete_launch(p)
 
 
 def _run(p: Pass) -> float | None:
@@ -154,10 +171,8 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
         _persist_plan(p)          # a re-plan (node lost): the plan before the pods
         return _track(p, spec, plan)
     _launch_children(p, spec)
-    try:
-        return _track(p, spec, plan, launching=True)
-    finally:
-        _worker_rbac(p)
+    p.launched = True             # also when creating the pods fails: the trainer's children follow
+    return _track(p, spec, plan, launching=True)
 
 
 # ---- validate -----------------------------------------------------------------------------
@@ -271,14 +286,11 @@ def _persist_plan(p: Pass) -> None:
 
 # ---- launch + track -----------------------------------------------------------------------
 def _launch_children(p: Pass, spec: JobSpec) -> None:
-    # All at once, the plan made in this pass too (none depends on another; each sequential round
-    # trip was latency on the way to the workers), and before the pods: pod admission looks the
-    # ServiceAccount up, the kubelet mounts the plan. The Role and RoleBinding follow the pods
-    # (_worker_rbac).
+    """What the worker pods need to exist and start, before them and at once (one round trip):
+    pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
+    follows the pods (_complete_launch)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
-    created = p.client.create_all(plan_cm + [
-        rbac.service_account(p.job), configmaps.progress_configmap(p.job),
-        configmaps.routing_stats_configmap(p.job), workers.headless_service(p.job)])
+    created = p.client.create_all(plan_cm + [rbac.service_account(p.job)])
     if plan_cm:
         _plan_written(p, created[0])
     p.status["launchedSpec"] = spec.immutable_view()
@@ -288,15 +300,31 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
     p.status.setdefault("failedRestarts", 0)
 
 
-def _worker_rbac(p: Pass) -> None:
-    """The workers' Role and RoleBinding, right after their pods on the launch pass. Only the
-    trainer's progress and routing-statistics publishing uses them, seconds after its process
-    starts (and it retries a refused publish at the next interval), while pod scheduling and
-    start need none: with the pods first they do not wait for two RBAC writes, which the 100-job
-    benchmark measured as the costliest objects for the API server (p50 0.88-1.07 s without them
-    vs 1.13-1.15 s). An operator that stops in between redoes the launch (status is written last)."""
-    p.client.create_all([rbac.role(p.job), rbac.role_binding(p.job)])
-    _crashpoint("after-rbac")
+def _complete_launch(p: Pass) -> None:
+    """The end of every pass: on a launching pass first the children that only the running
+    trainer uses, then the status (always written last, so an operator that stops before it
+    launches again and finds everything "already exists").
+
+    Trainer-only children: the headless Service (rendezvous DNS, looked up once rank 0's pod
+    runs), the progress and routing-statistics ConfigMaps the trainer patches and the Role and
+    RoleBinding that let it (it retries a failed publish at its next interval). Pod scheduling
+    and start need none of them, so on the way from apply to worker pods they cost nothing; with
+    ``reconcile(defer=...)`` they wait until a burst of new jobs has its pods. Measured on the
+    100-job benchmark (docs/operator.md): p50 apply -> worker pods 0.49-0.66 s deferred vs
+    0.95-1.01 s with them and the status write in the launching pass."""
+    try:
+        if p.launched:
+            p.launched = False
+            try:
+                p.client.create_all([workers.headless_service(p.job), configmaps.progress_configmap(p.job),
+                                     configmaps.routing_stats_configmap(p.job), rbac.role(p.job),
+                                     rbac.role_binding(p.job)])
+            except Exception:
+                p.status.pop("launchedSpec", None)    # not launched completely: launch again
+                raise
+            _crashpoint("after-rbac")
+    finally:
+        p.flush()
 
 
 def _fault_env(p: Pass) -> dict[str, str]:

@@ -1,0 +1,221 @@
+"""A launching pass ends at the worker pods; the trainer-only children and the status write follow
+later (``reconcile(defer=...)``), from a queue that yields to passes (``reconcile.deferred``), or
+first thing in the job's next pass. No cluster: an in-memory client records the writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes.client.rest import ApiException
+
+from moejob_operator import constants as C
+from moejob_operator import handlers
+from moejob_operator.core.topology import load_topology, report_to_json
+from moejob_operator.reconcile import job as J
+from moejob_operator.reconcile.client import Client
+from moejob_operator.reconcile.deferred import PassClock, YieldingQueue
+from moejob_operator.status import now_iso
+from moe_localkube.nodes import NodeSpec, node_manifest, node_status
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def wait(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.005)
+    return cond()
+
+
+# ---- YieldingQueue -----------------------------------------------------------------------------
+def test_items_wait_while_passes_keep_starting_and_run_once_quiet():
+    clock, ran = PassClock(), []
+    q = YieldingQueue("t-quiet", lambda item: ran.append((item, time.monotonic())), clock,
+                      quiet=0.1, max_delay=10.0)
+    t0 = time.monotonic()
+    clock.started()
+    q.put("a")
+    while time.monotonic() - t0 < 0.5:          # a burst of passes for 0.5 s
+        clock.started()
+        time.sleep(0.02)
+        assert not ran, "ran while passes kept starting"
+    assert wait(lambda: ran, 2.0)
+    assert 0.55 <= ran[0][1] - t0 < 1.0
+
+
+def test_max_delay_bounds_the_wait_in_an_endless_burst():
+    clock, ran = PassClock(), []
+    q = YieldingQueue("t-max", lambda item: ran.append(time.monotonic()), clock, quiet=0.1, max_delay=0.3)
+    t0 = time.monotonic()
+    q.put("a")
+    while time.monotonic() - t0 < 1.0 and not ran:
+        clock.started()
+        time.sleep(0.02)
+    assert ran and 0.28 <= ran[0] - t0 < 0.6
+
+
+def test_one_thread_keeps_order_a_failing_item_does_not_stop_the_rest_and_drain_waits():
+    clock, ran = PassClock(), []
+
+    def run(item):
+        if item == 2:
+            raise RuntimeError("boom")
+        ran.append(item)
+    q = YieldingQueue("t-order", run, clock, quiet=0.0, max_delay=1.0)
+    for i in range(6):
+        assert q.put(i)
+    assert q.drain(5.0)
+    assert ran == [0, 1, 3, 4, 5]
+
+
+def test_a_full_queue_refuses():
+    clock, release = PassClock(), threading.Event()
+    q = YieldingQueue("t-full", lambda item: release.wait(5), clock, quiet=0.0, max_delay=0.0, maxsize=1)
+    assert q.put(1)
+    assert wait(lambda: q._q.qsize() == 0)      # the thread holds item 1
+    assert q.put(2)
+    assert not q.put(3)
+    release.set()
+    assert q.drain(5.0)
+
+
+# ---- reconcile(defer=...) against an in-memory client --------------------------------------------
+class MemoryClient(Client):
+    """The API calls of a new job's passes, in memory. ``fail_kind``: creating that kind raises 500."""
+
+    def __init__(self, fail_kind: str | None = None):
+        self.clock = PassClock()
+        self._lock = threading.Lock()
+        self._node_cache = None
+        self._node_cache_seconds = 2.0
+        self._cm_cache = {}
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.writes: list[str] = []
+        self.status: dict | None = None
+        self.fail_kind = fail_kind
+        for n in ("node-a", "node-b"):
+            doc = report_to_json(load_topology("nvswitch-h100-8"))
+            doc.update(node=n, collectedAt=now_iso())
+            name = f"{C.TOPOLOGY_CONFIGMAP_PREFIX}{n}"
+            self.objects[("ConfigMap", name)] = {"metadata": {"name": name, "uid": n, "resourceVersion": "1"},
+                                                 "data": {C.TOPOLOGY_KEY: json.dumps(doc)}}
+
+    def list_nodes(self):
+        return [{**node_manifest(NodeSpec(n)), "status": node_status(NodeSpec(n))} for n in ("node-a", "node-b")]
+
+    def get_configmap(self, namespace, name):
+        return copy.deepcopy(self.objects.get(("ConfigMap", name)))
+
+    def create(self, obj):
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if kind == self.fail_kind:
+            raise ApiException(status=500, reason="Internal Server Error")
+        if (kind, name) in self.objects:
+            return False
+        self.objects[(kind, name)] = copy.deepcopy(obj)
+        self.writes.append(f"{kind}/{name}")
+        return True
+
+    def create_all(self, objs):
+        out, err = [], None
+        for o in objs:
+            try:
+                out.append(self.create(o))
+            except ApiException as exc:
+                err = err or exc
+        if err:
+            raise err
+        return out
+
+    def patch_job_status(self, namespace, name, status):
+        self.writes.append("status")
+        self.status = {k: v for k, v in {**(self.status or {}), **status}.items() if v is not None}
+
+    def event(self, job, etype, reason, message):
+        pass
+
+
+@pytest.fixture
+def job(monkeypatch):
+    monkeypatch.setenv("MOE_GATE_ENABLED", "false")
+    body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1}
+    return body
+
+
+TRAINER_ONLY = {"Service/j-workers", "ConfigMap/j-progress", "ConfigMap/j-routing-stats",
+                "Role/j-worker", "RoleBinding/j-worker"}
+
+
+def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job):
+    c = MemoryClient()
+    deferred = []
+    J.reconcile(c, "ns", "j", body=job, defer=deferred.append)
+    assert c.writes == ["ConfigMap/j-plan", "ServiceAccount/j-worker", "Pod/j-worker-0", "Pod/j-worker-1"]
+    assert c.status is None and len(deferred) == 1
+    deferred[0]()
+    assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
+    assert c.status["launchedSpec"] and c.status["gangComplete"] == 0
+
+
+def test_without_defer_the_same_pass_does_it_all(job):
+    c = MemoryClient()
+    J.reconcile(c, "ns", "j", body=job)
+    assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
+
+
+def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_completes_it(job):
+    c = MemoryClient(fail_kind="Role")
+    deferred = []
+    J.reconcile(c, "ns", "j", body=job, defer=deferred.append)
+    with pytest.raises(ApiException):
+        deferred[0]()
+    assert c.writes[-1] == "status" and "launchedSpec" not in c.status   # launches again
+    c.fail_kind = None
+    again = {**job, "status": c.status}
+    J.reconcile(c, "ns", "j", body=again, defer=deferred.append)
+    deferred[1]()
+    assert "Role/j-worker" in c.writes and c.status["launchedSpec"]
+    assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
+
+
+# ---- handlers: one pending remainder per job, run before its next pass --------------------------------
+def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once(monkeypatch):
+    order = []
+
+    def fake_reconcile(client, namespace, name, *, body=None, defer=None):
+        order.append(f"pass {name}")
+        defer(lambda: order.append(f"rest {name}"))
+        return None
+    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
+    monkeypatch.setattr(handlers, "_client", MemoryClient())
+    monkeypatch.setattr(handlers, "_finisher", None)
+    monkeypatch.setattr(handlers, "FINISH_QUIET_SECONDS", 0.3)
+    handlers.run_pass("ns", "a")
+    handlers.run_pass("ns", "a")       # within the quiet time: the first pass's rest comes first
+    assert order == ["pass a", "rest a", "pass a"]
+    assert handlers.drain_deferred(5.0)
+    assert order == ["pass a", "rest a", "pass a", "rest a"]
+
+
+def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
+    retried = []
+
+    def fake_reconcile(client, namespace, name, *, body=None, defer=None):
+        def rest():
+            raise ApiException(status=403, reason="Forbidden")
+        defer(rest)
+        return None
+    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
+    monkeypatch.setattr(handlers, "_client", MemoryClient())
+    monkeypatch.setattr(handlers, "_finisher", None)
+    monkeypatch.setattr(handlers.requeue, "after", lambda key, delay: retried.append((key, delay)))
+    handlers.run_pass("ns", "b")
+    assert handlers.drain_deferred(5.0)
+    assert retried and retried[0][0] == ("ns", "b") and retried[0][1] >= 0.5
