@@ -5,7 +5,9 @@ Triggers: the job's watch events (kopf), its worker and discovery pods and the p
 trainer writes (:mod:`moejob_operator.childwatch`: server-side label selectors, not kopf), node
 deletions (kopf); plus this module's own requeue (a pass that says "again in N s") and a
 resync of every known job every ``RESYNC_SECONDS`` (safety net for missed events). Passes for one
-job are serialised by a per-job lock, whatever triggered them.
+job are serialised by a per-job lock, whatever triggered them, and so is the deferred rest of a
+launching pass (``reconcile(defer=...)``: run once a burst of passes is over, or first thing in
+the job's next pass).
 
 The job is watched with ``kopf.on.event``, not kopf's create/update/resume handlers and timers:
 those keep state on the object (a finalizer, added in its own PATCH and then waiting for the
