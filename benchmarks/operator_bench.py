@@ -114,51 +114,38 @@ def run(jobs: int, workdir: Path) -> dict:
         base["spec"]["scheduling"] = {"schedulerName": "benchmark-no-scheduler"}
 
         # warm-up job: the operator's first pass imports the planner (numpy/scipy); not measured
-        seen: dict[str, float] = {}
+        seen: dict[str, float] = {}       # worker pod -> its ADDED event
+        launched: dict[str, float] = {}   # job -> its first status with the launch recorded
         done = threading.Event()
         lock = threading.Lock()
 
-        def watch_pods():
-            # raw watch lines + json.loads: the client's model deserialisation of every pod event
-            # cost this process more CPU than the operator spends per job, on the same 2 cores
+        def record_first(start_watch, wanted, into: dict[str, float]) -> None:
+            """Stamp each object's first watch event that ``wanted`` accepts. Raw watch lines +
+            json.loads: the client's model deserialisation of every pod event cost this process
+            more CPU than the operator spends per job, on the same 2 cores."""
             try:
-                resp = kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker",
-                                                     watch=True, timeout_seconds=600, _preload_content=False)
+                resp = start_watch()
                 for line in iter_resp_lines(resp):
                     if not line:
                         continue
                     ev = json.loads(line)
-                    if ev.get("type") == "ADDED":
+                    if wanted(ev):
                         with lock:
-                            seen.setdefault(ev["object"]["metadata"]["name"], time.monotonic())
+                            into.setdefault(ev["object"]["metadata"]["name"], time.monotonic())
                     if done.is_set():
                         resp.close()
                         return
             except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
                 pass
 
-        launched: dict[str, float] = {}
-
-        def watch_jobs():
-            try:
-                resp = kube.custom.list_namespaced_custom_object(
-                    C.GROUP, C.VERSION, ns, C.PLURAL, watch=True, timeout_seconds=600, _preload_content=False)
-                for line in iter_resp_lines(resp):
-                    if not line:
-                        continue
-                    ev = json.loads(line)
-                    if "gangComplete" in ((ev.get("object") or {}).get("status") or {}):
-                        with lock:
-                            launched.setdefault(ev["object"]["metadata"]["name"], time.monotonic())
-                    if done.is_set():
-                        resp.close()
-                        return
-            except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
-                pass
-
-        watcher = threading.Thread(target=watch_pods, daemon=True)
-        watcher.start()
-        threading.Thread(target=watch_jobs, daemon=True).start()
+        threading.Thread(target=record_first, daemon=True, args=(
+            lambda: kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker", watch=True,
+                                                  timeout_seconds=600, _preload_content=False),
+            lambda ev: ev.get("type") == "ADDED", seen)).start()
+        threading.Thread(target=record_first, daemon=True, args=(
+            lambda: kube.custom.list_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, watch=True,
+                                                              timeout_seconds=600, _preload_content=False),
+            lambda ev: "gangComplete" in ((ev.get("object") or {}).get("status") or {}), launched)).start()
         time.sleep(3.0)   # operator and watch up
 
         def make(name: str) -> dict:
