@@ -1,6 +1,7 @@
 """A launching pass ends at the worker pods; the trainer-only children and the status write follow
 later (``reconcile(defer=...)``), from a queue that yields to passes (``reconcile.deferred``), or
-first thing in the job's next pass. No cluster: an in-memory client records the writes."""
+first thing in the job's next pass; and the client's throttled token refresh. No cluster: an
+in-memory client records the writes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
-from moejob_operator import handlers
+from moejob_operator import handlers, metrics
 from moejob_operator.core.topology import load_topology, report_to_json
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Client
@@ -162,6 +163,8 @@ def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job
     deferred[0]()
     assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
     assert c.status["launchedSpec"] and c.status["gangComplete"] == 0
+    # the operator's metrics see the status as written (phase is set by the write)
+    assert metrics.JOBS._jobs[("ns", "j")].phase == c.status["phase"] == "Launching"
 
 
 def test_without_defer_the_same_pass_does_it_all(job):
@@ -219,3 +222,16 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     handlers.run_pass("ns", "b")
     assert handlers.drain_deferred(5.0)
     assert retried and retried[0][0] == ("ns", "b") and retried[0][1] >= 0.5
+
+
+# ---- the client's token refresh ------------------------------------------------------------------
+def test_token_refresh_hook_runs_at_most_every_few_seconds():
+    from moejob_operator.reconcile.client import _at_most_every
+    calls = []
+    refresh = _at_most_every(calls.append, 0.3)
+    for _ in range(50):
+        refresh("cfg")
+    assert calls == ["cfg"]
+    time.sleep(0.35)
+    refresh("cfg")
+    assert len(calls) == 2

@@ -126,7 +126,6 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
             done = True
             return delay
         finally:
-            metrics.observe_job(namespace, name, p.status)
             if done and p.launched and defer is not None:
                 defer(lambda: _complete_launch(p))
             else:
@@ -325,6 +324,7 @@ def _complete_launch(p: Pass) -> None:
             _crashpoint("after-rbac")
     finally:
         p.flush()
+        metrics.observe_job(p.job.namespace, p.job.name, p.status)
 
 
 def _fault_env(p: Pass) -> dict[str, str]:
