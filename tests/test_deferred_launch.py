@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
@@ -91,11 +92,7 @@ class MemoryClient(Client):
     """The API calls of a new job's passes, in memory. ``fail_kind``: creating that kind raises 500."""
 
     def __init__(self, fail_kind: str | None = None):
-        self.clock = PassClock()
-        self._lock = threading.Lock()
-        self._node_cache = None
-        self._node_cache_seconds = 2.0
-        self._cm_cache = {}
+        super().__init__(k8s.ApiClient())         # never used to send: every call below is overridden
         self.objects: dict[tuple[str, str], dict] = {}
         self.writes: list[str] = []
         self.status: dict | None = None

@@ -209,17 +209,13 @@ def _defer(key: tuple[str, str], finish: Callable[[], None]) -> None:
         _finish_pending(key)      # queue full: now, in this pass
 
 
-def _take_pending(key: tuple[str, str]) -> Callable[[], None] | None:
-    with _pending_guard:
-        return _pending.pop(key, None)
-
-
 def _run_finish(key: tuple[str, str]) -> None:
     _serialised(key, lambda: _finish_pending(key))
 
 
 def _finish_pending(key: tuple[str, str]) -> None:
-    finish = _take_pending(key)
+    with _pending_guard:
+        finish = _pending.pop(key, None)
     if finish is not None:
         finish()
 
@@ -338,7 +334,7 @@ def _pod_signature(body) -> tuple:
     return (status.get("phase"), states, bool(body.get("metadata", {}).get("deletionTimestamp")))
 
 
-def _phase_changed(type: str, body, **_) -> bool:
+def _phase_changed(type: str, body) -> bool:
     """Pod events worth a pass: DELETED, and changes of phase, container state or deletion.
     ADDED is the operator's own create (the watch starts from "now"; jobs' passes after a restart
     come from kopf's initial listing of the jobs)."""
