@@ -86,7 +86,7 @@ def test_workers_rendezvous_and_pinning():
         assert pod["spec"]["hostname"] == f"tiny-cpu-worker-{rank}"
         assert pod["spec"]["subdomain"] == "tiny-cpu-workers"
         res = pod["spec"]["containers"][0]["resources"]
-        assert res["limits"][C.GPU_RESOURCE] == 8
+        assert res["limits"][C.GPU_RESOURCE] == res["requests"][C.GPU_RESOURCE] == "8"
         # pass-through: user labels kept, ours win
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
         assert pod["spec"]["priorityClassName"] == "training"
@@ -156,3 +156,38 @@ def test_service_port_matches_the_workers_rendezvous_port():
     pod = workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0,
                               spec_hash="h")[1]
     assert _env(pod)["MASTER_PORT"] == str(rendezvous)
+
+
+def _quantities(obj, path=""):
+    """(path, value) of everything under a ``resources`` block, anywhere in ``obj``."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if k == "resources" and isinstance(v, dict) and set(v) <= {"requests", "limits"}:
+                yield from ((f"{path}.{k}.{part}.{n}", q) for part, qs in v.items() for n, q in qs.items())
+            else:
+                yield from _quantities(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _quantities(v, f"{path}[{i}]")
+
+
+def test_every_quantity_is_a_string_the_api_client_accepts():
+    """The pinned kubernetes client refuses integers under ``resources`` (pydantic): integer
+    ``spec.resources`` (int-or-string in the CRD), GPU requests, smoke Job and discovery pod."""
+    from moejob_operator.builders import discovery, smoke
+    from moejob_operator.core import gate as G
+    raw = yaml.safe_load((ROOT / "examples" / "gpu-h200.yaml").read_text())["spec"]
+    raw["resources"] = {"requests": {"cpu": 32, "memory": "512Gi"}, "limits": {"cpu": 64}}
+    spec = parse_spec(raw)
+    objs = [workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h"),
+            smoke.smoke_job(G.identity_for("img", None, "GPU"), 1, G.GateConfig(namespace="ns")),
+            discovery.discovery_pod("n", namespace="ns", image="img", service_account="sa",
+                                    gpu_access="request", gpu_count=8)]
+    found = [q for obj in objs for q in _quantities(obj)]
+    assert len(found) >= 10
+    assert all(isinstance(v, str) for _, v in found), [x for x in found if not isinstance(x[1], str)]
+    pod_res = objs[0]["spec"]["containers"][0]["resources"]
+    assert pod_res == {"requests": {"cpu": "32", "memory": "512Gi", C.GPU_RESOURCE: "8"},
+                       "limits": {"cpu": "64", C.GPU_RESOURCE: "8"}}
+    assert objs[1]["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {C.GPU_RESOURCE: "1"}, "limits": {C.GPU_RESOURCE: "1"}}

@@ -89,7 +89,7 @@ def test_request_mode_asks_for_all_gpus_and_no_env_devices():
     pod = D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa",
                           gpu_access="request", gpu_count=4)
     ctr = pod["spec"]["containers"][0]
-    assert ctr["resources"]["limits"][C.GPU_RESOURCE] == 4
+    assert ctr["resources"]["limits"][C.GPU_RESOURCE] == "4"
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in ctr["env"]}
     with pytest.raises(ValueError, match="gpu_count: 0 must be >= 1 with gpu_access='request'"):
         D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa",

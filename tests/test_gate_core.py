@@ -225,7 +225,7 @@ def test_smoke_job_manifest():
     c = pod["containers"][0]
     assert c["image"] == "reg.io/trainer:1.0" and c["command"] == ["moe-smoke"]
     assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--gpu", "--expect-deepspeed", "0.19.8"]
-    assert c["resources"]["limits"] == {C.GPU_RESOURCE: 1}
+    assert c["resources"]["limits"] == {C.GPU_RESOURCE: "1"}
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError" and pod["restartPolicy"] == "Never"
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert spec["template"]["metadata"]["labels"][G.LABEL_GATE_KEY] == IDENT.key

@@ -27,6 +27,25 @@ class JobRef:
         return cls(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])
 
 
+def quantity(value: int | str) -> str:
+    """A resource quantity as the API expects it: a string (``2`` -> ``"2"``). The pinned
+    kubernetes client validates request bodies and refuses integers under ``resources``; the
+    CRD allows either (int-or-string), so every builder goes through here."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{value!r} is not a resource quantity")
+    return str(value)
+
+
+def resources(requests: dict[str, int | str] | None = None,
+              limits: dict[str, int | str] | None = None) -> dict[str, Any]:
+    """A container's ``resources`` block, quantities as strings, keys sorted; empty parts left out."""
+    out: dict[str, Any] = {}
+    for part, values in (("requests", requests), ("limits", limits)):
+        if values:
+            out[part] = {k: quantity(v) for k, v in sorted(values.items())}
+    return out
+
+
 def worker_name(job: JobRef, rank: int) -> str:
     return f"{job.name}-worker-{rank}"
 

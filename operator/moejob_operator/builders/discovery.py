@@ -38,7 +38,7 @@ import re
 from typing import Any, Iterable, Literal
 
 from .. import constants as C
-from .common import token_mount, token_volume
+from .common import resources as quantities, token_mount, token_volume
 
 COMPONENT = "discovery"
 DISCOVERY_POD_PREFIX = "moe-discovery-"
@@ -125,12 +125,12 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},   # NVML only, no CUDA libs
     ]
-    resources: dict[str, Any] = {"requests": dict(DEFAULT_REQUESTS), "limits": dict(DEFAULT_LIMITS)}
+    requests, limits = dict(DEFAULT_REQUESTS), dict(DEFAULT_LIMITS)
     if gpu_access == "env":
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
     else:
-        resources["requests"][C.GPU_RESOURCE] = gpu_count
-        resources["limits"][C.GPU_RESOURCE] = gpu_count
+        requests[C.GPU_RESOURCE] = gpu_count
+        limits[C.GPU_RESOURCE] = gpu_count
     env += [{"name": k, "value": v} for k, v in sorted((extra_env or {}).items())]
 
     container = {
@@ -141,7 +141,7 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         "args": ["--configmap", topology_configmap_name(node), "--namespace", namespace],
         "env": env,
         "volumeMounts": [token_mount()],
-        "resources": resources,
+        "resources": quantities(requests, limits),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
                             "readOnlyRootFilesystem": True, "runAsNonRoot": True,

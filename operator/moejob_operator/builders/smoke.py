@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import constants as C
 from ..core import gate as G
+from .common import resources
 from .workers import RUN_AS_USER
 
 SMOKE_COMMAND = ("moe-smoke",)
@@ -60,7 +61,7 @@ def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
                             "capabilities": {"drop": ["ALL"]}},
     }
     if identity.device == "GPU":
-        container["resources"] = {"limits": {C.GPU_RESOURCE: 1}, "requests": {C.GPU_RESOURCE: 1}}
+        container["resources"] = resources({C.GPU_RESOURCE: 1}, {C.GPU_RESOURCE: 1})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,

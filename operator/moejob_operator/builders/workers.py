@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import constants as C
 from ..spec import JobSpec
-from .common import (JobRef, checkpoint_dir, child_metadata, job_ports, master_addr, plan_configmap_name, progress_configmap_name,
+from .common import (JobRef, resources, checkpoint_dir, child_metadata, job_ports, master_addr, plan_configmap_name, progress_configmap_name,
                      routing_stats_configmap_name, service_name, token_mount, token_volume,
                      worker_account_name, worker_name)
 
@@ -115,17 +115,15 @@ def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
 
 
 def _resources(spec: JobSpec) -> dict[str, Any]:
+    """``spec.resources`` plus, on GPUs, ``nvidia.com/gpu: gpusPerNode`` (request = limit, as
+    extended resources require). With the NVIDIA device plugin the container then sees exactly
+    these GPUs, renumbered 0..gpusPerNode-1: the plan's ``ranks[].gpu`` indexes that list."""
     requests = dict(spec.resources.requests or {})
     limits = dict(spec.resources.limits or {})
     if spec.device == "GPU":
         limits[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
         requests[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
-    out: dict[str, Any] = {}
-    if requests:
-        out["requests"] = dict(sorted(requests.items()))
-    if limits:
-        out["limits"] = dict(sorted(limits.items()))
-    return out
+    return resources(requests, limits)
 
 
 def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt: int,
