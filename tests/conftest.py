@@ -28,6 +28,8 @@ Cluster tests are marked ``pytest.mark.cluster``; deselect them with ``-m "not c
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,12 @@ from moe_localkube import procs
 from moe_localkube.testing import Kube, Kubectl, create_namespace, delete_namespace, unique_name, wait_for as _wait_for
 
 GPU_NODES = {"node-a": "nvswitch-h100-8", "node-b": "nvswitch-h100-8"}
+
+# The operators the tests start (and in-process passes) allow hostPath volumes under the temp
+# directory (tmp_path checkpoints: the local node agent runs pods on this host) and honour the
+# test-only hooks; a test of the production defaults starts its operator with both set to "".
+os.environ.setdefault("MOE_ALLOWED_HOST_PATH_PREFIXES", ",".join(sorted({tempfile.gettempdir(), "/tmp"})))
+os.environ.setdefault("MOE_OPERATOR_TEST_MODE", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -91,7 +91,7 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
     values = ["--set", "replicaCount=0", "--set", f"watchNamespaces={{{namespace}}}",
               "--set", "gate.enabled=false", "--set", f"health.port={hp}",
               "--set", f"metrics.port={mp}", "--set", "logging.format=plain",
-              "--server-side=false"]
+              "--set", f"hostPathPolicy.allowedPrefixes={{{tmp_path}}}", "--server-side=false"]
     proc = None
     try:
         helm(kubectl, "install", name, str(CHART), "-n", rel_ns, *values)

@@ -159,7 +159,7 @@ def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job
     assert c.status is None and len(deferred) == 1
     deferred[0]()
     assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
-    assert c.status["launchedSpec"] and c.status["gangComplete"] == 0
+    assert c.status["launchedSpecHash"] and c.status["gangComplete"] == 0
     # the operator's metrics see the status as written (phase is set by the write)
     assert metrics.JOBS._jobs[("ns", "j")].phase == c.status["phase"] == "Launching"
 
@@ -176,12 +176,12 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
     J.reconcile(c, "ns", "j", body=job, defer=deferred.append)
     with pytest.raises(ApiException):
         deferred[0]()
-    assert c.writes[-1] == "status" and "launchedSpec" not in c.status   # launches again
+    assert c.writes[-1] == "status" and "launchedSpecHash" not in c.status   # launches again
     c.fail_kind = None
     again = {**job, "status": c.status}
     J.reconcile(c, "ns", "j", body=again, defer=deferred.append)
     deferred[1]()
-    assert "Role/j-worker" in c.writes and c.status["launchedSpec"]
+    assert "Role/j-worker" in c.writes and c.status["launchedSpecHash"]
     assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
 
 
@@ -189,7 +189,7 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
 def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once(monkeypatch):
     order = []
 
-    def fake_reconcile(client, namespace, name, *, body=None, defer=None):
+    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
         order.append(f"pass {name}")
         defer(lambda: order.append(f"rest {name}"))
         return None
@@ -207,7 +207,7 @@ def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once(monkey
 def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     retried = []
 
-    def fake_reconcile(client, namespace, name, *, body=None, defer=None):
+    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
         def rest():
             raise ApiException(status=403, reason="Forbidden")
         defer(rest)

@@ -13,10 +13,12 @@ import yaml
 
 from moejob_operator.core.topology import load_topology
 from moejob_operator.reconcile import planning
-from moejob_operator.builders.common import MAX_JOB_NAME, JobRef
+from moejob_operator import admission
+from moejob_operator.builders.common import JobRef
 from moejob_operator.spec import SpecError, parse_spec
 
 BAD = sorted((Path(__file__).parent / "badspecs").glob("*.yaml"))
+POLICY = admission.Policy.from_env()      # conftest: hostPath allowed under the temp dir only
 
 
 def expectation(path: Path) -> tuple[str, str | None]:
@@ -33,9 +35,9 @@ def test_corpus_is_big_enough():
 
 def _refusal(doc: dict) -> Exception:
     try:
-        if len(doc["metadata"]["name"]) > MAX_JOB_NAME:
-            raise SpecError("metadata.name", "too long")
+        admission.check_job_name(doc["metadata"]["name"])
         spec = parse_spec(doc["spec"])
+        admission.check(doc["metadata"]["name"], doc["spec"], spec, POLICY)
         planning.prevalidate(spec)
         reports = {}
         for node in ("node-a", "node-b"):

@@ -29,6 +29,7 @@ GFD_CLIQUE = "nvidia.com/gpu.clique"
 TOPOLOGY_CONFIGMAP_PREFIX = "moe-topology-"
 TOPOLOGY_KEY = "topology.json"
 PLAN_KEY = "plan.json"
+LAUNCHED_SPEC_KEY = "spec.json"     # in the plan ConfigMap: the immutable spec the plan was made from
 PROGRESS_KEY = "progress.json"
 ROUTING_STATS_KEY = "routing_stats.json"
 PLAN_MOUNT_DIR = "/etc/moe"
@@ -54,8 +55,10 @@ COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 COND_SUSPENDED = "Suspended"
 COND_HEALTHY = "Healthy"
+COND_RECONCILED = "Reconciled"     # only after a pass failed: False while retrying, True once past
 CONDITION_TYPES = (COND_SPEC_ACCEPTED, COND_TOPOLOGY, COND_PLANNED, COND_UPGRADE_VERIFIED,
-                   COND_RUNNING, COND_SUCCEEDED, COND_FAILED, COND_SUSPENDED, COND_HEALTHY)
+                   COND_RUNNING, COND_SUCCEEDED, COND_FAILED, COND_SUSPENDED, COND_HEALTHY,
+                   COND_RECONCILED)
 
 # Reasons (CamelCase). Grouped by the condition that usually carries them.
 R_ACCEPTED = "Accepted"
@@ -89,6 +92,17 @@ R_NODE_LOST = "NodeLost"
 R_NO_FINDINGS = "NoFindings"
 R_NO_PROGRESS_YET = "NoProgressYet"
 R_HEALTH_FINDINGS = "HealthFindings"
+R_CHILD_REJECTED = "ChildRejected"          # the API server refuses a child for good (4xx)
+R_PLAN_TOO_LARGE = "PlanTooLarge"
+R_TRANSIENT_ERROR = "TransientError"        # 5xx, timeouts, conflicts: retried with backoff
+R_RECONCILE_ERROR = "ReconcileError"        # an unexpected exception in a pass: retried with backoff
+R_PASS_COMPLETED = "PassCompleted"
+R_STATUS_CORRECTED = "StatusCorrected"      # a status claim the cluster contradicts was undone
+# Known causes of a worker's exit, from its termination message (docs/contracts.md)
+R_CHECKPOINT_NOT_WRITABLE = "CheckpointNotWritable"
+R_CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
+R_DATA_NOT_FOUND = "DataNotFound"
+R_OUT_OF_MEMORY = "OutOfMemory"
 
 # Reconcile timing (seconds)
 TOPOLOGY_REPORT_MAX_AGE_SECONDS = 24 * 3600   # a cached moe-topology-<node> report younger than this is reused

@@ -90,7 +90,8 @@ def _demo(work: Path, manifest: Path, timeout: float) -> int:
                           run_dir=work / "nodeagent", api_server=cp.server)
         agent.start()
         _say("starting the operator (kopf run -A -m moejob_operator.handlers)")
-        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig))
+        # the demo's checkpoints are a hostPath under its work dir: the one host path it allows
+        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt))
         operator = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "-m",
                                 "moejob_operator.handlers"], work / "operator.log", env=env)
         for _ in range(100):   # the default ServiceAccount needs its token before pods are admitted

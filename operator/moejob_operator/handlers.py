@@ -118,13 +118,13 @@ class Requeue:
             self._due.pop(key, None)      # its heap entry is skipped when it comes up
             self._errors.pop(key, None)
 
-    def failed(self, key: tuple[str, str]) -> float:
-        """Delay before retrying a pass that raised: 5 s, doubling, capped."""
+    def failed(self, key: tuple[str, str], first: float | None = None) -> float:
+        """Delay before retrying a pass that raised: 5 s (or ``first``), doubling, capped."""
         with self._cv:
             n = self._errors.get(key, 0)
             self._errors[key] = n + 1
-        first, cap = ERROR_RETRY_SECONDS
-        return min(cap, first * 2 ** n)
+        cap = ERROR_RETRY_SECONDS[1]
+        return min(cap, (first or ERROR_RETRY_SECONDS[0]) * 2 ** min(n, 16))
 
     def succeeded(self, key: tuple[str, str]) -> None:
         with self._cv:
@@ -230,14 +230,24 @@ def run_pass(namespace: str, name: str, body: dict | None = None) -> float | Non
     deferred); schedules the next one it asks for (or a retry after an error)."""
     key = (namespace, name)
 
+    errored = []
+
+    def backoff() -> float:
+        errored.append(True)
+        return requeue.failed(key)
+
     def once() -> float | None:
         _finish_pending(key)
-        return reconcile(client(), namespace, name, body=body, defer=lambda f: _defer(key, f))
-    return _serialised(key, once)
+        return reconcile(client(), namespace, name, body=body, defer=lambda f: _defer(key, f),
+                         backoff=backoff)
+    return _serialised(key, once, errored)
 
 
-def _serialised(key: tuple[str, str], work: Callable[[], float | None]) -> float | None:
-    """``work`` under the job's lock; schedules the pass it asks for, or a retry after an error."""
+def _serialised(key: tuple[str, str], work: Callable[[], float | None],
+                errored: list | None = None) -> float | None:
+    """``work`` under the job's lock; schedules the pass it asks for, or a retry after an error.
+    ``errored`` non-empty after ``work``: it reported an error on the job and asked for a
+    backoff delay itself (the error count keeps growing until a pass goes through)."""
     namespace, name = key
     with _locks_guard:
         lock = _locks[key]
@@ -245,12 +255,13 @@ def _serialised(key: tuple[str, str], work: Callable[[], float | None]) -> float
     with lock:
         try:
             delay = work()
-            requeue.succeeded(key)
+            if not errored:
+                requeue.succeeded(key)
         except ApiException as exc:
             if exc.status in (409, 429) or exc.status >= 500:   # conflicts, overload: soon again
+                delay = requeue.failed(key, first=TRANSIENT_RETRY_SECONDS)
                 log.info("%s/%s: API server said %s %s; again in %.0f s", namespace, name, exc.status,
-                         exc.reason, TRANSIENT_RETRY_SECONDS)
-                delay = TRANSIENT_RETRY_SECONDS
+                         exc.reason, delay)
             else:
                 delay = requeue.failed(key)
                 log.error("%s/%s: pass failed (%s %s); again in %.0f s", namespace, name, exc.status,

@@ -40,6 +40,7 @@ MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _MAX_LR = Decimal(10)
+_MIN_LR = Decimal("1e-12")    # smaller rounds to nothing in a float32 optimizer (1e-400 is 0.0)
 
 
 class SpecError(DocumentError):
@@ -197,8 +198,9 @@ class Training(_Model):
             lr = Decimal(self.learning_rate)
         except InvalidOperation:  # pattern already refuses these; keep the message clear anyway
             raise ValueError(f"learningRate: {self.learning_rate!r} is not a number") from None
-        if not (0 < lr <= _MAX_LR):
-            raise ValueError(f"learningRate: {self.learning_rate!r} must be > 0 and <= {_MAX_LR}")
+        if not (_MIN_LR <= lr <= _MAX_LR):
+            raise ValueError(f"learningRate: {self.learning_rate!r} must be >= {_MIN_LR} and "
+                             f"<= {_MAX_LR}")
         if self.micro_batch > self.global_batch:
             raise ValueError(f"microBatch: {self.micro_batch} is larger than globalBatch "
                              f"{self.global_batch}")
@@ -320,6 +322,13 @@ class JobSpec(_Model):
     def immutable_hash(self) -> str:
         blob = json.dumps(self.immutable_view(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def field_hashes(view: dict[str, Any]) -> dict[str, str]:
+    """A short hash per top-level field of an ``immutable_view()``: ``status.launchedFields``,
+    which says which fields changed after launch without copying the spec into status."""
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True, separators=(",", ":")).encode())
+            .hexdigest()[:12] for k, v in view.items()}
 
 
 def changed_immutable_fields(launched: dict[str, Any], current: JobSpec) -> list[str]:

@@ -111,7 +111,8 @@ def event_type_for(t: Transition) -> str:
     """Kubernetes Event type: Warning for things a person should look at."""
     bad = (t.type == C.COND_FAILED and t.status == TRUE) or \
           (t.type == C.COND_HEALTHY and t.status == FALSE) or \
-          (t.type in (C.COND_SPEC_ACCEPTED, C.COND_PLANNED, C.COND_TOPOLOGY) and t.status == FALSE) or \
+          (t.type in (C.COND_SPEC_ACCEPTED, C.COND_PLANNED, C.COND_TOPOLOGY, C.COND_RECONCILED)
+           and t.status == FALSE) or \
           (t.type == C.COND_UPGRADE_VERIFIED and t.reason == C.R_GATE_SKIPPED) or \
           (t.type == C.COND_RUNNING and t.reason == C.R_RESTARTING)
     return "Warning" if bad else "Normal"

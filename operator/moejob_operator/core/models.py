@@ -264,13 +264,46 @@ def preset_hf_config(name: str) -> dict[str, Any]:
     return cfg
 
 
+# Upper bounds of the dimensions the planner accepts (docs/crd.md "Model limits"): the
+# placement works on [num_layers, num_experts] arrays per rank and the memory model multiplies
+# these, so they bound the operator's work per plan. The largest published MoE models sit well
+# inside (DeepSeek-V3: 256 experts, 61 layers, hidden 7168, vocab 129280).
+MAX_EXPERTS = 1024
+MAX_EXPERT_LAYER_CELLS = 16_384          # num_moe_layers * num_experts
+MODEL_LIMITS = {
+    "hidden_size": 65_536, "num_hidden_layers": 512, "num_attention_heads": 1024,
+    "num_key_value_heads": 1024, "num_experts_per_tok": 64, "num_local_experts": MAX_EXPERTS,
+    "num_experts": MAX_EXPERTS, "n_routed_experts": MAX_EXPERTS, "n_shared_experts": 64,
+    "vocab_size": 1_048_576, "max_position_embeddings": 4_194_304,
+    "intermediate_size": 1_048_576, "moe_intermediate_size": 262_144, "head_dim": 4096,
+    "kv_lora_rank": 65_536, "q_lora_rank": 65_536, "qk_nope_head_dim": 4096,
+    "qk_rope_head_dim": 4096, "v_head_dim": 4096, "decoder_sparse_step": 512,
+    "first_k_dense_replace": 512,
+}
+
+
+def _int_in_bounds(value: Any, key: str, where: str, *, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise DocumentError(f"{where}.{key}: {value!r} is not {what}")
+    limit = MODEL_LIMITS.get(key)
+    if limit is not None and value > limit:
+        raise DocumentError(f"{where}.{key}: {value} exceeds the planner's limit {limit}")
+    return value
+
+
 def _req(cfg: dict[str, Any], key: str, where: str) -> Any:
     if key not in cfg or cfg[key] is None:
         raise DocumentError(f"{where}.{key}: missing (needed for a {cfg.get('model_type')} model)")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise DocumentError(f"{where}.{key}: {value!r} is not a positive integer")
-    return value
+    return _int_in_bounds(cfg[key], key, where)
+
+
+def _opt(cfg: dict[str, Any], key: str, where: str, default: int | None, *, minimum: int = 1) -> Any:
+    """An optional integer field (absent, null or 0 -> ``default``)."""
+    value = cfg.get(key)
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return default
+    return _int_in_bounds(value, key, where, minimum=minimum)
 
 
 def _req_any(cfg: dict[str, Any], keys: tuple[str, ...], where: str) -> Any:
@@ -293,7 +326,7 @@ def spec_from_hf_config(cfg: dict[str, Any], where: str = "hfConfig") -> MoEMode
     h = _req(cfg, "hidden_size", where)
     layers = _req(cfg, "num_hidden_layers", where)
     heads = _req(cfg, "num_attention_heads", where)
-    kv_heads = cfg.get("num_key_value_heads") or heads
+    kv_heads = _opt(cfg, "num_key_value_heads", where, heads)
     top_k = _req(cfg, "num_experts_per_tok", where)
     common = dict(family=family, hidden_size=h, num_layers=layers, top_k=top_k,
                   num_attention_heads=heads, num_kv_heads=kv_heads,
@@ -307,28 +340,32 @@ def spec_from_hf_config(cfg: dict[str, Any], where: str = "hfConfig") -> MoEMode
         spec = MoEModelSpec(expert_intermediate_size=_req(cfg, "intermediate_size", where),
                             dense_intermediate_size=0, shared_expert_size=0,
                             moe_layer_ids=moe_ids, num_experts=experts,
-                            head_dim=cfg.get("head_dim") or h // heads, **common)
+                            head_dim=_opt(cfg, "head_dim", where, h // heads), **common)
     elif family == "qwen3_moe":
         experts = _req_any(cfg, ("num_experts", "num_local_experts"), where)
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        step = _opt(cfg, "decoder_sparse_step", where, 1)
+        mlp_only_raw = cfg.get("mlp_only_layers") or []
+        if not isinstance(mlp_only_raw, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in mlp_only_raw):
+            raise DocumentError(f"{where}.mlp_only_layers: {mlp_only_raw!r} is not a list of layer indices")
+        mlp_only = set(mlp_only_raw)
         moe_ids = tuple(i for i in range(layers) if i not in mlp_only and (i + 1) % step == 0)
         spec = MoEModelSpec(expert_intermediate_size=_req(cfg, "moe_intermediate_size", where),
-                            dense_intermediate_size=cfg.get("intermediate_size", 0) or 0,
+                            dense_intermediate_size=_opt(cfg, "intermediate_size", where, 0),
                             shared_expert_size=0, moe_layer_ids=moe_ids, num_experts=experts,
-                            head_dim=cfg.get("head_dim") or h // heads, **common)
+                            head_dim=_opt(cfg, "head_dim", where, h // heads), **common)
     else:
         experts = _req_any(cfg, ("n_routed_experts", "num_local_experts"), where)
-        first_dense = cfg.get("first_k_dense_replace", 0) or 0
+        first_dense = _opt(cfg, "first_k_dense_replace", where, 0)
         moe_inter = _req(cfg, "moe_intermediate_size", where)
-        mla = MLADims(q_lora_rank=cfg.get("q_lora_rank"),
+        mla = MLADims(q_lora_rank=_opt(cfg, "q_lora_rank", where, None),
                       kv_lora_rank=_req(cfg, "kv_lora_rank", where),
                       qk_nope_head_dim=_req(cfg, "qk_nope_head_dim", where),
                       qk_rope_head_dim=_req(cfg, "qk_rope_head_dim", where),
                       v_head_dim=_req(cfg, "v_head_dim", where))
         spec = MoEModelSpec(expert_intermediate_size=moe_inter,
                             dense_intermediate_size=_req(cfg, "intermediate_size", where),
-                            shared_expert_size=(cfg.get("n_shared_experts") or 0) * moe_inter,
+                            shared_expert_size=_opt(cfg, "n_shared_experts", where, 0) * moe_inter,
                             moe_layer_ids=tuple(range(first_dense, layers)), num_experts=experts,
                             head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla=mla, **common)
     if spec.top_k > spec.num_experts:
@@ -336,6 +373,9 @@ def spec_from_hf_config(cfg: dict[str, Any], where: str = "hfConfig") -> MoEMode
                             f"({spec.num_experts})")
     if not spec.moe_layer_ids:
         raise DocumentError(f"{where}: the model has no MoE layer")
+    if spec.num_moe_layers * spec.num_experts > MAX_EXPERT_LAYER_CELLS:
+        raise DocumentError(f"{where}: {spec.num_moe_layers} MoE layers x {spec.num_experts} experts "
+                            f"exceeds the planner's limit of {MAX_EXPERT_LAYER_CELLS} (layer, expert) pairs")
     return spec
 
 

@@ -70,6 +70,29 @@ class NotReady(Exception):
     """The API server asks to retry shortly (e.g. a new ServiceAccount has no token yet)."""
 
 
+# Answers to a create that the same request will get again: invalid (400, 422), forbidden by
+# admission (403: a missing PriorityClass, a quota, a policy), gone namespace (404), too large
+# (413). 401 (the operator's credentials), 408 and 429 are not the child's fault: retried.
+PERMANENT_CREATE_STATUSES = frozenset({400, 403, 404, 413, 422})
+
+
+class Rejected(Exception):
+    """The API server refused to create a child and will refuse it again (permanent 4xx)."""
+
+    def __init__(self, kind: str, name: str, status: int, message: str):
+        super().__init__(f"{kind} {name}: the API server refused it ({status}): {message}")
+        self.kind, self.name, self.status, self.server_message = kind, name, status, message
+
+
+def server_message(exc: ApiException) -> str:
+    """The Status ``message`` of an API error (the body), else its reason."""
+    try:
+        msg = json.loads(exc.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        msg = None
+    return str(msg or exc.reason or exc.status)[:800]
+
+
 class Client:
     def __init__(self, api_client: k8s.ApiClient | None = None, *, node_cache_seconds: float = 2.0):
         self.api = api_client or api_client_from_env()
@@ -164,6 +187,8 @@ class Client:
             # the account's token ("retry after the token is automatically created")
             if exc.status in (429, 500, 503) and "retry" in (exc.body or "").lower():
                 raise NotReady(f"{kind} {obj['metadata']['name']}: {exc.reason}") from None
+            if exc.status in PERMANENT_CREATE_STATUSES:
+                raise Rejected(kind, obj["metadata"]["name"], exc.status, server_message(exc)) from None
             raise
 
     def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:

@@ -62,7 +62,8 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
           config: G.GateConfig | None = None) -> Verdict:
     now = now or dt.datetime.now(dt.timezone.utc)
     prev = _previous(job)
-    if (job.get("status") or {}).get("launchedSpec") and prev.get("status") == "True":
+    status = job.get("status") or {}
+    if (status.get("launchedSpecHash") or status.get("launchedSpec")) and prev.get("status") == "True":
         # the gate guards launches: a running job keeps its verdict even when it expires meanwhile
         return Verdict("True", prev.get("reason", ""), prev.get("message", ""))
     identity = G.identity_for(spec.image, spec.deepspeed_version, spec.device)

@@ -19,28 +19,36 @@ import logging
 import os
 from typing import Any, Callable
 
+from kubernetes.client.rest import ApiException
+
+from .. import admission
 from .. import constants as C
 from .. import metrics
 from ..builders import common, configmaps, rbac, workers
-from ..spec import JobSpec, SpecError, changed_immutable_fields, parse_spec
+from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
 from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
 from . import gate, machine, planning, topology
-from .client import Client, NotReady
+from .client import Client, NotReady, Rejected, server_message
 
 log = logging.getLogger("moejob_operator")
 
 # Test hook: MOE_OPERATOR_CRASH_AT=<point> makes the operator process exit right there, so the
 # tests can kill it mid-launch at a chosen point and check that a restarted one converges.
+# Honoured only in test mode ($MOE_OPERATOR_TEST_MODE, admission.Policy).
 CRASH_POINTS = ("after-plan", "after-rbac", "after-first-worker", "after-restart-status")
 
 
+def _crash_at() -> str | None:
+    return os.environ.get("MOE_OPERATOR_CRASH_AT") if admission.test_mode() else None
+
+
 def _crashpoint(point: str) -> None:
-    if os.environ.get("MOE_OPERATOR_CRASH_AT") == point:
+    if _crash_at() == point:
         log.warning("MOE_OPERATOR_CRASH_AT=%s: exiting now", point)
         os._exit(3)
 
 
-# Annotations on the job that pass fault-injection env to the trainer (tests only):
+# Annotations on the job that pass fault-injection env to the trainer (test mode only):
 FAULT_ANNOTATIONS = {f"{C.GROUP}/fault-exit-at-step": "MOE_FAULT_EXIT_AT_STEP",
                      f"{C.GROUP}/fault-exit-code": "MOE_FAULT_EXIT_CODE"}
 
@@ -104,14 +112,21 @@ class Pass:
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,
               body: dict[str, Any] | None = None,
-              defer: Callable[[Callable[[], None]], None] | None = None) -> float | None:
+              defer: Callable[[Callable[[], None]], None] | None = None,
+              backoff: Callable[[], float] | None = None) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
     watch event just delivered it (a new job's first pass), instead of reading it.
 
     ``defer``: when this pass has launched the workers, it ends there and hands the rest (the
     children only the running trainer uses, then the status write: :func:`_complete_launch`) to
     ``defer`` as a callable, which the caller runs later, before the job's next pass (handlers:
-    once a burst of new jobs has its pods). Without ``defer`` (or after an error) it runs now."""
+    once a burst of new jobs has its pods). Without ``defer`` (or after an error) it runs now.
+
+    Errors: a child the API server refuses for good (:class:`Rejected`) fails the job
+    (``ChildRejected``, naming the object and the server's message); any other exception becomes
+    ``Reconciled=False`` (``TransientError`` for 5xx / timeouts / conflicts, else
+    ``ReconcileError``) plus an Event, and the pass asks to run again after ``backoff()``
+    seconds (the caller's growing delay; without ``backoff`` the exception propagates)."""
     client.pass_started()
     with metrics.reconcile_timer():
         if body is None:
@@ -122,7 +137,17 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
         p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
         done = False
         try:
-            delay = _run(p)
+            try:
+                delay = _run(p)
+            except Rejected as exc:
+                delay = _rejected(p, exc)
+            except Exception as exc:  # noqa: BLE001 - reported on the job, retried with backoff
+                if backoff is None:
+                    raise
+                delay = _pass_error(p, exc, backoff())
+            else:
+                if p.cond_status(C.COND_RECONCILED) == FALSE:
+                    p.cond(C.COND_RECONCILED, TRUE, C.R_PASS_COMPLETED, "the last pass completed")
             done = True
             return delay
         finally:
@@ -132,8 +157,35 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
                 _complete_launch(p)
 
 
+def _rejected(p: Pass, exc: Rejected) -> float | None:
+    """A child the API server will never accept: the job cannot run as specified."""
+    log.warning("%s/%s: %s", p.job.namespace, p.job.name, exc)
+    if exc.kind == "Pod":
+        pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
+            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+        _delete(p, [x for x in pods if not x.deleting])
+    p.launched = False              # nothing more to create
+    p.fail(C.R_CHILD_REJECTED, str(exc))
+    return _finished(p)
+
+
+def _pass_error(p: Pass, exc: Exception, delay: float) -> float:
+    """An unexpected error: on the job (condition + Event), then again after ``delay``."""
+    if isinstance(exc, ApiException):
+        transient = exc.status in (409, 429) or exc.status == 0 or exc.status >= 500
+        what = f"the API server answered {exc.status} {exc.reason}: {server_message(exc)}"
+    else:
+        transient = isinstance(exc, (TimeoutError, ConnectionError, NotReady))
+        what = f"{type(exc).__name__}: {exc}"
+    reason = C.R_TRANSIENT_ERROR if transient else C.R_RECONCILE_ERROR
+    (log.info if transient else log.exception)("%s/%s: pass failed (%s); again in %.0f s",
+                                               p.job.namespace, p.job.name, what, delay)
+    p.cond(C.COND_RECONCILED, FALSE, reason, f"{what[:600]}; retrying in {delay:.0f} s")
+    return delay
+
+
 def _run(p: Pass) -> float | None:
-    if p.finished:
+    if p.finished and not _succeeded_claim_contradicted(p):
         return _finished(p)
     spec = _accept_spec(p)
     if spec is None:
@@ -165,7 +217,7 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
     elif p.cond_status(C.COND_SUSPENDED) is None:
         p.cond(C.COND_SUSPENDED, FALSE, C.R_NOT_SUSPENDED, "not suspended", quiet=True)
 
-    launching = not p.status.get("launchedSpec")
+    launching = not _is_launched(p.status)
     if not launching:
         _persist_plan(p)          # a re-plan (node lost): the plan before the pods
         return _track(p, spec, plan)
@@ -174,15 +226,71 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
     return _track(p, spec, plan, launching=True)
 
 
+# ---- status claims, checked against the cluster ---------------------------------------------
+def _is_launched(status: dict[str, Any]) -> bool:
+    """The workers were launched: ``launchedSpecHash`` (or, from operators before it, a
+    ``launchedSpec`` copy of the spec; anything else there is not trusted)."""
+    return isinstance(status.get("launchedSpecHash"), str) or (
+        isinstance(status.get("launchedSpec"), dict) and bool(status["launchedSpec"]))
+
+
+def _status_int(p: Pass, key: str) -> int | None:
+    value = p.status.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _succeeded_claim_contradicted(p: Pass) -> bool:
+    """``Succeeded=True`` while worker pods still run (a hand-patched status): the claim goes,
+    the pass tracks the workers again."""
+    if p.cond_status(C.COND_SUCCEEDED) != TRUE or p.cond_status(C.COND_FAILED) == TRUE:
+        return False
+    live = [x for x in p.client.list_pods(p.job.namespace, {C.LABEL_JOB: p.job.name,
+                                                            C.LABEL_COMPONENT: "worker"})
+            if (x.get("status") or {}).get("phase") in (None, "Pending", "Running")
+            and not x["metadata"].get("deletionTimestamp")]
+    if not live:
+        return False
+    msg = (f"status said Succeeded while {len(live)} worker pod(s) still run; tracking them again")
+    p.cond(C.COND_SUCCEEDED, FALSE, C.R_STATUS_CORRECTED, msg)
+    p.status.pop("completionTime", None)
+    return True
+
+
+def _launched_view(p: Pass) -> dict[str, Any] | None:
+    """The immutable spec the workers were launched with: the plan ConfigMap keeps it (status
+    keeps only its hash), older operators kept it in ``status.launchedSpec``."""
+    legacy = p.status.get("launchedSpec")
+    if isinstance(legacy, dict) and legacy:
+        return legacy
+    cm = p.client.get_configmap(p.job.namespace, common.plan_configmap_name(p.job))
+    try:
+        view = json.loads(((cm or {}).get("data") or {})[C.LAUNCHED_SPEC_KEY])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return view if isinstance(view, dict) else None
+
+
+def _changed_since_launch(p: Pass, spec: JobSpec) -> list[str]:
+    legacy = p.status.get("launchedSpec")
+    if isinstance(legacy, dict) and legacy:
+        return changed_immutable_fields(legacy, spec)
+    if spec.immutable_hash() == p.status.get("launchedSpecHash"):
+        return []
+    old = p.status.get("launchedFields")
+    now = field_hashes(spec.immutable_view())
+    if not isinstance(old, dict):
+        return sorted(now)
+    return sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+
+
 # ---- validate -----------------------------------------------------------------------------
 def _accept_spec(p: Pass) -> JobSpec | None:
     raw = p.body.get("spec")
-    launched = p.status.get("launchedSpec")
+    launched = _is_launched(p.status)
     try:
-        if len(p.job.name) > common.MAX_JOB_NAME:
-            raise SpecError("metadata.name", f"{p.job.name!r} is longer than {common.MAX_JOB_NAME} "
-                            "characters (worker pod hostnames must fit in 63)")
+        admission.check_job_name(p.job.name)
         spec = parse_spec(raw)
+        admission.check(p.job.name, raw, spec)
         planning.prevalidate(spec)
     except SpecError as exc:
         # before launch the Failed event carries the message; after launch this condition does
@@ -192,13 +300,15 @@ def _accept_spec(p: Pass) -> JobSpec | None:
         p.fail(C.R_INVALID_SPEC, str(exc))
         return None
     if launched:
-        changed = changed_immutable_fields(launched, spec)
+        changed = _changed_since_launch(p, spec)
         if changed:
             p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_IMMUTABLE_FIELD_CHANGED,
                    f"spec fields {', '.join(changed)} cannot change after launch; the job keeps "
                    "running with the launched values (revert the change, or create a new job)")
-            return parse_spec({**launched, **{k: v for k, v in (raw or {}).items()
-                                              if k not in launched}})
+            view = _launched_view(p)
+            if view is None:
+                return None         # nothing to relaunch from; the running pods are tracked no more
+            return parse_spec({**view, **{k: v for k, v in (raw or {}).items() if k not in view}})
     # the first acceptance is no news (no Event); re-acceptance after a refusal is
     p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid",
            quiet=p.cond_status(C.COND_SPEC_ACCEPTED) is None)
@@ -212,10 +322,10 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
     spec_hash = spec.immutable_hash()
     # A job that never recorded a plan has none unless an operator crashed between creating it
     # and writing status: skip the read (writing the new one answers "already exists" then).
-    fresh = not p.status.get("plan") and not p.status.get("launchedSpec")
+    fresh = not p.status.get("plan") and not _is_launched(p.status)
     cm = None if fresh else p.client.get_configmap(p.job.namespace, name)
     if cm is not None:
-        if _spec_hash_of(cm) == spec_hash or p.status.get("launchedSpec"):
+        if _spec_hash_of(cm) == spec_hash or _is_launched(p.status):
             plan = json.loads(cm["data"][C.PLAN_KEY])
             summary = planning.summary(plan)
             p.status["plan"] = summary
@@ -231,10 +341,13 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
 
     found = topology.ensure_reports(p.client, p.body, spec, p.now)
     if found.pending:
+        if len(found.candidates) < spec.nodes.count:
+            # nothing to discover yet: waiting for nodes, not for discovery
+            p.cond(C.COND_TOPOLOGY, UNKNOWN, C.R_NO_CANDIDATE_NODES, found.message)
+            p.cond(C.COND_PLANNED, FALSE, C.R_NO_CANDIDATE_NODES, found.message)
+            return found.retry_seconds
         p.cond(C.COND_TOPOLOGY, UNKNOWN if not found.failed else FALSE,
                C.R_DISCOVERY_FAILED if found.failed else C.R_DISCOVERY_PENDING, found.message)
-        if not found.candidates:
-            p.cond(C.COND_PLANNED, FALSE, C.R_NO_CANDIDATE_NODES, found.message)
         return found.retry_seconds
     p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, found.message)
 
@@ -253,7 +366,8 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
         return None
     # Written later in this pass: with the launch batch (one round trip fewer on the way to the
     # workers), else before the pass returns (_persist_plan).
-    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec_hash)
+    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec_hash,
+                                              launched_spec=spec.immutable_view())
     summary = planning.summary(plan)
     p.status["plan"] = summary
     p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
@@ -292,7 +406,11 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
     created = p.client.create_all(plan_cm + [rbac.service_account(p.job)])
     if plan_cm:
         _plan_written(p, created[0])
-    p.status["launchedSpec"] = spec.immutable_view()
+    # a hash, not a copy: status stays small whatever the spec holds (the plan ConfigMap keeps
+    # the launched values for an edit of an immutable field after launch)
+    p.status.pop("launchedSpec", None)
+    p.status["launchedSpecHash"] = spec.immutable_hash()
+    p.status["launchedFields"] = field_hashes(spec.immutable_view())
     p.status.setdefault("startTime", now_iso(p.now))
     p.status.setdefault("attempt", 0)
     p.status.setdefault("restarts", 0)
@@ -318,8 +436,11 @@ def _complete_launch(p: Pass) -> None:
                 p.client.create_all([workers.headless_service(p.job), configmaps.progress_configmap(p.job),
                                      configmaps.routing_stats_configmap(p.job), rbac.role(p.job),
                                      rbac.role_binding(p.job)])
+            except Rejected as exc:
+                p.fail(C.R_CHILD_REJECTED, str(exc))
             except Exception:
-                p.status.pop("launchedSpec", None)    # not launched completely: launch again
+                for key in ("launchedSpec", "launchedSpecHash", "launchedFields"):
+                    p.status.pop(key, None)          # not launched completely: launch again
                 raise
             _crashpoint("after-rbac")
     finally:
@@ -328,6 +449,8 @@ def _complete_launch(p: Pass) -> None:
 
 
 def _fault_env(p: Pass) -> dict[str, str]:
+    if not admission.test_mode():
+        return {}
     ann = p.body["metadata"].get("annotations") or {}
     return {env: str(ann[key]) for key, env in FAULT_ANNOTATIONS.items() if key in ann}
 
@@ -343,9 +466,15 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
     if lost:
         return _node_lost(p, spec, lost)
 
-    attempt = int(p.status.get("attempt", 0))
     pods = [] if launching else [machine.PodView.from_pod(x) for x in p.client.list_pods(
         p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    attempt = _status_int(p, "attempt")
+    if attempt is None:        # not a count (hand-patched): the newest gang's pods say it
+        attempt = max((x.attempt for x in pods), default=0)
+        p.status["attempt"] = attempt
+    for key in ("restarts", "failedRestarts"):
+        if _status_int(p, key) is None:
+            p.status[key] = 0
     d = machine.decide_gang(pods, count=spec.nodes.count, attempt=attempt,
                             failed_restarts=int(p.status.get("failedRestarts", 0)),
                             backoff_limit=spec.run_policy.backoff_limit,
@@ -396,7 +525,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
             if spec.device == "CPU":
                 pod["spec"]["containers"][0]["command"] = [*workers.TRAINER_COMMAND, "--cpu"]
             pods_to_create.append(pod)
-        if os.environ.get("MOE_OPERATOR_CRASH_AT") == "after-first-worker":
+        if _crash_at() == "after-first-worker":
             pods_to_create = pods_to_create[:1]        # the crash test wants a partial gang
         try:
             p.client.create_all(pods_to_create)    # the gang at once: one round trip, not one per rank
@@ -475,8 +604,8 @@ def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
         _delete(p, live)
         p.fail(C.R_NODE_LOST, msg + " (runPolicy.allowReplanOnNodeLoss is false)")
         return _finished(p)
-    p.status["attempt"] = int(p.status.get("attempt", 0)) + 1
-    p.status["restarts"] = int(p.status.get("restarts", 0)) + 1
+    p.status["attempt"] = (_status_int(p, "attempt") or 0) + 1
+    p.status["restarts"] = (_status_int(p, "restarts") or 0) + 1
     p.cond(C.COND_RUNNING, FALSE, C.R_RESTARTING, msg + "; planning again")
     p.cond(C.COND_PLANNED, UNKNOWN, C.R_NODE_LOST, msg + "; planning again")
     p.flush()

@@ -137,16 +137,17 @@ def node_ready(node: dict[str, Any]) -> bool:
 
 def candidate_nodes(nodes: list[dict[str, Any]], *, node_names: list[str] | None,
                     selectors: list[dict[str, str] | None]) -> list[str]:
-    """Ready nodes the job may use, sorted by name (``node_names`` keeps the user's order)."""
+    """Ready nodes the job may use, sorted by name (``node_names`` keeps the user's order). The
+    selectors apply to named nodes too: the worker pods carry ``scheduling.nodeSelector``, so a
+    named node without those labels could never run its rank."""
     ready = {n["metadata"]["name"]: n for n in nodes if node_ready(n)}
+
+    def matches(name: str) -> bool:
+        labels = ready[name]["metadata"].get("labels") or {}
+        return all(labels.get(k) == v for sel in selectors if sel for k, v in sel.items())
     if node_names:
-        return [n for n in node_names if n in ready]
-    out = []
-    for name, node in sorted(ready.items()):
-        labels = node["metadata"].get("labels") or {}
-        if all(labels.get(k) == v for sel in selectors if sel for k, v in sel.items()):
-            out.append(name)
-    return out
+        return [n for n in node_names if n in ready and matches(n)]
+    return [name for name in sorted(ready) if matches(name)]
 
 
 # ---- time -------------------------------------------------------------------------------------

@@ -21,12 +21,16 @@ from typing import Any
 
 from .. import constants as C
 from ..builders.common import JobRef
+from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import TrainingOptions, build_plan
 from ..core.routing import parse_routing_stats
 from ..core.topology import TopologyReport
 from ..spec import JobSpec, SpecError
+
+# The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
+MAX_PLAN_BYTES = 800 * 1024
 
 STRATEGY = {"Contiguous": "contiguous", "RoundRobin": "round_robin", "Balanced": "balanced",
             "TopologyAware": "topology_aware"}
@@ -300,6 +304,16 @@ def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, 
             training=opts, ds_overrides=spec.deepspeed_overrides)
     except DocumentError as exc:
         raise _to_spec_error(exc) from None
+    except (TypeError, AttributeError, ValueError) as exc:
+        if not spec.deepspeed_overrides:
+            raise
+        # the core reads the merged DeepSpeed config: a wrong type deep in an override lands here
+        raise SpecError("spec.deepspeedOverrides", f"a value has the wrong type for the DeepSpeed "
+                        f"config ({type(exc).__name__}: {exc})") from None
+    size = len(plan_json(plan.document))
+    if size > MAX_PLAN_BYTES:
+        raise Refused(C.R_PLAN_TOO_LARGE, f"the plan is {size} bytes; a ConfigMap holds at most "
+                      f"{MAX_PLAN_BYTES} (fewer nodes, experts or layers)")
     return plan.document
 
 
