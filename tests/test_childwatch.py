@@ -30,15 +30,30 @@ def test_label_selected_events_in_order_and_resume(control_plane, kube, namespac
             seen.append((etype, obj["metadata"]["name"], obj["data"]["k"]))
 
     w = ChildWatch(control_plane.api_client(), "configmaps", "moe-test=yes", handler,
-                   namespaces=[namespace]).start()
+                   namespaces=[namespace])
+    listed, streams = threading.Event(), []
+    current_version, stream = w._current_version, w._stream
+
+    def counted_version(ns):
+        version = current_version(ns)
+        listed.set()
+        return version
+
+    def counted_stream(ns, version):
+        streams.append(version)
+        return stream(ns, version)
+    w._current_version, w._stream = counted_version, counted_stream
+    w.start()
     try:
-        wait_for(lambda: w._threads and w._threads[0].is_alive(), timeout=5)
-        time.sleep(1.0)                                       # the watch is established
+        # the watch streams from the version its list returned: what changes after it is seen
+        wait_for(listed.is_set, timeout=60, message="the watch listed")
         kube.core.create_namespaced_config_map(namespace, cm("other", {"moe-test": "no"}))
         kube.core.create_namespaced_config_map(namespace, cm("mine", {"moe-test": "yes"}))
         kube.core.patch_namespaced_config_map("mine", namespace, {"data": {"k": "2"}})
         wait_for(lambda: len(seen) >= 2, timeout=10, message=f"events: {seen}")
-        time.sleep(3.0)                                       # at least one stream timeout passes
+        n = len(streams)
+        wait_for(lambda: len(streams) > n, timeout=60,      # a stream ended (timeout) and resumed
+                 message="the watch resumed after its stream timeout")
         kube.core.patch_namespaced_config_map("mine", namespace, {"data": {"k": "3"}})
         kube.core.delete_namespaced_config_map("mine", namespace)
         wait_for(lambda: len(seen) >= 4, timeout=10, message=f"events after resume: {seen}")

@@ -28,7 +28,7 @@ from moe_localkube.nodes import NodeSpec, node_manifest, node_status
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def wait(cond, timeout=5.0):
+def wait(cond, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not cond():
         time.sleep(0.005)
@@ -36,30 +36,73 @@ def wait(cond, timeout=5.0):
 
 
 # ---- YieldingQueue -----------------------------------------------------------------------------
-def test_items_wait_while_passes_keep_starting_and_run_once_quiet():
+class FakeTime:
+    """Virtual time for ``reconcile.deferred``: it moves only when the test calls ``advance``, so
+    what the tests assert does not depend on how fast a loaded machine schedules threads. The
+    queue's worker sleeps for real (briefly) and counts its polls, so a test can wait until the
+    worker has seen the current time."""
+
+    def __init__(self):
+        self.now, self.polls = 100.0, 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.polls += 1
+        time.sleep(0.001)
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def settle(self, done=lambda: False) -> None:
+        """Wait until the worker has polled twice at the current time (or ``done``)."""
+        n = self.polls
+        assert wait(lambda: self.polls >= n + 2 or done(), 60.0), "the queue's worker stopped polling"
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    from moejob_operator.reconcile import deferred
+    ft = FakeTime()
+    monkeypatch.setattr(deferred, "time", ft)
+    return ft
+
+
+def test_items_wait_while_passes_keep_starting_and_run_once_quiet(fake_time):
     clock, ran = PassClock(), []
-    q = YieldingQueue("t-quiet", lambda item: ran.append((item, time.monotonic())), clock,
+    q = YieldingQueue("t-quiet", lambda item: ran.append((item, fake_time.now)), clock,
                       quiet=0.1, max_delay=10.0)
-    t0 = time.monotonic()
+    t0 = fake_time.now
     clock.started()
     q.put("a")
-    while time.monotonic() - t0 < 0.5:          # a burst of passes for 0.5 s
+    for _ in range(25):                         # a pass every 0.02 s for 0.5 s
+        fake_time.advance(0.02)
         clock.started()
-        time.sleep(0.02)
+        fake_time.settle(lambda: ran)
         assert not ran, "ran while passes kept starting"
-    assert wait(lambda: ran, 2.0)
-    assert 0.55 <= ran[0][1] - t0 < 1.0
+    fake_time.advance(0.09)                     # quiet for less than 0.1 s: still waits
+    fake_time.settle(lambda: ran)
+    assert not ran
+    fake_time.advance(0.02)
+    assert wait(lambda: ran, 60.0)
+    assert ran == [("a", pytest.approx(t0 + 0.61))]
 
 
-def test_max_delay_bounds_the_wait_in_an_endless_burst():
+def test_max_delay_bounds_the_wait_in_an_endless_burst(fake_time):
     clock, ran = PassClock(), []
-    q = YieldingQueue("t-max", lambda item: ran.append(time.monotonic()), clock, quiet=0.1, max_delay=0.3)
-    t0 = time.monotonic()
+    q = YieldingQueue("t-max", lambda item: ran.append(fake_time.now), clock, quiet=0.1, max_delay=0.3)
+    t0 = fake_time.now
     q.put("a")
-    while time.monotonic() - t0 < 1.0 and not ran:
+    for _ in range(14):                         # passes keep starting: 0.28 s
+        fake_time.advance(0.02)
         clock.started()
-        time.sleep(0.02)
-    assert ran and 0.28 <= ran[0] - t0 < 0.6
+        fake_time.settle(lambda: ran)
+        assert not ran
+    fake_time.advance(0.03)                     # 0.31 s after it was queued, a pass 0.03 s ago
+    clock.started()
+    assert wait(lambda: ran, 60.0)
+    assert ran == [pytest.approx(t0 + 0.31)]
 
 
 def test_one_thread_keeps_order_a_failing_item_does_not_stop_the_rest_and_drain_waits():
@@ -72,19 +115,19 @@ def test_one_thread_keeps_order_a_failing_item_does_not_stop_the_rest_and_drain_
     q = YieldingQueue("t-order", run, clock, quiet=0.0, max_delay=1.0)
     for i in range(6):
         assert q.put(i)
-    assert q.drain(5.0)
+    assert q.drain(60.0)
     assert ran == [0, 1, 3, 4, 5]
 
 
 def test_a_full_queue_refuses():
     clock, release = PassClock(), threading.Event()
-    q = YieldingQueue("t-full", lambda item: release.wait(5), clock, quiet=0.0, max_delay=0.0, maxsize=1)
+    q = YieldingQueue("t-full", lambda item: release.wait(60), clock, quiet=0.0, max_delay=0.0, maxsize=1)
     assert q.put(1)
     assert wait(lambda: q._q.qsize() == 0)      # the thread holds item 1
     assert q.put(2)
     assert not q.put(3)
     release.set()
-    assert q.drain(5.0)
+    assert q.drain(60.0)
 
 
 # ---- reconcile(defer=...) against an in-memory client --------------------------------------------
@@ -196,11 +239,11 @@ def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once(monkey
     monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
     monkeypatch.setattr(handlers, "_client", MemoryClient())
     monkeypatch.setattr(handlers, "_finisher", None)
-    monkeypatch.setattr(handlers, "FINISH_QUIET_SECONDS", 0.3)
+    monkeypatch.setattr(handlers, "FINISH_QUIET_SECONDS", 30.0)   # the finisher waits: the next pass runs it
     handlers.run_pass("ns", "a")
     handlers.run_pass("ns", "a")       # within the quiet time: the first pass's rest comes first
     assert order == ["pass a", "rest a", "pass a"]
-    assert handlers.drain_deferred(5.0)
+    assert handlers.drain_deferred(60.0)
     assert order == ["pass a", "rest a", "pass a", "rest a"]
 
 
@@ -217,18 +260,21 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     monkeypatch.setattr(handlers, "_finisher", None)
     monkeypatch.setattr(handlers.requeue, "after", lambda key, delay: retried.append((key, delay)))
     handlers.run_pass("ns", "b")
-    assert handlers.drain_deferred(5.0)
+    assert handlers.drain_deferred(60.0)
     assert retried and retried[0][0] == ("ns", "b") and retried[0][1] >= 0.5
 
 
 # ---- the client's token refresh ------------------------------------------------------------------
-def test_token_refresh_hook_runs_at_most_every_few_seconds():
-    from moejob_operator.reconcile.client import _at_most_every
+def test_token_refresh_hook_runs_at_most_every_few_seconds(monkeypatch):
+    from moejob_operator.reconcile import client as client_mod
+    now = [100.0]
+    monkeypatch.setattr(client_mod, "time", type("T", (), {"monotonic": staticmethod(lambda: now[0])}))
     calls = []
-    refresh = _at_most_every(calls.append, 0.3)
+    refresh = client_mod._at_most_every(calls.append, 0.3)
     for _ in range(50):
         refresh("cfg")
-    assert calls == ["cfg"]
-    time.sleep(0.35)
+        now[0] += 0.005
+    assert calls == ["cfg"]                     # 0.25 s of calls: one refresh
+    now[0] += 0.06
     refresh("cfg")
     assert len(calls) == 2

@@ -3,8 +3,10 @@
 What runs in the smoke pods (honestly): the operator is started with MOE_GATE_SMOKE_COMMAND set
 to a stand-in script (written below) that, for an image whose name contains `native-moe`, runs
 the **real** `moe-smoke --cpu --inject native-moe` (DeepSpeed refuses native MoE under ZeRO-3 at
-`initialize`), for `real-smoke` the real passing `moe-smoke --cpu`, and otherwise sleeps a few seconds and prints a passing SmokeVerdict we control
-(fast: the concurrency and caching tests are about the gate, not about DeepSpeed). The jobs are
+`initialize`), for `real-smoke` the real passing `moe-smoke --cpu`, and otherwise waits until the
+test creates a release file, then prints a passing SmokeVerdict we control (the concurrency and
+caching tests are about the gate, not about DeepSpeed, and hold the smoke test open for as long as
+they need, however slow the machine). The jobs are
 created with `runPolicy.suspend: true`, so passing the gate launches no trainer processes.
 """
 
@@ -30,7 +32,9 @@ if "native-moe" in image:
     sys.exit(subprocess.call(["moe-smoke", "--cpu", "--inject", "native-moe", "--steps", "3"]))
 if "real-smoke" in image:
     sys.exit(subprocess.call(["moe-smoke", "--cpu", "--workdir", "/var/tmp/moe-smoke/work"]))
-time.sleep(float(os.environ.get("STAND_IN_SLEEP", "4")))
+deadline = time.monotonic() + 600    # passes once the test says so (the release file exists)
+while not os.path.exists(RELEASE) and time.monotonic() < deadline:
+    time.sleep(0.2)
 checks = [{"name": n, "passed": True, "seconds": 0.1, "message": "stand-in"}
           for n in ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")]
 v = {"kind": "SmokeVerdict", "version": 1, "passed": True, "failedCheck": None, "checks": checks,
@@ -53,10 +57,11 @@ def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
     install_crd(kube)
     d = tmp_path_factory.mktemp("gate-operator")
     script = d / "smoke_stand_in.py"
-    script.write_text(STAND_IN)
+    script.write_text(STAND_IN.replace("RELEASE", repr(str(d / "release"))))
     op = Operator(control_plane, d).start(
         MOE_OPERATOR_NAMESPACE=gate_ns, MOE_GATE_ENABLED="true",
         MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
+    op.release_file = d / "release"
     yield op
     op.stop()
 
@@ -97,6 +102,7 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
     jobs = smoke_jobs(kube, gate_ns, key)
     assert [j.metadata.name for j in jobs] == [f"moe-smoke-{key}-1"]
     assert get_job(kube, namespace, "gate-a")["status"]["phase"] == "Gating"
+    operator_proc.release_file.touch()      # the stand-in smoke test may pass now
 
     for n in names:
         wait_for(lambda n=n: verified(kube, namespace, n).get("status") == "True", timeout=90,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -143,8 +144,15 @@ def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, w
     assert str(shm).startswith("/dev/shm/")
     wait_for(lambda: (shm / "dshm" / "marker").read_text() == "in tmpfs", timeout=10)
     assert not os.path.exists("/dev/shm/marker"), "the pod's /dev/shm is its own"
-    follow = subprocess.Popen([str(kubectl.path), "logs", "-f", "-n", namespace, "sleeper"], env=kubectl.env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    follow_err = node_agent.run_dir / f"logs-f-{namespace}.err"
+    with open(follow_err, "w") as err:
+        follow = subprocess.Popen([str(kubectl.path), "logs", "-f", "-n", namespace, "sleeper"], env=kubectl.env,
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+    # the stream is attached once its first line arrives (kubectl makes its discovery requests
+    # first: on a loaded machine that takes seconds, and the pod must still exist when it asks)
+    ready, _, _ = select.select([follow.stdout], [], [], 120)
+    first = follow.stdout.readline() if ready else ""
+    assert first == "up\n", f"kubectl logs -f printed {first!r}; stderr: {follow_err.read_text()}"
     cs = pod.status.container_statuses[0]
     assert cs.ready and cs.state.running is not None
     assert {c.type for c in pod.status.conditions if c.status == "True"} >= {"Ready", "ContainersReady", "Initialized", "PodScheduled"}
@@ -160,8 +168,8 @@ def test_deleting_a_running_pod_kills_its_process(kube, node_agent, namespace, w
             return exc.status == 404
 
     wait_for(gone, timeout=30, message="pod removed")
-    out, _ = follow.communicate(timeout=20)   # kubectl logs -f ends when the container does
-    assert out.strip() == "up"
+    out, _ = follow.communicate(timeout=60)   # kubectl logs -f ends when the container does
+    assert out == "" and follow.returncode == 0, (out, follow_err.read_text())
     assert not procs.group_alive(pid)
     wait_for(lambda: not shm.exists(), timeout=10, message="Memory emptyDir released")
 
