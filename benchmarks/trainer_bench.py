@@ -7,7 +7,7 @@ DeepSpeed state), then an isolated MoE-layer benchmark that splits layer time in
   H200:  PYTHONPATH=trainer_image python benchmarks/trainer_bench.py --out $OUT
   CPU:   PYTHONPATH=trainer_image python benchmarks/trainer_bench.py --tiny --steps 2 --warmup 1
 
-Model (DESIGN.md): Mixtral-style, hidden 1024, intermediate 3584 (Mixtral's 3.5x ratio), 8 experts
+Model: Mixtral-style, hidden 1024, intermediate 3584 (Mixtral's 3.5x ratio), 8 experts
 top-2, 4 layers, 16 heads / 4 KV heads, vocab 32000, seq 1024, micro-batch 16, bf16, ZeRO-3, one
 GPU, synthetic tokens. Same seed, same init, same optimizer (torch AdamW, fused on CUDA) for all.
 """
@@ -75,7 +75,7 @@ def ds_config(d: dict, on_gpu: bool, autoep: bool, mods: list[str] = ()) -> dict
         "train_micro_batch_size_per_gpu": d["batch"], "gradient_accumulation_steps": 1,
         "bf16": {"enabled": on_gpu}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {  # HF "auto" rules (DESIGN.md)
+        "zero_optimization": {  # HF's "auto" rules
             "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h,

@@ -112,3 +112,19 @@ def test_two_replicas_hand_over_on_sigterm(kube, control_plane, namespace, wait_
     finally:
         for p in ps:
             procs.stop(p, grace_seconds=10)
+
+
+def test_without_leader_election_the_process_says_it_leads(kube, control_plane, namespace, wait_for, tmp_path):
+    """``--no-leader-election``: the one process reconciles, so ``moe_operator_leader`` is 1."""
+    install_crd(kube)
+    env = dict(os.environ, KUBECONFIG=str(control_plane.kubeconfig))
+    hp, mp = _free_port(), _free_port()
+    p = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-n", namespace,
+                     "--no-leader-election", "--health-port", str(hp), "--metrics-port", str(mp),
+                     "--bind-address", "127.0.0.1"], tmp_path / "op.log", env=env)
+    try:
+        wait_for(lambda: "starting kopf" in (tmp_path / "op.log").read_text(), timeout=60,
+                 message=(tmp_path / "op.log").read_text(errors="replace"))
+        wait_for(lambda: _leader_metric(mp) == 1, timeout=60, message="moe_operator_leader 1")
+    finally:
+        procs.stop(p, grace_seconds=10)

@@ -2,9 +2,9 @@
 
 kopf watches a resource in every watched namespace and matches labels on its side, so every pod and
 ConfigMap event (the operator's own children included: 500 of them in a 100-job burst) went
-through kopf's event loop: JSON decoding, a deep copy for its diff base, handler matching. In the
-100-job benchmark (benchmarks/operator_bench.py) that was ~0.6 s of the operator's 2.1 s CPU, on the
-thread that also delivers the job events. These watches ask the API server only for the labelled
+through kopf's event loop: JSON decoding, a deep copy for its diff base, handler matching, on the
+thread that also delivers the job events (a large share of the operator's CPU in a burst of new
+jobs: docs/operator.md). These watches ask the API server only for the labelled
 objects, decode each event with ``json.loads`` and hand the ones the handler wants to it; the
 handler must be quick (handlers.py queues a pass, it does not run one).
 

@@ -14,8 +14,8 @@ those keep state on the object (a finalizer, added in its own PATCH and then wai
 watch event it causes, and a last-handled-configuration annotation PATCH after every handler
 run). The pass needs none of it: it is level-based, its state lives in ``status`` and in the
 children (ownerReferences delete them with the job), and a spec change shows as
-``metadata.generation != status.observedGeneration``. Measured on the 100-job benchmark
-(benchmarks/operator_bench.py): two PATCHes and one watch round trip fewer per job.
+``metadata.generation != status.observedGeneration``: two PATCHes and one watch round trip fewer
+per job.
 
 Run: ``kopf run -A -m moejob_operator.handlers`` (``--standalone`` without peering).
 """
@@ -280,10 +280,10 @@ requeue = Requeue(run_pass)
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.posting.enabled = False               # the reconciler posts its own Events
-    # Sync handlers (new jobs' first passes) run in this many threads. On the 2-core benchmark
-    # machine, where the burst is CPU-bound, 8 beat 32 and 4 (passes run closer to first-in
-    # first-out: p50 1.02-1.07 s vs 1.13-1.26 s and 1.09-1.23 s); with a remote API server a pass
-    # mostly waits on round trips and more threads help: $MOE_OPERATOR_WORKERS.
+    # Sync handlers (new jobs' first passes) run in this many threads. Where a burst is CPU-bound
+    # (API server and operator on one small machine) fewer threads keep passes closer to
+    # first-in first-out; with a remote API server a pass mostly waits on round trips and more
+    # threads help: $MOE_OPERATOR_WORKERS.
     settings.execution.max_workers = int(os.environ.get("MOE_OPERATOR_WORKERS", DEFAULT_WORKERS))
     # kopf waits this long after an object's event for more events to batch (default 0.1 s):
     # on every pass's path, and the reconciler re-reads the job anyway.

@@ -51,7 +51,8 @@ SMOKE_VERDICTS = Counter(
 SMOKE_CURRENT = Gauge(
     f"{PREFIX}_smoke_verdict", "1 for the current verdict of each trainer image",
     ["image", "verdict"], registry=REGISTRY)
-LEADER = Gauge(f"{PREFIX}_leader", "1 while this process holds the leader Lease",
+LEADER = Gauge(f"{PREFIX}_leader", "1 while this process reconciles (holds the leader Lease, "
+               "or runs with leader election off)",
                registry=REGISTRY)
 BUILD_INFO = Gauge(f"{PREFIX}_build_info", "Version of the running operator", ["version"],
                    registry=REGISTRY)

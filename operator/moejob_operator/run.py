@@ -281,6 +281,8 @@ def run_operator(args: argparse.Namespace) -> int:
             elector = _elect(args, health, stopping)
             if elector is None:
                 return 0                                   # asked to stop while waiting
+        else:
+            metrics.set_leader(True)                       # no election: this process reconciles
         for s, h in previous.items():                      # kopf installs its own handlers
             signal.signal(s, h)
         done = threading.Event()

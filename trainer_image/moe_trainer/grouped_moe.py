@@ -1,8 +1,8 @@
 """Grouped-GEMM MoE block: a weight-compatible, function-preserving drop-in for Hugging Face's
 `MixtralSparseMoeBlock` and `Qwen3MoeSparseMoeBlock` (transformers 5.x layout).
 
-Why: DESIGN.md measured routing and token permutation at ~40% of MoE-layer time in the stock
-paths. This block sorts the T*k routed slots by expert once, runs each expert projection as one
+Why: routing and token permutation take a large share of MoE-layer time in the stock paths
+(benchmarks/trainer_bench.py measures it per path). This block sorts the T*k routed slots by expert once, runs each expert projection as one
 `torch._grouped_mm` over the stacked weights, and moves tokens with gathers only (see
 `fast/ops.py`). No Python loop over experts and no host sync on the fast path.
 

@@ -314,7 +314,7 @@ class SmokeRank:
 
 def _swap_in_native_moe(model) -> None:
     """Fault injection: layer 0's HF MoE block becomes `deepspeed.moe.layer.MoE`, which ZeRO-3
-    must refuse at initialize (DESIGN.md)."""
+    must refuse at initialize ("Native DeepSpeed MoE is not supported with ZeRO Stage 3")."""
     from deepspeed.moe.layer import MoE
     from torch import nn
     from moe_trainer.models import find_moe_layers, num_experts_of

@@ -226,8 +226,8 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
 def benchmark_estimate(*, device: str = "gpu", autoep: bool = True,
                        activation_checkpointing: bool = False, preset: str = "bench-mixtral",
                        seq_len: int = 1024, micro_batch: int = 16) -> MemoryEstimate:
-    """The estimate for the DESIGN.md benchmark run (one H200, bf16, seq 1024, micro-batch 16,
-    world 1) so a measured peak (``torch.cuda.max_memory_reserved``) can be set beside it.
+    """The estimate for the trainer benchmark's run (one H200, bf16, seq 1024, micro-batch 16,
+    world 1; benchmarks/memory_model.py) so a measured peak (``torch.cuda.max_memory_reserved``) can be set beside it.
     ``device='cpu'``: the same model in fp32 on one CPU process."""
     from .dsconfig import CPU, GpuCaps, deepspeed_config
     from .models import resolve_model

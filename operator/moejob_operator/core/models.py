@@ -224,8 +224,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=512,
         rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
         pad_token_id=258),
-    # The DESIGN.md H200 benchmark shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
-    # micro-batch 16, bf16). DESIGN.md does not record the expert width or vocabulary: 3.5h like
+    # The trainer benchmark's shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
+    # micro-batch 16, bf16), expert width 3.5h like
     # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters), vocabulary 32000 and 4 KV heads as in
     # the measured run (benchmarks/trainer_bench.py): 430M parameters.
     "bench-mixtral": dict(

@@ -38,6 +38,7 @@ class Placement:
     rank2gpu: np.ndarray           # rank2gpu[world_size]: global rank -> global GPU index
     ep_size: int
     notes: tuple[str, ...] = field(default=())
+    fell_back: bool = False        # ``strategy`` needed routing statistics: the layout is contiguous
 
     @property
     def num_layers(self) -> int:
@@ -261,7 +262,8 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         if strategy != "contiguous":
             notes.append(f"{strategy}: no routing statistics, fell back to contiguous")
         perm = np.tile(np.arange(E), (L, 1))
-        return Placement(strategy, perm, np.arange(W), P, tuple(notes)).validate(topo)
+        return Placement(strategy, perm, np.arange(W), P, tuple(notes),
+                         fell_back=strategy != "contiguous").validate(topo)
     rank2gpu = topo.gpu_order()
     if strategy == "round_robin":
         perm = np.tile(_permutation_from_ranks(np.arange(E) % P, P), (L, 1))

@@ -312,6 +312,18 @@ def _group_label(topo: ClusterTopology, grp: list[int]) -> str:
     return f"{node}[{','.join(map(str, local))}]"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _strategy_line(plan: Plan) -> str:
+    """The layout the plan has: a strategy that needed routing statistics and had none says so."""
+    asked = plan.document["placement"]["strategy"]
+    if plan.placement.fell_back:
+        return f"contiguous ({asked} without routing statistics: pass --stats)"
+    return asked
+
+
 def summarize(plan: Plan) -> str:
     """A readable summary for ``moectl plan``."""
     d, topo = plan.document, plan.topology
@@ -324,9 +336,9 @@ def summarize(plan: Plan) -> str:
         f"nodes {', '.join(topo.nodes)}",
         "NVLink     " + (" ".join(groups)
                          if d["device"] == "cuda" else "n/a (CPU: one shared-memory group per node)"),
-        f"EP size    {d['epSize']} ({d['placement']['numExperts'] // d['epSize']} experts per "
+        f"EP size    {d['epSize']} ({_count(d['placement']['numExperts'] // d['epSize'], 'expert')} per "
         f"rank), AutoEP {'on' if d['deepspeed'].get('expert_parallel') else 'off'}",
-        f"placement  {d['placement']['strategy']}: cross-group {q['crossGroupBytesPerStep'] / 2**20:.1f}"
+        f"placement  {_strategy_line(plan)}: cross-group {q['crossGroupBytesPerStep'] / 2**20:.1f}"
         f" MiB/step ({q.get('crossGroupVsContiguous', 1.0):.2f}x contiguous), cross-node "
         f"{q['crossNodeBytesPerStep'] / 2**20:.1f} MiB/step, max/mean load "
         f"{q['maxMeanLoad']:.2f} ({q['basis']} routing)",

@@ -48,11 +48,10 @@ def api_client_from_env() -> k8s.ApiClient:
 
 def _at_most_every(hook, seconds: float):
     """The client's token-refresh hook runs before *every* request and re-applies the whole
-    configuration (setting ``host`` re-reads the proxy settings from the environment): 16% of a
-    request's client CPU (0.43 -> 0.36 ms per ConfigMap create, median of 5 rounds of 100 against
-    the local API server). The tokens it refreshes are re-read within 5 minutes of expiring
-    (kubeconfig) or once a minute old (in-cluster, where the kubelet rotates them long before
-    they expire), so checking every few seconds loses nothing."""
+    configuration (setting ``host`` re-reads the proxy settings from the environment), a
+    noticeable part of each request's client CPU. The tokens it refreshes are re-read within 5
+    minutes of expiring (kubeconfig) or once a minute old (in-cluster, where the kubelet rotates
+    them long before they expire), so checking every few seconds loses nothing."""
     lock = threading.Lock()
     last = [float("-inf")]
 
@@ -276,8 +275,8 @@ class Client:
         keep starting (a burst of new jobs) it waits until none has started for
         ``EVENT_QUIET_SECONDS``, at most ``EVENT_MAX_DELAY_SECONDS`` after the Event was raised
         (its timestamps are those of the transition). So the writes that move jobs on get the
-        API server first. Measured on the 100-job benchmark: 400 Event POSTs were 18% of the
-        burst's requests."""
+        API server first (Events are a large share of a burst's requests: the operator benchmark
+        counts them by verb and resource)."""
         if not self._events.put(self._event_body(job, etype, reason, message)):
             log.warning("event queue full: dropping %s %s", reason, message[:80])
 

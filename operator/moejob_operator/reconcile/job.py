@@ -426,9 +426,8 @@ def _complete_launch(p: Pass) -> None:
     runs), the progress and routing-statistics ConfigMaps the trainer patches and the Role and
     RoleBinding that let it (it retries a failed publish at its next interval). Pod scheduling
     and start need none of them, so on the way from apply to worker pods they cost nothing; with
-    ``reconcile(defer=...)`` they wait until a burst of new jobs has its pods. Measured on the
-    100-job benchmark (docs/operator.md): p50 apply -> worker pods 0.49-0.66 s deferred vs
-    0.95-1.01 s with them and the status write in the launching pass."""
+    ``reconcile(defer=...)`` they wait until a burst of new jobs has its pods (the effect on the
+    100-job benchmark: docs/operator.md)."""
     try:
         if p.launched:
             p.launched = False
