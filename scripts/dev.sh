@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine with Python 3.11:
-#   scripts/dev.sh demo   set everything up, start a local control plane and run a whole MoETrainingJob
-#   scripts/dev.sh test   set everything up and run the whole test suite (what .ci/run calls)
-#   scripts/dev.sh setup  only install (Debian packages, .venv, Python packages)
+#   scripts/dev.sh demo [--stay]  set everything up, start a local control plane and run a whole
+#                                 MoETrainingJob; --stay keeps the cluster up afterwards (runs/demo/env.sh)
+#   scripts/dev.sh down           stop the cluster `demo --stay` left running
+#   scripts/dev.sh test           set everything up and run the whole test suite (what .ci/run calls)
+#   scripts/dev.sh setup          only install (Debian packages, .venv, Python packages)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -10,27 +12,39 @@ venv="$root/.venv"
 
 need_apt=(etcd-server openssl xz-utils procps)
 
+say() { echo "[setup] $*"; }
+took() { local s=$(( SECONDS - $1 )); printf '%dm%02ds' $(( s / 60 )) $(( s % 60 )); }
+
 apt_setup() {
   local missing=()
   for p in "${need_apt[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ ${#missing[@]} -eq 0 ] && return 0
-  local sudo=""; [ "$(id -u)" -eq 0 ] || sudo=sudo
-  echo "[setup] apt-get install ${missing[*]}"
+  local sudo="" t=$SECONDS; [ "$(id -u)" -eq 0 ] || sudo=sudo
+  say "apt-get install ${missing[*]} (Debian packages: etcd for the local control plane; usually under a minute)"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  say "  Debian packages done in $(took $t)"
 }
 
 py_setup() {
-  local stamp="$venv/.moe-stamp" want
+  local stamp="$venv/.moe-stamp" want t0=$SECONDS t
   want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  say "installing Python packages into .venv, pinned in constraints.txt (once, and again when"
+  say "pyproject.toml or constraints.txt change; the first time downloads ~1 GB and takes minutes)"
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  echo "[setup] installing Python packages into .venv (pinned in constraints.txt)"
+  t=$SECONDS; say "  1/3 pip, setuptools, wheel"
   "$venv/bin/pip" install -q --upgrade pip setuptools wheel
+  say "      done in $(took $t)"
   # torch first: DeepSpeed's setup.py imports it (built with DS_BUILD_OPS=0, ops JIT-build on use).
+  t=$SECONDS; say "  2/3 torch, CPU build (the largest download)"
   "$venv/bin/pip" install -q -c constraints.txt torch
+  say "      done in $(took $t)"
+  t=$SECONDS; say "  3/3 this project (editable) with DeepSpeed, transformers, kopf, kubernetes, pytest, ..."
   DS_BUILD_OPS=0 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e ".[operator,trainer,test]"
+  say "      done in $(took $t)"
   echo "$want" > "$stamp"
+  say "Python packages ready in $(took $t0)"
 }
 
 setup() { apt_setup; py_setup; }
@@ -40,6 +54,8 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$venv/bin/moectl" demo "$@" ;;
+  up) setup; exec "$venv/bin/moectl" demo --stay "$@" ;;
+  down) exec "$venv/bin/moectl" demo --stop "$@" ;;
   test)
     setup
     set +e
@@ -48,5 +64,5 @@ case "$cmd" in
     set -e
     if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
     exit "$rc" ;;
-  *) echo "usage: scripts/dev.sh {demo|test|setup} [args]" >&2; exit 2 ;;
+  *) echo "usage: scripts/dev.sh {demo [--stay]|up|down|test|setup} [args]" >&2; exit 2 ;;
 esac

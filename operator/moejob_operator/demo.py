@@ -4,7 +4,9 @@ Starts the local control plane (kube-apiserver v1.20.2 + etcd + controller manag
 the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (``kopf run``);
 ``kubectl apply -f examples/tiny-cpu.yaml`` (tiny Mixtral, CPU, 2 node ranks, DeepSpeed ZeRO-3 +
 AutoEP); waits for ``Succeeded``; prints ``kubectl get moejob`` and ``kubectl describe``, and
-where the expert-load heatmap and routing statistics are; stops everything it started.
+where the expert-load heatmap and routing statistics are. Logs, checkpoints and the heatmap stay
+in --dir (default runs/demo). With --stay the cluster keeps running after the job, for kubectl
+and helm through DIR/env.sh, until Ctrl-C or ``moectl demo --stop`` (``scripts/dev.sh down``).
 This is what ``scripts/dev.sh demo`` runs.
 """
 
@@ -13,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +28,9 @@ from . import constants as C
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+DEFAULT_DIR = ROOT / "runs" / "demo"
+MARKER = ".moe-demo"           # a folder with this file is a demo's: a new demo may empty it
+PID_FILE = "demo.pid"
 
 
 def add_demo(sub) -> None:
@@ -32,7 +38,12 @@ def add_demo(sub) -> None:
                        description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--manifest", default=str(EXAMPLE), help="job manifest (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for Succeeded")
-    p.add_argument("--keep", metavar="DIR", help="keep logs and checkpoints in DIR (default: a temp dir)")
+    p.add_argument("--dir", "--keep", dest="dir", metavar="DIR", default=str(DEFAULT_DIR),
+                   help="logs, checkpoints, kubeconfig and env.sh go here; emptied first if an "
+                        "earlier demo left it (default: %(default)s)")
+    p.add_argument("--stay", action="store_true",
+                   help="keep the cluster running after the job (until Ctrl-C or --stop)")
+    p.add_argument("--stop", action="store_true", help="stop the demo that --stay left running in --dir")
     p.set_defaults(func=run_demo)
 
 
@@ -40,15 +51,92 @@ def _say(text: str) -> None:
     print(f"[demo] {text}", flush=True)
 
 
+def _running_pid(work: Path) -> int | None:
+    """The pid of a demo still running in ``work``, if any."""
+    try:
+        pid = int((work / PID_FILE).read_text().split()[0])
+        os.kill(pid, 0)
+    except (OSError, ValueError, IndexError):
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    return pid if cmdline.exists() and b"demo" in cmdline.read_bytes() else None
+
+
+def stop_demo(work: Path, timeout: float = 120) -> int:
+    pid = _running_pid(work)
+    if pid is None:
+        _say(f"no demo is running in {work}")
+        return 0
+    _say(f"stopping the demo in {work} (pid {pid})")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not Path(f"/proc/{pid}").exists() or _running_pid(work) is None:
+            _say("stopped")
+            return 0
+        time.sleep(0.2)
+    _say(f"pid {pid} did not stop within {timeout:.0f}s")
+    return 1
+
+
+def _prepare(work: Path) -> None:
+    """An empty ``work``: a folder an earlier demo left is emptied; anything else is refused."""
+    if _running_pid(work) is not None:
+        raise SystemExit(f"a demo is still running in {work} (pid {_running_pid(work)}): "
+                         f"stop it with `scripts/dev.sh down` (moectl demo --stop --dir {work})")
+    if work.exists() and any(work.iterdir()):
+        if not (work / MARKER).exists():
+            raise SystemExit(f"{work} is not empty and not an earlier demo's folder: choose another --dir")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("written by moectl demo; the next demo empties this folder\n")
+
+
+def _on_sigterm(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    if args.keep:
-        Path(args.keep).mkdir(parents=True, exist_ok=True)
-        return _demo(Path(args.keep), Path(args.manifest), args.timeout)
-    with tempfile.TemporaryDirectory(prefix="moe-demo-") as tmp:
-        return _demo(Path(tmp), Path(args.manifest), args.timeout)
+    work = Path(args.dir).resolve()
+    if args.stop:
+        return stop_demo(work)
+    _prepare(work)
+    signal.signal(signal.SIGTERM, _on_sigterm)    # stop what we started, as on Ctrl-C
+    (work / PID_FILE).write_text(f"{os.getpid()}\n")
+    try:
+        return _demo(work, Path(args.manifest), args.timeout, stay=args.stay)
+    except KeyboardInterrupt:
+        return 130 if not args.stay else 0
+    finally:
+        (work / PID_FILE).unlink(missing_ok=True)
 
 
-def _demo(work: Path, manifest: Path, timeout: float) -> int:
+def _write_env(work: Path, kubeconfig: Path) -> Path:
+    """``work/env.sh``: KUBECONFIG and the project's kubectl and helm (``work/bin``) on PATH."""
+    from moe_localkube import binaries
+
+    bindir = work / "bin"
+    bindir.mkdir(exist_ok=True)
+    for tool in (binaries.kubectl_binary(), binaries.helm_binary()):
+        link = bindir / tool.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(tool)
+    env = work / "env.sh"
+    env.write_text(f"# source this file: the demo cluster in {work} (while `moectl demo --stay` runs)\n"
+                   f"export KUBECONFIG='{kubeconfig}'\n"
+                   f"export PATH='{bindir}':\"$PATH\"\n")
+    return env
+
+
+def _show(path: Path) -> str:
+    """``path`` as a person in the repository root would type it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> int:
     from kubernetes.client.rest import ApiException
 
     from moe_localkube import binaries, procs
@@ -68,6 +156,9 @@ def _demo(work: Path, manifest: Path, timeout: float) -> int:
 
     _say("starting the local control plane (kube-apiserver v1.20.2, etcd, controller manager, scheduler)")
     cp = ControlPlane(work / "controlplane").start()
+    # SIGTERM unwinds like Ctrl-C, so the finally below stops the operator and the node agent
+    # before the control plane (the control plane's own handler would stop it first)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     agent = operator = None
     try:
         _say(f"control plane ready in {cp.startup_seconds:.1f}s at {cp.server}")
@@ -129,12 +220,22 @@ def _demo(work: Path, manifest: Path, timeout: float) -> int:
         job_dirs = sorted(ckpt.glob(f"{name}-*"))
         if job_dirs:
             d = job_dirs[-1]
-            _say(f"expert-load heatmap:  {d / 'expert_load.png'}"
+            _say(f"expert-load heatmap:  {_show(d / 'expert_load.png')}"
                  + ("" if (d / "expert_load.png").exists() else " (not written)"))
-            _say(f"routing statistics:   {d / C.ROUTING_STATS_KEY} and ConfigMap {name}-routing-stats "
+            _say(f"routing statistics:   {_show(d / C.ROUTING_STATS_KEY)} and ConfigMap {name}-routing-stats "
                  f"(plan a later job from them: spec.placement.routingStatsFrom.jobName: {name})")
-        _say(f"logs: operator {work / 'operator.log'}, pods {work / 'nodeagent'}")
+        _say(f"logs: operator {_show(work / 'operator.log')}, pods {_show(work / 'nodeagent')}")
         _say("job Succeeded" if ok else "job did NOT succeed (see describe above)")
+        if stay:
+            env = _write_env(work, cp.kubeconfig)
+            _say(f"the cluster stays up (pid {os.getpid()}). In another shell, from {Path.cwd()}:")
+            print(f"    source {_show(env)}      # KUBECONFIG, and the project's kubectl and helm on PATH\n"
+                  f"    kubectl get moejob -o wide\n"
+                  f"    kubectl describe moejob {name}\n", flush=True)
+            down = "scripts/dev.sh down" + ("" if work == DEFAULT_DIR else f" --dir {_show(work)}")
+            _say(f"stop it: Ctrl-C here, or {down}")
+            while True:                       # until SIGTERM / Ctrl-C (KeyboardInterrupt)
+                time.sleep(3600)
         return 0 if ok else 1
     finally:
         _say("stopping the operator, the node agent and the control plane")
