@@ -163,3 +163,33 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
     names = {r.metadata.name for r in kube.rbac.list_cluster_role().items}
     assert not {n for n in names if n.startswith(name)}
     assert kube.apiext.read_custom_resource_definition(f"{C.PLURAL}.{C.GROUP}")
+
+
+def test_chart_pod_runs_under_the_node_agent(kube, kubectl, node_agent, wait_for):
+    """The chart's Deployment as a pod (the node agent runs its command on this host): its /tmp
+    emptyDir must not hide the volumes the agent binds from its run dir under /tmp (it did: mount
+    exit 32, a crash loop, while `kubectl rollout status` said "successfully rolled out")."""
+    install_crd(kube)
+    rel_ns = create_namespace(kube, unique_name("moe-pod"))
+    watched = create_namespace(kube, unique_name("moe-w"))
+    name = unique_name("mp", 16)
+    values = ["--set", f"watchNamespaces={{{watched}}}", "--set", "gate.enabled=false",
+              "--set", f"health.port={_free_port()}", "--set", f"metrics.port={_free_port()}",
+              "--set", "logging.format=plain", "--server-side=false"]
+    try:
+        helm(kubectl, "install", name, str(CHART), "-n", rel_ns, *values)
+        selector = "app.kubernetes.io/component=operator"
+
+        def leading_pod():
+            pods = kube.core.list_namespaced_pod(rel_ns, label_selector=selector).items
+            lease = kube.coordination.read_namespaced_lease("moe-operator-leader", rel_ns)
+            return pods and lease.spec.holder_identity == pods[0].metadata.name and pods[0]
+
+        pod = wait_for(leading_pod, timeout=90,
+                       message=f"the chart's operator pod holding the lease in {rel_ns}")
+        (status,) = pod.status.container_statuses
+        assert status.ready and status.restart_count == 0, status
+    finally:
+        helm(kubectl, "uninstall", name, "-n", rel_ns, "--wait")
+        delete_namespace(kube, rel_ns)
+        delete_namespace(kube, watched)

@@ -130,25 +130,31 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
     if not argv:
         raise SandboxError("the container has no command: the node agent ignores images, so "
                            "command (and args) must name the program")
+    # Open every source before mounting anything: a volume at /tmp (the chart's emptyDir) would
+    # otherwise hide sources that live under /tmp (the agent's run dir) from the mounts after it
+    # (`mount` exit 32, a crash loop). `mount -c --bind /proc/self/fd/N` binds the opened file.
     lines = ["set -e"]
-    for m in mounts:
+    for i, m in enumerate(mounts):
+        lines.append(f"exec {{src{i}}}<{shlex.quote(str(m.source))}")
+    for i, m in enumerate(mounts):
         is_file = m.source.is_file()
         if not _under_other(m.target, mounts):
             targets.ensure(m.target, is_file)      # on the host: record it for cleanup
-        q_src, q_dst = shlex.quote(str(m.source)), shlex.quote(m.target)
+        q_dst = shlex.quote(m.target)
         if is_file:
             lines.append(f"[ -e {q_dst} ] || {{ mkdir -p \"$(dirname {q_dst})\"; : > {q_dst}; }}")
         else:
             lines.append(f"mkdir -p {q_dst}")
-        lines.append(f"mount --bind {q_src} {q_dst}")
+        lines.append(f'mount --no-canonicalize --bind "/proc/self/fd/${{src{i}}}" {q_dst}')
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {q_dst}")
+    lines += [f"exec {{src{i}}}<&-" for i in range(len(mounts))]
     lines.append(f"hostname {shlex.quote(hostname[:63])}")
     if working_dir:
         lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
     lines.append('exec "$@"')
     wrapper = [shutil.which("unshare") or "unshare", "--mount", "--uts", "--propagation", "private", "--",
-               "/bin/sh", "-c", "\n".join(lines), "moe-pod", *argv]
+               shutil.which("bash") or "/bin/bash", "-c", "\n".join(lines), "moe-pod", *argv]
     # die_with_parent: the pod worker thread outlives its containers (it kills them before it
     # ends), so the kernel's parent-death signal only fires if the whole agent process is killed.
     return procs.spawn(wrapper, log_path, env=env, cwd="/", die_with_parent=True)
