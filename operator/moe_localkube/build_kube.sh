@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Build kube-apiserver, kube-controller-manager and kube-scheduler v1.20.2 offline from Debian
+# Build kube-apiserver, kube-controller-manager, kube-scheduler and kubelet v1.20.2 offline from Debian
 # bookworm's `kubernetes` source package (its vendor/ tree makes the build offline), the recipe
-# in ../shared/k8s/README.md. ~7 min on 2 cores, peak RSS ~1.4 GB, needs root for apt-get.
+# in ../shared/k8s/README.md, and `pause` (the pod sandbox's program: a static build of the source
+# tree's build/pause/linux/pause.c). ~7 min on 2 cores for the control plane, ~14 more for the
+# kubelet; peak RSS ~1.4 GB; needs root for apt-get.
 #
-#   build_kube.sh OUT_DIR     -> OUT_DIR/{kube-apiserver,kube-controller-manager,kube-scheduler,SHA256SUMS}
+#   build_kube.sh OUT_DIR  -> OUT_DIR/{kube-apiserver,kube-controller-manager,kube-scheduler,kubelet,pause,SHA256SUMS}
 set -euo pipefail
 out=${1:?usage: build_kube.sh OUT_DIR}
 mkdir -p "$out"
@@ -27,7 +29,7 @@ if ! grep -rqs '^Types:.*deb-src' /etc/apt/sources.list.d/ && ! grep -qs '^deb-s
     "$uri" "$key" | $sudo tee /etc/apt/sources.list.d/moe-deb-src.sources >/dev/null
 fi
 $sudo apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dpkg-dev golang-1.19-go rsync >/dev/null
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq dpkg-dev golang-1.19-go rsync gcc libc6-dev >/dev/null
 export PATH=/usr/lib/go-1.19/bin:$PATH
 
 cd "$work"
@@ -59,11 +61,13 @@ make gen_openapi
 # 5. build.
 pkg=k8s.io/kubernetes/vendor/k8s.io/component-base/version
 ldflags="-s -w -X $pkg.gitVersion=$version -X $pkg.gitMajor=1 -X $pkg.gitMinor=20 -X $pkg.gitTreeState=clean"
-for b in kube-apiserver kube-controller-manager kube-scheduler; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubelet; do
   echo "building $b"
   go build -trimpath -ldflags "$ldflags" -o "$out/$b.tmp" "k8s.io/kubernetes/cmd/$b"
   mv "$out/$b.tmp" "$out/$b"
 done
+gcc -Os -static -DVERSION=$version -o "$out/pause.tmp" build/pause/linux/pause.c
+mv "$out/pause.tmp" "$out/pause"
 cd "$out"
-sha256sum kube-apiserver kube-controller-manager kube-scheduler > SHA256SUMS
+sha256sum kube-apiserver kube-controller-manager kube-scheduler kubelet pause > SHA256SUMS
 "$out/kube-apiserver" --version
