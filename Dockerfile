@@ -1,13 +1,23 @@
 # Operator image: kopf + kubernetes client + the planning core. No torch.
 # Build:  docker build -t moe-operator:0.1.0 .
-FROM python:3.11.11-slim-bookworm AS build
+# Build arguments (docs/install.md "Building the images"): BASE_IMAGE, any Python 3.11 image
+# with pip first on PATH (default: the official slim one); PIP_INDEX_URL / PIP_FIND_LINKS /
+# PIP_NO_INDEX for a package mirror or an offline wheelhouse (they are pip's own variables).
+ARG BASE_IMAGE=python:3.11.11-slim-bookworm
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
 COPY operator/ operator/
 COPY trainer_image/moe_trainer/ trainer_image/moe_trainer/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11.11-slim-bookworm
+FROM ${BASE_IMAGE}
+ARG PIP_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_NO_INDEX
 LABEL org.opencontainers.image.title="moe-operator" \
       org.opencontainers.image.description="Kubernetes operator for DeepSpeed ZeRO-3 Mixture-of-Experts training"
 COPY --from=build /wheels /wheels

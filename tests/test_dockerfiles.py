@@ -59,11 +59,24 @@ def test_every_copied_path_exists(which):
             assert (ROOT / src).exists(), f"{DOCKERFILES[which].name}: COPY {src}: not in the build context"
 
 
+def arg_defaults(path: Path) -> dict[str, str]:
+    """Defaults of the ARGs declared before the first FROM (the ones FROM lines may use)."""
+    out = {}
+    for w, rest in instructions(path):
+        if w == "FROM":
+            break
+        if w == "ARG" and "=" in rest:
+            k, _, v = rest.partition("=")
+            out[k.strip()] = v.strip().strip('"')
+    return out
+
+
 @pytest.mark.parametrize("which", DOCKERFILES)
 def test_pinned_base_and_non_root_user(which):
+    defaults = arg_defaults(DOCKERFILES[which])
     for w, rest in instructions(DOCKERFILES[which]):
         if w == "FROM":
-            image = rest.split()[0]
+            image = re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], rest.split()[0])
             assert ":" in image and not image.endswith(":latest"), f"unpinned base {image}"
             assert re.search(r":\d+\.\d+", image), f"base {image} is not pinned to a version"
     users = [rest for w, rest in final_stage(DOCKERFILES[which]) if w == "USER"]
