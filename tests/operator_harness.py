@@ -29,7 +29,7 @@ def install_crd(kube) -> None:
         cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
         crd["metadata"]["resourceVersion"] = cur.metadata.resource_version
         kube.apiext.replace_custom_resource_definition(crd["metadata"]["name"], crd)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120           # a deadline for failing, not a measurement
     while time.monotonic() < deadline:
         cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
         if any(c.type == "Established" and c.status == "True" for c in cur.status.conditions or ()):
