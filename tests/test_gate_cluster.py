@@ -1,13 +1,14 @@
 """The upgrade gate with the real operator, API server, job controller and node agent.
 
 What runs in the smoke pods (honestly): the operator is started with MOE_GATE_SMOKE_COMMAND set
-to a stand-in script (written below) that, for an image whose name contains `native-moe`, runs
-the **real** `moe-smoke --cpu --inject native-moe` (DeepSpeed refuses native MoE under ZeRO-3 at
-`initialize`), for `real-smoke` the real passing `moe-smoke --cpu`, and otherwise waits until the
-test creates a release file, then prints a passing SmokeVerdict we control (the concurrency and
-caching tests are about the gate, not about DeepSpeed, and hold the smoke test open for as long as
-they need, however slow the machine). The jobs are
-created with `runPolicy.suspend: true`, so passing the gate launches no trainer processes.
+to a stand-in script (written below). For an image whose name contains `broken-ds` it runs the
+**real** `moe-smoke --cpu` on the plans the operator mounted, in a DeepSpeed broken the way a bad
+release would be (tests/smoke_faults: its ZeRO config no longer accepts `stage3_max_reuse_distance`,
+a key the planner emits); for `real-smoke` the real passing `moe-smoke --cpu`; otherwise it waits
+until the test creates a release file, then prints a passing SmokeVerdict we control for the
+mounted plans' cases (the concurrency and caching tests are about the gate, not about DeepSpeed,
+and hold the smoke test open for as long as they need, however slow the machine). The jobs are created with
+`runPolicy.suspend: true`, so passing the gate launches no trainer processes.
 """
 
 from __future__ import annotations
@@ -15,34 +16,45 @@ from __future__ import annotations
 import json
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
+from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
+from moe_trainer import smoke
 from moe_localkube.testing import create_namespace, delete_namespace, unique_name
 from operator_harness import Operator, apply_job, condition, events_for, example, get_job, install_crd
 
 pytestmark = pytest.mark.cluster
 
+FAULTS = Path(__file__).resolve().parent / "smoke_faults"
 STAND_IN = r'''
 import json, os, subprocess, sys, time
 image = os.environ.get("MOE_GATE_IMAGE", "")
-if "native-moe" in image:
-    sys.exit(subprocess.call(["moe-smoke", "--cpu", "--inject", "native-moe", "--steps", "3"]))
+plans = "/etc/moe-smoke/plans.json"
+real = ["moe-smoke", "--cpu", "--plans", plans, "--workdir", "/var/tmp/moe-smoke/work"]
+env = dict(os.environ, PYTHONPATH=TRAINER)       # the trainer code under test (pods get no PYTHONPATH)
+if "broken-ds" in image:
+    env.update(SMOKE_FAULT="drop-planner-key", PYTHONPATH=os.pathsep.join([FAULTS, TRAINER]))
+    sys.exit(subprocess.call(real, env=env))
 if "real-smoke" in image:
-    sys.exit(subprocess.call(["moe-smoke", "--cpu", "--workdir", "/var/tmp/moe-smoke/work"]))
+    sys.exit(subprocess.call(real, env=env))
 deadline = time.monotonic() + 600    # passes once the test says so (the release file exists)
 while not os.path.exists(RELEASE) and time.monotonic() < deadline:
     time.sleep(0.2)
-checks = [{"name": n, "passed": True, "seconds": 0.1, "message": "stand-in"}
-          for n in ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")]
-v = {"kind": "SmokeVerdict", "version": 1, "passed": True, "failedCheck": None, "checks": checks,
-     "exception": None, "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0",
-     "cuda": None}, "durationSeconds": 4.0, "standIn": True}
+cases = [c["name"] for c in json.load(open(plans))["cases"]]
+pairs = ([("imports", None)] + [(n, c) for c in cases for n in ("initialize", "partition", "permutation",
+         "numerics", "train", "checkpoint")] + [("resume", c) for c in cases] + [("fused_adam", None)])
+checks = [{"name": n, "case": c, "passed": True, "seconds": 0.1, "message": "stand-in"} for n, c in pairs]
+v = {"kind": "SmokeVerdict", "version": 2, "passed": True, "failedCheck": None, "failedCase": None,
+     "cases": cases, "checks": checks, "exception": None,
+     "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0", "cuda": None},
+     "durationSeconds": 4.0, "standIn": True}
 open("/dev/termination-log", "w").write(json.dumps(v))
 print(json.dumps(v))
-'''
+'''.replace("FAULTS", repr(str(FAULTS))).replace("TRAINER", repr(str(Path(smoke.__file__).parents[1])))
 
 
 @pytest.fixture(scope="module")
@@ -130,16 +142,16 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
 
 def test_a_failed_smoke_test_blocks_launch_and_says_why(kube, kubectl, namespace, operator_proc, gate_ns,
                                                         wait_for, tmp_path):
-    image = f"registry.local/moe-trainer:{unique_name('native-moe')}"
+    image = f"registry.local/moe-trainer:{unique_name('broken-ds')}"
     job = gate_job("gate-fail", image, tmp_path)
     job["spec"]["runPolicy"]["suspend"] = False
     apply_job(kube, namespace, job)
     wait_for(lambda: get_job(kube, namespace, "gate-fail").get("status", {}).get("phase") == "Failed",
-             timeout=240, message=operator_proc.logs())
+             timeout=400, message=operator_proc.logs())
     cond = verified(kube, namespace, "gate-fail")
     assert (cond["status"], cond["reason"]) == ("False", G.R_SMOKE_TEST_FAILED)
-    assert "check 'initialize' failed" in cond["message"]
-    assert "Native DeepSpeed MoE is not supported with ZeRO Stage 3" in cond["message"]
+    assert "check 'initialize' of case 'mixtral' failed" in cond["message"]
+    assert "stage3_max_reuse_distance" in cond["message"] and "Extra inputs are not permitted" in cond["message"]
     failed = condition(get_job(kube, namespace, "gate-fail"), C.COND_FAILED)
     assert failed["reason"] == G.R_SMOKE_TEST_FAILED
     # never launched: no worker pods
@@ -147,7 +159,7 @@ def test_a_failed_smoke_test_blocks_launch_and_says_why(kube, kubectl, namespace
     warnings = wait_for(lambda: [e for e in events_for(kube, namespace, "gate-fail")
                                  if e.type == "Warning" and e.reason == G.R_SMOKE_TEST_FAILED],
                         timeout=10, message="Warning event SmokeTestFailed")
-    assert "check 'initialize' failed" in warnings[0].message
+    assert "check 'initialize' of case 'mixtral' failed" in warnings[0].message
     out = kubectl.run("describe", "moejob", "gate-fail", "-n", namespace)
     assert "SmokeTestFailed" in out.stdout and "initialize" in out.stdout, out.stdout
     # the real moe-smoke ran in the pod and its verdict is stored
@@ -177,7 +189,7 @@ def test_the_real_smoke_program_passes_through_the_job(kube, namespace, operator
                                                        tmp_path):
     image = f"registry.local/moe-trainer:{unique_name('real-smoke')}"
     apply_job(kube, namespace, gate_job("gate-real", image, tmp_path))
-    wait_for(lambda: verified(kube, namespace, "gate-real").get("status") == "True", timeout=240,
+    wait_for(lambda: verified(kube, namespace, "gate-real").get("status") == "True", timeout=400,
              message=operator_proc.logs())
     assert verified(kube, namespace, "gate-real")["reason"] == G.R_SMOKE_TEST_PASSED
     key = G.identity_for(image, None, "CPU").key
@@ -187,4 +199,8 @@ def test_the_real_smoke_program_passes_through_the_job(kube, namespace, operator
     assert stored["versions"]["device"] == "cpu" and stored["durationSeconds"] > 0
     pod = kube.core.list_namespaced_pod(gate_ns, label_selector=f"job-name=moe-smoke-{key}-1").items[0]
     smoke = G.parse_smoke_verdict(pod.status.container_statuses[0].state.terminated.message)
-    assert [c["name"] for c in smoke["checks"]] == list(G.SMOKE_CHECKS) and "standIn" not in smoke
+    cases = [c.name for c in CPU_CASES]
+    assert [(c["name"], c["case"]) for c in smoke["checks"]] == G.expected_checks(cases) and "standIn" not in smoke
+    # it ran the planner's plans, mounted from the ConfigMap beside the Job
+    plans = json.loads(kube.core.read_namespaced_config_map(f"moe-smoke-{key}-1", gate_ns).data["plans.json"])
+    assert plans == smoke_plans("cpu") and [c["name"] for c in plans["cases"]] == cases

@@ -16,17 +16,24 @@ DIGEST = "sha256:" + "ab" * 32
 CFG = G.GateConfig(namespace="moe-system")
 
 
-def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom") -> dict:
+CASES = ["mixtral", "qwen3-moe", "deepseek-v3"]
+HW = {"gpu": "NVIDIA H200", "computeCapability": "9.0", "driverVersion": "580.95.05", "cudaDriverVersion": "13.0"}
+
+
+def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom", case=None) -> dict:
     checks = []
-    for name in G.SMOKE_CHECKS:
-        if failed == name:
-            checks.append({"name": name, "passed": False, "seconds": 1.0, "message": message})
+    for name, c in G.expected_checks(CASES):
+        if failed == name and case in (None, c):
+            checks.append({"name": name, "case": c, "passed": False, "seconds": 1.0, "message": message})
+            case = c
             break
-        checks.append({"name": name, "passed": True, "seconds": 1.0, "message": "ok"})
-    return {"kind": "SmokeVerdict", "version": 1, "passed": passed, "failedCheck": failed, "checks": checks,
+        checks.append({"name": name, "case": c, "passed": True, "seconds": 1.0, "message": "ok"})
+    return {"kind": "SmokeVerdict", "version": 2, "passed": passed, "failedCheck": failed,
+            "failedCase": case if failed else None, "cases": CASES, "checks": checks,
             "exception": None if passed else "Traceback...\n" + message.removeprefix("rank 0: "),
             "versions": {"deepspeed": ds, "torch": "2.13.0", "transformers": "5.17.0", "cuda": "12.8",
-                         "device": "cuda"},
+                         "device": "cuda", "gpu": "NVIDIA H200", "computeCapability": "9.0",
+                         "cudaDriver": "13.0"},
             "durationSeconds": 12.5}
 
 
@@ -75,8 +82,8 @@ def test_smoke_verdict_reader():
     assert G.parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
     with pytest.raises(G.GateError, match="SmokeVerdict.kind: 'Nope'"):
         G.parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
-    with pytest.raises(G.GateError, match="version: 2 is not supported"):
-        G.parse_smoke_verdict(dict(smoke_doc(), version=2))
+    with pytest.raises(G.GateError, match="version: 1 is not supported"):
+        G.parse_smoke_verdict(dict(smoke_doc(), version=1))
     with pytest.raises(G.GateError, match="failedCheck: required when passed is false"):
         G.parse_smoke_verdict(dict(smoke_doc(), passed=False))
     with pytest.raises(G.GateError, match=r"checks\[0\].passed: 'yes' has the wrong type"):
@@ -106,22 +113,26 @@ def test_config_from_env():
 
 
 # ---- decisions ---------------------------------------------------------------------------------
-IDENT = G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU")
+IDENT = G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU", HW)
+
+
+def decide(identity, stored, obs, now=NOW, config=CFG, **kw):
+    return G.decide(identity, stored, obs, now, config, cases=CASES, **kw)
 
 
 def test_no_verdict_no_job_starts_one_smoke_job():
-    d = G.decide(IDENT, None, None, NOW, CFG)
+    d = decide(IDENT, None, None, NOW, CFG)
     assert (d.action, d.status, d.reason) == ("create_job", "Unknown", G.R_SMOKE_TEST_RUNNING)
     assert d.job_name == f"moe-smoke-{IDENT.key}-1" and d.retry_seconds and d.stale_job is None
     running = G.SmokeObservation(name=d.job_name, finished=False, pod_phase="Running")
-    w = G.decide(IDENT, None, running, NOW, CFG)
+    w = decide(IDENT, None, running, NOW, CFG)
     assert (w.action, w.status, w.reason) == ("wait", "Unknown", G.R_SMOKE_TEST_RUNNING)
     assert "pod Running" in w.message
 
 
 def test_pass_is_recorded_with_expiry_then_cached_until_it_expires():
     obs = finished(smoke_doc(), image_id=f"docker-pullable://reg.io/trainer@{DIGEST}")
-    d = G.decide(IDENT, None, obs, NOW, CFG)
+    d = decide(IDENT, None, obs, NOW, CFG)
     assert (d.action, d.status, d.reason) == ("record", "True", G.R_SMOKE_TEST_PASSED)
     rec = d.record
     assert rec["passed"] and rec["attempt"] == 1 and rec["observedDigest"] == DIGEST
@@ -129,65 +140,65 @@ def test_pass_is_recorded_with_expiry_then_cached_until_it_expires():
     assert "deepspeed 0.19.8" in d.message and DIGEST in d.message
     stored = G.parse_stored_verdict(json.dumps(rec))
     later = NOW + dt.timedelta(days=6, hours=23)
-    c = G.decide(IDENT, stored, None, later, CFG)
+    c = decide(IDENT, stored, None, later, CFG)
     assert (c.action, c.status, c.reason) == ("none", "True", G.R_CACHED_VERDICT)
     # expired: a new attempt with its own Job name, the old Job is cleaned up
-    e = G.decide(IDENT, stored, None, NOW + dt.timedelta(days=7, seconds=1), CFG)
+    e = decide(IDENT, stored, None, NOW + dt.timedelta(days=7, seconds=1), CFG)
     assert (e.action, e.job_name, e.stale_job) == ("create_job", f"moe-smoke-{IDENT.key}-2",
                                                   f"moe-smoke-{IDENT.key}-1")
     # a verdict about another identity never counts
     other = G.identity_for("reg.io/trainer:1.1", "0.19.8", "GPU")
-    assert G.decide(other, stored, None, later, CFG).action == "create_job"
+    assert decide(other, stored, None, later, CFG).action == "create_job"
 
 
 def test_fail_names_the_check_and_expires_sooner():
     doc = smoke_doc(passed=False, failed="initialize",
                     message="rank 0: AssertionError: Native DeepSpeed MoE is not supported with ZeRO Stage 3.")
-    d = G.decide(IDENT, None, finished(doc, code=1), NOW, CFG)
+    d = decide(IDENT, None, finished(doc, code=1), NOW, CFG)
     assert (d.action, d.status, d.reason) == ("record", "False", G.R_SMOKE_TEST_FAILED)
-    assert "check 'initialize' failed: rank 0: AssertionError: Native DeepSpeed MoE" in d.message
+    assert "check 'initialize' of case 'mixtral' failed: rank 0: AssertionError: Native DeepSpeed MoE" in d.message
     assert d.record["failedCheck"] == "initialize" and d.record["expiresAt"] == "2026-11-29T15:00:00Z"
     assert "exception: " not in d.message               # the last exception line is already in it
-    cached = G.decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=59), CFG)
+    cached = decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=59), CFG)
     assert (cached.status, cached.reason) == ("False", G.R_SMOKE_TEST_FAILED)
     assert "cached" in cached.message and G.store_name(IDENT) in cached.message
-    assert G.decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=61), CFG).action == "create_job"
+    assert decide(IDENT, d.record, None, NOW + dt.timedelta(minutes=61), CFG).action == "create_job"
 
 
 def test_a_pod_that_died_without_a_verdict_fails_the_gate():
-    d = G.decide(IDENT, None, finished(None, code=137, reason="OOMKilled"), NOW, CFG)
+    d = decide(IDENT, None, finished(None, code=137, reason="OOMKilled"), NOW, CFG)
     assert (d.status, d.reason) == ("False", G.R_SMOKE_TEST_FAILED)
     assert "no verdict (exit code 137, reason OOMKilled)" in d.message
     garbage = G.SmokeObservation(name="j", finished=True, exit_code=1, message="Segmentation fault")
-    g = G.decide(IDENT, None, garbage, NOW, CFG)
+    g = decide(IDENT, None, garbage, NOW, CFG)
     assert g.status == "False" and "SmokeVerdict: not JSON" in g.message
     deadline = G.SmokeObservation(name="j", finished=True, reason="DeadlineExceeded",
                                   message="Job was active longer than specified deadline")
-    assert "reason DeadlineExceeded" in G.decide(IDENT, None, deadline, NOW, CFG).message
+    assert "reason DeadlineExceeded" in decide(IDENT, None, deadline, NOW, CFG).message
 
 
 def test_declared_deepspeed_must_match_what_the_image_reports():
-    d = G.decide(IDENT, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG)
+    d = decide(IDENT, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG)
     assert d.status == "False" and d.record["failedCheck"] == "imports"
     assert "reports deepspeed 0.20.1, the spec declares 0.19.8" in d.message
     undeclared = G.identity_for("reg.io/trainer:1.0", None, "GPU")
-    assert G.decide(undeclared, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG).status == "True"
+    assert decide(undeclared, None, finished(smoke_doc(ds="0.20.1")), NOW, CFG).status == "True"
 
 
 def test_pass_with_nonzero_exit_or_missing_checks_is_not_a_pass():
-    assert G.decide(IDENT, None, finished(smoke_doc(), code=1), NOW, CFG).status == "False"
+    assert decide(IDENT, None, finished(smoke_doc(), code=1), NOW, CFG).status == "False"
     short = smoke_doc()
     short["checks"] = short["checks"][:2]
-    assert G.decide(IDENT, None, finished(short), NOW, CFG).status == "False"
+    assert decide(IDENT, None, finished(short), NOW, CFG).status == "False"
 
 
 def test_a_job_that_waited_reads_smoke_test_passed_others_cached_verdict():
-    rec = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
-    waited = G.decide(IDENT, rec, None, NOW, CFG, waited=True)
+    rec = decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
+    waited = decide(IDENT, rec, None, NOW, CFG, waited=True)
     assert (waited.action, waited.status, waited.reason) == ("none", "True", G.R_SMOKE_TEST_PASSED)
-    assert G.decide(IDENT, rec, None, NOW, CFG).reason == G.R_CACHED_VERDICT
-    bad = G.decide(IDENT, None, finished(smoke_doc(False, "train"), code=1), NOW, CFG).record
-    assert "cached" not in G.decide(IDENT, bad, None, NOW, CFG, waited=True).message
+    assert decide(IDENT, rec, None, NOW, CFG).reason == G.R_CACHED_VERDICT
+    bad = decide(IDENT, None, finished(smoke_doc(False, "train"), code=1), NOW, CFG).record
+    assert "cached" not in decide(IDENT, bad, None, NOW, CFG, waited=True).message
 
 
 def test_observe_reads_job_and_pod_status():
@@ -224,7 +235,12 @@ def test_smoke_job_manifest():
     pod = spec["template"]["spec"]
     c = pod["containers"][0]
     assert c["image"] == "reg.io/trainer:1.0" and c["command"] == ["moe-smoke"]
-    assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--gpu", "--expect-deepspeed", "0.19.8"]
+    assert c["args"] == ["--workdir", "/var/tmp/moe-smoke/work", "--plans", "/etc/moe-smoke/plans.json", "--gpu",
+                         "--expect-deepspeed", "0.19.8"]
+    assert {"name": "plans", "configMap": {"name": job["metadata"]["name"]}} in pod["volumes"]
+    assert "nodeSelector" not in pod
+    pinned = B.smoke_job(IDENT, 1, CFG, node="gpu-node-3")["spec"]["template"]["spec"]
+    assert pinned["nodeSelector"] == {"kubernetes.io/hostname": "gpu-node-3"}
     assert c["resources"]["limits"] == {C.GPU_RESOURCE: "1"}
     assert c["terminationMessagePolicy"] == "FallbackToLogsOnError" and pod["restartPolicy"] == "Never"
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -238,7 +254,7 @@ def test_smoke_job_manifest():
 
 
 def test_verdict_configmap_round_trips():
-    rec = G.decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
+    rec = decide(IDENT, None, finished(smoke_doc()), NOW, CFG).record
     cm = B.verdict_configmap(rec, "moe-system")
     assert cm["metadata"]["name"] == G.store_name(IDENT)
     assert cm["metadata"]["labels"][f"{C.GROUP}/gate-passed"] == "true"
@@ -251,26 +267,89 @@ def test_a_leftover_job_counts_from_when_it_ran_and_an_expired_one_is_replaced()
     ran = "2026-11-29T13:30:00Z"
     obs = G.SmokeObservation(name=f"moe-smoke-{IDENT.key}-1", finished=True, exit_code=0,
                              message=json.dumps(smoke_doc()), finished_at=ran)
-    d = G.decide(IDENT, None, obs, NOW, CFG)
+    d = decide(IDENT, None, obs, NOW, CFG)
     assert d.action == "record" and d.record["verifiedAt"] == ran and d.record["expiresAt"] == "2026-12-06T13:30:00Z"
     # the store was deleted 8 days later: the Job's verdict has expired, so test again as attempt 2
     old = dt.timedelta(days=8)
-    e = G.decide(IDENT, None, obs, NOW + old, CFG)
+    e = decide(IDENT, None, obs, NOW + old, CFG)
     assert (e.action, e.status, e.job_name, e.stale_job) == (
         "create_job", "Unknown", f"moe-smoke-{IDENT.key}-2", f"moe-smoke-{IDENT.key}-1")
     assert e.record["attempt"] == 1 and e.record["passed"]     # remembered, already expired
-    assert G.decide(IDENT, e.record, None, NOW + old, CFG).job_name == f"moe-smoke-{IDENT.key}-2"
+    assert decide(IDENT, e.record, None, NOW + old, CFG).job_name == f"moe-smoke-{IDENT.key}-2"
 
 
 def test_failure_message_says_how_to_test_again_now():
-    d = G.decide(IDENT, None, finished(smoke_doc(False, "train", message="loss is nan"), code=1), NOW, CFG)
+    d = decide(IDENT, None, finished(smoke_doc(False, "train", message="loss is nan"), code=1), NOW, CFG)
     assert f"kubectl -n moe-system delete job moe-smoke-x-1 configmap moe-gate-{IDENT.key}" in d.message
 
 
 def test_a_gpu_identity_needs_a_run_on_a_gpu():
     cpu_run = smoke_doc()
     cpu_run["versions"]["device"] = "cpu"
-    d = G.decide(IDENT, None, finished(cpu_run), NOW, CFG)
+    d = decide(IDENT, None, finished(cpu_run), NOW, CFG)
     assert d.status == "False" and "a GPU identity was tested on cpu, not on a GPU" in d.message
     cpu_ident = G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU")
-    assert G.decide(cpu_ident, None, finished(cpu_run), NOW, CFG).status == "True"
+    assert decide(cpu_ident, None, finished(cpu_run), NOW, CFG).status == "True"
+
+
+# ---- what a verdict vouches for: GPU hardware, the cases, the digest ----------------------------
+def test_gpu_verdicts_are_keyed_by_gpu_model_compute_capability_and_cuda_major():
+    assert IDENT.gpu_model == "NVIDIA H200" and IDENT.compute_capability == "9.0" and IDENT.cuda_major == "13"
+    others = [dict(HW, gpu="NVIDIA H100 80GB HBM3"), dict(HW, computeCapability="8.0"),
+              dict(HW, cudaDriverVersion="12.8")]
+    keys = {IDENT.key} | {G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU", hw).key for hw in others}
+    assert len(keys) == 4
+    assert G.identity_for("reg.io/trainer:1.0", "0.19.8", "GPU", dict(HW, driverVersion="590.1")).key == IDENT.key
+    # CPU verdicts ignore GPU hardware
+    assert G.identity_for("i", None, "CPU", HW).key == G.identity_for("i", None, "CPU").key
+    assert "NVIDIA H200 (compute capability 9.0, CUDA 13)" in IDENT.describe()
+
+
+def test_a_pass_on_other_gpu_hardware_does_not_vouch():
+    run = smoke_doc()
+    run["versions"].update(gpu="NVIDIA A100-SXM4-80GB", computeCapability="8.0")
+    d = decide(IDENT, None, finished(run))
+    assert d.status == "False" and d.record["failedCheck"] == "imports"
+    assert "GPU model NVIDIA A100-SXM4-80GB (identity: NVIDIA H200)" in d.message
+    assert "compute capability 8.0 (identity: 9.0)" in d.message
+    run = smoke_doc()
+    run["versions"]["cudaDriver"] = "12.8"
+    assert "CUDA major 12 (identity: 13)" in decide(IDENT, None, finished(run)).message
+    run["versions"]["cudaDriver"] = None          # no NVML in the image: model + capability decide
+    assert decide(IDENT, None, finished(run)).status == "True"
+
+
+def test_a_pass_must_cover_every_case_it_was_given():
+    short = smoke_doc()
+    short["checks"] = [c for c in short["checks"] if c["case"] != "deepseek-v3"]
+    d = decide(IDENT, None, finished(short))
+    assert d.status == "False" and "missing ['initialize[deepseek-v3]'" in d.message
+
+
+def test_a_failure_names_the_check_and_the_case():
+    doc = smoke_doc(False, "numerics", message="rank 0: CheckFailed: experts: grad is zero", case="qwen3-moe")
+    d = decide(IDENT, None, finished(doc, code=1))
+    assert d.status == "False" and d.record["failedCase"] == "qwen3-moe"
+    assert "check 'numerics' of case 'qwen3-moe' failed: rank 0: CheckFailed: experts: grad is zero" in d.message
+
+
+def test_digest_change_pins_the_identity_and_regates():
+    from moejob_operator.reconcile import gate as RG
+    from moejob_operator.spec import parse_spec
+    other = "sha256:" + "cd" * 32
+    spec = parse_spec({"image": "reg.io/trainer:1.0", "model": {"preset": "tiny-mixtral"}})
+    pod = {"status": {"containerStatuses": [{"image": "reg.io/trainer:1.0",
+                                             "imageID": f"docker-pullable://reg.io/trainer@{other}"}]}}
+    same = {"status": {"containerStatuses": [{"imageID": f"reg.io/trainer@{DIGEST}"}]}}
+    job = {"status": {"verifiedDigest": DIGEST}}
+    assert RG.digest_changed(job, spec, [same]) is None
+    assert RG.digest_changed(job, spec, [same, pod]) == other
+    assert RG.digest_changed({"status": {}}, spec, [pod]) is None          # no digest verified: nothing to compare
+    pinned_spec = parse_spec({"image": f"reg.io/trainer:1.0@{DIGEST}", "model": {"preset": "tiny-mixtral"}})
+    assert RG.digest_changed(job, pinned_spec, [pod]) is None              # a pinned reference cannot move
+    # the re-gate tests exactly the bits the pods ran: a new identity, image pinned to that digest
+    ident = RG.identity_of({"status": {"gateDigest": other}}, spec, None)
+    assert ident.image == f"reg.io/trainer@{other}" and ident.digest == other
+    assert ident.key != RG.identity_of({"status": {}}, spec, None).key
+    job_ = B.smoke_job(ident, 1, CFG)
+    assert job_["spec"]["template"]["spec"]["containers"][0]["image"] == f"reg.io/trainer@{other}"

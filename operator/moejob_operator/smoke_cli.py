@@ -1,54 +1,88 @@
 """``moectl smoke``: run the upgrade gate's smoke test (`moe-smoke`) locally and print its verdict.
 
 For people testing a trainer image before pushing it: the same program, the same checks and the
-same SmokeVerdict the operator's gate reads (docs/gate.md). Without ``--image`` it runs the
-`moe-smoke` installed next to moectl (a dev venv, or inside the trainer image); with ``--image``
-it runs the image through ``docker``/``podman`` (``--gpus 1`` unless ``--cpu``). The operator
-package does not import trainer code: the program runs as a separate process either way.
+same SmokeVerdict the operator's gate reads (docs/gate.md), on the same plans: moectl renders the
+SmokePlans with the planning core (:mod:`.core.smoke_plans`) into a file and hands it over.
+Without ``--image`` it runs the `moe-smoke` installed next to moectl (a dev venv, or inside the
+trainer image); with ``--image`` it runs the image through ``docker``/``podman`` (``--gpus 1``
+unless ``--cpu``, the plans file mounted at /etc/moe-smoke/plans.json). The operator package does
+not import trainer code: the program runs as a separate process either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+from .core.dsconfig import GpuCaps
+from .core.errors import DocumentError
 from .core.gate import GateError, parse_smoke_verdict
+from .core.smoke_plans import smoke_plans
+
+IMAGE_PLANS = "/etc/moe-smoke/plans.json"
 
 
-def smoke_command(args: argparse.Namespace, python: str = sys.executable) -> list[str]:
-    """The command line that runs `moe-smoke` with the options given to moectl."""
+def _gpu_visible() -> bool:
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def local_gpu(compute_capability: str | None = None) -> GpuCaps:
+    """The first GPU as nvidia-smi reports it (name, memory, compute capability)."""
+    name, mem, cc = "gpu", 0, compute_capability
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        first = out.stdout.strip().splitlines()[0].split(", ")
+        name, mem, cc = first[0], int(float(first[1])) * 2**20, cc or first[2]
+    except (OSError, IndexError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return GpuCaps(name, mem, cc or "8.0")
+
+
+def render_plans(args: argparse.Namespace) -> dict:
+    """The SmokePlans the operator would mount: CPU, or the GPU this run uses."""
+    if args.cpu or (not args.image and not args.gpu and not _gpu_visible()):
+        return smoke_plans("cpu")
+    return smoke_plans("cuda", local_gpu(args.compute_capability))
+
+
+def smoke_command(args: argparse.Namespace, plans_file: str, python: str = sys.executable) -> list[str]:
+    """The command line that runs `moe-smoke` on ``plans_file`` with the options given to moectl."""
     opts: list[str] = []
     if args.cpu:
         opts.append("--cpu")
-    if args.nproc:
-        opts += ["--nproc", str(args.nproc)]
-    if args.steps:
-        opts += ["--steps", str(args.steps)]
-    if args.inject:
-        opts += ["--inject", args.inject]
+    elif args.gpu:
+        opts.append("--gpu")
     if args.expect_deepspeed:
         opts += ["--expect-deepspeed", args.expect_deepspeed]
     opts += ["--timeout", f"{args.timeout:g}"]
     if args.image:
-        runtime = [args.runtime, "run", "--rm", "--entrypoint", "moe-smoke", "--ipc=host"]
+        runtime = [args.runtime, "run", "--rm", "--entrypoint", "moe-smoke", "--ipc=host",
+                   "-v", f"{os.path.abspath(plans_file)}:{IMAGE_PLANS}:ro"]
         if not args.cpu:      # and no silent CPU fallback when the runtime hands over no GPU
             runtime += ["--gpus", "1"] if args.runtime == "docker" else ["--device", "nvidia.com/gpu=all"]
-            opts = ["--gpu"] + opts
-        return runtime + [args.image] + opts
+            opts = ["--gpu"] + [o for o in opts if o != "--gpu"]
+        return runtime + [args.image] + opts + ["--plans", IMAGE_PLANS]
     exe = shutil.which("moe-smoke")
-    return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts
+    return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts + ["--plans", plans_file]
 
 
 def format_verdict(doc: dict) -> str:
     """A readable verdict: one line per check, versions, the failure and its exception."""
     lines = []
-    width = max([len(c["name"]) for c in doc["checks"]] + [10])
-    for c in doc["checks"]:
+    label = [c["name"] + (f" [{c['case']}]" if c.get("case") else "") for c in doc["checks"]]
+    width = max([len(x) for x in label] + [10])
+    for c, name in zip(doc["checks"], label):
         mark = "PASS" if c["passed"] else "FAIL"
-        lines.append(f"  {mark}  {c['name']:<{width}} {c['seconds']:7.1f}s  {c['message']}")
+        lines.append(f"  {mark}  {name:<{width}} {c['seconds']:7.1f}s  {c['message']}")
     v = doc.get("versions") or {}
     stack = ", ".join(f"{k} {v[k]}" for k in ("deepspeed", "torch", "transformers", "cuda", "gpu") if v.get(k))
     head = [f"smoke test of {stack or 'unknown versions'} on {v.get('device', '?')} "
@@ -56,20 +90,37 @@ def format_verdict(doc: dict) -> str:
     if doc["passed"]:
         tail = [f"PASSED in {doc['durationSeconds']:.1f}s"]
     else:
-        tail = [f"FAILED at check '{doc['failedCheck']}' after {doc['durationSeconds']:.1f}s"]
+        case = f" of case '{doc['failedCase']}'" if doc.get("failedCase") else ""
+        tail = [f"FAILED at check '{doc['failedCheck']}'{case} after {doc['durationSeconds']:.1f}s"]
         if doc.get("exception"):
             tail += ["exception:"] + ["  " + x for x in doc["exception"].rstrip().splitlines()[-8:]]
-    if doc.get("injected"):
-        head.append(f"(fault injected: {doc['injected']})")
     return "\n".join(head + lines + tail)
 
 
 def run_smoke(args: argparse.Namespace) -> int:
-    cmd = smoke_command(args)
+    if args.cpu and args.gpu:
+        print("moectl smoke: error: --cpu and --gpu exclude each other", file=sys.stderr)
+        return 2
+    try:
+        plans = render_plans(args)
+    except DocumentError as exc:
+        print(f"moectl smoke: error: cannot render the smoke plans: {exc}", file=sys.stderr)
+        return 2
+    if args.write_plans:
+        Path(args.write_plans).write_text(json.dumps(plans, indent=1) + "\n")
+        print(f"wrote {len(plans['cases'])} smoke plans ({plans['device']}) to {args.write_plans}")
+        return 0
     if args.image and shutil.which(args.runtime) is None:
         print(f"moectl smoke: error: {args.runtime} is not installed (run without --image to use the "
               "local moe-smoke)", file=sys.stderr)
         return 2
+    with tempfile.TemporaryDirectory(prefix="moectl-smoke-") as tmp:
+        plans_file = str(Path(tmp) / "plans.json")
+        Path(plans_file).write_text(json.dumps(plans))
+        return _run(args, smoke_command(args, plans_file))
+
+
+def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     if args.verbose:
         print("+ " + " ".join(cmd), file=sys.stderr)
     try:
@@ -98,15 +149,17 @@ def run_smoke(args: argparse.Namespace) -> int:
 
 def add_smoke(sub) -> None:
     p = sub.add_parser("smoke", help="run the DeepSpeed upgrade smoke test locally",
-                       description="Run moe-smoke (ZeRO-3 + AutoEP on a tiny MoE: initialize, expert "
-                                   "placement, train, checkpoint, FusedAdam) and print its verdict. "
-                                   "Exit 0 passed, 1 failed, 2 usage.")
+                       description="Run moe-smoke on the planner's smoke plans (ZeRO-3 + AutoEP, every "
+                                   "model family: initialize, partitioning, expert placement, numerics "
+                                   "against plain PyTorch, train, checkpoint, resume in a new process, "
+                                   "FusedAdam) and print its verdict. Exit 0 passed, 1 failed, 2 usage.")
     p.add_argument("--image", help="run this trainer image with --runtime instead of the local moe-smoke")
     p.add_argument("--runtime", default="docker", choices=("docker", "podman"))
-    p.add_argument("--cpu", action="store_true", help="CPU + gloo (2 ranks, EP size 2)")
-    p.add_argument("--nproc", type=int, help="ranks (default: 2 on CPU, 1 on GPU)")
-    p.add_argument("--steps", type=int, help="optimizer steps of the train check (default 6)")
-    p.add_argument("--inject", choices=("native-moe", "nan"), help="fault injection, to see a failure")
+    p.add_argument("--cpu", action="store_true", help="CPU + gloo (2 ranks; the CPU plans)")
+    p.add_argument("--gpu", action="store_true", help="fail unless a GPU is used (the GPU plans)")
+    p.add_argument("--compute-capability", metavar="X.Y",
+                   help="GPU plans for this compute capability (default: what nvidia-smi reports)")
+    p.add_argument("--write-plans", metavar="FILE", help="only write the SmokePlans document to FILE")
     p.add_argument("--expect-deepspeed", metavar="VERSION", help="fail unless the image has this DeepSpeed")
     p.add_argument("--timeout", type=float, default=600, help="seconds (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the SmokeVerdict JSON instead")

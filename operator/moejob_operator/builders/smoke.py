@@ -17,6 +17,8 @@ from .workers import RUN_AS_USER
 
 SMOKE_COMMAND = ("moe-smoke",)
 SCRATCH = "/var/tmp/moe-smoke"            # emptyDir: checkpoints of the smoke run, JIT builds
+PLANS_DIR = "/etc/moe-smoke"              # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
+PLANS_KEY = "plans.json"
 
 
 def _labels(component: str, identity: G.Identity) -> dict[str, str]:
@@ -24,20 +26,32 @@ def _labels(component: str, identity: G.Identity) -> dict[str, str]:
 
 
 def smoke_args(identity: G.Identity) -> list[str]:
-    args = ["--workdir", f"{SCRATCH}/work"]
+    args = ["--workdir", f"{SCRATCH}/work", "--plans", f"{PLANS_DIR}/{PLANS_KEY}"]
     args.append("--cpu" if identity.device == "CPU" else "--gpu")
     if identity.deepspeed_version:
         args += ["--expect-deepspeed", identity.deepspeed_version]
     return args
 
 
+def smoke_plans_configmap(identity: G.Identity, attempt: int, config: G.GateConfig,
+                          plans: dict[str, Any]) -> dict[str, Any]:
+    """ConfigMap moe-smoke-<key>-<attempt>: the SmokePlans document the smoke Job mounts."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": G.smoke_job_name(identity, attempt), "namespace": config.namespace,
+                         "labels": _labels("smoke", identity)},
+            "data": {PLANS_KEY: json.dumps(plans, sort_keys=True, indent=1) + "\n"}}
+
+
 def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
-              image_pull_policy: str = "IfNotPresent") -> dict[str, Any]:
-    """batch/v1 Job running `moe-smoke` once in the trainer image (1 GPU, or CPU + gloo).
+              image_pull_policy: str = "IfNotPresent", node: str | None = None) -> dict[str, Any]:
+    """batch/v1 Job running `moe-smoke` once in the trainer image (1 GPU, or CPU + gloo) on the
+    plans of ConfigMap moe-smoke-<key>-<attempt> (:func:`smoke_plans_configmap`).
 
     backoffLimit 0: a failed smoke run is a verdict, not something to retry. The verdict comes
     back as the container's termination message (FallbackToLogsOnError keeps the log tail when
-    the program dies before writing one).
+    the program dies before writing one). ``node``: a GPU identity's smoke pod runs on a node of
+    the job that asked (its GPUs are free until the job launches, and they are the GPU model the
+    identity names) unless MOE_GATE_NODE_SELECTOR chooses.
     """
     name = G.smoke_job_name(identity, attempt)
     command = list(config.command or SMOKE_COMMAND)
@@ -54,7 +68,8 @@ def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
                 {"name": "NCCL_NVLS_ENABLE", "value": "0"},
                 {"name": "MOE_GATE_KEY", "value": identity.key},
                 {"name": "MOE_GATE_IMAGE", "value": identity.image}],
-        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH}],
+        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH},
+                         {"name": "plans", "mountPath": PLANS_DIR, "readOnly": True}],
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
@@ -68,12 +83,15 @@ def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
-        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumes": [{"name": "scratch", "emptyDir": {}},
+                    {"name": "plans", "configMap": {"name": name}}],
     }
     if identity.device == "GPU":
         pod_spec["tolerations"] = [{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
     if config.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(config.node_selector.items()))
+    elif node and identity.device == "GPU":
+        pod_spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     labels = _labels("smoke", identity)
     return {
         "apiVersion": "batch/v1", "kind": "Job",

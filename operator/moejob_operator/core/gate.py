@@ -28,14 +28,17 @@ R_SMOKE_TEST_RUNNING = "SmokeTestRunning"
 R_SMOKE_TEST_PASSED = "SmokeTestPassed"
 R_SMOKE_TEST_FAILED = "SmokeTestFailed"
 R_CACHED_VERDICT = "CachedVerdict"
+R_IMAGE_DIGEST_CHANGED = "ImageDigestChanged"   # a tag-only image's pods run other bits than the verdict's
 
-SMOKE_KIND, SMOKE_VERSION = "SmokeVerdict", 1
+SMOKE_KIND, SMOKE_VERSION = "SmokeVerdict", 2
 VERDICT_KIND, VERDICT_VERSION = "GateVerdict", 1
 VERDICT_KEY = "verdict.json"               # ConfigMap data key of the stored verdict
 STORE_PREFIX = "moe-gate-"                 # ConfigMap moe-gate-<key>
 SMOKE_JOB_PREFIX = "moe-smoke-"            # Job moe-smoke-<key>-<attempt>
 LABEL_GATE_KEY = "moe-operator.io/gate-key"
-SMOKE_CHECKS = ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")
+# Check kinds, in order: `imports`, per case the phase-1 checks, per case `resume`, `fused_adam`.
+SMOKE_CASE_CHECKS = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
+SMOKE_CHECKS = ("imports",) + SMOKE_CASE_CHECKS + ("resume", "fused_adam")
 
 DEFAULT_PASS_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_FAIL_TTL_SECONDS = 3600
@@ -129,6 +132,10 @@ class Identity:
     digest: str | None               # pinned by the reference (`@sha256:`), else None
     deepspeed_version: str | None    # declared in the spec; None = whatever the image holds
     device: str                      # "GPU" | "CPU"
+    # GPU verdicts only, from the plan's `hardware` (discovery): what the kernels depend on
+    gpu_model: str | None = None             # "NVIDIA H200"
+    compute_capability: str | None = None    # "9.0"
+    cuda_major: str | None = None            # major of the driver's CUDA version: "12"
 
     @property
     def subject(self) -> str:
@@ -137,25 +144,58 @@ class Identity:
 
     @property
     def key(self) -> str:
-        blob = json.dumps({"image": self.subject, "deepspeed": self.deepspeed_version or "",
-                           "device": self.device}, sort_keys=True, separators=(",", ":"))
+        fields = {"image": self.subject, "deepspeed": self.deepspeed_version or "", "device": self.device}
+        if self.device == "GPU":
+            fields["gpu"] = [self.gpu_model or "", self.compute_capability or "", self.cuda_major or ""]
+        blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def describe(self) -> str:
         ds = f"deepspeed {self.deepspeed_version}" if self.deepspeed_version else "deepspeed (undeclared)"
-        return f"image {self.image}, {ds}, {self.device}"
+        return f"image {self.image}, {ds}, {self.device}{self.hardware()}"
+
+    def hardware(self) -> str:
+        if self.device != "GPU" or not (self.gpu_model or self.compute_capability or self.cuda_major):
+            return ""
+        parts = [p for p in (self.compute_capability and f"compute capability {self.compute_capability}",
+                             self.cuda_major and f"CUDA {self.cuda_major}") if p]
+        return f" {self.gpu_model or 'unknown GPU'}" + (f" ({', '.join(parts)})" if parts else "")
 
     def to_doc(self) -> dict[str, Any]:
-        return {"image": self.image, "digest": self.digest, "deepspeedVersion": self.deepspeed_version,
-                "device": self.device, "key": self.key}
+        doc = {"image": self.image, "digest": self.digest, "deepspeedVersion": self.deepspeed_version,
+               "device": self.device, "key": self.key}
+        if self.device == "GPU":
+            doc.update(gpuModel=self.gpu_model, computeCapability=self.compute_capability, cudaMajor=self.cuda_major)
+        return doc
 
 
-def identity_for(image: str, deepspeed_version: str | None, device: str) -> Identity:
+def identity_for(image: str, deepspeed_version: str | None, device: str,
+                 hardware: Mapping[str, Any] | None = None) -> Identity:
+    """``hardware``: the plan's `hardware` block (`gpu`, `computeCapability`, `cudaDriverVersion`),
+    which GPU verdicts are keyed by; ignored for CPU."""
     if device not in ("GPU", "CPU"):
         raise GateError(f"device: {device!r} is not GPU or CPU")
     if not image:
         raise GateError("image: empty image reference")
-    return Identity(image=image, digest=digest_of(image), deepspeed_version=deepspeed_version, device=device)
+    hw = dict(hardware or {}) if device == "GPU" else {}
+    cuda = str(hw.get("cudaDriverVersion") or "").split(".")[0] or None
+    return Identity(image=image, digest=digest_of(image), deepspeed_version=deepspeed_version, device=device,
+                    gpu_model=hw.get("gpu") or None, compute_capability=hw.get("computeCapability") or None,
+                    cuda_major=cuda)
+
+
+def pinned(identity: Identity, digest: str) -> Identity:
+    """The identity of the bits a pod actually ran: the image pinned to ``digest``."""
+    return Identity(image=f"{repository_of(identity.image)}@{digest}", digest=digest,
+                    deepspeed_version=identity.deepspeed_version, device=identity.device,
+                    gpu_model=identity.gpu_model, compute_capability=identity.compute_capability,
+                    cuda_major=identity.cuda_major)
+
+
+def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
+    """(check, case) of a passing SmokeVerdict v2 over ``cases``, in order (docs/contracts.md)."""
+    return ([("imports", None)] + [(c, n) for n in cases for c in SMOKE_CASE_CHECKS]
+            + [("resume", n) for n in cases] + [("fused_adam", None)])
 
 
 def store_name(identity: Identity) -> str:
@@ -182,7 +222,7 @@ def _field(doc: dict, key: str, types, what: str, *, nullable: bool = False):
 
 
 def parse_smoke_verdict(text: str | bytes | dict) -> dict[str, Any]:
-    """Check a SmokeVerdict v1 (docs/contracts.md); returns the document."""
+    """Check a SmokeVerdict v2 (docs/contracts.md); returns the document."""
     what = SMOKE_KIND
     if isinstance(text, dict):
         doc = text
@@ -208,6 +248,11 @@ def parse_smoke_verdict(text: str | bytes | dict) -> dict[str, Any]:
         _field(c, "passed", bool, w)
         _field(c, "seconds", (int, float), w)
         _field(c, "message", str, w)
+        if c.get("case") is not None and not isinstance(c["case"], str):
+            raise GateError(f"{w}.case: {str(c['case'])[:80]!r} has the wrong type")
+    _field(doc, "cases", list, what)
+    if doc.get("failedCase") is not None and not isinstance(doc["failedCase"], str):
+        raise GateError(f"{what}.failedCase: has the wrong type")
     _field(doc, "exception", str, what, nullable=True)
     _field(doc, "versions", dict, what)
     _field(doc, "durationSeconds", (int, float), what)
@@ -316,20 +361,34 @@ def is_current(stored: dict[str, Any] | None, identity: Identity, now: dt.dateti
 
 
 def failure_text(doc: dict[str, Any]) -> str:
-    """`check 'initialize' failed: <message>; exception: <last line>`."""
-    check = doc.get("failedCheck")
+    """`check 'numerics' of case 'mixtral' failed: <message>; exception: <last line>`."""
+    check, case = doc.get("failedCheck"), doc.get("failedCase")
     msg = doc.get("message") or next((c["message"] for c in doc.get("checks") or ()
-                                      if c.get("name") == check), "")
-    head = f"check '{check}' failed: {msg}" if check else f"smoke test failed: {msg}"
+                                      if c.get("name") == check and c.get("case") == case), "")
+    where = f"check '{check}'" + (f" of case '{case}'" if case else "")
+    head = f"{where} failed: {msg}" if check else f"smoke test failed: {msg}"
     exc = (doc.get("exception") or "").strip().splitlines()
     if exc and exc[-1] not in msg:
         head += f"; exception: {exc[-1][:300]}"
     return head
 
 
+def _hardware_mismatch(identity: Identity, versions: Mapping[str, Any]) -> str | None:
+    """Why a GPU verdict does not vouch for ``identity``'s GPU (None: it does)."""
+    ran = {"GPU model": versions.get("gpu"), "compute capability": versions.get("computeCapability"),
+           "CUDA major": str(versions.get("cudaDriver") or "").split(".")[0] or None}
+    want = {"GPU model": identity.gpu_model, "compute capability": identity.compute_capability,
+            "CUDA major": identity.cuda_major}
+    bad = [f"{k} {ran[k] or 'unknown'} (identity: {want[k]})" for k in want
+           if want[k] and ran[k] != want[k] and (ran[k] is not None or k != "CUDA major")]
+    return f"the smoke test ran on other hardware: {', '.join(bad)}" if bad else None
+
+
 def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt: int,
-                             now: dt.datetime, config: GateConfig) -> dict[str, Any]:
-    """The GateVerdict to store for a finished smoke Job."""
+                             now: dt.datetime, config: GateConfig,
+                             cases: list[str] | None = None) -> dict[str, Any]:
+    """The GateVerdict to store for a finished smoke Job; ``cases``: the names of the plans the
+    Job was given (a pass must report every check of every one of them)."""
     smoke = None
     problem = None
     if obs.message:
@@ -349,7 +408,8 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
                  "durationSeconds": None, "message": text}
     else:
         failed = smoke["failedCheck"]
-        smoke = dict(smoke, message=next((c["message"] for c in smoke["checks"] if c["name"] == failed), None)
+        smoke = dict(smoke, message=next((c["message"] for c in smoke["checks"] if c["name"] == failed
+                                          and c.get("case") == smoke.get("failedCase")), None)
                      if failed else "all checks passed")
     passed = bool(smoke["passed"]) and obs.exit_code in (0, None)
     if smoke["passed"] and obs.exit_code not in (0, None):
@@ -365,14 +425,23 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
         passed = False
         smoke["failedCheck"] = "imports"
         smoke["message"] = f"a GPU identity was tested on {ran_on or 'an unknown device'}, not on a GPU"
-    if passed and smoke.get("checks") and [c["name"] for c in smoke["checks"]] != list(SMOKE_CHECKS):
+    mismatch = _hardware_mismatch(identity, smoke.get("versions") or {}) if identity.device == "GPU" else None
+    if passed and mismatch:
         passed = False
-        smoke["message"] = f"the verdict lists checks {[c['name'] for c in smoke['checks']]}, " \
-                           f"expected {list(SMOKE_CHECKS)}"
+        smoke["failedCheck"] = "imports"
+        smoke["message"] = mismatch
+    want = expected_checks(list(cases)) if cases else None
+    got = [(c["name"], c.get("case")) for c in smoke.get("checks") or ()]
+    if passed and want is not None and got != want:
+        passed = False
+        missing = [f"{n}[{c}]" if c else n for n, c in want if (n, c) not in got]
+        smoke["message"] = (f"the verdict does not report every check of the cases {list(cases)}"
+                            + (f" (missing {missing[:6]})" if missing else f": reported {len(got)} of {len(want)}"))
     ttl = config.pass_ttl_seconds if passed else config.fail_ttl_seconds
     verified = min(now, _parse_time(obs.finished_at)) if obs.finished_at else now
     return {"kind": VERDICT_KIND, "version": VERDICT_VERSION, "identity": identity.to_doc(),
             "attempt": attempt, "passed": passed, "failedCheck": None if passed else smoke.get("failedCheck"),
+            "failedCase": None if passed else smoke.get("failedCase"),
             "message": smoke["message"], "exception": None if passed else smoke.get("exception"),
             "versions": smoke.get("versions") or {}, "durationSeconds": smoke.get("durationSeconds"),
             "observedDigest": digest_of(obs.image_id), "smokeJob": obs.name,
@@ -396,13 +465,15 @@ def _from_record(rec: dict[str, Any], identity: Identity, *, fresh: bool,
 
 
 def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservation | None,
-           now: dt.datetime, config: GateConfig, *, waited: bool = False) -> Decision:
+           now: dt.datetime, config: GateConfig, *, waited: bool = False,
+           cases: list[str] | None = None) -> Decision:
     """One gate decision for one job.
 
     stored: the current GateVerdict in the store (None: none, or unreadable); obs: the smoke Job
     of attempt `stored.attempt + 1` (the one this identity would run next), None when absent;
     waited: this job was waiting for a smoke test (its condition said SmokeTestRunning), so a
-    verdict now is the one it waited for (SmokeTestPassed), not an earlier one (CachedVerdict).
+    verdict now is the one it waited for (SmokeTestPassed), not an earlier one (CachedVerdict);
+    cases: the names of the smoke plans the Job runs (:mod:`.smoke_plans`).
     """
     if is_current(stored, identity, now):
         status, reason, message = _from_record(stored, identity, fresh=waited, namespace=config.namespace)
@@ -419,7 +490,7 @@ def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservat
                         f"waiting for smoke-test Job {config.namespace}/{job} ({identity.describe()}"
                         f"{'; pod ' + obs.pod_phase if obs.pod_phase else ''})", job_name=job,
                         retry_seconds=WAIT_SECONDS)
-    rec = verdict_from_observation(identity, obs, attempt, now, config)
+    rec = verdict_from_observation(identity, obs, attempt, now, config, cases)
     if _parse_time(rec["expiresAt"]) <= now:
         # a Job left from an expired verdict (the ConfigMap was deleted): store it to remember the
         # attempt, and test again under the next attempt's name

@@ -174,6 +174,17 @@ def _fit_advice(est: MemoryEstimate, micro: int, limit: int, checkpointing: bool
     return "; ".join(tips) or "a smaller model or sequence length"
 
 
+def _hardware(caps: GpuCaps, topo: ClusterTopology, reports) -> dict[str, Any]:
+    """What the job's kernels depend on (the upgrade gate keys GPU verdicts by it): GPU model,
+    compute capability, driver and its CUDA version (of the first node; None when unknown)."""
+    if caps.is_cpu:
+        return {"gpu": None, "computeCapability": None, "driverVersion": None, "cudaDriverVersion": None}
+    first = next((r for r in reports or () if r.node in topo.nodes), None)
+    return {"gpu": caps.name, "computeCapability": caps.compute_capability,
+            "driverVersion": first.driver_version if first else None,
+            "cudaDriverVersion": first.cuda_driver_version if first else None}
+
+
 def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                topology: ClusterTopology | Sequence[TopologyReport] | None, *,
                nodes: Sequence[str] | None = None, gpus_per_node: int | None = None,
@@ -299,6 +310,7 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
             "balance": {"mode": training.balance_mode, "coef": training.balance_coef},
             "data": dict(training.data), **training.extra},
         "warnings": list(warnings),
+        "hardware": _hardware(caps, topo, None if cpu or isinstance(topology, ClusterTopology) else topology),
     }
     parse_plan(doc)   # the document we hand out must pass our own reader
     return Plan(doc, topo, pl, est, tuple(warnings), caps)

@@ -25,11 +25,14 @@ from .. import constants as C
 from .. import metrics
 from ..builders import smoke as B
 from ..core import gate as G
+from ..core import smoke_plans as SP
+from ..core.dsconfig import GpuCaps
 from ..spec import JobSpec
 
 log = logging.getLogger("moejob_operator")
 
 R_GATE_MISCONFIGURED = "GateMisconfigured"
+R_IMAGE_DIGEST_CHANGED = G.R_IMAGE_DIGEST_CHANGED
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
@@ -39,6 +42,7 @@ class Verdict:
     reason: str
     message: str
     retry_seconds: float | None = None
+    digest: str | None = None          # the digest the verdict's smoke pod ran (tag-only images)
 
 
 def gate_config(env: dict[str, str] | None = None) -> G.GateConfig:
@@ -58,15 +62,27 @@ def _previous(job: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None) -> G.Identity:
+    """The job's gate identity: image, declared DeepSpeed, device, and for GPUs the hardware of
+    its plan; pinned to the digest its pods ran when that differed from a verdict's
+    (``status.gateDigest``, set by :func:`digest_changed`)."""
+    identity = G.identity_for(spec.image, spec.deepspeed_version, spec.device, (plan or {}).get("hardware"))
+    pin = (job.get("status") or {}).get("gateDigest")
+    return G.pinned(identity, pin) if pin and not identity.digest else identity
+
+
 def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = None,
-          config: G.GateConfig | None = None) -> Verdict:
+          config: G.GateConfig | None = None, plan: dict[str, Any] | None = None) -> Verdict:
+    """``plan``: the job's MoEPlan (its `hardware` keys GPU verdicts; a GPU smoke Job runs on
+    its first node)."""
     now = now or dt.datetime.now(dt.timezone.utc)
     prev = _previous(job)
     status = job.get("status") or {}
     if (status.get("launchedSpecHash") or status.get("launchedSpec")) and prev.get("status") == "True":
         # the gate guards launches: a running job keeps its verdict even when it expires meanwhile
-        return Verdict("True", prev.get("reason", ""), prev.get("message", ""))
-    identity = G.identity_for(spec.image, spec.deepspeed_version, spec.device)
+        return Verdict("True", prev.get("reason", ""), prev.get("message", ""),
+                       digest=status.get("verifiedDigest"))
+    identity = identity_of(job, spec, plan)
     if spec.gate.skip:
         return Verdict("True", C.R_GATE_SKIPPED,
                        G.skip_message(identity, spec.gate.skip_reason or "", G.skip_audit(job)))
@@ -78,28 +94,45 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
         return Verdict("True", C.R_GATE_NOT_CONFIGURED,
                        f"the upgrade gate is disabled (MOE_GATE_ENABLED); {identity.describe()} launches unverified")
     try:
-        return _decide_and_act(client, job, spec, identity, prev, now, config)
+        return _decide_and_act(client, job, spec, identity, prev, now, config, plan)
     except ApiException as exc:
         return Verdict("Unknown", C.R_GATE_PENDING,
                        f"cannot use the verdict store / smoke Jobs in namespace {config.namespace}: "
                        f"{exc.status} {exc.reason}", 30.0)
 
 
+def _smoke_plans(identity: G.Identity, plan: dict[str, Any] | None) -> dict[str, Any]:
+    """The SmokePlans for ``identity``: CPU, or the identity's GPU (bf16 from compute capability 8.0)."""
+    if identity.device == "CPU":
+        return SP.smoke_plans("cpu")
+    mem = int(((plan or {}).get("memory") or {}).get("gpuMemoryBytes") or 0)
+    return SP.smoke_plans("cuda", GpuCaps(identity.gpu_model or "gpu", mem, identity.compute_capability or "8.0"))
+
+
+def _case_names(identity: G.Identity) -> list[str]:
+    return [c.name for c in (SP.CPU_CASES if identity.device == "CPU" else SP.GPU_CASES)]
+
+
 def _decide_and_act(client, job, spec: JobSpec, identity: G.Identity, prev: dict[str, Any],
-                    now: dt.datetime, config: G.GateConfig) -> Verdict:
+                    now: dt.datetime, config: G.GateConfig, plan: dict[str, Any] | None = None) -> Verdict:
     store = Store(client, config.namespace)
     stored = store.read(identity)
     obs = None
     if not G.is_current(stored, identity, now):
         attempt = int(stored["attempt"]) + 1 if stored and stored["identity"].get("key") == identity.key else 1
         obs = store.observe(G.smoke_job_name(identity, attempt))
-    d = G.decide(identity, stored, obs, now, config, waited=prev.get("reason") == G.R_SMOKE_TEST_RUNNING)
+    d = G.decide(identity, stored, obs, now, config, waited=prev.get("reason") in (G.R_SMOKE_TEST_RUNNING,
+                                                                                 G.R_IMAGE_DIGEST_CHANGED),
+                 cases=_case_names(identity))
     if d.action == "create_job":
         if d.record:
             store.write(d.record)
         if d.stale_job:
             store.delete_job(d.stale_job)
-        created = store.create_job(B.smoke_job(identity, int(d.job_name.rsplit("-", 1)[1]), config,
+        attempt = int(d.job_name.rsplit("-", 1)[1])
+        store.create_plans(identity, attempt, config, _smoke_plans(identity, plan))
+        node = ((plan or {}).get("ranks") or [{}])[0].get("node")
+        created = store.create_job(B.smoke_job(identity, attempt, config, node=node,
                                                image_pull_policy=spec.image_pull_policy))
         if not created:
             d = G.Decision("wait", d.status, d.reason, d.message.replace("started", "sharing", 1),
@@ -111,7 +144,11 @@ def _decide_and_act(client, job, spec: JobSpec, identity: G.Identity, prev: dict
     if d.action in ("record", "none") and (prev.get("status"), prev.get("reason")) != (d.status, d.reason):
         metrics.record_smoke_verdict(identity.image, "Passed" if d.status == "True" else "Failed",
                                      cached=d.reason == G.R_CACHED_VERDICT or d.action == "none")
-    return Verdict(d.status, d.reason, d.message, d.retry_seconds)
+    digest = None
+    if d.status == "True":
+        rec = d.record or stored or {}
+        digest = identity.digest or rec.get("observedDigest")
+    return Verdict(d.status, d.reason, d.message, d.retry_seconds, digest=digest)
 
 
 class Store:
@@ -164,6 +201,11 @@ class Store:
         pods = self.client.list_pods(self.namespace, {"job-name": job_name})
         return G.observe(job, pods)
 
+    def create_plans(self, identity: G.Identity, attempt: int, config: G.GateConfig,
+                     plans: dict[str, Any]) -> None:
+        """Before the Job: its pod mounts them ("already exists": another job made the same ones)."""
+        self.client.create(B.smoke_plans_configmap(identity, attempt, config, plans))
+
     def create_job(self, job: dict[str, Any]) -> bool:
         try:
             self.batch.create_namespaced_job(self.namespace, job, _preload_content=False)
@@ -174,9 +216,30 @@ class Store:
             raise
 
     def delete_job(self, name: str) -> None:
+        """The Job of an earlier attempt and its plans ConfigMap."""
         try:
             self.batch.delete_namespaced_job(name, self.namespace, propagation_policy="Background",
                                              _preload_content=False)
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        self.client.delete_configmap(self.namespace, name)
+
+
+# ---- the digest a job's pods run --------------------------------------------------------------
+def pod_digests(pods: list[dict[str, Any]]) -> set[str]:
+    """Digests (``status.containerStatuses[].imageID``) the worker pods' containers run."""
+    return {d for pod in pods for cs in (pod.get("status") or {}).get("containerStatuses") or ()
+            if (d := G.digest_of(cs.get("imageID")))}
+
+
+def digest_changed(job: dict[str, Any], spec: JobSpec, pods: list[dict[str, Any]]) -> str | None:
+    """For a tag-only image: the digest the job's pods report when it is not the one the verdict
+    vouches for (``status.verifiedDigest``), else None. The caller re-gates on it."""
+    if G.digest_of(spec.image):
+        return None                       # pinned: the runtime cannot run other bits
+    verified = (job.get("status") or {}).get("verifiedDigest")
+    if not verified:
+        return None                       # the smoke pod's runtime reported no digest
+    other = sorted(pod_digests(pods) - {verified})
+    return other[0] if other else None

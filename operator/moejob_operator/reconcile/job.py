@@ -202,8 +202,10 @@ def _run(p: Pass) -> float | None:
 
 
 def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
-    verdict = gate.check(p.client, p.body, spec)
+    verdict = gate.check(p.client, p.body, spec, plan=plan)
     p.cond(C.COND_UPGRADE_VERIFIED, verdict.status, verdict.reason, verdict.message)
+    if verdict.status == TRUE and verdict.digest:
+        p.status["verifiedDigest"] = verdict.digest
     if verdict.status == UNKNOWN:
         return verdict.retry_seconds or 10.0
     if verdict.status == FALSE:
@@ -454,6 +456,23 @@ def _fault_env(p: Pass) -> dict[str, str]:
     return {env: str(ann[key]) for key, env in FAULT_ANNOTATIONS.items() if key in ann}
 
 
+def _regate(p: Pass, spec: JobSpec, pods: list, digest: str) -> float:
+    """A tag-only image whose pods run other bits than the smoke test verified: stop the gang and
+    test those bits (the gate pins the identity to ``digest``); relaunch when they pass."""
+    msg = (f"image {spec.image}: the job's pods run {digest}, the smoke test verified "
+           f"{p.status.get('verifiedDigest')} (the tag was pushed again); stopping the workers and "
+           f"testing {digest} before they run again")
+    p.status["gateDigest"] = digest
+    p.status.pop("verifiedDigest", None)
+    p.status["attempt"] = (_status_int(p, "attempt") or 0) + 1
+    p.cond(C.COND_UPGRADE_VERIFIED, UNKNOWN, gate.R_IMAGE_DIGEST_CHANGED, msg, quiet=True)
+    p.cond(C.COND_RUNNING, FALSE, gate.R_IMAGE_DIGEST_CHANGED, msg, quiet=True)
+    p.event("Warning", gate.R_IMAGE_DIGEST_CHANGED, msg)
+    p.flush()                              # persist the pinned digest before deleting anything
+    _delete(p, [x for x in pods if not x.deleting])
+    return 1.0
+
+
 def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = False) -> float | None:
     """``launching``: this pass has just created the job's other children (first launch). The
     plan's nodes were read a moment ago and no worker pod can exist yet, except after an operator
@@ -465,8 +484,12 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
     if lost:
         return _node_lost(p, spec, lost)
 
-    pods = [] if launching else [machine.PodView.from_pod(x) for x in p.client.list_pods(
-        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    raw = [] if launching else p.client.list_pods(p.job.namespace, {C.LABEL_JOB: p.job.name,
+                                                                     C.LABEL_COMPONENT: "worker"})
+    pods = [machine.PodView.from_pod(x) for x in raw]
+    digest = gate.digest_changed({"status": p.status}, spec, raw)
+    if digest:
+        return _regate(p, spec, pods, digest)
     attempt = _status_int(p, "attempt")
     if attempt is None:        # not a count (hand-patched): the newest gang's pods say it
         attempt = max((x.attempt for x in pods), default=0)

@@ -1,0 +1,136 @@
+"""The plans the upgrade gate's smoke run trains: real ``build_plan`` output for small models.
+
+A smoke test that passes while real jobs fail tests the wrong thing. So the smoke run does not
+write its own DeepSpeed config: the operator renders, with the same :func:`.plan.build_plan` that
+plans every job, one ``MoEPlan`` per *case* and hands them to `moe-smoke` as a ``SmokePlans``
+document (docs/contracts.md), mounted like a job's plan. A DeepSpeed release that rejects a key the
+planner emits therefore fails the gate exactly as it would fail every job.
+
+The cases cover what real jobs run (docs/gate.md has the table):
+
+* every family the planner supports (:data:`.models.FAMILIES`: Mixtral, Qwen3-MoE, DeepSeek-V3),
+* a model big enough that ZeRO-3 partitions most parameters: with the planner's
+  ``stage3_param_persistence_threshold = 10 h`` every tensor of ``>= 10 h`` elements is
+  partitioned, so the router (``E x h``, 16 experts) and all projections are; only norms stay
+  persistent,
+* gradient accumulation 2, the per-layer balancing loss, activation checkpointing in one case,
+* on CPU (2 ranks) EP = world in two cases and EP 1 < world in one, so that AutoEP's
+  expert-data-parallel gradient reduction runs; on one GPU every case has world = EP = 1.
+
+The placement is the planner's ``round_robin`` (no routing statistics needed, and unlike
+``contiguous`` it moves experts between EP ranks, so a misplaced expert is visible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .dsconfig import CPU, GpuCaps
+from .errors import DocumentError
+from .models import FAMILIES, ResolvedModel, spec_from_hf_config
+from .plan import TrainingOptions, build_plan
+from .topology import ClusterTopology
+
+SMOKE_PLANS_KIND, SMOKE_PLANS_VERSION = "SmokePlans", 1
+SMOKE_NAMESPACE, SMOKE_JOB = "moe-smoke", "smoke"
+
+# Shared dims: hidden 64, 16 experts top-2 (router 16 x 64 = 1024 elements >= 10 h = 640, so
+# ZeRO-3 partitions it), 2 layers, byte vocabulary padded to 320.
+_COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=256,
+               eos_token_id=257, pad_token_id=258)
+SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(_COMMON, model_type="mixtral", architectures=["MixtralForCausalLM"],
+                    intermediate_size=64, num_key_value_heads=2, head_dim=16, num_local_experts=16,
+                    num_experts_per_tok=2, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+                    router_aux_loss_coef=0.0),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
+                      intermediate_size=128, moe_intermediate_size=64, num_key_value_heads=2, head_dim=16,
+                      num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.0),
+    # n_group 1: the planner's placements ignore DeepSeek's router groups (contiguous expert-id
+    # blocks), and a placement that crosses them changes the model (DESIGN.md).
+    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
+                        intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
+                        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.0,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=8, n_group=1, topk_group=1, num_experts_per_tok=2,
+                        first_k_dense_replace=0, norm_topk_prob=True, rms_norm_eps=1e-6,
+                        rope_scaling=None),
+}
+
+
+@dataclass(frozen=True)
+class SmokeCase:
+    """One plan of the smoke run. ``ep_size`` None: the planner's choice (= world on CPU)."""
+
+    name: str
+    family: str
+    ep_size: int | None = None
+    activation_checkpointing: bool = False
+
+
+# CPU: 2 gloo ranks. The Qwen3 case has EP 1 < world 2: experts are ZeRO-partitioned over the
+# expert-data-parallel group and their gradients reduced there.
+CPU_CASES = (SmokeCase("mixtral", "mixtral"),
+             SmokeCase("qwen3-moe-edp", "qwen3_moe", ep_size=1, activation_checkpointing=True),
+             SmokeCase("deepseek-v3", "deepseek_v3"))
+# One GPU: world = EP = 1 (the expert-data-parallel reduction is covered by the CPU verdict).
+GPU_CASES = (SmokeCase("mixtral", "mixtral"),
+             SmokeCase("qwen3-moe", "qwen3_moe", activation_checkpointing=True),
+             SmokeCase("deepseek-v3", "deepseek_v3"))
+CPU_WORLD = 2
+SEQ_LEN, MICRO_BATCH, GRAD_ACCUM = 32, 2, 2
+TRAIN_STEPS = 4
+
+
+def smoke_training(steps: int = TRAIN_STEPS, activation_checkpointing: bool = False) -> TrainingOptions:
+    """The training block: warmup 2, per-layer balancing loss, checkpoint at the last step."""
+    return TrainingOptions(steps=steps, lr=3e-3, warmup_steps=2, checkpoint_every_steps=steps,
+                           seed=1234, grad_clip=1.0, activation_checkpointing=activation_checkpointing,
+                           balance_mode="per_layer_aux", balance_coef=0.05, data={"kind": "synthetic"})
+
+
+def _gpu_topology(gpu: GpuCaps) -> ClusterTopology:
+    import numpy as np
+    return ClusterTopology(nodes=("smoke-node",), gpus=(("smoke-node", 0),), node_of=np.zeros(1, int),
+                           group_of=np.zeros(1, int), nvlink_gbps=np.zeros(1),
+                           memory_bytes=(gpu.memory_bytes,) if gpu.memory_bytes else ())
+
+
+def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, steps: int = TRAIN_STEPS) -> dict:
+    """The MoEPlan v1 document of one case, from :func:`build_plan`."""
+    if case.family not in FAMILIES:
+        raise DocumentError(f"smoke case {case.name}: family {case.family!r} is not one of {FAMILIES}")
+    hf = dict(SMOKE_HF_CONFIGS[case.family])
+    model = ResolvedModel(spec=spec_from_hf_config(hf, f"smoke {case.family}"), hf_config=hf,
+                          preset=f"smoke-{case.family.replace('_', '-')}", path=None)
+    training = smoke_training(steps, case.activation_checkpointing)
+    if device == "cpu":
+        world = CPU_WORLD
+        plan = build_plan(SMOKE_JOB, SMOKE_NAMESPACE, model, None, device="cpu", nodes=["localhost"],
+                          procs_per_node=world, strategy="round_robin", ep_size=case.ep_size,
+                          global_batch=MICRO_BATCH * GRAD_ACCUM * world, micro_batch=MICRO_BATCH,
+                          seq_len=SEQ_LEN, training=training)
+    elif device == "cuda":
+        caps = gpu or GpuCaps("gpu", 0, "8.0")
+        plan = build_plan(SMOKE_JOB, SMOKE_NAMESPACE, model, _gpu_topology(caps), gpu=caps,
+                          strategy="round_robin", ep_size=case.ep_size, global_batch=MICRO_BATCH * GRAD_ACCUM,
+                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training)
+    else:
+        raise DocumentError(f"device: {device!r} is not 'cpu' or 'cuda'")
+    return plan.document
+
+
+def smoke_plans(device: str, gpu: GpuCaps | None = None, *, steps: int = TRAIN_STEPS,
+                cases: tuple[SmokeCase, ...] | None = None) -> dict[str, Any]:
+    """The ``SmokePlans`` v1 document: ``{"kind", "version", "device", "cases": [{"name", "plan"}]}``.
+
+    ``gpu``: the capabilities of the GPU model the verdict is for (bf16 on compute capability
+    >= 8.0, fp16 below, as for a job); None on CPU.
+    """
+    cases = cases or (CPU_CASES if device == "cpu" else GPU_CASES)
+    return {"kind": SMOKE_PLANS_KIND, "version": SMOKE_PLANS_VERSION, "device": device,
+            "cases": [{"name": c.name, "plan": smoke_plan(c, device=device, gpu=gpu if device == "cuda" else CPU,
+                                                          steps=steps)} for c in cases]}
