@@ -58,3 +58,63 @@ def test_bad_settings_are_reported_not_raised(monkeypatch):
     assert (v.status, v.reason) == ("Unknown", gate.R_GATE_MISCONFIGURED)
     assert "MOE_GATE_PASS_TTL_SECONDS: 'a week'" in v.message
 
+
+
+# ---- a re-pushed tag: the pods run other bits than the verdict vouches for ----------------------
+class GangClient:
+    """Nodes, worker pods and the writes of one pass (no cluster)."""
+
+    def __init__(self, pods):
+        self.pods, self.patches, self.deleted, self.events = pods, [], [], []
+
+    def list_nodes(self):
+        return [{"metadata": {"name": "node-a"}}]
+
+    def list_pods(self, namespace, selector):
+        return self.pods
+
+    def get_configmap(self, namespace, name):
+        return None
+
+    def patch_job_status(self, namespace, name, status):
+        self.patches.append(status)
+
+    def delete_pod(self, namespace, name, *, uid=None, **kw):
+        self.deleted.append(name)
+
+    def event(self, body, etype, reason, message):
+        self.events.append((etype, reason, message))
+
+
+def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
+    from moejob_operator.reconcile import job as J
+    verified, pushed = "sha256:" + "ab" * 32, "sha256:" + "cd" * 32
+    s = spec(image="reg.io/trainer:1.0")
+    pod = {"metadata": {"name": "j-worker-0", "uid": "p0", "labels": {C.LABEL_NODE_RANK: "0", C.LABEL_ATTEMPT: "0"}},
+           "spec": {"nodeName": "node-a"},
+           "status": {"phase": "Running", "containerStatuses": [
+               {"image": "reg.io/trainer:1.0", "imageID": f"docker-pullable://reg.io/trainer@{pushed}"}]}}
+    cond = {"type": C.COND_UPGRADE_VERIFIED, "status": "True", "reason": G.R_SMOKE_TEST_PASSED, "message": "m"}
+    job = {"metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 1}, "spec": {},
+           "status": {"launchedSpecHash": "h", "attempt": 0, "verifiedDigest": verified, "conditions": [cond]}}
+    plan = {"ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0}]}
+    client = GangClient([pod])
+    p = J.Pass(client, job, NOW)
+    assert J._track(p, s, plan) == 1.0
+    status = client.patches[-1]
+    assert status["gateDigest"] == pushed and status["verifiedDigest"] is None and status["attempt"] == 1
+    up = next(c for c in status["conditions"] if c["type"] == C.COND_UPGRADE_VERIFIED)
+    assert (up["status"], up["reason"]) == ("Unknown", gate.R_IMAGE_DIGEST_CHANGED)
+    assert pushed in up["message"] and verified in up["message"]
+    assert client.deleted == ["j-worker-0"]
+    assert [(e[0], e[1]) for e in client.events] == [("Warning", gate.R_IMAGE_DIGEST_CHANGED)]
+    # the next gate check tests the pushed bits: the identity is pinned to that digest
+    ident = gate.identity_of({"status": status}, s, None)
+    assert ident.image == f"reg.io/trainer@{pushed}" and ident.key != gate.identity_of(job, s, None).key
+    v = gate.check(ForbiddenClient(), {**job, "status": status}, s, NOW, CFG)
+    assert v.status == "Unknown" and "403" in v.message        # not the launched job's old True
+    # pods on the verified digest: nothing happens
+    same = dict(pod, status={"phase": "Running", "containerStatuses": [{"imageID": f"reg.io/trainer@{verified}"}]})
+    quiet = GangClient([same])
+    J._track(J.Pass(quiet, job, NOW), s, plan)
+    assert not quiet.deleted and not any(e[1] == gate.R_IMAGE_DIGEST_CHANGED for e in quiet.events)
