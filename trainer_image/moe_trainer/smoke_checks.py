@@ -181,7 +181,6 @@ class CaseRun:
                 f"{len(blocks)} x {kinds[0]}")
 
     def partition(self) -> str:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: F401
         params = list(self.engine.module.named_parameters())
         part = [(n, p) for n, p in params if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False)]
         if any(not hasattr(p, "ds_id") for _, p in params):
@@ -283,11 +282,12 @@ class CaseRun:
             make_optimizer=lambda ps: torch.optim.AdamW(ps, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0),
             make_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
                 o, lr_lambda(t.warmup_steps, t.steps, t.min_lr_ratio)))
-        experts = {}
-        for ref_block, block in zip(models.find_moe_layers(self.engine.module), tr.blocks):
+        experts = {}      # AutoEP layer -> which HF expert rows this rank holds
+        for layer in models.find_moe_layers(self.engine.module):
+            block = layer.block
             if hasattr(block.experts, "w1") and hasattr(block, "ep_rank"):
                 shape = getattr(block.experts.w1, "ds_shape", block.experts.w1.shape)
-                experts[f"{ref_block.name}.experts"] = R.ExpertSlice(int(block.ep_rank), int(shape[0]), int(shape[1]))
+                experts[f"{layer.name}.experts"] = R.ExpertSlice(int(block.ep_rank), int(shape[0]), int(shape[1]))
         want_g = {n: R.hf_view(n, ref_grads, experts) for n in names}
         want_u = {n: R.hf_view(n, ref_updates, experts) for n in names}
         ours_u = {n: after[n] - before[n] for n in names}
@@ -409,7 +409,9 @@ def run_phase(phase: str, plans: dict, workdir: Path, rec: Recorder, *, cpu: boo
         try:
             imports()
         except Exception as exc:   # noqa: BLE001 - reported as the first resume check
-            return rec.run("resume", plans["cases"][0]["name"], lambda: (_ for _ in ()).throw(exc))
+            def failed_start(exc=exc):
+                raise exc
+            return rec.run("resume", plans["cases"][0]["name"], failed_start)
     for case in plans["cases"]:
         if only_case and case["name"] != only_case:
             continue
