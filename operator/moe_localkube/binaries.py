@@ -27,6 +27,7 @@ import lzma
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -169,6 +170,9 @@ def build_from_source(dst: Path, names=KUBE_BINARIES) -> dict[str, Path]:
     """Run ``build_kube.sh`` (Debian source package, offline vendor tree) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     log = dst / "build.log"
+    print(f"[localkube] no Kubernetes {KUBE_VERSION} binaries found: building {', '.join(names)} from "
+          f"Debian's source package into {dst} (once; many minutes on a small machine; log {log})",
+          file=sys.stderr, flush=True)
     with open(log, "wb") as f:
         rc = subprocess.call(["bash", str(BUILD_SCRIPT), str(dst)], stdout=f, stderr=subprocess.STDOUT)
     if rc != 0:
