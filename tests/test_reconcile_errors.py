@@ -157,3 +157,35 @@ def test_fault_annotations_only_in_test_mode(job, monkeypatch):
         J.reconcile(c, "ns", "j", body=job)
         env = {e["name"] for e in c.objects[("Pod", "j-worker-0")]["spec"]["containers"][0]["env"]}
         assert env & {"MOE_FAULT_EXIT_AT_STEP"} == expected
+
+
+def test_cpu_mode_checks_memory_against_the_nodes(job):
+    """CPU mode had no memory limit to check against ("fits" at any size): the nodes' allocatable
+    memory (512 GiB on the in-memory nodes) or the container's limit is it now."""
+    job["spec"]["model"] = {"preset": "deepseek-v3"}
+    job["spec"].pop("placement", None)
+    c = Client()
+    J.reconcile(c, "ns", "j", body=job)
+    failed = cond(c, C.COND_FAILED)
+    assert failed["reason"] == C.R_INSUFFICIENT_MEMORY and "GiB per process" in failed["message"], failed
+    tiny = Client()
+    job["spec"]["model"] = {"preset": "tiny-mixtral"}
+    job["spec"]["resources"] = {"limits": {"memory": "64Mi"}}
+    J.reconcile(tiny, "ns", "j", body=job)
+    assert cond(tiny, C.COND_FAILED)["reason"] == C.R_INSUFFICIENT_MEMORY
+
+
+@pytest.mark.parametrize("nodes,sched", [
+    ({"count": 3}, {}),                                                   # more than the cluster has
+    ({"count": 2, "nodeNames": ["node-a", "node-b"]}, {"nodeSelector": {"pool": "x"}}),  # contradiction
+])
+def test_too_few_matching_nodes_is_insufficient_nodes_not_discovery(job, nodes, sched):
+    job["spec"]["nodes"] = {**job["spec"]["nodes"], **nodes}
+    job["spec"]["training"]["globalBatch"] = 6 if nodes["count"] == 3 else 4
+    job["spec"].pop("placement", None)
+    job["spec"]["scheduling"] = sched
+    c = Client()
+    J.reconcile(c, "ns", "j", body=job)
+    assert cond(c, C.COND_PLANNED)["reason"] == C.R_NO_CANDIDATE_NODES
+    assert cond(c, C.COND_TOPOLOGY)["reason"] == C.R_NO_CANDIDATE_NODES
+    assert c.status["phase"] == "Discovering" and not [w for w in c.writes if w.startswith("Pod/")]

@@ -40,7 +40,9 @@ log = logging.getLogger("moe_localkube.nodeagent")
 LEASE_NS = "kube-node-lease"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
-PASS_ENV = ("TMPDIR", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TERM", "LANG", "LC_ALL")
+# PYTHONPATH: a development checkout's code (a git worktree sharing one venv) runs in the pods
+# too, not the venv's installed copy.
+PASS_ENV = ("TMPDIR", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TERM", "LANG", "LC_ALL", "PYTHONPATH")
 
 
 def _micro_now() -> str:

@@ -39,6 +39,7 @@ from . import metrics
 from .childwatch import ChildWatch
 from .reconcile.client import Client
 from .reconcile.deferred import YieldingQueue
+from .reconcile import gate as gate_reconcile
 from .reconcile.job import reconcile
 
 log = logging.getLogger("moejob_operator")
@@ -47,6 +48,7 @@ RESYNC_SECONDS = 30.0       # every known job gets a pass this often (deadlines,
 TRANSIENT_RETRY_SECONDS = 2.0
 ERROR_RETRY_SECONDS = (5.0, 60.0)   # first retry after an unexpected error, doubling up to the cap
 REQUEUE_THREADS = 8
+SMOKE_SWEEP_SECONDS = 300.0  # finished smoke Jobs are looked at this often (reconcile/gate.py)
 DEFAULT_WORKERS = 8
 
 _client: Client | None = None
@@ -297,10 +299,28 @@ def configure(settings: kopf.OperatorSettings, **_) -> None:
     logging.getLogger("kubernetes").setLevel(logging.WARNING)
     requeue.start()
     start_child_watches()
+    _start_smoke_sweeper()
+
+
+_sweeper_stop = threading.Event()
+
+
+def _start_smoke_sweeper() -> None:
+    """Deletes finished smoke Jobs the gate no longer needs (1.20 has no Job TTL)."""
+    _sweeper_stop.clear()
+
+    def loop() -> None:
+        while not _sweeper_stop.wait(SMOKE_SWEEP_SECONDS):
+            try:
+                gate_reconcile.sweep_smoke_jobs(client())
+            except Exception:  # noqa: BLE001 - housekeeping; tried again next round
+                log.exception("smoke Job sweep failed")
+    threading.Thread(target=loop, name="moe-smoke-sweep", daemon=True).start()
 
 
 @kopf.on.cleanup()
 def shutdown(**_) -> None:
+    _sweeper_stop.set()
     stop_child_watches()
     requeue.stop()
     drain_deferred(5.0)    # launched jobs' status; a new operator would redo them otherwise

@@ -1,12 +1,17 @@
 """`moe-train`: the trainer entry point every worker pod runs.
 
 Exit codes (docs/contracts.md): 0 finished; 75 retryable (lost peer, rendezvous timeout, I/O);
-78 bad plan/config/model; 65 non-finite loss; anything else is unexpected (treated as retryable).
+78 bad plan/config/model, read-only checkpoint volume; 65 non-finite loss; anything else is
+unexpected (treated as retryable). A failing worker also writes a TrainerExit document (the cause
+in one word and the error) to ``/dev/termination-log``, which the operator reads from the pod's
+``state.terminated.message``.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import logging
 import os
 import sys
@@ -32,6 +37,54 @@ def is_comm_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_FAILURE_MARKERS)
 
 
+TERMINATION_LOG = "/dev/termination-log"
+MAX_TERMINATION_BYTES = 4096
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def classify(exc: BaseException, ckpt_dir: str | None) -> tuple[str, int]:
+    """(cause, exit code) of a failure the trainer caught (docs/contracts.md "TrainerExit")."""
+    from moe_trainer.data import DataError
+
+    if isinstance(exc, OSError) and exc.errno in _NOT_WRITABLE + _FULL:
+        where = str(exc.filename or "")
+        if not ckpt_dir or where.startswith(str(ckpt_dir).rstrip("/").rsplit("/", 1)[0]):
+            if exc.errno in _FULL:
+                return "CheckpointVolumeFull", EXIT_RETRYABLE
+            return "CheckpointNotWritable", EXIT_CONFIG     # a read-only volume stays read-only
+    if isinstance(exc, DataError):
+        text = str(exc)
+        missing = ("does not exist" in text or "holds no text" in text or "no .npy" in text)
+        return ("DataNotFound" if missing else "BadData"), EXIT_CONFIG
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return "OutOfMemory", EXIT_RETRYABLE
+    if isinstance(exc, (OSError, TimeoutError)):
+        return "IOError", EXIT_RETRYABLE
+    if is_comm_failure(exc):
+        return "LostPeer", EXIT_RETRYABLE
+    return "Unexpected", EXIT_UNEXPECTED
+
+
+def write_termination(cause: str, code: int, message: str, path: str | None = None) -> None:
+    """The TrainerExit v1 document, into the kubelet's termination-message file when it exists."""
+    path = path or os.environ.get("MOE_TERMINATION_LOG") or TERMINATION_LOG
+    if not os.path.exists(path):
+        return
+    doc = {"kind": "TrainerExit", "version": 1, "cause": cause, "exitCode": code,
+           "rank": int(os.environ.get("RANK", "0") or 0), "message": message[:3000]}
+    try:
+        with open(path, "w") as f:
+            f.write(json.dumps(doc)[:MAX_TERMINATION_BYTES])
+    except OSError as exc:
+        log.warning("termination message not written: %s", exc)
+
+
+def _failed(cause: str, code: int, message: str) -> int:
+    write_termination(cause, code, message)
+    return code
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", help="MoEPlan v1 JSON (default $MOE_PLAN, then /etc/moe/plan.json)")
@@ -51,7 +104,7 @@ def run(argv=None) -> int:
         plan = load_plan(resolve_plan_path(args.plan))
     except PlanError as exc:
         log.error("bad plan: %s", exc)
-        return EXIT_CONFIG
+        return _failed("BadConfig", EXIT_CONFIG, f"bad plan: {exc}")
 
     from moe_trainer import distenv
     from moe_trainer.data import DataError
@@ -64,7 +117,7 @@ def run(argv=None) -> int:
         env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)
     except distenv.RendezvousError as exc:
         log.error("rendezvous: %s", exc)
-        return EXIT_CONFIG
+        return _failed("BadConfig", EXIT_CONFIG, f"rendezvous: {exc}")
     distenv.set_cpu_threads(env)
     trainer = None
     try:
@@ -72,30 +125,31 @@ def run(argv=None) -> int:
             distenv.init_distributed(env)
         except (RuntimeError, OSError, TimeoutError) as exc:
             log.error("rendezvous failed: %s", exc)
-            return EXIT_RETRYABLE
+            return _failed("RendezvousFailed", EXIT_RETRYABLE, f"rendezvous failed: {exc}")
         trainer = Trainer(plan, env, ckpt_dir)
         try:
             trainer.build()
-        except (ModelError, DataError, PlanError, ValueError) as exc:
+        except DataError as exc:
+            log.error("bad data: %s", exc)
+            return _failed(classify(exc, ckpt_dir)[0], EXIT_CONFIG, str(exc))
+        except (ModelError, PlanError, ValueError) as exc:
             log.error("bad model/data/config: %s", exc)
-            return EXIT_CONFIG
+            return _failed("BadConfig", EXIT_CONFIG, str(exc))
         trainer.resume()
         return trainer.run()
     except NonFiniteLoss as exc:
         log.error("%s", exc)
-        return EXIT_DATAERR
-    except (PlanError, ModelError, DataError) as exc:
+        return _failed("NonFiniteLoss", EXIT_DATAERR, str(exc))
+    except (PlanError, ModelError) as exc:
         log.error("bad config: %s", exc)
-        return EXIT_CONFIG
-    except (OSError, TimeoutError) as exc:
-        log.error("retryable failure: %s", exc)
-        return EXIT_RETRYABLE
+        return _failed("BadConfig", EXIT_CONFIG, str(exc))
     except Exception as exc:
-        if is_comm_failure(exc):
-            log.error("retryable failure (lost peer / communication): %s", exc)
-            return EXIT_RETRYABLE
-        log.exception("unexpected failure")
-        return EXIT_UNEXPECTED
+        cause, code = classify(exc, ckpt_dir)
+        if cause == "Unexpected":
+            log.exception("unexpected failure")
+        else:
+            log.error("%s (exit %d): %s", cause, code, exc)
+        return _failed(cause, code, f"{type(exc).__name__}: {exc}")
     finally:
         if trainer is not None:
             trainer.close()

@@ -357,6 +357,9 @@ class Trainer:
             log.warning("heatmap not written: %s", exc)
 
     def close(self) -> None:
-        self.timer.uninstall()
+        # also after a failed build(), which may stop before the timer exists: the exit code
+        # and the termination message must survive the cleanup
+        if getattr(self, "timer", None) is not None:
+            self.timer.uninstall()
         if getattr(self, "metrics", None):
             self.metrics.close()

@@ -243,3 +243,59 @@ def digest_changed(job: dict[str, Any], spec: JobSpec, pods: list[dict[str, Any]
         return None                       # the smoke pod's runtime reported no digest
     other = sorted(pod_digests(pods) - {verified})
     return other[0] if other else None
+
+
+# ---- cleanup of finished smoke Jobs --------------------------------------------------------
+# batch/v1 Jobs on 1.20 have no ttlSecondsAfterFinished (alpha, off): the operator deletes the
+# finished smoke Jobs whose verdict is stored, after this long (their pod's logs stay readable
+# for a while; the verdict keeps the failing check's message and the exception).
+SMOKE_JOB_KEEP_SECONDS = 3600.0
+
+
+def _finished_at(job: dict[str, Any]) -> dt.datetime | None:
+    status = job.get("status") or {}
+    for c in status.get("conditions") or ():
+        if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
+            stamp = status.get("completionTime") or c.get("lastTransitionTime")
+            return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+    return None
+
+
+def sweep_smoke_jobs(client, now: dt.datetime | None = None, *, keep_seconds: float | None = None,
+                     batch=None) -> list[str]:
+    """Delete finished smoke Jobs whose verdict is in the store (or superseded by a later
+    attempt) and that finished more than ``keep_seconds`` ago; returns their names."""
+    try:
+        config = gate_config()
+    except G.GateError:
+        return []
+    if not config.enabled:
+        return []
+    now = now or dt.datetime.now(dt.timezone.utc)
+    keep = SMOKE_JOB_KEEP_SECONDS if keep_seconds is None else keep_seconds
+    store = Store(client, config.namespace)
+    if batch is not None:
+        store.batch = batch
+    resp = store.batch.list_namespaced_job(config.namespace, label_selector=f"{C.LABEL_COMPONENT}=smoke",
+                                           _preload_content=False)
+    deleted = []
+    for job in json.loads(resp.data)["items"]:
+        name = job["metadata"]["name"]
+        done = _finished_at(job)
+        if done is None or (now - done).total_seconds() < keep:
+            continue
+        key, _, attempt = name.removeprefix(G.SMOKE_JOB_PREFIX).rpartition("-")
+        if not (key and attempt.isdigit()):
+            continue
+        cm = client.get_configmap(config.namespace, f"{G.STORE_PREFIX}{key}")
+        try:
+            stored = G.parse_stored_verdict(((cm or {}).get("data") or {}).get(G.VERDICT_KEY, ""))
+        except G.GateError:
+            continue            # no verdict yet: the next job that asks records this one's
+        if stored.get("smokeJob") == name or int(stored.get("attempt", 0)) > int(attempt):
+            store.delete_job(name)
+            deleted.append(name)
+    if deleted:
+        log.info("gate: deleted %d finished smoke Job(s) in %s: %s", len(deleted), config.namespace,
+                 ", ".join(deleted))
+    return deleted

@@ -354,7 +354,9 @@ def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
     p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, found.message)
 
     try:
-        plan = planning.make_plan(p.client, p.job, spec, found.reports)
+        cpu_memory = 0 if spec.device != "CPU" else planning.cpu_memory_per_process(
+            spec, p.client.list_nodes(), list(found.reports)[: spec.nodes.count])
+        plan = planning.make_plan(p.client, p.job, spec, found.reports, cpu_memory_bytes=cpu_memory)
     except SpecError as exc:
         p.cond(C.COND_PLANNED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=True)
         p.fail(C.R_INVALID_SPEC, str(exc))

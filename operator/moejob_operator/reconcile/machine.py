@@ -5,6 +5,7 @@ when deadlines and TTLs fire, how trainer progress maps onto the status. No API 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,22 +25,60 @@ class PodView:
     exit_code: int | None           # trainer container's exit code once terminated
     deleting: bool
     node: str | None
+    cause: str | None = None        # why it exited: TrainerExit.cause, or OutOfMemory (OOMKilled)
+    cause_message: str = ""
 
     @classmethod
     def from_pod(cls, pod: dict[str, Any]) -> PodView:
         meta, status = pod["metadata"], pod.get("status") or {}
         labels = meta.get("labels") or {}
-        code = None
+        code, cause, why = None, None, ""
         for cs in status.get("containerStatuses") or ():
             term = (cs.get("state") or {}).get("terminated")
             if term is not None:
                 code = term.get("exitCode")
+                cause, why = exit_cause(term)
         return cls(name=meta["name"], uid=meta.get("uid", ""),
-                   node_rank=int(labels.get(C.LABEL_NODE_RANK, -1)),
-                   attempt=int(labels.get(C.LABEL_ATTEMPT, -1)),
+                   node_rank=_label_int(labels, C.LABEL_NODE_RANK),
+                   attempt=_label_int(labels, C.LABEL_ATTEMPT),
                    phase=status.get("phase") or "Pending", exit_code=code,
                    deleting=bool(meta.get("deletionTimestamp")),
-                   node=(pod.get("spec") or {}).get("nodeName"))
+                   node=(pod.get("spec") or {}).get("nodeName"), cause=cause, cause_message=why)
+
+    def describe(self) -> str:
+        """``exit code 78`` plus the cause the worker reported, for condition messages."""
+        what = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code (pod failed)"
+        if self.cause:
+            what += f", {self.cause}" + (f": {self.cause_message}" if self.cause_message else "")
+        return what
+
+
+def _label_int(labels: dict[str, str], key: str) -> int:
+    try:
+        return int(labels.get(key, -1))
+    except (TypeError, ValueError):
+        return -1          # someone relabelled the pod: it is stale
+
+
+# Causes a worker reports that a person can act on: the Failed reason names them directly.
+KNOWN_CAUSES = {"CheckpointNotWritable": C.R_CHECKPOINT_NOT_WRITABLE,
+                "CheckpointVolumeFull": C.R_CHECKPOINT_VOLUME_FULL,
+                "DataNotFound": C.R_DATA_NOT_FOUND, "OutOfMemory": C.R_OUT_OF_MEMORY}
+MESSAGE_TAIL = 300
+
+
+def exit_cause(term: dict[str, Any]) -> tuple[str | None, str]:
+    """(cause, message) from a terminated container state: the trainer's TrainerExit document
+    (docs/contracts.md), or the runtime's OOMKilled."""
+    if term.get("reason") == "OOMKilled":
+        return "OutOfMemory", "the container exceeded its memory limit (OOMKilled)"
+    try:
+        doc = json.loads(term.get("message") or "")
+    except ValueError:
+        return None, ""
+    if isinstance(doc, dict) and doc.get("kind") == "TrainerExit" and isinstance(doc.get("cause"), str):
+        return doc["cause"][:64], " ".join(str(doc.get("message", "")).split())[-MESSAGE_TAIL:]
+    return None, ""
 
 
 def is_permanent(code: int | None) -> bool:
@@ -92,14 +131,17 @@ def decide_gang(pods: list[PodView], *, count: int, attempt: int, failed_restart
     permanent = [p for p in failed if is_permanent(p.exit_code)]
     if permanent:
         p = permanent[0]
-        return GangDecision("fail", reason=C.R_PERMANENT_WORKER_FAILURE, counts=counts, delete=_live(here),
+        return GangDecision("fail", reason=KNOWN_CAUSES.get(p.cause or "", C.R_PERMANENT_WORKER_FAILURE),
+                            counts=counts, delete=_live(here),
                             message=f"worker {p.name} (node rank {p.node_rank}) exited with permanent "
-                                    f"code {p.exit_code}; not retried")
+                                    f"{p.describe()}; not retried")
     if failed:
-        p = failed[0]
-        what = f"exit code {p.exit_code}" if p.exit_code is not None else "no exit code (pod failed)"
+        # a worker that says why first (the others often only lost their peer)
+        p = sorted(failed, key=lambda x: (x.cause not in KNOWN_CAUSES, x.node_rank))[0]
+        what = p.describe()
         if failed_restarts >= backoff_limit:
-            return GangDecision("fail", reason=C.R_BACKOFF_LIMIT_EXCEEDED, counts=counts, delete=_live(here),
+            return GangDecision("fail", reason=KNOWN_CAUSES.get(p.cause or "", C.R_BACKOFF_LIMIT_EXCEEDED),
+                                counts=counts, delete=_live(here),
                                 message=f"worker {p.name} failed ({what}) after {failed_restarts} gang "
                                         f"restart(s); backoffLimit is {backoff_limit}")
         return GangDecision("restart", counts=counts, reason=C.R_RESTARTING, delete=here,

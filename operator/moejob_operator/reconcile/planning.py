@@ -256,6 +256,31 @@ def _memo_key(spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport
     return h.hexdigest()
 
 
+def cpu_memory_per_process(spec: JobSpec, nodes: list[dict[str, Any]], names: list[str]) -> int:
+    """CPU mode: the memory one trainer process may use, so that the plan's memory check has a
+    limit (0: unknown, no check). The container's memory limit, else the smallest planned node's
+    allocatable memory, shared by the pod's ``gpusPerNode`` processes."""
+    from ..admission import parse_quantity
+
+    limit = (spec.resources.limits or {}).get("memory")
+    if limit is not None:
+        try:
+            total = int(parse_quantity(limit))
+        except ValueError:
+            total = 0
+    else:
+        sizes = []
+        for node in nodes:
+            if node["metadata"]["name"] in names:
+                raw = ((node.get("status") or {}).get("allocatable") or {}).get("memory")
+                try:
+                    sizes.append(int(parse_quantity(raw)) if raw is not None else 0)
+                except ValueError:
+                    sizes.append(0)
+        total = min(sizes) if sizes and all(sizes) else 0
+    return total // spec.nodes.gpus_per_node
+
+
 def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
               cpu_memory_bytes: int = 0) -> dict[str, Any]:
     """The MoEPlan v1 document for ``spec`` on the first ``nodes.count`` discovered nodes."""

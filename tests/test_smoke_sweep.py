@@ -1,0 +1,72 @@
+"""Finished smoke Jobs are deleted once their verdict is stored and they are older than the keep
+time (batch/v1 on 1.20 has no ttlSecondsAfterFinished); running ones, recent ones and ones whose
+verdict is not stored yet stay."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from types import SimpleNamespace
+
+from kubernetes import client as k8s
+
+from moejob_operator.core import gate as G
+from moejob_operator.reconcile import gate as RG
+
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+
+def stamp(hours_ago: float) -> str:
+    return (NOW - dt.timedelta(hours=hours_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def smoke_job(name: str, finished_hours_ago: float | None, kind: str = "Complete") -> dict:
+    status = {}
+    if finished_hours_ago is not None:
+        status = {"completionTime": stamp(finished_hours_ago),
+                  "conditions": [{"type": kind, "status": "True", "lastTransitionTime": stamp(finished_hours_ago)}]}
+    return {"metadata": {"name": name}, "status": status}
+
+
+def verdict(key: str, attempt: int) -> dict:
+    return {"data": {G.VERDICT_KEY: json.dumps({
+        "kind": "GateVerdict", "version": 1, "identity": {"image": "x", "key": key}, "attempt": attempt,
+        "passed": True, "failedCheck": None, "message": "ok", "smokeJob": f"moe-smoke-{key}-{attempt}",
+        "verifiedAt": stamp(3), "expiresAt": stamp(-100)})}}
+
+
+class Batch:
+    def __init__(self, jobs):
+        self.jobs, self.deleted = jobs, []
+
+    def list_namespaced_job(self, namespace, label_selector, _preload_content):
+        return SimpleNamespace(data=json.dumps({"items": self.jobs}).encode())
+
+    def delete_namespaced_job(self, name, namespace, propagation_policy, _preload_content):
+        assert propagation_policy == "Background"       # its pod goes with it
+        self.deleted.append(name)
+        return SimpleNamespace(data=b"{}")
+
+
+def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict(monkeypatch):
+    monkeypatch.setenv("MOE_GATE_ENABLED", "true")
+    monkeypatch.setenv("MOE_OPERATOR_NAMESPACE", "gate-ns")
+    store = {"moe-gate-aaaa": verdict("aaaa", 1), "moe-gate-bbbb": verdict("bbbb", 2),
+             "moe-gate-dddd": {"data": {G.VERDICT_KEY: "not json"}}}
+    client = SimpleNamespace(api=k8s.ApiClient(), get_configmap=lambda ns, name: store.get(name),
+                             delete_configmap=lambda ns, name: None)   # the smoke plans ConfigMap
+    batch = Batch([smoke_job("moe-smoke-aaaa-1", 2),           # verdict stored, 2 h old: goes
+                   smoke_job("moe-smoke-bbbb-1", 5, "Failed"),  # superseded by attempt 2: goes
+                   smoke_job("moe-smoke-bbbb-2", 0.2),          # recent: stays (logs readable)
+                   smoke_job("moe-smoke-cccc-1", None),         # running: stays
+                   smoke_job("moe-smoke-dddd-1", 4),            # verdict unreadable: stays
+                   smoke_job("moe-smoke-eeee-1", 4),            # no verdict yet: stays
+                   smoke_job("moe-smoke-odd", 4)])              # not ours by name: stays
+    deleted = RG.sweep_smoke_jobs(client, NOW, batch=batch)
+    assert deleted == batch.deleted == ["moe-smoke-aaaa-1", "moe-smoke-bbbb-1"]
+
+
+def test_sweep_does_nothing_with_the_gate_off(monkeypatch):
+    monkeypatch.setenv("MOE_GATE_ENABLED", "false")
+    batch = Batch([smoke_job("moe-smoke-aaaa-1", 9)])
+    assert RG.sweep_smoke_jobs(SimpleNamespace(api=k8s.ApiClient()), NOW, batch=batch) == []
