@@ -39,8 +39,23 @@ def test_configmap_request_and_failure_is_not_fatal(tmp_path, monkeypatch):
     assert req.headers["Content-type"] == "application/merge-patch+json"
     body = json.loads(req.data)
     assert json.loads(body["data"]["progress.json"])["loss"] == 1.5
-    assert pub.publish(doc(), force=True) is False and pub.failures == 1
-    assert pub.publish(doc()) is False and pub.failures == 1      # rate-limited: not even tried
+    slept = []
+    retries = len(pub.FINAL_RETRY_SECONDS)
+    assert pub.publish(doc(), force=True, sleep=slept.append) is False and pub.failures == 1 + retries
+    assert slept == list(pub.FINAL_RETRY_SECONDS)
+    assert pub.publish(doc()) is False and pub.failures == 1 + retries   # rate-limited: not even tried
+
+
+def test_the_final_document_survives_a_short_api_outage(tmp_path):
+    """The last word (Finished / Failed) is retried through an outage, not dropped; routine
+    updates are not (the next one follows within the interval)."""
+    pub = progress.ConfigMapPublisher("job-progress", sa_dir=tmp_path, interval_s=0)
+    answers = iter([False, False, True])
+    sent = []
+    pub.send = lambda body: sent.append(body) or next(answers)
+    assert pub.publish(doc(), force=True, sleep=lambda s: None) is True and len(sent) == 3
+    answers = iter([False, True])
+    assert pub.publish(doc()) is False and len(sent) == 4
 
 
 def test_from_env_without_credentials(monkeypatch):

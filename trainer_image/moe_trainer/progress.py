@@ -123,12 +123,23 @@ class ConfigMapPublisher:
             log.warning("ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, self.last_error)
             return False
 
-    def publish(self, doc: dict, force: bool = False) -> bool:
+    # A forced document is a last word (finished, failed): it is retried through a short API
+    # outage instead of being dropped, at most sum(FINAL_RETRY_SECONDS) before the process exits.
+    FINAL_RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0)
+
+    def publish(self, doc: dict, force: bool = False, sleep=time.sleep) -> bool:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return False
         self._last = now
-        return self.send({"data": {"progress.json": json.dumps(doc)}})
+        body = {"data": {"progress.json": json.dumps(doc)}}
+        ok = self.send(body)
+        for delay in self.FINAL_RETRY_SECONDS if force else ():
+            if ok:
+                break
+            sleep(delay)
+            ok = self.send(body)
+        return ok
 
 
 class Metrics:
