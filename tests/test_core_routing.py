@@ -1,6 +1,7 @@
 """RoutingStats v1: reading/writing with invariants, counting, and the synthetic trace."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -62,7 +63,16 @@ def test_write_read_round_trip(tmp_path, trace):
     back = read_routing_stats(path)
     assert np.array_equal(back.load, trace.load) and np.array_equal(back.coact, trace.coact)
     assert (back.num_layers, back.num_experts, back.top_k, back.tokens) == (3, 16, 2, 4000)
-    assert back.token_experts is None and back.source == "synthetic"
+    assert np.array_equal(back.token_experts, trace.token_experts) and back.source == "synthetic"
+    assert back.exact
+    write_routing_stats(trace.without_tokens(), path)
+    v1 = dict(json.loads(path.read_text()), version=1)           # v1 readers' documents still read
+    assert read_routing_stats(v1).token_experts is None
+
+
+def test_top_k_above_two_without_samples_is_not_exact(trace):
+    four = synthetic_trace(1, 8, 4, 200, seed=0)
+    assert four.exact and not four.without_tokens().exact and trace.without_tokens().exact
 
 
 def _bad(mutate, match, trace):
@@ -84,6 +94,14 @@ def _bad(mutate, match, trace):
      r"coactivation\[2\]\[0\]\[1\]: .* \(not symmetric\)"),
     (lambda d: d["coactivation"][0][3].__setitem__(3, 5), r"coactivation\[0\]\[3\]\[3\]: 5 is not 0"),
     (lambda d: d["load"][0].__setitem__(0, 0.5), r"load: counts must be integers"),
+    (lambda d: d["tokenSamples"]["experts"][1][5].__setitem__(0, 16),
+     r"tokenSamples.experts\[1\]\[5\]\[0\]: 16 is not an expert id in \[0, 16\)"),
+    (lambda d: d["tokenSamples"]["experts"][2].__setitem__(7, [3, 3]),
+     r"tokenSamples.experts\[2\]\[7\]: \[3, 3\] repeats an expert"),
+    (lambda d: d["tokenSamples"].update(experts=[[[1, 2]]]),
+     r"tokenSamples.experts: shape \[1, 1, 2\] .* is not \[numLayers=3\]"),
+    (lambda d: d.update(tokens=10, load=[[0] * 16] * 3, coactivation=[[[0] * 16] * 16] * 3),
+     r"RoutingStats load\[0\]: sums to 0"),
 ])
 def test_bad_documents_name_the_field(mutate, match, trace):
     _bad(mutate, match, trace)

@@ -92,6 +92,7 @@ class TrainingSpec:
     straggler_factor: float = 2.0
     straggler_steps: int = 5
     fragmentation_limit: float = 0.3
+    routing_sample_tokens: int = 65536     # token expert sets kept for exact placement scoring
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,9 @@ def _parse_training(doc: dict | None) -> TrainingSpec:
     if warmup < 0:
         raise PlanError(f"{p}.warmupSteps: {warmup!r} must be >= 0")
     seed = _get(doc, "seed", p, int, required=False, default=d.seed)
+    samples = _get(doc, "routingSampleTokens", p, int, required=False, default=d.routing_sample_tokens)
+    if samples < 0:
+        raise PlanError(f"{p}.routingSampleTokens: {samples!r} must be >= 0")
     return TrainingSpec(
         steps=num("steps", "steps"), seq_len=num("seqLen", "seq_len"),
         micro_batch=num("microBatch", "micro_batch"), grad_accum=num("gradAccum", "grad_accum"),
@@ -218,6 +222,7 @@ def _parse_training(doc: dict | None) -> TrainingSpec:
         straggler_factor=num("stragglerFactor", "straggler_factor", (int, float)),
         straggler_steps=num("stragglerSteps", "straggler_steps"),
         fragmentation_limit=num("fragmentationLimit", "fragmentation_limit", (int, float)),
+        routing_sample_tokens=samples,
     )
 
 

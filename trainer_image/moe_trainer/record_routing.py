@@ -1,11 +1,14 @@
 """Record real routing statistics for the placement benchmark: train a small many-expert Mixtral on
-the real-text corpus and keep the RoutingStats v1 document of the last `--window` steps.
+the real-text corpus and keep the RoutingStats v2 document of the last `--window` steps, with up
+to `--samples` sampled token expert sets.
 
     python -m moe_trainer.record_routing --experts 64 --top-k 8 --layers 4 --steps 300 \
         --balance per_layer_aux --out benchmarks/results/routing_stats_real_text.json
 
+With `--test-out` two disjoint windows are kept: `--out` gets the steps (S-2W, S-W] (fit on it),
+`--test-out` the last W steps (score on it): a held-out evaluation of a placement.
 One process, ZeRO-3 without AutoEP (CPU friendly); the statistics are the same kind a
-multi-rank run aggregates. Prints per-layer max/mean expert load of the recorded window.
+multi-rank run aggregates. Prints per-layer max/mean expert load of the recorded window(s).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ def plan_doc(a) -> dict:
         "worldSize": 1, "epSize": 1, "ranks": [{"rank": 0, "node": "local", "nodeRank": 0, "localRank": 0}],
         "deepspeed": {"zero_optimization": {"stage": 3}},
         "training": {"steps": a.steps, "seqLen": a.seq_len, "microBatch": a.micro_batch, "gradAccum": 1,
-                     "lr": a.lr, "warmupSteps": max(1, a.steps // 20), "checkpointEverySteps": a.steps - a.window
-                     if a.steps > a.window else a.steps, "seed": a.seed, "moeImpl": a.impl,
+                     "lr": a.lr, "warmupSteps": max(1, a.steps // 20), "checkpointEverySteps": a.window, "seed": a.seed, "moeImpl": a.impl,
                      "balance": {"mode": a.balance, "coef": a.coef},
-                     "data": {"kind": "corpus"}, "deadExpertSteps": 50},
+                     "data": {"kind": "corpus"}, "deadExpertSteps": 50,
+                     # enough that each window keeps about --samples tokens (a uniform run-wide sample)
+                     "routingSampleTokens": a.samples * max(1, a.steps // a.window)},
     }
 
 
@@ -57,8 +61,12 @@ def main() -> None:
     ap.add_argument("--balance", default="per_layer_aux", choices=["per_layer_aux", "global_aux", "none"])
     ap.add_argument("--coef", type=float, default=0.01)
     ap.add_argument("--impl", default="grouped", choices=["hf", "grouped"])
+    ap.add_argument("--samples", type=int, default=32768, help="token expert sets kept per window")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--test-out", help="also write the window before --out's as a held-out pair")
     a = ap.parse_args()
+    if a.steps % a.window or a.steps < (2 if a.test_out else 1) * a.window:
+        ap.error("--steps must be a multiple of --window and hold the window(s)")
     work = Path(tempfile.mkdtemp(prefix="moe-record-"))
     try:
         plan = work / "plan.json"
@@ -69,36 +77,55 @@ def main() -> None:
         if codes != [0]:
             raise SystemExit(f"trainer failed: {codes}")
         full = json.loads((work / "ck" / "routing_stats.json").read_text())
-        window = _window(work / "ck", full, a)
-        check_routing_stats(window)
-        window["source"] = "trainer"
-        window["model"] += f" balance={a.balance} coef={a.coef} real-text corpus, last {window['steps']} steps"
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(window))
         losses = json.loads((work / "ck" / "losses.json").read_text())["losses"]
-        mm = max_mean_per_layer(window["load"])
-        print(json.dumps({"out": a.out, "balance": a.balance, "seconds": round(time.time() - t0, 1),
-                          "lossFirst": round(losses[0], 3), "lossLast": round(sum(losses[-10:]) / 10, 3),
-                          "maxMeanPerLayer": [round(x, 2) for x in mm],
-                          "maxMeanOfSummedLoad": round(max_mean_per_layer([list(map(sum, zip(*window["load"])))])[0], 2)}))
+        outs = [(a.out, a.steps)] if not a.test_out else [(a.out, a.steps - a.window), (a.test_out, a.steps)]
+        for out, end in outs:
+            window = _window(work / "ck", full, a, end)
+            check_routing_stats(window)
+            window["source"] = "trainer"
+            window["model"] += (f" balance={a.balance} coef={a.coef} real-text corpus, steps "
+                                f"{end - window['steps'] + 1}-{end} of {a.steps}")
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(window, separators=(",", ":")))
+            mm = max_mean_per_layer(window["load"])
+            print(json.dumps({"out": out, "balance": a.balance, "seconds": round(time.time() - t0, 1),
+                              "lossFirst": round(losses[0], 3), "lossLast": round(sum(losses[-10:]) / 10, 3),
+                              "samples": len(window.get("tokenSamples", {}).get("experts", [[]])[0]),
+                              "maxMeanPerLayer": [round(x, 2) for x in mm],
+                              "maxMeanOfSummedLoad": round(max_mean_per_layer(
+                                  [list(map(sum, zip(*window["load"])))])[0], 2)}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _window(ckpt: Path, full: dict, a) -> dict:
-    """Final totals minus the totals at the checkpoint `window` steps before the end."""
+def _window(ckpt: Path, full: dict, a, end: int) -> dict:
+    """Totals at step ``end`` minus those at ``end - window``; the token sample of the run's final
+    checkpoint restricted to those steps (a uniform sample of the run restricted to a window is a
+    uniform sample of the window), cut to ``--samples``."""
     import numpy as np
     import torch
-    if a.steps <= a.window:
-        return full
-    start = a.steps - a.window
-    state = torch.load(ckpt / "ds" / f"step-{start}" / "trainer_state.pt", weights_only=False)
     from moe_trainer.routing import routing_stats_doc
+    start = max(0, end - a.window)
+
+    def state_at(step: int) -> dict:
+        return torch.load(ckpt / "ds" / f"step-{step}" / "trainer_state.pt", weights_only=False)
+
+    last = state_at(a.steps)
+    hi = last if end == a.steps else state_at(end)
     # trainer_state keeps slot ids; with no placement the slots are the original ids
-    load = np.asarray(full["load"]) - np.rint(state["routing"]["load"].numpy()).astype(np.int64)
-    co = np.asarray(full["coactivation"]) - np.rint(state["routing"]["coact"].numpy()).astype(np.int64)
-    return routing_stats_doc(load, co, full["tokens"] - state["routing"]["tokens"],
-                             full["steps"] - state["routing"]["steps"], full["topK"], full["model"])
+    load = np.rint(hi["routing"]["load"].numpy()).astype(np.int64)
+    co = np.rint(hi["routing"]["coact"].numpy()).astype(np.int64)
+    tokens, steps = hi["routing"]["tokens"], hi["routing"]["steps"]
+    if start:
+        lo = state_at(start)
+        load = load - np.rint(lo["routing"]["load"].numpy()).astype(np.int64)
+        co = co - np.rint(lo["routing"]["coact"].numpy()).astype(np.int64)
+        tokens, steps = tokens - lo["routing"]["tokens"], steps - lo["routing"]["steps"]
+    smp = last["samples"]                                   # sorted by key: any prefix is uniform
+    keep = ((smp["steps"] > start) & (smp["steps"] <= end)).numpy()
+    ex = smp["experts"].numpy()[keep][:a.samples].astype(np.int64)          # [S, L, k]
+    samples = np.sort(ex.transpose(1, 0, 2), axis=-1).tolist()
+    return routing_stats_doc(load, co, tokens, steps, full["topK"], full["model"], samples=samples)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@
 A ConfigMap holds at most 1 MiB (`data` + `binaryData`), and co-activation is `L x E x E` counts:
   - JSON (compact) up to LIMIT_BYTES        -> `data["routing_stats.json"]`;
   - else gzip + base64 up to LIMIT_BYTES    -> `binaryData["routing_stats.json.gz"]`;
+  - else, when the document carries `tokenSamples`, the same with the sample cut in half (a
+    prefix of a uniform sample is uniform) until it fits, down to none;
   - else nothing is patched: the log and the progress document say so, and the statistics stay in
-    `<checkpoint dir>/routing_stats.json`.
+    `<checkpoint dir>/routing_stats.json` (the file always keeps the whole sample).
 Each patch removes the other key (merge-patch null), so a reader never sees two generations.
 LIMIT_BYTES counts the base64 text for `binaryData` (what travels in the request and in etcd),
 which is stricter than the API server's own check (decoded bytes), leaving room for metadata.
@@ -37,9 +39,26 @@ class Encoded:
     key: str | None           # KEY | GZ_KEY | None
     json_bytes: int           # compact JSON size
     stored_bytes: int         # size of the value stored (JSON text, or base64 of the gzip)
+    samples: int = 0          # tokenSamples kept per layer
 
 
 def encode(doc: dict, limit: int = LIMIT_BYTES) -> Encoded:
+    """The smallest cut of ``tokenSamples`` (halving) that fits; the full document when it fits."""
+    samples = (doc.get("tokenSamples") or {}).get("experts")
+    n = len(samples[0]) if samples else 0
+    while True:
+        enc = _encode(doc, limit)
+        if enc.body is not None or not n:
+            return Encoded(enc.body, enc.key, enc.json_bytes, enc.stored_bytes, n)
+        n //= 2
+        doc = dict(doc)
+        if n:
+            doc["tokenSamples"] = {"experts": [layer[:n] for layer in samples]}
+        else:
+            doc.pop("tokenSamples")
+
+
+def _encode(doc: dict, limit: int) -> Encoded:
     raw = json.dumps(doc, separators=(",", ":")).encode()
     if len(raw) <= limit:
         return Encoded({"data": {KEY: raw.decode()}, "binaryData": {GZ_KEY: None}}, KEY, len(raw), len(raw))
@@ -91,6 +110,10 @@ class RoutingStatsPublisher:
         elif self.publisher.send(enc.body):
             status["published"] = True
             status["message"] = f"published as {enc.key} ({enc.stored_bytes} bytes) at step {step}"
+            full = len((doc.get("tokenSamples") or {}).get("experts", [[]])[0])
+            if enc.samples < full:
+                status["message"] += (f", token samples cut from {full} to {enc.samples} to fit "
+                                      f"(all of them in {file_path or 'no checkpoint dir'})")
             log.info("routing statistics of step %d -> ConfigMap %s key %s (%d bytes)", step,
                      self.publisher.name, enc.key, enc.stored_bytes)
         else:

@@ -29,6 +29,8 @@ from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
 from moe_trainer.plan import MoEPlan
 from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
 from moe_trainer.routing_publish import RoutingStatsPublisher
+from moe_trainer.token_samples import TokenSampler
+from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
 
 log = logging.getLogger("moe_trainer")
 
@@ -122,6 +124,8 @@ class Trainer:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
+        self.samples = TokenSampler(L, self.top_k, t.routing_sample_tokens, t.seed, self.env.rank,
+                                    self.env.world_size)
         self.recent_load: deque = deque(maxlen=RECENT_STEPS)   # load[L, E] per step, original ids
         self._logged: set[tuple[str, str]] = set()
         self.health = HealthMonitor(L, E, self.env.world_size, dead_steps=t.dead_expert_steps,
@@ -155,6 +159,7 @@ class Trainer:
         state = ckpt.load(self.engine, self.ckpt_dir, step, self.env.rank)
         self.start_step = int(state["step"])
         self.acc.load_state_dict(state["routing"])
+        self.samples.load_state_dict(state.get("samples"))
         self.health.load_state_dict(state["health"])
         self.losses = list(state["losses"])
         self.last_ckpt = {"step": step, "path": str(ckpt.ds_dir(self.ckpt_dir) / ckpt.tag_for(step))}
@@ -181,6 +186,7 @@ class Trainer:
             aux = routing.balance_loss(self.probe, E, t.balance.mode)
             loss = lm if aux is None or t.balance.coef == 0 else lm + t.balance.coef * aux
             sl, sc, sm = routing.step_counts(self.probe, E)   # before backward: recompute re-fires hooks
+            self.samples.add(self.probe.topk, step + 1, micro)
             self.engine.backward(loss)
             self.engine.step()
             load += sl
@@ -192,24 +198,30 @@ class Trainer:
         return lm_total, aux_total, load, coact, maxlog
 
     # ---- reports -----------------------------------------------------------------------------
-    def routing_doc(self) -> dict:
+    def routing_doc(self, merged: dict | None = None) -> dict:
+        """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token sample."""
         load, coact = routing.to_original_ids(self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(),
                                               self.permutation)
+        samples = None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
         return routing.routing_stats_doc(load, coact, self.acc.tokens, self.acc.steps, self.top_k,
-                                         self.model_name)
+                                         self.model_name, samples=samples)
 
-    def write_routing(self) -> None:
-        """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next plan."""
-        if not self.is_rank0 or self._routing_written_step == self.acc.steps:
+    def write_routing(self, merged: dict | None = None) -> None:
+        """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next plan.
+        Collective (every rank calls it: the token sample is merged over ranks)."""
+        if self._routing_written_step == self.acc.steps:
             return
-        doc = self.routing_doc()
+        merged = self.samples.merge(self.env.device) if merged is None else merged
+        self._routing_written_step = self.acc.steps
+        if not self.is_rank0:
+            return
+        doc = self.routing_doc(merged)
         path = None
         if self.ckpt_dir:
             path = str(Path(self.ckpt_dir) / "routing_stats.json")
             write_json_atomic(path, doc)
         if self.routing_publisher:
             self.routing_publisher.publish(doc, self.acc.steps, path)
-        self._routing_written_step = self.acc.steps
 
     def routing_status(self) -> dict | None:
         """The progress document's `routingStats` section (None without a ConfigMap to publish to)."""
@@ -218,11 +230,12 @@ class Trainer:
     def save(self, step: int) -> None:
         if not self.ckpt_dir:
             return
+        merged = self.samples.merge(self.env.device)
         state = {"step": step, "routing": self.acc.state_dict(), "health": self.health.state_dict(),
-                 "losses": list(self.losses)}
+                 "losses": list(self.losses), "samples": self.samples.state_dict(merged)}
         path = ckpt.save(self.engine, self.ckpt_dir, step, self.env.rank, state)
         self.last_ckpt = {"step": step, "path": str(path)}
-        self.write_routing()
+        self.write_routing(merged)
 
     def publish(self, doc: dict, tokens: int, force: bool = False) -> None:
         if not self.is_rank0:

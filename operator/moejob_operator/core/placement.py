@@ -107,92 +107,106 @@ def _lpt(load: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def _rebalance(load: np.ndarray, bin_of: np.ndarray, nbins: int, max_iter: int = 200) -> np.ndarray:
-    """Swap items between the heaviest bin and others while that lowers the heavier of the two."""
-    bin_of = bin_of.copy()
-    for _ in range(max_iter):
-        bl = np.bincount(bin_of, weights=load, minlength=nbins)
-        h = int(np.argmax(bl))
-        a = np.flatnonzero(bin_of == h)
-        b = np.flatnonzero(bin_of != h)
-        if not len(b):
-            break
-        delta = load[a][:, None] - load[b][None, :]                     # moved from h to other
-        new_max = np.maximum(bl[h] - delta, bl[bin_of[b]][None, :] + delta)
-        i, j = np.unravel_index(np.argmin(new_max), new_max.shape)
-        if new_max[i, j] >= bl[h] - 1e-9:
-            break
-        bin_of[a[i]], bin_of[b[j]] = bin_of[b[j]], h
-    return bin_of
+def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, group_of_rank: np.ndarray,
+            n: int, limit: float, max_rounds: int = 400, rows: int = 48, max_repacks: int = 64) -> np.ndarray:
+    """Kernighan-Lin style descent over swaps of two experts on different GPUs that keep every
+    GPU under ``limit``; maximises ``sum_ij W[i, j] * A[rank_i, rank_j]``.
 
-
-def _refine_swaps(W: np.ndarray, load: np.ndarray, part: np.ndarray, cap: np.ndarray,
-                  max_rounds: int = 1000, rows: int = 32) -> np.ndarray:
-    """Kernighan-Lin style steepest descent: apply the swap of two items in different bins
-    with the largest co-activation gain that keeps both bins under the cap (an already
-    overloaded bin may not get heavier), until no swap gains.
-
-    ``W[m, m]`` co-activation, ``load[m]``, ``part[m]`` bin per item, ``cap[B]``. For speed a
-    round scores only the ``rows`` items that gain most by moving against all partners (a
-    positive swap needs one side that gains at least half of it); before stopping, one full
-    m x m round confirms no swap gains.
+    ``W[m, m]`` co-activation per token; ``A[P, P]`` what keeping a pair on two ranks saves
+    (2 in one NVLink group: one group and one node send; 1 in one node; 0 apart): only the
+    group and node of a rank matter. ``e2r[m]`` must be under the limit.
+    A round scores the ``rows`` experts that gain most by moving against all partners, then
+    applies the best swaps in order, each re-scored on the updated state (positive gain, both
+    GPUs under the limit, neither expert moved this round). When no such swap gains, swaps
+    between groups whose GPUs would only fit after re-packing are tried: the best few that leave
+    both groups *packable* (their LPT packing stays under the limit) are applied together with
+    that re-packing, so a hot expert can join its partners where a light one makes way (a repair
+    inside the group, which costs no co-activation). One full m x m round confirms the end.
     """
-    part = part.copy()
-    m, B = len(part), len(cap)
+    e2r = e2r.copy()
+    m, P = len(e2r), len(A)
     W = W.astype(np.float32)
-    C = W @ np.eye(B, dtype=np.float32)[part]            # C[e, b]: co-activation of e with bin b
-    bin_load = np.bincount(part, weights=load, minlength=B)
+    A = A.astype(np.float32)
+    group_ranks = np.bincount(group_of_rank)
+    C = (W @ np.eye(P, dtype=np.float32)[e2r]) @ A.T    # C[e, r]: affinity of e placed on rank r
+    rank_load = np.bincount(e2r, weights=load, minlength=P)
+    d = float(A[0, 0])
+    cap = limit + 1e-9
     load32 = load.astype(np.float32)
     idx = np.arange(m)
-    full = rows >= m
+    full, repacks = rows >= m, 0
     for _ in range(max_rounds):
-        own = C[idx, part]                               # own[e]
-        if full:
-            R = idx
-        else:
-            best_move = (C - own[:, None]).max(axis=1)
-            R = np.argpartition(-best_move, rows)[:rows]
-        gain = C[R][:, part] + C[:, part[R]].T           # gain[i, b] for swapping R[i] with b
-        gain -= own[R][:, None]
-        gain -= own[None, :]
-        gain -= 2 * W[R]
-        slack = (np.maximum(cap, bin_load) - bin_load).astype(np.float32)[part] + 1e-6   # slack[e]
-        d = load32[None, :] - load32[R][:, None]         # bin of R[i] changes by d[i, b]
-        gain[(d > slack[R][:, None]) | (-d > slack[None, :])] = -np.inf
-        i, b = np.unravel_index(np.argmax(gain), gain.shape)
-        if not gain[i, b] > 1e-7:
-            if full:
-                break
-            full = True                                  # confirm on the whole neighbourhood
+        own = C[idx, e2r]
+        R = idx if full else np.argpartition(-(C.max(axis=1) - own), rows)[:rows]
+        pr = e2r[R]
+        raw = C[R][:, e2r] - own[R][:, None] + C[:, pr].T - own[None, :]
+        raw -= 2 * W[R] * (d - A[pr][:, e2r])
+        dl = load32[None, :] - load32[R][:, None]        # rank of R[i] changes by dl[i, e]
+        gain = np.where((rank_load[pr][:, None] + dl > cap) | (rank_load[e2r][None, :] - dl > cap),
+                        -np.inf, raw)
+        best = gain.argmax(axis=1)
+        top = gain[np.arange(len(R)), best]
+        moved: set[int] = set()
+        applied = 0
+        for i in np.argsort(-top)[:int((top > 1e-7).sum())].tolist():
+            a, e = int(R[i]), int(best[i])
+            if a in moved or e in moved:
+                continue
+            pa, pe = e2r[a], e2r[e]
+            g = C[a, pe] - C[a, pa] + C[e, pa] - C[e, pe] - 2 * W[a, e] * (d - A[pa, pe])
+            dl1 = load[e] - load[a]
+            if g <= 1e-7 or rank_load[pa] + dl1 > cap or rank_load[pe] - dl1 > cap:
+                continue
+            C += np.outer(W[:, e] - W[:, a], A[:, pa] - A[:, pe])
+            rank_load[pa] += dl1
+            rank_load[pe] -= dl1
+            e2r[a], e2r[e] = pe, pa
+            moved.update((a, e))
+            applied += 1
+        if applied:
+            full = rows >= m
             continue
-        full = rows >= m
-        a = R[i]
-        pa, pb = part[a], part[b]
-        C[:, pa] += W[:, b] - W[:, a]
-        C[:, pb] += W[:, a] - W[:, b]
-        bin_load[pa] += load[b] - load[a]
-        bin_load[pb] += load[a] - load[b]
-        part[a], part[b] = pb, pa
-    return part
+        if full and repacks < max_repacks:
+            ga, ge = group_of_rank[pr][:, None], group_of_rank[e2r][None, :]
+            group_load = np.bincount(group_of_rank, weights=rank_load)
+            raw[(ga == ge) | (group_load[ga] + dl > group_ranks[ga] * cap)
+                | (group_load[ge] - dl > group_ranks[ge] * cap)] = -np.inf
+            if _repacking_swap(raw, R, e2r, load, group_of_rank, n, cap):
+                repacks += 1
+                C = (W @ np.eye(P, dtype=np.float32)[e2r]) @ A.T
+                rank_load = np.bincount(e2r, weights=load, minlength=P)
+                continue
+        if full:
+            break
+        full = True
+    return e2r
 
 
-def _strict_cap(load: np.ndarray, sizes: np.ndarray, tol: float) -> np.ndarray:
-    """Per-bin load cap: ``(1 + tol)`` x the EPLB packing's heaviest bin, per slot."""
-    ref = _lpt(load, sizes)
-    per_slot = max((np.bincount(ref, weights=load, minlength=len(sizes)) / sizes).max(),
-                   load.sum() / sizes.sum())
-    return (1 + tol) * per_slot * sizes
-
-
-def _partition(W: np.ndarray, load: np.ndarray, sizes: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Load-capped partition maximising co-activation inside bins. Returns ``bin_of[m]``.
-
-    Seeded with the EPLB packing (balanced by construction), then improved by capped swaps.
-    (A co-activation-greedy seed was tried: same final quality on the benchmark traces at
-    twice the time.)"""
-    if len(sizes) == 1:
-        return np.zeros(len(load), dtype=np.int64)
-    return _refine_swaps(W, load, _lpt(load, sizes), cap)
+def _repacking_swap(gain, R, e2r, load, group_of_rank, n, cap, tries: int = 8) -> bool:
+    """In place: of the ``tries`` best positive ``gain[i, e]`` (swap ``R[i]`` with ``e``, in
+    different groups), apply the first that leaves both groups packable under ``cap``, with
+    both groups LPT-packed onto their GPUs. Returns whether one was applied."""
+    flat = np.argsort(-gain, axis=None)[:tries]
+    for i, e in zip(*np.unravel_index(flat, gain.shape)):
+        if not gain[i, e] > 1e-7:
+            return False
+        a = int(R[i])
+        ga, ge = group_of_rank[e2r[a]], group_of_rank[e2r[e]]
+        trial = e2r.copy()
+        trial[a], trial[e] = e2r[e], e2r[a]
+        packed = []
+        for g in (ga, ge):
+            ranks = np.flatnonzero(group_of_rank == g)
+            experts = np.flatnonzero(np.isin(trial, ranks))
+            b = _lpt(load[experts], np.full(len(ranks), n))
+            if np.bincount(b, weights=load[experts], minlength=len(ranks)).max() > cap:
+                break
+            packed.append((experts, ranks[b]))
+        else:
+            for experts, ranks in packed:
+                e2r[experts] = ranks
+            return True
+    return False
 
 
 def _levels(topo: ClusterTopology, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -206,34 +220,19 @@ def _permutation_from_ranks(expert2rank: np.ndarray, ep_size: int) -> np.ndarray
     return np.lexsort((np.arange(len(expert2rank)), expert2rank))
 
 
-def _hierarchical(load, W, rank_node, rank_group, n, tol, affinity: bool,
-                  rank_limit: float | None = None) -> np.ndarray:
-    """Experts -> nodes -> groups -> ranks. ``affinity`` False is plain EPLB packing.
-
-    With ``rank_limit`` a bin of r ranks may carry up to ``r * rank_limit`` (only the final
-    per-GPU load matters); without it each level is capped near its own balanced packing."""
+def _hierarchical(load, rank_node, rank_group, n) -> np.ndarray:
+    """EPLB packing by level: experts -> nodes -> groups -> ranks, heaviest first into the
+    lightest bin (per slot) at each level."""
     P = len(rank_node)
     e2r = np.empty(len(load), dtype=np.int64)
 
     def split(experts: np.ndarray, ranks: np.ndarray, labels: list[np.ndarray]) -> None:
-        if not labels:                                   # ranks: balance load only
-            sizes = np.full(len(ranks), n)
-            b = _lpt(load[experts], sizes)
-            if affinity:
-                b = _rebalance(load[experts], b, len(ranks))
-            e2r[experts] = ranks[b]
+        if not labels:
+            e2r[experts] = ranks[_lpt(load[experts], np.full(len(ranks), n))]
             return
         lab = labels[0][ranks]
         units = np.unique(lab)
-        if len(units) == 1:
-            return split(experts, ranks, labels[1:])
-        sizes = np.array([n * (lab == u).sum() for u in units])
-        if affinity:
-            cap = (sizes / n * rank_limit if rank_limit is not None
-                   else _strict_cap(load[experts], sizes, tol))
-            b = _partition(W[np.ix_(experts, experts)], load[experts], sizes, cap)
-        else:
-            b = _lpt(load[experts], sizes)
+        b = _lpt(load[experts], np.array([n * (lab == u).sum() for u in units]))
         for i, u in enumerate(units):
             split(experts[b == i], ranks[lab == u], labels[1:])
 
@@ -276,7 +275,7 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         if strategy == "brute_force":
             e2r = _brute_force_layer(stats, layer, rank_node, rank_group, n, tol)
         elif strategy == "balanced":
-            e2r = _hierarchical(load, coact, rank_node, rank_group, n, tol, affinity=False)
+            e2r = _hierarchical(load, rank_node, rank_group, n)
         else:
             e2r = _topology_aware_layer(load, coact, rank_node, rank_group, n, tol)
         perm[layer] = _permutation_from_ranks(e2r, P)
@@ -284,20 +283,18 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
 
 
 def _topology_aware_layer(load, coact, rank_node, rank_group, n, tol) -> np.ndarray:
-    """First with bins capped only by what their GPUs may carry (``(1 + tol)`` x the flat EPLB
-    packing's heaviest GPU); if balancing inside the bins then misses that limit, load-only
-    swaps across bins repair it, and failing that, again with every level capped near its own
-    balanced packing."""
+    """Co-activation partitioning under a per-GPU load limit of ``(1 + tol)`` x the flat EPLB
+    packing's heaviest GPU. Seeded with that packing (under the limit by construction) and
+    improved only by moves that stay under it (``_refine``): the load never needs repairing
+    afterwards, so no co-activation is traded away for load."""
     P = len(rank_node)
-    limit = (1 + tol) * max(np.bincount(_lpt(load, np.full(P, n)), weights=load, minlength=P).max(),
-                            load.sum() / P)
-    e2r = _hierarchical(load, coact, rank_node, rank_group, n, tol, True, rank_limit=limit)
-    if np.bincount(e2r, weights=load, minlength=P).max() > limit + 1e-9:
-        # repair: a few load-only swaps across groups (cheap, usually loses little co-activation)
-        e2r = _rebalance(load, e2r, P)
-    if np.bincount(e2r, weights=load, minlength=P).max() <= limit + 1e-9:
-        return e2r
-    return _hierarchical(load, coact, rank_node, rank_group, n, tol, True)
+    flat = _lpt(load, np.full(P, n))
+    limit = (1 + tol) * max(np.bincount(flat, weights=load, minlength=P).max(), load.sum() / P)
+    if len(np.unique(rank_group)) == 1:
+        return flat
+    A = ((rank_node[:, None] == rank_node[None, :]).astype(float)
+         + (rank_group[:, None] == rank_group[None, :]))
+    return _refine(coact, load, flat, A, rank_group, n, limit)
 
 
 def _assignments(E: int, P: int, n: int):

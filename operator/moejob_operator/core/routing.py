@@ -1,9 +1,10 @@
-"""Routing statistics (``RoutingStats`` v1) and a synthetic router trace generator.
+"""Routing statistics (``RoutingStats`` v1/v2) and a synthetic router trace generator.
 
 ``load[num_layers, num_experts]`` counts token->expert assignments, ``coact[num_layers,
 num_experts, num_experts]`` counts tokens whose top-k held both i and j (symmetric, zero
-diagonal). Optionally ``token_experts[num_layers, num_tokens, top_k]`` keeps sampled tokens'
-expert sets: the cost model scores placements on them exactly; it is never serialised.
+diagonal). Optionally ``token_experts[num_layers, num_samples, top_k]`` keeps a uniform sample
+of the window's tokens' expert sets (v2 ``tokenSamples``; the trainer records up to 64k tokens):
+the cost model scores placements on them exactly, and without them top-k > 2 is only bounded.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 from .errors import DocumentError, check_kind_version, read_json_document
 
 DOCUMENT = "RoutingStats"
+VERSIONS = (1, 2)               # v2 = v1 + optional tokenSamples
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,10 +37,18 @@ class RoutingStats:
     planted_clusters: np.ndarray | None = field(default=None, repr=False)  # [L, E], synthetic only
 
     def to_json(self) -> dict:
-        return {"kind": DOCUMENT, "version": 1, "source": self.source, "model": self.model,
-                "numLayers": self.num_layers, "numExperts": self.num_experts, "topK": self.top_k,
-                "tokens": self.tokens, "steps": self.steps,
-                "load": self.load.tolist(), "coactivation": self.coact.tolist()}
+        doc = {"kind": DOCUMENT, "version": 2, "source": self.source, "model": self.model,
+               "numLayers": self.num_layers, "numExperts": self.num_experts, "topK": self.top_k,
+               "tokens": self.tokens, "steps": self.steps,
+               "load": self.load.tolist(), "coactivation": self.coact.tolist()}
+        if self.token_experts is not None:
+            doc["tokenSamples"] = {"experts": self.token_experts.tolist()}
+        return doc
+
+    @property
+    def exact(self) -> bool:
+        """Whether placements can be scored exactly: token samples, or top-k <= 2 (pairs suffice)."""
+        return self.token_experts is not None or self.top_k <= 2
 
     def without_tokens(self) -> "RoutingStats":
         """The same statistics as a recorded document would carry (matrices only)."""
@@ -102,7 +112,7 @@ def _array(obj: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def parse_routing_stats(obj: Any) -> RoutingStats:
     """Validate a decoded RoutingStats document (all invariants of docs/contracts.md)."""
-    check_kind_version(DOCUMENT, obj)
+    check_kind_version(DOCUMENT, obj, VERSIONS)
     L = _int_field(obj, "numLayers", 1)
     E = _int_field(obj, "numExperts", 1)
     k = _int_field(obj, "topK", 1)
@@ -130,8 +140,39 @@ def parse_routing_stats(obj: Any) -> RoutingStats:
             i = int(np.flatnonzero(rows != want)[0])
             raise DocumentError(f"{DOCUMENT} coactivation[{layer}][{i}]: row sums to {int(rows[i])}, "
                                 f"expected (topK-1)*load[{layer}][{i}] = {int(want[i])}")
+    samples = _token_samples(obj, L, E, k, tokens) if obj["version"] >= 2 else None
     return RoutingStats(L, E, k, tokens, load, coact, steps,
-                        str(obj.get("source", "trainer")), str(obj.get("model", "")))
+                        str(obj.get("source", "trainer")), str(obj.get("model", "")), samples)
+
+
+def _token_samples(obj: dict, L: int, E: int, k: int, tokens: int) -> np.ndarray | None:
+    """``tokenSamples.experts[L][S][k]`` -> ``token_experts[L, S, k]`` (None when absent)."""
+    ts = obj.get("tokenSamples")
+    if ts is None:
+        return None
+    if not isinstance(ts, dict) or "experts" not in ts:
+        raise DocumentError(f"{DOCUMENT} tokenSamples: expected an object with 'experts'")
+    try:
+        ex = np.array(ts["experts"])
+    except ValueError:
+        raise _err("tokenSamples.experts", "...", "is a ragged array") from None
+    if ex.size == 0:
+        return None
+    if ex.ndim != 3 or ex.shape[0] != L or ex.shape[2] != k or ex.dtype.kind not in "iu":
+        raise DocumentError(f"{DOCUMENT} tokenSamples.experts: shape {list(ex.shape)} ({ex.dtype}) is "
+                            f"not [numLayers={L}][samples][topK={k}] of integers")
+    if ex.shape[1] > tokens:
+        raise _err("tokenSamples.experts", f"{ex.shape[1]} samples", f"exceed tokens {tokens}")
+    if (ex < 0).any() or (ex >= E).any():
+        idx = tuple(int(i) for i in np.argwhere((ex < 0) | (ex >= E))[0])
+        raise _err("tokenSamples.experts" + "".join(f"[{i}]" for i in idx), int(ex[idx]),
+                   f"is not an expert id in [0, {E})")
+    srt = np.sort(ex, axis=-1)
+    if k > 1 and (srt[..., 1:] == srt[..., :-1]).any():
+        idx = tuple(int(i) for i in np.argwhere((srt[..., 1:] == srt[..., :-1]).any(-1))[0])
+        raise _err("tokenSamples.experts" + "".join(f"[{i}]" for i in idx), ex[idx].tolist(),
+                   "repeats an expert (a token's top-k are distinct)")
+    return srt.astype(np.int64)
 
 
 def read_routing_stats(src: str | Path | dict) -> RoutingStats:

@@ -1,0 +1,119 @@
+"""The trainer's token sample: the bottom-k keys of everything routed, across micro steps, resumes
+and ranks (merged over gloo), reported in original expert ids; too-large documents publish a cut."""
+
+import json
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moe_trainer import routing
+from moe_trainer.routing_publish import KEY, encode
+from moe_trainer.token_samples import TokenSampler, to_original_ids
+
+L, K, E = 3, 2, 8
+
+
+def _topk(step, micro, rank, T=50):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return [torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K] for _ in range(L)]
+
+
+def _feed(sampler, rank, steps=6, micros=2):
+    for step in range(1, steps + 1):
+        for micro in range(micros):
+            sampler.add(_topk(step, micro, rank), step, micro)
+
+
+def _all_tokens(ranks, steps=6, micros=2):
+    """keys, experts[N, L, k], steps of every routed token, drawn like TokenSampler draws them."""
+    keys, ex, st = [], [], []
+    for rank in ranks:
+        for step in range(1, steps + 1):
+            for micro in range(micros):
+                s = TokenSampler(L, K, 1, 7, rank, 1)
+                g = torch.Generator().manual_seed(hash((s.seed, rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+                tk = _topk(step, micro, rank)
+                keys.append(torch.rand(tk[0].shape[0], generator=g, dtype=torch.float64))
+                ex.append(torch.stack(tk, 1))
+                st.append(torch.full((tk[0].shape[0],), step))
+    return torch.cat(keys), torch.cat(ex), torch.cat(st)
+
+
+def test_single_rank_keeps_the_smallest_keys_and_survives_resume():
+    s = TokenSampler(L, K, 64, 7, 0, 1)
+    _feed(s, 0)
+    keys, ex, steps = _all_tokens([0])
+    order = torch.argsort(keys)[:64]
+    merged = s.merge("cpu")
+    assert torch.equal(merged["keys"], keys[order])
+    assert torch.equal(merged["experts"].long(), ex[order]) and torch.equal(merged["steps"].long(), steps[order])
+    # resume half way from the saved state: the same final sample
+    r = TokenSampler(L, K, 64, 7, 0, 1)
+    for step in range(1, 4):
+        for micro in range(2):
+            r.add(_topk(step, micro, 0), step, micro)
+    resumed = TokenSampler(L, K, 64, 7, 0, 1)
+    resumed.load_state_dict(r.state_dict(r.merge("cpu")))
+    for step in range(4, 7):
+        for micro in range(2):
+            resumed.add(_topk(step, micro, 0), step, micro)
+    assert torch.equal(resumed.merge("cpu")["keys"], merged["keys"])
+
+
+def test_original_ids_and_document():
+    ex = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=torch.int16)       # [S=2, L=2, k=2]
+    perm = [[7, 6, 5, 4, 3, 2, 1, 0], list(range(8))]
+    assert to_original_ids(ex, perm) == [[[6, 7], [2, 3]], [[2, 3], [6, 7]]]
+    load = np.array([[1, 1, 0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0]] * 1)
+    co = np.zeros((2, 8, 8), dtype=np.int64)
+    for layer, toks in enumerate(([[6, 7], [0, 1]], [[4, 5], [2, 3]])):
+        for a, b in toks:
+            co[layer, a, b] = co[layer, b, a] = 1
+    doc = routing.routing_stats_doc(load, co, 2, 1, 2, "m", samples=[[[6, 7], [0, 1]], [[4, 5], [2, 3]]])
+    routing.check_routing_stats(doc)
+    assert doc["version"] == 2 and doc["tokenSamples"]["experts"][0] == [[6, 7], [0, 1]]
+
+
+def _worker(rank, world, port, out):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    s = TokenSampler(L, K, 40, 7, rank, world)
+    _feed(s, rank)
+    merged = s.merge("cpu")
+    again = s.merge("cpu")                  # holdings after a merge are disjoint shares: same result
+    if rank == 0:
+        torch.save({"first": merged, "again": again}, out)
+    dist.destroy_process_group()
+
+
+def test_merge_over_two_gloo_ranks_is_the_global_bottom_k(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "merged.pt"
+    mp.spawn(_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    got = torch.load(out, weights_only=False)
+    keys, ex, _ = _all_tokens([0, 1])
+    order = torch.argsort(keys)[:40]
+    for m in (got["first"], got["again"]):
+        assert torch.equal(m["keys"], keys[order]) and torch.equal(m["experts"].long(), ex[order])
+
+
+def test_too_large_document_publishes_a_cut_sample():
+    rng = np.random.default_rng(0)
+    te = np.sort(np.stack([rng.choice(E, K, replace=False) for _ in range(2000)]), 1)
+    load = np.stack([np.bincount(te.ravel(), minlength=E)] * 1)
+    co = np.zeros((1, E, E), dtype=np.int64)
+    for a, b in te:
+        co[0, a, b] += 1
+        co[0, b, a] += 1
+    doc = routing.routing_stats_doc(load, co, 2000, 1, K, "m", samples=[te.tolist()])
+    full = encode(doc, limit=10**9)
+    assert full.samples == 2000
+    enc = encode(doc, limit=2000)
+    assert enc.key is not None and 0 < enc.samples < 2000
+    sent = json.loads(enc.body["data"][KEY]) if enc.key == KEY else None
+    if sent is not None:
+        assert sent["tokenSamples"]["experts"][0] == te.tolist()[:enc.samples]

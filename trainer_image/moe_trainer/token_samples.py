@@ -1,0 +1,121 @@
+"""A bounded uniform sample of per-token expert sets, across the whole run and all ranks.
+
+Pairwise co-activation counts score top-1/top-2 placements exactly but only bound top-k > 2 from
+below (a token is sent once per remote NVLink group holding *any* of its experts, which depends on
+the whole set). The planner scores exactly from a sample of whole token expert sets: this module
+keeps one, bounded by ``capacity`` tokens, the same tokens in every MoE layer.
+
+Bottom-k (priority) sampling: every routed token gets a random key; the sample is the
+``capacity`` tokens with the smallest keys over everything routed so far. Keys are drawn from a
+generator seeded by (seed, rank, step, micro step), so a resumed run draws the same keys.
+Each rank keeps the bottom-``capacity`` of what it holds; the global bottom-``capacity`` is always
+inside the union of the ranks' holdings, so ``merge`` (a collective, at checkpoint time) gathers
+the keys, picks the global winners and gathers only their expert sets. After a merge rank r keeps
+every W-th winner (``i % W == r``): the holdings stay disjoint and the invariant holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class TokenSampler:
+    """keys[n] float64, experts[n, L, k] int16 (slot ids), steps[n] int32 (the step, 1-based)."""
+
+    def __init__(self, num_layers: int, top_k: int, capacity: int, seed: int, rank: int, world: int):
+        self.L, self.k, self.capacity = num_layers, top_k, int(capacity)
+        self.seed, self.rank, self.world = int(seed), int(rank), int(world)
+        self.keys = torch.empty(0, dtype=torch.float64)
+        self.experts = torch.empty(0, num_layers, top_k, dtype=torch.int16)
+        self.steps = torch.empty(0, dtype=torch.int32)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
+        """``topk[L]`` of ``[T, k]`` expert (slot) ids of one forward pass at 1-based ``step``."""
+        if self.capacity <= 0 or not topk:
+            return
+        T = topk[0].shape[0]
+        g = torch.Generator().manual_seed(hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+        keys = torch.rand(T, generator=g, dtype=torch.float64)
+        if len(self) >= self.capacity:
+            idx = torch.nonzero(keys < self.keys.max()).flatten()
+        else:
+            idx = torch.arange(T)
+        if not len(idx):
+            return
+        dev = idx.to(topk[0].device)
+        ex = torch.stack([tk[dev] for tk in topk], dim=1).to("cpu", torch.int16)    # [c, L, k]
+        self._keep(torch.cat([self.keys, keys[idx]]), torch.cat([self.experts, ex]),
+                   torch.cat([self.steps, torch.full((len(idx),), step, dtype=torch.int32)]))
+
+    def _keep(self, keys, experts, steps) -> None:
+        if len(keys) > self.capacity:
+            order = torch.argsort(keys)[:self.capacity]
+            keys, experts, steps = keys[order], experts[order], steps[order]
+        self.keys, self.experts, self.steps = keys, experts, steps
+
+    def merge(self, device) -> dict:
+        """Collective (every rank): the global sample, sorted by key, as {keys, experts, steps}
+        on every rank; afterwards this rank holds every W-th winner."""
+        if self.world <= 1 or not dist.is_available() or not dist.is_initialized():
+            order = torch.argsort(self.keys)
+            return {"keys": self.keys[order], "experts": self.experts[order], "steps": self.steps[order]}
+        cap = self.capacity
+        pad = torch.full((cap,), float("inf"), dtype=torch.float64)
+        pad[:len(self)] = self.keys
+        all_keys = [torch.empty(cap, dtype=torch.float64, device=device) for _ in range(self.world)]
+        dist.all_gather(all_keys, pad.to(device))
+        all_keys = torch.stack(all_keys).cpu()                                   # [W, cap]
+        flat = all_keys.flatten()
+        n = int(torch.isfinite(flat).sum())
+        thr = torch.sort(flat).values[min(cap, n) - 1] if n else torch.tensor(-1.0, dtype=torch.float64)
+        wins = [int(((row <= thr) & torch.isfinite(row)).sum()) for row in all_keys]
+        mine = torch.nonzero((self.keys <= thr)).flatten()
+        m = max(wins)
+        width = self.L * self.k + 1
+        buf = torch.zeros(m, width, dtype=torch.int32)
+        buf[:len(mine), :-1] = self.experts[mine].reshape(len(mine), -1).to(torch.int32)
+        buf[:len(mine), -1] = self.steps[mine]
+        gathered = [torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)]
+        dist.all_gather(gathered, buf.to(device))
+        keys, rows = [], []
+        for r, (row, g) in enumerate(zip(all_keys, gathered)):
+            sel = torch.nonzero((row <= thr) & torch.isfinite(row)).flatten()
+            keys.append(row[sel])
+            rows.append(g.cpu()[:len(sel)])
+        keys, rows = torch.cat(keys), torch.cat(rows)
+        order = torch.argsort(keys)
+        keys, rows = keys[order], rows[order]
+        experts = rows[:, :-1].reshape(-1, self.L, self.k).to(torch.int16)
+        steps = rows[:, -1].clone()
+        out = {"keys": keys, "experts": experts, "steps": steps}
+        self._hold_share(out)
+        return out
+
+    def _hold_share(self, merged: dict) -> None:
+        sel = torch.arange(self.rank, len(merged["keys"]), self.world)
+        self.keys, self.experts, self.steps = merged["keys"][sel], merged["experts"][sel], merged["steps"][sel]
+
+    def state_dict(self, merged: dict) -> dict:
+        """What goes into the (rank 0) trainer state: the merged global sample."""
+        return {"keys": merged["keys"], "experts": merged["experts"], "steps": merged["steps"]}
+
+    def load_state_dict(self, sd: dict | None) -> None:
+        if not sd:
+            return
+        self._hold_share({"keys": sd["keys"], "experts": sd["experts"].to(torch.int16),
+                          "steps": sd["steps"].to(torch.int32)})
+        self._keep(self.keys, self.experts, self.steps)
+
+
+def to_original_ids(experts_slot: torch.Tensor, permutation) -> list[list[list[int]]]:
+    """``experts_slot[S, L, k]`` slot ids -> ``tokenSamples.experts[L][S][k]`` original ids."""
+    import numpy as np
+    ex = experts_slot.numpy().astype(np.int64).transpose(1, 0, 2)            # [L, S, k]
+    out = np.empty_like(ex)
+    for layer, row in enumerate(permutation):
+        out[layer] = np.asarray(row)[ex[layer]]
+    return np.sort(out, axis=-1).tolist()
