@@ -28,9 +28,12 @@ import torch.nn.functional as F
 GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "norms", "dense_mlp")
 
 # Tolerances: relative size |a|/|b| - 1 and cosine 1 - cos(a, b), per group.
-# fp32 (CPU): reduction order only. bf16/fp16 (GPU): 16-bit parameters and gradients.
+# fp32 (CPU): reduction order only. bf16/fp16 (GPU): 16-bit activations flip near-tied top-k
+# choices of a few tokens (each expert sees ~16 tokens here) and the sign of tiny gradients, whose
+# Adam update is then +-lr instead of -+lr; still far from what a broken group gives (size 0 or
+# x2, cosine near 0).
 TOLERANCE = {"fp32": {"grad_ratio": 1e-3, "grad_cos": 1e-5, "update_ratio": 1e-3, "update_cos": 1e-4},
-             "half": {"grad_ratio": 0.1, "grad_cos": 0.02, "update_ratio": 0.15, "update_cos": 0.1}}
+             "half": {"grad_ratio": 0.2, "grad_cos": 0.1, "update_ratio": 0.25, "update_cos": 0.3}}
 
 
 def group_of(name: str) -> str:
