@@ -111,3 +111,29 @@ def test_status_bounded_untrusted_and_no_test_hooks(kube, namespace, production_
     s = wait_for(corrected, timeout=60, message="status corrected\n" + production_operator.logs())
     assert s["phase"] != "Succeeded" and "completionTime" not in s
     assert len(kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=big").items) == 2
+
+
+def test_an_exceeded_quota_is_retried_visibly_until_it_frees_up(kube, namespace, production_operator,
+                                                                wait_for):
+    """A 403 the cluster may lift (a ResourceQuota: other pods finish) is transient, not terminal:
+    Reconciled=False / TransientError with the server's message and the backoff, then the launch
+    once the quota allows it."""
+    seed_topology(kube, namespace)
+    kube.core.create_namespaced_resource_quota(namespace, {"metadata": {"name": "no-pods"},
+                                                           "spec": {"hard": {"pods": "0"}}})
+    wait_for(lambda: (kube.core.read_namespaced_resource_quota("no-pods", namespace).status.hard or {}),
+             timeout=30, message="quota status")
+    apply_job(kube, namespace, manifest("quota", scheduling=NO_SCHEDULER))
+
+    def retrying():
+        c = condition(get_job(kube, namespace, "quota"), C.COND_RECONCILED)
+        return c if c.get("status") == "False" else None
+    c = wait_for(retrying, timeout=60, message=production_operator.logs())
+    assert c["reason"] == C.R_TRANSIENT_ERROR and "exceeded quota" in c["message"], c
+    assert "retrying in" in c["message"]
+    assert condition(get_job(kube, namespace, "quota"), C.COND_FAILED).get("status") != "True"
+    kube.core.delete_namespaced_resource_quota("no-pods", namespace)
+    wait_for(lambda: len(kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=quota").items) == 2,
+             timeout=120, message=production_operator.logs())
+    wait_for(lambda: condition(get_job(kube, namespace, "quota"), C.COND_RECONCILED).get("status") == "True",
+             timeout=60, message=production_operator.logs())

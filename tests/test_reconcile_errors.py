@@ -87,6 +87,13 @@ def test_a_transient_error_is_visible_and_retried_with_backoff(job):
     assert "Pod/j-worker-0" in c.writes
 
 
+def test_a_timeout_of_the_client_is_transient(job):
+    import urllib3
+    c = Client(fail=("ServiceAccount", urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out")))
+    assert J.reconcile(c, "ns", "j", body=job, backoff=lambda: 2.0) == 2.0
+    assert cond(c, C.COND_RECONCILED)["reason"] == C.R_TRANSIENT_ERROR
+
+
 def test_an_unexpected_exception_is_reported_and_retried(job):
     c = Client()
     c.list_nodes = lambda: (_ for _ in ()).throw(KeyError("metadata"))

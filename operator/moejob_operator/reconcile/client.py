@@ -70,8 +70,9 @@ class NotReady(Exception):
 
 
 # Answers to a create that the same request will get again: invalid (400, 422), forbidden by
-# admission (403: a missing PriorityClass, a quota, a policy), gone namespace (404), too large
-# (413). 401 (the operator's credentials), 408 and 429 are not the child's fault: retried.
+# admission (403: a missing PriorityClass, a policy), gone namespace (404), too large (413).
+# 401 (the operator's credentials), 408, 429 and an exceeded ResourceQuota (403, frees up as
+# other pods finish) are retried.
 PERMANENT_CREATE_STATUSES = frozenset({400, 403, 404, 413, 422})
 
 
@@ -81,6 +82,11 @@ class Rejected(Exception):
     def __init__(self, kind: str, name: str, status: int, message: str):
         super().__init__(f"{kind} {name}: the API server refused it ({status}): {message}")
         self.kind, self.name, self.status, self.server_message = kind, name, status, message
+
+
+def exceeded_quota(exc: ApiException) -> bool:
+    """A 403 from ResourceQuota admission: it may pass once other objects are gone (retried)."""
+    return exc.status == 403 and "exceeded quota" in server_message(exc)
 
 
 def server_message(exc: ApiException) -> str:
@@ -186,7 +192,7 @@ class Client:
             # the account's token ("retry after the token is automatically created")
             if exc.status in (429, 500, 503) and "retry" in (exc.body or "").lower():
                 raise NotReady(f"{kind} {obj['metadata']['name']}: {exc.reason}") from None
-            if exc.status in PERMANENT_CREATE_STATUSES:
+            if exc.status in PERMANENT_CREATE_STATUSES and not exceeded_quota(exc):
                 raise Rejected(kind, obj["metadata"]["name"], exc.status, server_message(exc)) from None
             raise
 

@@ -19,6 +19,7 @@ import logging
 import os
 from typing import Any, Callable
 
+import urllib3
 from kubernetes.client.rest import ApiException
 
 from .. import admission
@@ -28,7 +29,7 @@ from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
 from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
 from . import gate, machine, planning, topology
-from .client import Client, NotReady, Rejected, server_message
+from .client import Client, NotReady, Rejected, exceeded_quota, server_message
 
 log = logging.getLogger("moejob_operator")
 
@@ -172,10 +173,12 @@ def _rejected(p: Pass, exc: Rejected) -> float | None:
 def _pass_error(p: Pass, exc: Exception, delay: float) -> float:
     """An unexpected error: on the job (condition + Event), then again after ``delay``."""
     if isinstance(exc, ApiException):
-        transient = exc.status in (409, 429) or exc.status == 0 or exc.status >= 500
+        transient = (exc.status in (409, 429) or exc.status == 0 or exc.status >= 500
+                     or exceeded_quota(exc))
         what = f"the API server answered {exc.status} {exc.reason}: {server_message(exc)}"
     else:
-        transient = isinstance(exc, (TimeoutError, ConnectionError, NotReady))
+        # the client's socket errors: urllib3's timeouts and protocol errors are not builtins'
+        transient = isinstance(exc, (TimeoutError, ConnectionError, NotReady, urllib3.exceptions.HTTPError))
         what = f"{type(exc).__name__}: {exc}"
     reason = C.R_TRANSIENT_ERROR if transient else C.R_RECONCILE_ERROR
     (log.info if transient else log.exception)("%s/%s: pass failed (%s); again in %.0f s",
