@@ -4,6 +4,8 @@ production defaults (no host path allowed, test hooks off), one test per class:
 - host filesystem: a hostPath is refused with InvalidSpec naming the field;
 - a child the API server refuses (a PriorityClass that does not exist: 403 on every worker pod)
   ends Failed / ChildRejected naming the pod and the server's message, not an endless retry;
+- a 403 the cluster may lift (an exceeded ResourceQuota) is retried with backoff, visible as
+  Reconciled=False / TransientError, and the job launches once the quota allows it;
 - bounded status: a 60 KB spec leaves a hash in status, not a copy;
 - status not trusted: a hand-patched ``Succeeded`` while the workers run is undone, a
   hand-patched ``attempt: "x"`` re-derived;
