@@ -70,6 +70,47 @@ class DataSpec:
     tokenizer: str | None = None    # local HF tokenizer path; None = byte-level
 
 
+PERF_KEYS = ("compileLayers", "fusedLoss", "fusedOptimizer", "zeroLeafModules", "lossChunkTokens",
+             "reasons")
+
+
+@dataclass(frozen=True)
+class PerfSpec:
+    compile_layers: bool = False
+    fused_loss: bool = False
+    fused_optimizer: bool = False
+    zero_leaf_modules: tuple[str, ...] = ()
+    loss_chunk_tokens: int = 8192
+    reasons: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def any(self) -> bool:
+        return self.compile_layers or self.fused_loss or self.fused_optimizer or bool(self.zero_leaf_modules)
+
+
+def parse_perf(doc, path: str = "training.performance") -> PerfSpec:
+    """The `training.performance` object -> PerfSpec (absent: everything off)."""
+    if doc is None:
+        return PerfSpec()
+    if not isinstance(doc, dict):
+        raise PlanError(f"{path}: expected an object, got {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(PERF_KEYS))
+    if unknown:
+        raise PlanError(f"{path}: unknown keys {unknown} (known: {list(PERF_KEYS)})")
+    for key in ("compileLayers", "fusedLoss", "fusedOptimizer"):
+        if not isinstance(doc.get(key, False), bool):
+            raise PlanError(f"{path}.{key}: {doc[key]!r} is not true/false")
+    leaves = doc.get("zeroLeafModules", [])
+    if not isinstance(leaves, list) or not all(isinstance(x, str) and x for x in leaves):
+        raise PlanError(f"{path}.zeroLeafModules: {leaves!r} is not a list of class names")
+    chunk = doc.get("lossChunkTokens", PerfSpec.loss_chunk_tokens)
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise PlanError(f"{path}.lossChunkTokens: {chunk!r} must be an integer >= 1")
+    return PerfSpec(compile_layers=doc.get("compileLayers", False), fused_loss=doc.get("fusedLoss", False),
+                    fused_optimizer=doc.get("fusedOptimizer", False), zero_leaf_modules=tuple(leaves),
+                    loss_chunk_tokens=chunk, reasons=tuple(str(r) for r in doc.get("reasons", [])))
+
+
 @dataclass(frozen=True)
 class TrainingSpec:
     steps: int = 20
@@ -93,6 +134,7 @@ class TrainingSpec:
     straggler_steps: int = 5
     fragmentation_limit: float = 0.3
     routing_sample_tokens: int = 65536     # token expert sets kept for exact placement scoring
+    performance: PerfSpec = field(default_factory=PerfSpec)
 
 
 @dataclass(frozen=True)
@@ -223,6 +265,7 @@ def _parse_training(doc: dict | None) -> TrainingSpec:
         straggler_steps=num("stragglerSteps", "straggler_steps"),
         fragmentation_limit=num("fragmentationLimit", "fragmentation_limit", (int, float)),
         routing_sample_tokens=samples,
+        performance=parse_perf(doc.get("performance")),
     )
 
 

@@ -73,7 +73,10 @@ def switch_aux_loss(logits: torch.Tensor, topk: torch.Tensor, num_experts: int) 
     logits[T, E], topk[T, K].
     """
     probs = torch.softmax(logits.float(), dim=-1)                       # [T, E]
-    counts = torch.bincount(topk.reshape(-1), minlength=num_experts).float()
+    # scatter_add, not bincount: CUDA bincount reads the max id back to the host (a sync per layer)
+    ids = topk.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
+        0, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
     f = counts / counts.sum().clamp(min=1)
     return num_experts * (f * probs.mean(dim=0)).sum()
 

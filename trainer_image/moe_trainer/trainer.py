@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
-from moe_trainer import models, routing
+from moe_trainer import models, perf, routing
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
@@ -82,10 +82,12 @@ class Trainer:
     def build(self) -> None:
         import deepspeed
         p, t = self.plan, self.t
-        model = models.build_model(p.model.hf_config, p.model.path, seed=t.seed)
+        model = models.build_model(p.model.hf_config, p.model.path, seed=t.seed,
+                                   device=self.env.device if self.env.device.type == "cuda" else None)
         models.apply_moe_impl(model, t.moe_impl)
         if p.raw.get("training", {}).get("activationCheckpointing"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.perf = t.performance
         self.num_experts = models.num_experts_of(model)
         self.top_k = models.top_k_of(model)
         n_layers = len(models.find_moe_layers(model))
@@ -105,9 +107,20 @@ class Trainer:
         self.timer = CommTimer().install()
         cfg = deepspeed_config(p)
         has_opt = "optimizer" in cfg
+        try:
+            done = perf.apply_before_initialize(model, self.perf, self.env.device)
+        except perf.PerfError as exc:
+            raise models.ModelError(str(exc)) from exc
+        fused_opt = perf.fused_optimizer_ok(self.perf, self.env.device)
+        if fused_opt:
+            cfg.setdefault("zero_allow_untested_optimizer", True)
+            done.append("fused AdamW")
+        if self.is_rank0 and done:
+            log.info("performance options: %s", "; ".join(done))
 
         def make_opt(params):
-            return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+            return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0,
+                                     **({"fused": True} if fused_opt else {}))
 
         def make_sched(opt):
             return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.min_lr_ratio))
@@ -134,6 +147,7 @@ class Trainer:
                                     straggler_factor=t.straggler_factor, straggler_steps=t.straggler_steps,
                                     fragmentation_limit=t.fragmentation_limit)
         self.losses: list[float] = []
+        self.on_step = None     # optional fn(step) after each finished step (benchmarks, profiling)
         self.start_step = 0
         self.last_ckpt: dict | None = None
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
@@ -177,8 +191,11 @@ class Trainer:
             batch = torch.from_numpy(self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size))
             batch = batch.to(env.device)
             self.probe.clear()
-            logits = self.engine(input_ids=batch[:, :-1]).logits
-            lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            if self.perf.fused_loss:
+                lm = self.engine(input_ids=batch[:, :-1], targets=batch[:, 1:]).loss
+            else:
+                logits = self.engine(input_ids=batch[:, :-1]).logits
+                lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
             if os.environ.get("MOE_FAULT_NAN_AT_STEP") == str(step + 1):   # test hook: poison this step's loss
                 lm = lm * float("nan")
             if not self.probe.captured():
@@ -349,6 +366,8 @@ class Trainer:
             if step == t.steps:
                 doc["phase"] = "Finished"
             self.publish(doc, tokens_per_step, force=step == t.steps)
+            if self.on_step is not None:
+                self.on_step(step)
             code = ckpt.fault_due(step, self.ckpt_dir)
             if code is not None:
                 dist.barrier()

@@ -21,7 +21,7 @@ Terms (bytes, per GPU; ``p`` = 2 for bf16/fp16, 4 for fp32):
   checkpointing only each layer's input is kept, plus one layer recomputed; plus the logits
   (``V * (p + 8)`` per token: bf16 logits, fp32 upcast and log-softmax in the loss);
 * MoE dispatch: all-to-all send + receive buffers, ``tokens * top_k * h * p * capacity``;
-* buffers: the gradient reduce bucket, double-buffered with ``overlap_comm``;
+* buffers: the gradient reduce bucket (ZeRO-3: one; ZeRO-1/2: two with ``overlap_comm``);
 * overhead: CUDA context, NCCL and cuBLAS workspaces (``GPU_CONTEXT_BYTES``) plus allocator
   fragmentation (``FRAGMENTATION`` of the dynamic total). On CPU, the process baseline.
 
@@ -132,24 +132,61 @@ def _largest_gathered_module(model: MoEModelSpec, ep_size: int, autoep: bool) ->
     return max(candidates)
 
 
-def _persistent_elements(model: MoEModelSpec, threshold: int) -> int:
-    """Parameters below the persistence threshold stay whole on every rank."""
-    small = [model.hidden_size] * (2 * model.num_layers + 1)       # layer norms + final norm
-    if model.family == "qwen3_moe":
-        small += [model.head_dim] * (2 * model.num_layers)        # q_norm, k_norm
-    if model.mla is not None:
-        small += [model.mla.kv_lora_rank] * model.num_layers
-        small += [model.mla.q_lora_rank or 0] * model.num_layers
-    small += [model.num_experts * model.hidden_size] * model.num_moe_layers  # routers
-    return sum(n for n in small if 0 < n < threshold)
+def _param_tensors(model: MoEModelSpec, ep: int) -> list[int]:
+    """Element counts of the model's parameter tensors as one rank's module holds them
+    (transformers 5.x layout: stacked experts are one tensor per projection; AutoEP keeps
+    ``E / ep`` experts per rank)."""
+    h = model.hidden_size
+    tensors = [model.vocab_size * h, h]                                  # embedding, final norm
+    if not model.tie_word_embeddings:
+        tensors.append(model.vocab_size * h)                             # lm_head
+    for layer in range(model.num_layers):
+        tensors += [h, h]                                                # the two layer norms
+        if model.mla is not None:
+            m = model.mla
+            tensors += [m.kv_lora_rank, m.q_lora_rank or 0]
+            tensors.append(model.attention_params() - 2 * h - m.kv_lora_rank - (m.q_lora_rank or 0))
+        else:
+            q_out = model.num_attention_heads * model.head_dim
+            kv_out = model.num_kv_heads * model.head_dim
+            tensors += [h * q_out, h * kv_out, h * kv_out, q_out * h]
+            if model.family == "qwen3_moe":
+                tensors += [model.head_dim, model.head_dim]
+        if layer in model.moe_layer_ids:
+            e = model.num_experts // ep
+            f = model.expert_intermediate_size
+            tensors += [model.num_experts * h, e * 2 * f * h, e * h * f]  # router, gate_up, down
+            if model.shared_expert_size:
+                tensors += [h * model.shared_expert_size] * 3
+        else:
+            tensors += [h * model.dense_intermediate_size] * 3
+    return [n for n in tensors if n > 0]
+
+
+def _persistent_elements(model: MoEModelSpec, threshold: int, ep: int = 1) -> int:
+    """Parameters at or below the persistence threshold stay whole on every rank (DeepSpeed
+    keeps the full tensor besides its partition)."""
+    return sum(n for n in _param_tensors(model, ep) if n <= threshold)
+
+
+def fused_loss_bytes(model: MoEModelSpec, tokens: int, chunk: int, p: int) -> int:
+    """Peak of the chunked LM head + cross-entropy (moe_trainer.perf): one chunk's fp32 logits
+    (softmax in place) and their 16-bit copy, the fp32 weight-gradient accumulator and its
+    16-bit copy, and the saved input gradient [tokens, h]."""
+    c = min(chunk, tokens)
+    v, h = model.vocab_size, model.hidden_size
+    return c * v * (4 + p + p) + v * h * (4 + p + p) + tokens * h * p
 
 
 def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size: int,
                     ep_size: int, seq_len: int, micro_batch: int | None = None,
                     activation_checkpointing: bool = False,
                     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
-                    device: str = "gpu") -> MemoryEstimate:
-    """Peak memory per GPU (or per CPU process when ``device == 'cpu'``)."""
+                    device: str = "gpu", fused_loss_chunk: int | None = None) -> MemoryEstimate:
+    """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
+
+    ``fused_loss_chunk``: tokens per chunk of the fused LM head + cross-entropy
+    (``training.performance.fusedLoss``); None = logits materialised (``tokens x V x (p + 8)``)."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
@@ -169,15 +206,19 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
     persistent = 0
     if stage >= 3:
         persistent = _persistent_elements(model, zero.get("stage3_param_persistence_threshold",
-                                                          100_000)) * p
+                                                          100_000), ep) * p
     grads = per_gpu(stage >= 2) * p
     optim = per_gpu(stage >= 1) * ADAM_BYTES
 
     gathered = 0
     gathered_name = "none (stage < 3: parameters are resident)"
     if stage >= 3:
-        elements, gathered_name = _largest_gathered_module(model, ep, autoep)
-        gathered = (2 * elements + zero.get("stage3_prefetch_bucket_size", 50_000_000)) * p
+        threshold = zero.get("stage3_param_persistence_threshold", 100_000)
+        if max(_param_tensors(model, ep)) <= threshold:
+            gathered_name = "none (every parameter persistent)"
+        else:
+            elements, gathered_name = _largest_gathered_module(model, ep, autoep)
+            gathered = (2 * elements + zero.get("stage3_prefetch_bucket_size", 50_000_000)) * p
 
     tokens = seq_len * micro
     per_layer = [activation_bytes_per_token_layer(model, i, p) for i in range(model.num_layers)]
@@ -185,13 +226,19 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
         act = tokens * (model.num_layers * p * model.hidden_size + 2 * max(per_layer))
     else:
         act = tokens * (sum(per_layer) + max(per_layer))  # + one layer of activation grads
-    logits = tokens * model.vocab_size * (p + 8)
+    if fused_loss_chunk:
+        logits = fused_loss_bytes(model, tokens, fused_loss_chunk, p)
+    else:
+        logits = tokens * model.vocab_size * (p + 8)
     activations = int(ACTIVATION_FACTOR * act) + logits
     dispatch = 0
     if autoep and ep > 1:
         dispatch = int(2 * tokens * model.top_k * model.hidden_size * p * capacity_factor)
 
-    buffers = zero.get("reduce_bucket_size", 500_000_000) * p * (2 if zero.get("overlap_comm") else 1)
+    # ZeRO-3 allocates one contiguous reduce bucket per gradient dtype (stage3.py, "IPG");
+    # ZeRO-1/2 double-buffer it with overlap_comm
+    double = zero.get("overlap_comm") and stage < 3
+    buffers = zero.get("reduce_bucket_size", 500_000_000) * p * (2 if double else 1)
 
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
     sub_group = zero.get("sub_group_size", 1_000_000_000)
@@ -217,7 +264,9 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
                 else "no expert parallelism"),
              f"largest gathered module: {gathered_name}",
              f"activations: {tokens} tokens/micro-batch, checkpointing "
-             f"{'on' if activation_checkpointing else 'off'}, logits {logits / GiB:.3f} GiB"]
+             f"{'on' if activation_checkpointing else 'off'}, "
+             + (f"fused loss ({fused_loss_chunk}-token chunks) {logits / GiB:.3f} GiB"
+                if fused_loss_chunk else f"logits {logits / GiB:.3f} GiB")]
     return MemoryEstimate(breakdown=breakdown, total=int(dynamic + overhead),
                           peak_phase="forward/backward" if fwd_bwd >= step else "optimizer step",
                           notes=tuple(notes))

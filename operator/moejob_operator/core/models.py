@@ -234,6 +234,14 @@ _PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096, num_local_experts=8, num_experts_per_tok=2,
         rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
         router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
+    # The 3.4B shape of the MFU benchmark (benchmarks/mfu_bench.py, issue 17): hidden 2048, expert
+    # FFN 4096, 16 experts top-2, 8 layers, 16 heads / 8 KV heads, vocabulary 32000.
+    "bench-mixtral-3b": dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=2048, intermediate_size=4096,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=4096, num_local_experts=16, num_experts_per_tok=2,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+        router_aux_loss_coef=0.01, bos_token_id=256, eos_token_id=257, pad_token_id=258),
 }
 
 # Published totals the tests check the counts against (parameters, model cards).

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cost, placement as placement_mod
+from . import cost, perf as perf_mod, placement as placement_mod
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DocumentError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
@@ -198,8 +198,11 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                ep_size: int | None = None, gpu: GpuCaps | None = None, device: str = "cuda",
                procs_per_node: int = 1, cpu_memory_bytes: int = 0,
                training: TrainingOptions = TrainingOptions(), autoep: bool = True,
-               ds_overrides: dict[str, Any] | None = None) -> Plan:
-    """Build (and validate) the MoEPlan v1 document; raise ``DocumentError`` naming the field."""
+               ds_overrides: dict[str, Any] | None = None, performance: bool = True) -> Plan:
+    """Build (and validate) the MoEPlan v1 document; raise ``DocumentError`` naming the field.
+
+    ``performance``: let the planner pick the fast settings (:mod:`.perf`); False gives the
+    stock configuration (HF blocks + AutoEP, HF's ZeRO-3 "auto" knobs, no performance block)."""
     spec = model.spec
     if strategy not in placement_mod.STRATEGIES:
         raise DocumentError(f"strategy: {strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
@@ -248,10 +251,26 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     except ValueError as exc:
         raise DocumentError(f"placement: {exc}") from None
 
+    overrides = dict(ds_overrides or {})
+    choice = None
+    if performance:
+        user_zero = overrides.get("zero_optimization") or {}
+        choice = perf_mod.choose(spec, world_size=world, ep_size=ep, gpu=caps, autoep=autoep,
+                                 has_optimizer="optimizer" in overrides,
+                                 zero_stage=user_zero.get("stage", 3),
+                                 user_perf=training.extra.get("performance"), user_zero=user_zero)
+        autoep = choice.autoep
     ds_args = dict(world_size=world, ep_size=ep, global_batch=global_batch, gpu=caps,
-                   autoep=autoep, overrides=ds_overrides, gradient_clipping=training.grad_clip,
+                   autoep=autoep, overrides=overrides or None, gradient_clipping=training.grad_clip,
                    lr=training.lr, warmup_steps=training.warmup_steps)
     ds, warnings = deepspeed_config(spec, micro_batch=micro_batch, **ds_args)
+
+    def with_perf_zero(cfg):
+        if choice is not None and choice.zero_overrides:
+            cfg["zero_optimization"].update(choice.zero_overrides)
+        return cfg
+    ds = with_perf_zero(ds)
+    perf_doc = dict(choice.performance) if choice and choice.performance else {}
     if ep_size is not None and ep_size > auto_ep:
         warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
                         f"is {auto_ep})")
@@ -276,7 +295,9 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
         return estimate_memory(spec, ds, world_size=world * world_scale, ep_size=ep,
                                seq_len=seq_len, micro_batch=micro,
                                activation_checkpointing=activation_checkpointing,
-                               capacity_factor=capacity, device="cpu" if cpu else "gpu")
+                               capacity_factor=capacity, device="cpu" if cpu else "gpu",
+                               fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
+                               if perf_doc.get("fusedLoss") else None)
 
     mem_bytes = min(topo.memory_bytes) if topo.memory_bytes else 0
     micro = ds["train_micro_batch_size_per_gpu"]
@@ -288,7 +309,7 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
             est = estimate(m)
             if est.fits(mem_bytes, HEADROOM):
                 if m != micro:
-                    ds, _ = deepspeed_config(spec, micro_batch=m, **ds_args)
+                    ds = with_perf_zero(deepspeed_config(spec, micro_batch=m, **ds_args)[0])
                     warnings.append(f"microBatch {m}: the largest that fits ({micro} does not)")
                     micro = m
                 break
@@ -329,6 +350,10 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
         "warnings": list(warnings),
         "hardware": _hardware(caps, topo, None if cpu or isinstance(topology, ClusterTopology) else topology),
     }
+    if choice is not None:
+        doc["training"]["moeImpl"] = training.extra.get("moeImpl", choice.moe_impl)
+        if perf_doc:
+            doc["training"]["performance"] = perf_doc
     parse_plan(doc)   # the document we hand out must pass our own reader
     return Plan(doc, topo, pl, est, tuple(warnings), caps)
 
@@ -379,5 +404,9 @@ def summarize(plan: Plan) -> str:
         "memory per " + ("process" if d["device"] == "cpu" else "GPU") + ":",
         plan.memory.explain(d["memory"]["gpuMemoryBytes"] or None, HEADROOM),
     ]
+    perf = d["training"].get("performance")
+    lines.append(f"MoE impl   {d['training'].get('moeImpl', 'hf')}; performance options "
+                 + ("(planner's choice, why):" if perf else "off (stock configuration)"))
+    lines += [f"  - {r}" for r in (perf or {}).get("reasons", [])]
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)

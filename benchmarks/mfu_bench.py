@@ -1,0 +1,570 @@
+"""MFU benchmark: the product's trainer (plan -> moe_trainer.Trainer) against stock AutoEP + ZeRO-3
+and plain PyTorch, on one GPU, several model sizes; one profiled step per variant; loss curves.
+
+  H200:  python3 benchmarks/mfu_bench.py --out $OUT                    (all sizes and variants)
+  CPU:   python benchmarks/mfu_bench.py --tiny --out /tmp/mfu           (tiny model, end to end)
+
+Model FLOPs per token (no recompute counted; the input embedding is a lookup, not a matmul):
+    6 x (active matmul parameters: attention q/k/v/o + router + top_k experts' gate/up/down,
+         every layer, + the LM head)  +  6 x L x s x h
+The second term is causal attention's QK^T and AV (2 x 2 x s x h per token and layer forward for
+full attention, half of it under the causal mask, x3 for forward + backward). MFU = tokens/s x
+FLOPs/token / peak, peak = the bf16 dense matmul rate measured in the same process (8192^3 on
+random data) and, as a second column, the 989.5 TFLOP/s datasheet number.
+
+Variants (each in its own process; clean CUDA memory and DeepSpeed state):
+  plain_eager      HF model, bf16 parameters, no DeepSpeed, fused AdamW, SDPA, HF grouped_mm experts
+  plain_compiled   the same + torch.compile of each decoder layer's forward (ceiling reference)
+  stock            moe_trainer through a stock plan: HF blocks + AutoEP, ZeRO-3 "auto" knobs
+  stock_levers     stock + the levers AutoEP can take: fused AdamW, fused loss, every parameter
+                   persistent (one rank)
+  fast             moe_trainer through the planner's default plan (`moectl plan`, nothing forced)
+  fast_nocompile   fast without compileLayers (ablation)
+  fast_hf          fast with HF's grouped_mm experts instead of the grouped block (ablation)
+  fast_smallbucket fast with HF's reduce_bucket_size h*h instead of one bucket (ablation)
+Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
+byte tokenizer), 200 steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASHEET_TFLOPS = 989.5
+SIZES = {
+    # name: (preset, seq, micro-batch)
+    "3b": ("bench-mixtral-3b", 2048, 8),
+    "430m": ("bench-mixtral", 1024, 16),
+    "tiny": ("tiny-mixtral", 64, 2),
+}
+TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf", "fast_smallbucket")
+PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
+DEFAULT_RUNS = ("3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
+                "3b:stock_levers,430m:stock,430m:fast,430m:plain_compiled,3b:fast_nocompile")
+LOSS_SIZE = "430m"
+
+
+# ---- FLOPs -------------------------------------------------------------------------------------
+
+def flops_per_token(spec, seq: int) -> dict:
+    """Model FLOPs per trained token (forward + backward), by the formula in the module docstring."""
+    h, L = spec.hidden_size, spec.num_layers
+    q_out, kv_out = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    attn = L * (h * q_out + 2 * h * kv_out + q_out * h)
+    router = spec.num_moe_layers * spec.num_experts * h
+    experts = spec.num_moe_layers * spec.top_k * spec.expert_params()
+    dense_mlp = spec.num_dense_layers * spec.dense_mlp_params()
+    lm_head = spec.vocab_size * h
+    active = attn + router + experts + dense_mlp + lm_head
+    scores = 6 * L * seq * q_out
+    return {"activeMatmulParams": active, "matmulFlops": 6 * active, "attentionScoreFlops": scores,
+            "flopsPerToken": 6 * active + scores}
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env_single(port: int) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "NCCL_NVLS_ENABLE": "0",
+                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+        os.environ.setdefault(k, v)
+
+
+def matmul_peak_tflops(torch) -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3 / 20
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / sec / 1e12
+
+
+def gpu_memory(torch) -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    outside = (total - free) - reserved          # CUDA context, NCCL, cuBLAS workspaces
+    return {"maxAllocatedBytes": torch.cuda.max_memory_allocated(),
+            "maxReservedBytes": torch.cuda.max_memory_reserved(),
+            "outsideAllocatorBytes": outside,
+            "peakDeviceBytes": torch.cuda.max_memory_reserved() + outside}
+
+
+def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
+    """GPU busy (union of kernel intervals) vs idle over the profiled step; top kernels/host ops."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        trace = json.load(f)
+    os.unlink(path)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(float(e["dur"]))
+    top_k = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
+    kernel_sum = sum(float(e["dur"]) for e in kernels)
+    host = sorted(((float(e["dur"]), e["name"]) for e in events
+                   if e.get("cat") == "cpu_op" and "dur" in e), reverse=True)
+    wall_us = wall_s * 1e6
+    return {
+        "wallMs": wall_s * 1e3, "gpuBusyMs": busy / 1e3, "gpuIdleMs": max(0.0, wall_us - busy) / 1e3,
+        "kernelSumMs": kernel_sum / 1e3, "kernels": len(kernels),
+        "topKernels": [{"name": n[:110], "ms": t / 1e3, "calls": c, "share": t / max(kernel_sum, 1)}
+                       for t, c, n in top_k],
+        "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top),
+        "longestHostOps": [{"name": n[:90], "ms": d / 1e3} for d, n in host[:top]],
+    }
+
+
+def _note_sync(syncs: dict) -> None:
+    """Count a synchronizing CUDA call by its innermost Python frames (sync debug mode 'warn')."""
+    import traceback
+    frames = [f for f in traceback.extract_stack()[:-2] if "mfu_bench" not in f.filename
+              and "/warnings.py" not in f.filename]
+    key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
+    syncs[key] = syncs.get(key, 0) + 1
+
+
+# ---- workers -----------------------------------------------------------------------------------
+
+def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> dict:
+    """The plan the product's planner writes for this size (the `moectl plan` path)."""
+    from moejob_operator.core import models as core_models
+    from moejob_operator.core.plan import TrainingOptions, build_plan
+    from moejob_operator.core.topology import load_topology
+    preset, seq, micro = SIZES[size]
+    tiny = size == "tiny"
+    model = core_models.resolve_model(preset)
+    training = TrainingOptions(steps=steps, lr=3e-4, warmup_steps=10, checkpoint_every_steps=10 ** 6,
+                               seed=1234, data=data or {"kind": "synthetic"})
+    stock = variant.startswith("stock")
+    if tiny:   # CPU: gloo, fp32; the performance options are forced below to test their code paths
+        plan = build_plan("mfu", "default", model, None, device="cpu", procs_per_node=1,
+                          cpu_memory_bytes=8 << 30, global_batch=micro, micro_batch=micro,
+                          seq_len=seq, training=training, performance=not stock)
+    else:
+        topo = load_topology(str(ROOT / "tests/fixtures/topology/h200-vm-1gpu.json"))
+        plan = build_plan("mfu", "default", model, [topo], global_batch=micro, micro_batch=micro,
+                          seq_len=seq, training=training, performance=not stock)
+    doc = json.loads(json.dumps(plan.document))
+    tr = doc["training"]
+    if variant == "stock_levers":
+        tr["performance"] = {"fusedOptimizer": True, "fusedLoss": True}
+        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 10
+    if tiny and not stock:   # what the planner picks on a GPU, on CPU (aot_eager compile; CPU's
+        # torch._grouped_mm takes fp32 eagerly but its meta kernel wants bf16: HF experts there)
+        doc["deepspeed"].pop("expert_parallel", None)
+        tr["moeImpl"] = "grouped" if variant == "fast_nocompile" else "hf"
+        tr["performance"] = {"fusedOptimizer": True, "fusedLoss": True, "lossChunkTokens": 48,
+                             "zeroLeafModules": ["MixtralDecoderLayer"], "compileLayers": True}
+        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 10
+    if variant == "fast_nocompile":
+        tr["performance"]["compileLayers"] = False
+    if variant == "fast_hf":
+        tr["moeImpl"] = "hf"
+    if variant == "fast_smallbucket":
+        h = model.spec.hidden_size
+        doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] = h * h
+    return doc
+
+
+def variant_estimate(size: str, doc: dict) -> int:
+    """The memory model's peak for the plan as this variant runs it (variants that change the
+    planner's document after planning get their own estimate, not the planner's)."""
+    from moejob_operator.core import models as core_models
+    from moejob_operator.core.memory import estimate_memory
+    preset, seq, micro = SIZES[size]
+    perf_doc = doc["training"].get("performance") or {}
+    est = estimate_memory(core_models.resolve_model(preset).spec, doc["deepspeed"], world_size=doc["worldSize"],
+                          ep_size=doc["epSize"], seq_len=seq, micro_batch=micro,
+                          device="cpu" if doc["device"] == "cpu" else "gpu",
+                          fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192) if perf_doc.get("fusedLoss") else None)
+    return est.total
+
+
+def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bool,
+                   data: dict | None = None) -> dict:
+    import torch
+    _env_single(_free_port())
+    from moe_trainer import distenv
+    from moe_trainer.plan import parse_plan
+    from moe_trainer.trainer import Trainer
+    total = warmup + steps + (2 if profile else 0)   # + one profiled step + one sync-debug step
+    doc = plan_doc(size, variant, total, data)
+    plan = parse_plan(doc)
+    peak = matmul_peak_tflops(torch)
+    env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=doc["device"] == "cpu")
+    distenv.init_distributed(env)
+    trainer = Trainer(plan, env, None)
+    t0 = time.perf_counter()
+    trainer.build()
+    build_s = time.perf_counter() - t0
+    after_init = torch.cuda.memory_allocated() if env.device.type == "cuda" else None
+    marks: dict[int, float] = {}
+    syncs: dict[str, int] = {}
+    prof_box: dict = {}
+
+    def on_step(step: int) -> None:
+        if env.device.type == "cuda":
+            torch.cuda.synchronize()
+        marks[step] = time.perf_counter()
+        if profile and step == warmup + steps:       # profile the next (last) step
+            from torch.profiler import ProfilerActivity, profile as tprof
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+            prof_box["p"] = tprof(activities=acts)
+            prof_box["p"].__enter__()
+            prof_box["t"] = time.perf_counter()
+        if profile and step == total - 1 and "p" in prof_box:
+            prof_box["p"].__exit__(None, None, None)
+            prof_box["wall"] = time.perf_counter() - prof_box["t"]
+            if env.device.type == "cuda":      # the last step: where it syncs with the host
+                prof_box["show"] = warnings.showwarning
+                warnings.showwarning = lambda *a, **k: _note_sync(syncs)
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+        if profile and step == total and "show" in prof_box:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = prof_box["show"]
+
+    trainer.on_step = on_step
+    torch.manual_seed(0)
+    marks[0] = time.perf_counter()
+    code = trainer.run()
+    timed = (marks[warmup + steps] - marks[warmup]) / steps
+    t = plan.training
+    tokens = t.micro_batch * t.seq_len * t.grad_accum
+    out = {"kind": "trainer", "size": size, "variant": variant, "exit": code, "buildSeconds": build_s,
+           "stepMs": timed * 1e3, "tokensPerSecond": tokens / timed, "tokensPerStep": tokens,
+           "losses": trainer.losses, "peakTflops": peak, "plan": {
+               "moeImpl": t.moe_impl, "autoep": plan.autoep_enabled,
+               "performance": doc["training"].get("performance"),
+               "persistenceThreshold": doc["deepspeed"]["zero_optimization"].get(
+                   "stage3_param_persistence_threshold"),
+               "estimatedPeakBytes": variant_estimate(size, doc),
+               "plannerEstimatedPeakBytes": doc["memory"]["estimatedPeakBytes"],
+               "memoryBreakdown": doc["memory"]["breakdown"]},
+           "memory": gpu_memory(torch), "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+                                                      for p in trainer.engine.module.parameters())}
+    if "wall" in prof_box:
+        out["profile"] = profile_summary(prof_box["p"], prof_box["wall"])
+        out["profile"]["hostSyncs"] = sorted(syncs.items(), key=lambda kv: -kv[1])
+    out["memory"]["allocatedAfterInitBytes"] = after_init
+    trainer.close()
+    return out
+
+
+def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from moe_trainer import models, perf
+    from moejob_operator.core import models as core_models
+    preset, seq, micro = SIZES[size]
+    cuda = torch.cuda.is_available() and size != "tiny"
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    peak = matmul_peak_tflops(torch) if cuda else None
+    model = models.build_model(core_models.resolve_model(preset).hf_config, seed=1234, dtype=dtype,
+                               device=device)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("grouped_mm" if cuda else "eager")
+    model.train()
+    if variant == "plain_compiled":
+        perf.compile_layers(model, backend=None if cuda else "aot_eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, V, (micro, seq + 1), generator=gen).to(device) for _ in range(4)]
+    losses = []
+
+    def step(i):
+        b = batches[i % len(batches)]
+        logits = model(input_ids=b[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, V), b[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+    for i in range(warmup):
+        losses.append(float(step(i)))
+    sync()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(i)
+    sync()
+    timed = (time.perf_counter() - t0) / steps
+    losses.append(float(loss))
+    out = {"kind": "plain", "size": size, "variant": variant, "stepMs": timed * 1e3,
+           "tokensPerSecond": micro * seq / timed, "tokensPerStep": micro * seq, "losses": losses,
+           "peakTflops": peak, "memory": gpu_memory(torch), "params": sum(p.numel() for p in model.parameters())}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as tprof
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        sync()
+        with tprof(activities=acts) as prof:
+            t0 = time.perf_counter()
+            step(0)
+            sync()
+            wall = time.perf_counter() - t0
+        out["profile"] = profile_summary(prof, wall)
+    return out
+
+
+def worker_main(args) -> None:
+    size, _, variant = args.worker.partition(":")
+    if size == "loss":
+        data = {"kind": "corpus", "path": args.corpus_cache}
+        size = "tiny" if args.tiny else LOSS_SIZE
+        res = trainer_worker(size, variant, 0, args.loss_steps, False, data)
+        res["kind"], res["variant"] = "loss", variant
+    elif variant in PLAIN_VARIANTS:
+        res = plain_worker(size, variant, args.warmup, args.steps, not args.no_profile)
+    elif variant in TRAINER_VARIANTS:
+        res = trainer_worker(size, variant, args.warmup, args.steps, not args.no_profile)
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    Path(args.result).write_text(json.dumps(res))
+
+
+# ---- orchestration and report --------------------------------------------------------------------
+
+def run_all(args) -> dict:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    if args.tiny:
+        os.environ.setdefault("MOE_COMPILE_BACKEND", "aot_eager")   # no C++/Triton build on CPU
+        runs = [r.replace("3b:", "tiny:").replace("430m:", "tiny:") for r in runs]
+        runs = list(dict.fromkeys(runs))
+    results = {"device": None, "runs": [], "args": vars(args)}
+    try:
+        import torch
+        results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        results["torch"] = torch.__version__
+    except Exception:   # noqa: BLE001 - the report says what it could
+        pass
+    deadline = time.monotonic() + args.budget_s
+    for run in runs:
+        left = deadline - time.monotonic()
+        if left < 20:
+            results["runs"].append({"run": run, "error": "skipped: time budget spent"})
+            continue
+        res_path = out_dir / f".{run.replace(':', '_')}.json"
+        cmd = [sys.executable, __file__, "--worker", run, "--result", str(res_path), "--warmup",
+               str(args.warmup), "--steps", str(args.steps), "--loss-steps", str(args.loss_steps),
+               "--corpus-cache", args.corpus_cache] + (["--tiny"] if args.tiny else []) \
+            + (["--no-profile"] if args.no_profile else [])
+        t0 = time.perf_counter()
+        print(f"== {run}", flush=True)
+        try:
+            proc = subprocess.run(cmd, timeout=min(args.run_timeout, left), capture_output=True, text=True)
+            rc, log = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, log = "timeout", ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes)
+                                  else (exc.stdout or "")) + str(exc)
+        wall = time.perf_counter() - t0
+        if rc == 0 and res_path.exists():
+            res = json.loads(res_path.read_text())
+            res_path.unlink()
+            res["run"], res["wallSeconds"] = run, wall
+            print(f"   {res.get('tokensPerSecond', 0):,.0f} tok/s  step {res.get('stepMs', 0):.1f} ms  "
+                  f"({wall:.0f} s)", flush=True)
+        else:
+            res = {"run": run, "error": f"exit {rc}", "logTail": log[-4000:], "wallSeconds": wall}
+            print(f"   FAILED ({rc}):\n{log[-2500:]}", flush=True)
+        results["runs"].append(res)
+        (out_dir / f"mfu_{args.tag}.json").write_text(json.dumps(annotate(results), indent=1))
+    return annotate(results)
+
+
+def annotate(results: dict) -> dict:
+    """Add FLOPs/token, MFU and the ratios within the run."""
+    from moejob_operator.core import models as core_models
+    by = {r["run"]: r for r in results["runs"] if "error" not in r}
+    for r in results["runs"]:
+        if "error" in r or r.get("kind") == "loss":
+            continue
+        preset, seq, _ = SIZES[r["size"]]
+        f = flops_per_token(core_models.resolve_model(preset).spec, seq)
+        r["flops"] = f
+        tflops = r["tokensPerSecond"] * f["flopsPerToken"] / 1e12
+        r["achievedTflops"] = tflops
+        if r.get("peakTflops"):
+            r["mfuMeasuredPeak"] = tflops / r["peakTflops"]
+        r["mfuDatasheet"] = tflops / DATASHEET_TFLOPS
+        for ref in ("stock", "plain_compiled", "plain_eager"):
+            other = by.get(f"{r['size']}:{ref}")
+            if other:
+                r[f"vs_{ref}"] = r["tokensPerSecond"] / other["tokensPerSecond"]
+    losses = {r["variant"]: r["losses"] for r in results["runs"] if r.get("kind") == "loss" and "error" not in r}
+    if "stock" in losses and "fast" in losses:
+        results["lossCurves"] = compare_losses(losses["stock"], losses["fast"])
+    return results
+
+
+LOSS_TOLERANCE = 0.03   # relative, on the 10-step moving average, every step from 10 on
+
+
+def compare_losses(ref: list[float], fast: list[float]) -> dict:
+    n = min(len(ref), len(fast))
+
+    def ma(xs, i):
+        lo = max(0, i - 9)
+        return sum(xs[lo:i + 1]) / (i + 1 - lo)
+    rel = [abs(ma(fast, i) - ma(ref, i)) / abs(ma(ref, i)) for i in range(9, n)]
+    return {"steps": n, "first": [ref[0], fast[0]], "last10Mean": [ma(ref, n - 1), ma(fast, n - 1)],
+            "maxRelDiffMovingAvg10": max(rel) if rel else None, "tolerance": LOSS_TOLERANCE,
+            "within": bool(rel) and max(rel) <= LOSS_TOLERANCE,
+            "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n]))}
+
+
+def render(results: dict) -> str:
+    lines = [f"# MFU benchmark ({results.get('device')}, torch {results.get('torch')})", "",
+             "FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
+             "+ 6 x L x s x h (causal attention scores); no recompute counted.", "",
+             "| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) | MFU (989 TF) "
+             "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        if r.get("kind") == "loss":
+            continue
+        if "error" in r:
+            lines.append(f"| {r['run']} | FAILED: {r['error']} |" + " |" * 11)
+            continue
+        mem = r.get("memory") or {}
+        meas = mem.get("peakDeviceBytes")
+        est = (r.get("plan") or {}).get("estimatedPeakBytes")
+        fmt = lambda v, f="{:.2f}x": f.format(v) if v is not None else "-"  # noqa: E731
+        lines.append(
+            f"| {r['size']} | {r['variant']} | {r['tokensPerSecond']:,.0f} | {r['stepMs']:.1f} | "
+            f"{r['flops']['flopsPerToken'] / 1e9:.2f} | {r['achievedTflops']:.0f} | "
+            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | {fmt(r.get('vs_stock'))} | "
+            f"{fmt(r.get('vs_plain_compiled'))} | {fmt(meas and meas / 2**30, '{:.1f}')} | "
+            f"{fmt(est and est / 2**30, '{:.1f}')} | {fmt(est / meas if est and meas else None, '{:.2f}')} |")
+    peaks = [r["peakTflops"] for r in results["runs"] if r.get("peakTflops")]
+    if peaks:
+        lines += ["", f"Measured bf16 matmul peak (8192^3, random data): {min(peaks):.0f}-{max(peaks):.0f} TFLOP/s."]
+    lines += ["", "## Where the step goes (one profiled step per variant)", "",
+              "| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel time) |",
+              "|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        p = r.get("profile")
+        if not p:
+            continue
+        top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in p["topKernels"][:4])
+        lines.append(f"| {r['size']} | {r['variant']} | {p['wallMs']:.1f} | {p['gpuBusyMs']:.1f} | "
+                     f"{p['gpuIdleMs']:.1f} | {top} |")
+    lc = results.get("lossCurves")
+    if lc:
+        lines += ["", "## Loss curves (real text, same seed)", "",
+                  f"{lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / fast {lc['first'][1]:.4f}; "
+                  f"last-10 mean stock {lc['last10Mean'][0]:.4f} / fast {lc['last10Mean'][1]:.4f}; "
+                  f"max relative difference of the 10-step moving average {lc['maxRelDiffMovingAvg10']:.3%} "
+                  f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
+                  f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_profiles(results: dict, path: Path) -> None:
+    parts = []
+    for r in results["runs"]:
+        p = r.get("profile")
+        if not p:
+            continue
+        parts.append(f"===== {r['run']}: wall {p['wallMs']:.1f} ms, GPU busy {p['gpuBusyMs']:.1f} ms, "
+                     f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} kernels")
+        parts += [f"  {k['ms']:8.2f} ms {k['calls']:5d}x {k['share']:6.1%}  {k['name']}" for k in p["topKernels"]]
+        if p.get("hostSyncs"):
+            parts.append("  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are not listed):")
+            parts += [f"  {n:4d}x  {k}" for k, n in p["hostSyncs"]]
+        parts.append("  longest host ops:")
+        parts += [f"  {h['ms']:8.2f} ms  {h['name']}" for h in p["longestHostOps"]]
+        parts.append(p["table"])
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="h200")
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help="size:variant,... (loss:stock, loss:fast)")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--loss-steps", type=int, default=200)
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (code paths only)")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=540, help="stop starting runs after this")
+    ap.add_argument("--run-timeout", type=float, default=240)
+    ap.add_argument("--corpus-cache", default=os.environ.get("MOE_CORPUS_CACHE", "/tmp/moe_corpus"))
+    ap.add_argument("--render", help="re-render the tables of a result JSON")
+    ap.add_argument("--reestimate", action="store_true",
+                    help="with --render: recompute each trainer variant's memory estimate from its plan")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return
+    if args.render:
+        results = annotate(json.loads(Path(args.render).read_text()))
+        if args.reestimate:
+            for r in results["runs"]:
+                if r.get("kind") == "trainer" and "error" not in r:
+                    r["plan"]["estimatedPeakBytes"] = variant_estimate(r["size"], plan_doc(r["size"], r["variant"], 10))
+        print(render(results))
+        return
+    results = run_all(args)
+    out = Path(args.out)
+    (out / f"mfu_{args.tag}.json").write_text(json.dumps(results, indent=1))
+    (out / f"mfu_{args.tag}.md").write_text(render(results))
+    write_profiles(results, out / f"mfu_profiles_{args.tag}.txt")
+    print(render(results))
+
+
+if __name__ == "__main__":
+    main()

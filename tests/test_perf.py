@@ -1,0 +1,164 @@
+"""The planner's speed choices (core/perf.py) and the trainer's performance options (moe_trainer.perf):
+fused LM head + cross-entropy against the reference, plan validation, what the planner picks on
+one H200 / two H200s / CPU, and `moe-train` with every option on against the stock path."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moejob_operator.core import models as core_models
+from moejob_operator.core.errors import DocumentError  # noqa: F401  (import check: core stays importable)
+from moejob_operator.core.plan import build_plan
+from moejob_operator.core.topology import load_topology
+from moe_trainer import perf
+from moe_trainer.plan import PlanError, parse_perf
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPO = ROOT / "tests" / "fixtures" / "topology"
+PLANS = ROOT / "tests" / "fixtures" / "plans"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_fused_linear_cross_entropy_matches_reference(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    n, h, v = 53, 24, 97
+    hidden = torch.randn(n, h, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(v, h, dtype=torch.float64, generator=g, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::5] = perf.IGNORE_INDEX
+    ref = F.cross_entropy(hidden @ weight.T, targets, ignore_index=perf.IGNORE_INDEX)
+    ref_h, ref_w = torch.autograd.grad(ref * 3.0, (hidden, weight))
+    got = perf.linear_cross_entropy(hidden, weight, targets, chunk)
+    got_h, got_w = torch.autograd.grad(got * 3.0, (hidden, weight))
+    assert torch.allclose(got, ref, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(got_h, ref_h, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(got_w, ref_w, rtol=1e-9, atol=1e-12)
+
+
+def test_fused_loss_head_keeps_state_dict_and_plain_logits():
+    from moe_trainer.models import TINY_HF_CONFIGS, build_model
+    model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
+    keys = list(model.state_dict())
+    ids = torch.randint(0, 320, (2, 17))
+    ref_logits = model(input_ids=ids[:, :-1]).logits
+    perf.install_fused_loss(model, chunk=5)
+    assert list(model.state_dict()) == keys
+    assert torch.equal(model(input_ids=ids[:, :-1]).logits, ref_logits)
+    loss = model(input_ids=ids[:, :-1], targets=ids[:, 1:]).loss
+    ref = F.cross_entropy(ref_logits.reshape(-1, 320), ids[:, 1:].reshape(-1))
+    assert torch.allclose(loss, ref, rtol=1e-5)
+
+
+def test_parse_perf_rejects_bad_documents():
+    assert parse_perf(None) == perf.PerfSpec()
+    spec = parse_perf({"fusedLoss": True, "zeroLeafModules": ["MixtralDecoderLayer"], "reasons": ["x"]})
+    assert spec.fused_loss and spec.zero_leaf_modules == ("MixtralDecoderLayer",) and not spec.compile_layers
+    for bad, msg in [({"fusedLos": True}, "unknown keys ['fusedLos']"),
+                     ({"compileLayers": "yes"}, "compileLayers: 'yes' is not true/false"),
+                     ({"zeroLeafModules": "MixtralDecoderLayer"}, "is not a list of class names"),
+                     ({"lossChunkTokens": 0}, "lossChunkTokens: 0 must be an integer >= 1"),
+                     ([], "expected an object")]:
+        with pytest.raises(PlanError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            parse_perf(bad)
+
+
+def test_zero_leaf_modules_must_exist():
+    from moe_trainer.models import TINY_HF_CONFIGS, build_model
+    model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
+    assert perf.set_zero_leaves(model, ["MixtralDecoderLayer"]) == 2
+    with pytest.raises(perf.PerfError, match="Qwen3MoeDecoderLayer"):
+        perf.set_zero_leaves(model, ["Qwen3MoeDecoderLayer"])
+
+
+def _plan(topologies, performance=True, **kw):
+    model = core_models.resolve_model(kw.pop("model", "bench-mixtral-3b"))
+    reports = [load_topology(str(TOPO / t)) for t in topologies]
+    return build_plan("j", "default", model, reports, global_batch=kw.pop("global_batch", 8),
+                      seq_len=2048, performance=performance, **kw)
+
+
+def test_planner_picks_the_fast_path_on_one_h200():
+    plan = _plan(["h200-vm-1gpu.json"])
+    doc, spec = plan.document, core_models.resolve_model("bench-mixtral-3b").spec
+    tr, zero = doc["training"], doc["deepspeed"]["zero_optimization"]
+    assert tr["moeImpl"] == "grouped" and "expert_parallel" not in doc["deepspeed"]
+    p = tr["performance"]
+    assert p["fusedOptimizer"] and p["fusedLoss"] and p["compileLayers"]
+    assert p["zeroLeafModules"] == ["MixtralDecoderLayer"]
+    assert zero["stage"] == 3
+    assert zero["stage3_param_persistence_threshold"] > 2 * 16 * 4096 * 2048   # the largest tensor
+    assert zero["reduce_bucket_size"] == spec.counts().total
+    # the memory model counts the persistent copy and the one big bucket, and no gathers
+    br = doc["memory"]["breakdown"]
+    assert br["parametersBytes"] == 2 * 2 * spec.counts().total
+    assert br["buffersBytes"] == 2 * spec.counts().total and br["gatheredParametersBytes"] == 0
+    summary = plan.summary()
+    assert "MoE impl   grouped; performance options (planner's choice, why):" in summary
+    assert "epSize 1 leaves AutoEP nothing to parallelise" in summary
+    # the trainer's reader takes it
+    from moe_trainer.plan import parse_plan
+    assert parse_plan(doc).training.performance.compile_layers
+
+
+def test_stock_plan_keeps_autoep_and_hf_defaults():
+    doc = _plan(["h200-vm-1gpu.json"], performance=False).document
+    assert doc["deepspeed"]["expert_parallel"]["enabled"]
+    assert "performance" not in doc["training"] and "moeImpl" not in doc["training"]
+    assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == 2048 * 2048
+
+
+def test_two_gpus_keep_autoep_and_zero3_partitioning():
+    doc = _plan(["h200x2-vm-nvswitch.json"], global_batch=16).document
+    assert doc["epSize"] == 2 and doc["deepspeed"]["expert_parallel"]["enabled"]
+    p = doc["training"]["performance"]
+    assert p["fusedLoss"] and p["fusedOptimizer"]
+    assert "zeroLeafModules" not in p and "compileLayers" not in p
+    assert doc["training"]["moeImpl"] == "hf"
+    assert doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] == 10 * 2048
+
+
+def test_user_overrides_win():
+    from moejob_operator.core.plan import TrainingOptions
+    doc = _plan(["h200-vm-1gpu.json"], ds_overrides={"zero_optimization": {"reduce_bucket_size": 123}},
+                training=TrainingOptions(extra={"performance": {"compileLayers": False}})).document
+    assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == 123
+    assert doc["training"]["performance"]["compileLayers"] is False
+    assert any("set by the user" in r for r in doc["training"]["performance"]["reasons"])
+
+
+def test_cpu_plans_have_no_performance_block():
+    model = core_models.resolve_model("tiny-mixtral")
+    doc = build_plan("j", "default", model, None, device="cpu", procs_per_node=2,
+                     cpu_memory_bytes=8 << 30, global_batch=4, seq_len=64).document
+    assert "performance" not in doc["training"]
+
+
+@pytest.mark.slow
+def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
+    """`moe-train` (one process, ZeRO-3, CPU) with fused loss, ZeRO-3 leaf decoder layers and
+    compiled decoder layers (aot_eager on CPU) trains the same function as without them."""
+    from moe_trainer.launch import launch
+    base = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
+    base["training"].update(moeImpl="hf", steps=3, checkpointEverySteps=10)
+    fast = json.loads(json.dumps(base))
+    fast["training"]["performance"] = {"fusedLoss": True, "lossChunkTokens": 50, "compileLayers": True,
+                                       "zeroLeafModules": ["MixtralDecoderLayer"], "fusedOptimizer": True}
+    fast["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 9
+    losses = {}
+    for name, doc in (("stock", base), ("fast", fast)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        env = dict(os.environ, MOE_COMPILE_BACKEND="aot_eager")
+        codes = launch(1, ["--plan", str(tmp_path / f"{name}.json"), "--checkpoint-dir", str(tmp_path / name),
+                           "--cpu"], env=env, timeout=600, log_prefix=str(tmp_path / f"log.{name}"))
+        log = (tmp_path / f"log.{name}.rank0.log").read_text()
+        assert codes == [0], log[-3000:]
+        losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["losses"]
+    assert "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + " \
+           "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
+    assert len(losses["fast"]) == 3
+    for a, b in zip(losses["stock"], losses["fast"]):
+        assert abs(a - b) <= 1e-4 * abs(a), losses

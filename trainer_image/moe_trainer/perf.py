@@ -1,0 +1,190 @@
+"""Speed options of the plan's `training.performance` block (chosen by the planner, see
+docs/performance.md and docs/contracts.md).
+
+  compileLayers    torch.compile each decoder layer's forward (not the module call: DeepSpeed's
+                   ZeRO-3 fetch/release hooks stay outside the compiled region, on the layer)
+  fusedLoss        LM head + cross-entropy in token chunks, gradients computed in the forward
+                   (no [tokens, vocab] fp32 logits tensor; the same matmul FLOPs)
+  fusedOptimizer   torch.optim.AdamW(fused=True) (one kernel over all tensors of a group)
+  zeroLeafModules  class names DeepSpeed ZeRO-3 treats as leaves (`set_z3_leaf_modules`): one
+                   fetch/release and one pair of hooks per decoder layer instead of per submodule
+  lossChunkTokens  tokens per chunk of the fused loss [8192]
+
+Everything here changes speed and memory only; the function trained is the same (the fused loss
+equals `F.cross_entropy(logits.float(), targets)` up to bf16 rounding of the logits matmul).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_trainer.plan import PerfSpec  # noqa: F401  (re-exported)
+
+log = logging.getLogger("moe_trainer")
+
+IGNORE_INDEX = -100
+
+
+class PerfError(ValueError):
+    """A `training.performance` option this model cannot take."""
+
+
+# ---- fused LM head + cross-entropy -----------------------------------------------------------
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """mean over valid tokens of CE(hidden @ weight.T, targets), chunked over tokens.
+
+    The forward computes the gradients too (softmax - one_hot per chunk, then two matmuls), so
+    neither the [N, V] logits nor their fp32 copy outlive a chunk; backward only scales them.
+    hidden[N, H], weight[V, H], targets[N] (IGNORE_INDEX rows count for nothing).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)   # bf16 -> fp32 math, fp64 stays
+        valid_all = targets != IGNORE_INDEX
+        count = valid_all.sum().clamp(min=1).to(acc)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for s in range(0, n, chunk):
+            h = hidden[s:s + chunk]
+            y = targets[s:s + chunk]
+            valid = valid_all[s:s + chunk]
+            ysafe = y.clamp(min=0).unsqueeze(1)
+            logits = F.linear(h, weight).to(acc)                      # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, ysafe).squeeze(1)
+            total = total + ((lse - picked) * valid).sum()
+            if need_h or need_w:
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()          # softmax, in place
+                probs.scatter_add_(1, ysafe, torch.full_like(picked, -1.0).unsqueeze(1))
+                probs.mul_((valid.to(probs.dtype) / count).unsqueeze(1))
+                g = probs.to(hidden.dtype)
+                if need_h:
+                    grad_h[s:s + chunk] = g @ weight
+                if need_w:
+                    grad_w.add_(g.t() @ h)                     # bf16 matmul, fp32 sum
+        ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if need_w else None)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+                grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None, None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int = 8192) -> torch.Tensor:
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` without materialising logits."""
+    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk)
+
+
+class FusedLossHead(nn.Linear):
+    """`lm_head` with a second mode: `forward(hidden, targets=...)` returns the mean CE loss.
+
+    Installed by swapping the class of the model's own `lm_head` (same parameter, same state-dict
+    key), so DeepSpeed ZeRO-3 fetches the weight through the module's hooks as it would for the
+    plain head."""
+
+    loss_chunk_tokens = 8192
+
+    def forward(self, hidden, targets=None):
+        if targets is None:
+            return super().forward(hidden)
+        if self.bias is not None:
+            raise PerfError("training.performance.fusedLoss: lm_head has a bias (not supported)")
+        return linear_cross_entropy(hidden, self.weight, targets, self.loss_chunk_tokens)
+
+
+class LossOutput:
+    """What the patched forward returns: `.loss` (and `.logits = None`). A plain object with a
+    `__dict__`: DeepSpeed's ZeRO-3 post-forward hook walks `vars(output)`."""
+
+    def __init__(self, loss):
+        self.loss, self.logits = loss, None
+
+
+def _fused_causal_forward(self, input_ids=None, targets=None, **kwargs):
+    if targets is None:
+        return type(self).forward(self, input_ids=input_ids, **kwargs)
+    hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+    return LossOutput(self.lm_head(hidden, targets=targets))
+
+
+def install_fused_loss(model: nn.Module, chunk: int) -> None:
+    """Make `model(input_ids=..., targets=...)` return `.loss` through the fused head."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear or not hasattr(model, "model"):
+        raise PerfError("training.performance.fusedLoss: the model has no plain `lm_head` Linear "
+                        f"over `model` (lm_head is {type(head).__name__})")
+    head.__class__ = FusedLossHead
+    head.loss_chunk_tokens = chunk
+    model.forward = types.MethodType(_fused_causal_forward, model)
+
+
+# ---- ZeRO-3 leaves, compile ------------------------------------------------------------------
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise PerfError(f"{type(model).__name__}: no `model.layers` (decoder layers) found")
+    return list(layers)
+
+
+def set_zero_leaves(model: nn.Module, class_names) -> int:
+    """Mark every module whose class name is in `class_names` a ZeRO-3 leaf; returns how many."""
+    from deepspeed.utils import set_z3_leaf_module
+    names = set(class_names)
+    hits = [m for m in model.modules() if type(m).__name__ in names]
+    found = {type(m).__name__ for m in hits}
+    if names - found:
+        raise PerfError(f"training.performance.zeroLeafModules: {sorted(names - found)} not in the model "
+                        f"(decoder layers are {sorted({type(m).__name__ for m in decoder_layers(model)})})")
+    for m in hits:
+        set_z3_leaf_module(m, True)
+    return len(hits)
+
+
+def compile_layers(model: nn.Module, backend: str | None = None) -> int:
+    """torch.compile each decoder layer's `forward` (hooks on the layer module stay eager)."""
+    import torch._dynamo
+    layers = decoder_layers(model)
+    # one compiled graph per layer object (guards on the module); keep them all cached
+    cfg = torch._dynamo.config
+    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(cfg, knob):
+            setattr(cfg, knob, max(getattr(cfg, knob), 8 * len(layers) + 8))
+    backend = backend or os.environ.get("MOE_COMPILE_BACKEND", "inductor")
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+    return len(layers)
+
+
+def apply_before_initialize(model: nn.Module, spec: PerfSpec, device: torch.device) -> list[str]:
+    """Apply the model-side options (before `deepspeed.initialize`); returns what was done."""
+    done = []
+    if spec.zero_leaf_modules:
+        n = set_zero_leaves(model, spec.zero_leaf_modules)
+        done.append(f"{n} ZeRO-3 leaf modules ({', '.join(spec.zero_leaf_modules)})")
+    if spec.fused_loss:
+        install_fused_loss(model, spec.loss_chunk_tokens)
+        done.append(f"fused LM head + cross-entropy ({spec.loss_chunk_tokens} tokens per chunk)")
+    if spec.compile_layers:
+        n = compile_layers(model)
+        done.append(f"torch.compile of {n} decoder layers")
+    return done
+
+
+def fused_optimizer_ok(spec: PerfSpec, device: torch.device) -> bool:
+    return spec.fused_optimizer and device.type == "cuda"
