@@ -162,3 +162,18 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"]):
         assert abs(a - b) <= 1e-4 * abs(a), losses
+
+
+def test_moectl_plan_shows_the_choices_and_can_turn_them_off(capsys, tmp_path):
+    from moejob_operator import cli
+    args = ["plan", "--topology", str(TOPO / "h200-vm-1gpu.json"), "--model", "bench-mixtral-3b",
+            "--global-batch", "8", "--seq-len", "2048"]
+    assert cli.main(args + ["-o", str(tmp_path / "fast.json")]) == 0
+    out = capsys.readouterr().out
+    assert "MoE impl   grouped; performance options (planner's choice, why):" in out
+    assert "  - compileLayers: torch.compile of each decoder layer" in out
+    assert "  - reduce_bucket_size 3453257728 (all parameters)" in out
+    assert cli.main(args + ["--no-performance", "-o", str(tmp_path / "stock.json")]) == 0
+    assert "MoE impl   hf; performance options off (stock configuration)" in capsys.readouterr().out
+    fast, stock = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fast", "stock"))
+    assert fast["training"]["performance"]["fusedLoss"] and "performance" not in stock["training"]

@@ -80,7 +80,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  strategy=args.strategy, routing_stats=stats,
                                  global_batch=args.global_batch, micro_batch=args.micro_batch,
                                  seq_len=args.seq_len, ep_size=args.ep_size, training=training,
-                                 autoep=not args.no_autoep, ds_overrides=overrides)
+                                 autoep=not args.no_autoep, ds_overrides=overrides,
+                                 performance=not args.no_performance)
     else:
         if not args.topology:
             raise UsageError("moectl plan: error: --topology is required (or --cpu)")
@@ -89,7 +90,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  strategy=args.strategy, routing_stats=stats,
                                  global_batch=args.global_batch, micro_batch=args.micro_batch,
                                  seq_len=args.seq_len, ep_size=args.ep_size, training=training,
-                                 autoep=not args.no_autoep, ds_overrides=overrides)
+                                 autoep=not args.no_autoep, ds_overrides=overrides,
+                                 performance=not args.no_performance)
     print(result.summary())
     if args.output:
         plan.write_plan(result, args.output)
@@ -123,6 +125,9 @@ def add_plan(sub) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-autoep", action="store_true", help="ZeRO-3 without expert parallelism")
+    p.add_argument("--no-performance", action="store_true",
+                   help="stock configuration: no planner speed choices (training.performance, "
+                        "moeImpl, one-rank ZeRO-3 knobs); see docs/performance.md")
     p.add_argument("--ds-override", action="append", default=[], metavar="JSON|@FILE",
                    help="DeepSpeed config merged last (repeatable)")
     p.add_argument("--data", metavar="JSON|@FILE", help='training.data, e.g. {"kind": "synthetic"}')
