@@ -68,6 +68,7 @@ def test_lint_strict_and_template_clean(helm, values):
     (["--set", "replicaCount=2", "--set", "leaderElection.enabled=false"], "needs leaderElection.enabled"),
     (["--set", "leaderElection.renewDeadlineSeconds=20"], "must be smaller than"),
     (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+    (["--set", "hostPathPolicy.allowedPrefixes={relative/dir}"], "does not match pattern"),
 ])
 def test_bad_values_are_refused(helm, bad, message):
     out = run_helm(helm, "template", "rel", str(CHART), *bad)
@@ -134,6 +135,21 @@ def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
     default = by_kind(render(helm), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args([*default["command"][1:], *default["args"]])
     assert args.all_namespaces and args.namespace == []
+
+
+def test_host_path_policy_reaches_the_operator_and_defaults_to_none(helm):
+    """The operator refuses every hostPath unless the chart lists allowed prefixes (admission.py)."""
+    from moejob_operator.admission import Policy
+
+    def policy(*args):
+        (dep,) = by_kind(render(helm, *args), "Deployment")
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        assert "MOE_OPERATOR_TEST_MODE" not in env            # test hooks never on in a release
+        return Policy.from_env(env)
+    assert policy() == Policy()
+    assert policy("--set", "hostPathPolicy.allowedPrefixes={/mnt/shared,/data/ro}").host_path_prefixes == \
+        ("/mnt/shared", "/data/ro")
 
 
 def test_service_and_monitors_point_at_the_metrics_port(helm):

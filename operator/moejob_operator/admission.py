@@ -199,7 +199,8 @@ def _host_path(field: str, path: str, policy: Policy) -> None:
         where = (f"allowed prefixes: {', '.join(policy.host_path_prefixes)}"
                  if policy.host_path_prefixes else "no host path is allowed on this cluster")
         raise SpecError(field, f"{path!r}: hostPath volumes are refused by the operator's policy "
-                        f"({where}; the chart value hostPathPolicy.allowedPrefixes)")
+                        f"({where}; the chart value hostPathPolicy.allowedPrefixes, the operator's "
+                        f"${ENV_HOST_PATH_PREFIXES})")
 
 
 def _mount_path(field: str, path: str) -> str:
