@@ -1,9 +1,12 @@
 """Hypothesis strategies for MoETrainingJob manifests, derived from the CRD's openAPIV3Schema.
 
-A manifest is a small valid job (CPU, tiny preset) with one to three fields replaced by values
-drawn from the schema at that path: in-schema values (enums, patterns, bounds, nested objects),
-hostile strings and numbers that the schema admits (paths, annotation keys, quantities), and
-now and then a value of the wrong type or out of bounds (the API server must refuse those).
+A manifest is a small valid job (CPU, tiny preset) with one to three fields replaced: half the
+time by a plausible value the acceptance checks let through but the cluster or the planner must
+cope with (a PriorityClass or PVC that does not exist, a deadline of 1 s, a TTL of 0, a model too
+big for CPU memory, ...), half the time by a value drawn from the schema at a random path:
+in-schema values (enums, patterns, bounds, nested objects), hostile strings and numbers that the
+schema admits (paths, annotation keys, quantities), and now and then a value of the wrong type or
+out of bounds (the API server must refuse those).
 ``hfConfig`` and ``deepspeedOverrides`` (free-form in the schema) get a preset's config with a
 perturbed key, and DeepSpeed sections of any type.
 """
@@ -34,6 +37,40 @@ WRONG_TYPE = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.tex
 DS_SECTIONS = ["zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "expert_parallel",
                "train_batch_size", "gradient_clipping", "steps_per_print", "wall_clock_breakdown"]
 PRESET = "tiny-mixtral"
+
+
+# Values the schema and the acceptance checks let through but that the cluster, the planner or
+# the gang logic must cope with: missing objects, odd scheduling, deadlines, TTLs, big models.
+PLAUSIBLE: list[tuple[tuple[str, ...], Any]] = [
+    (("scheduling", "priorityClassName"), "does-not-exist"),
+    (("scheduling", "podLabels"), {"team": "a", "kueue.x-k8s.io/queue-name": "q"}),
+    (("scheduling", "podAnnotations"), {"example.com/note": "free text"}),
+    (("scheduling", "tolerations"), [{"operator": "Exists"}]),
+    (("scheduling", "tolerations"), [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+    (("resources",), {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}),
+    (("resources",), {"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": 1}}),
+    (("resources",), {"limits": {"memory": "16Mi"}}),
+    (("nodes", "nodeSelector"), {"kubernetes.io/os": "linux"}),
+    (("nodes", "nodeNames"), ["node-b", "node-a"]),
+    (("nodes", "nodeNames"), ["node-a", "node-x"]),
+    (("nodes", "count"), 1),
+    (("nodes", "count"), 3),
+    (("runPolicy", "suspend"), True),
+    (("runPolicy", "activeDeadlineSeconds"), 1),
+    (("runPolicy", "ttlSecondsAfterFinished"), 0),
+    (("device",), "GPU"),
+    (("placement", "strategy"), "Balanced"),
+    (("placement", "expertParallelSize"), 2),
+    (("placement", "routingStatsFrom"), {"jobName": "nope"}),
+    (("checkpoint", "volume"), {"persistentVolumeClaim": {"claimName": "missing-claim"}}),
+    (("data",), {"kind": "Text", "path": "/data", "volume": {"configMap": {"name": "missing"}}}),
+    (("model",), {"preset": "deepseek-v3"}),
+    (("model",), {"preset": "tiny-qwen3-moe"}),
+    (("training", "globalBatch"), 6),
+    (("deepspeedOverrides",), {"zero_optimization": {"overlap_comm": False}}),
+    (("imagePullPolicy",), "Never"),
+    (("image",), "registry.example.com:5000/team/moe-trainer@sha256:" + "ab" * 32),
+]
 
 
 def spec_schema() -> dict[str, Any]:
@@ -131,11 +168,22 @@ def _set(doc: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 
 
 @st.composite
+def replacement(draw) -> tuple[tuple[str, ...], Any]:
+    """(path, value): half plausible values, half drawn from the schema at a random path (about
+    one in fifteen of those of the wrong type)."""
+    if draw(st.booleans()):
+        return draw(st.sampled_from(PLAUSIBLE))
+    path, schema = draw(st.sampled_from(PATHS))
+    wrong = draw(st.integers(0, 14)) == 0
+    return path, draw(WRONG_TYPE if wrong else from_schema(schema, path))
+
+
+@st.composite
 def edits(draw) -> dict[str, Any]:
     """A merge patch of ``spec`` replacing one field (an edit after the job was accepted)."""
-    path, schema = draw(st.sampled_from(PATHS))
+    path, value = draw(replacement())
     patch: dict[str, Any] = {}
-    _set(patch, path, copy.deepcopy(draw(from_schema(schema, path))))
+    _set(patch, path, copy.deepcopy(value))
     return patch
 
 
@@ -145,9 +193,7 @@ def manifests(draw, index: int, prefix: str) -> dict[str, Any]:
     API server or the operator must refuse)."""
     spec = base_spec()
     for _ in range(draw(st.integers(1, 3))):
-        path, schema = draw(st.sampled_from(PATHS))
-        wrong = draw(st.integers(0, 14)) == 0            # ~7%: a value the schema refuses
-        value = draw(WRONG_TYPE if wrong else from_schema(schema, path))
+        path, value = draw(replacement())
         _set(spec, path, copy.deepcopy(value))
     # pods never run a trainer here: no scheduler by this name, they stay Pending
     if isinstance(spec.get("scheduling"), dict):

@@ -35,7 +35,7 @@ from operator_harness import Operator, children, get_job, install_crd, seed_topo
 
 pytestmark = pytest.mark.cluster
 
-BATCHES = int(os.environ.get("MOE_FUZZ_BATCHES", "6"))
+BATCHES = int(os.environ.get("MOE_FUZZ_BATCHES", "8"))
 BATCH_SIZE = 10
 SETTLE_SECONDS = 90      # bound: every job terminal or explained this long after its batch applied
 GONE_SECONDS = 90        # bound: children gone after the jobs were deleted
