@@ -177,3 +177,24 @@ def test_moectl_plan_shows_the_choices_and_can_turn_them_off(capsys, tmp_path):
     assert "MoE impl   hf; performance options off (stock configuration)" in capsys.readouterr().out
     fast, stock = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fast", "stock"))
     assert fast["training"]["performance"]["fusedLoss"] and "performance" not in stock["training"]
+
+
+@pytest.mark.slow
+def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
+    """What multi-GPU plans get (AutoEP EP 2, ZeRO-3 partitioned): the fused loss through AutoEP's
+    model on two gloo ranks gives the stock path's losses."""
+    from moe_trainer.launch import launch
+    base = json.loads((PLANS / "tiny_mixtral_autoep.json").read_text())
+    base["training"].update(steps=3, checkpointEverySteps=10)
+    fast = json.loads(json.dumps(base))
+    fast["training"]["performance"] = {"fusedLoss": True, "lossChunkTokens": 40, "fusedOptimizer": True}
+    losses = {}
+    for name, doc in (("stock", base), ("fast", fast)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        codes = launch(2, ["--plan", str(tmp_path / f"{name}.json"), "--checkpoint-dir", str(tmp_path / name),
+                           "--cpu"], env=dict(os.environ), timeout=600, log_prefix=str(tmp_path / f"log.{name}"))
+        assert codes == [0, 0], (tmp_path / f"log.{name}.rank0.log").read_text()[-3000:]
+        losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["losses"]
+    assert len(losses["fast"]) == 3
+    for a, b in zip(losses["stock"], losses["fast"]):
+        assert abs(a - b) <= 1e-4 * abs(a), losses
