@@ -135,7 +135,11 @@ def test_an_immutable_edit_after_launch_keeps_the_launched_values(job):
 
 
 @pytest.mark.parametrize("patch", [{"attempt": "x"}, {"launchedSpec": "garbage"},
-                                   {"restarts": -3, "failedRestarts": [1]}, {"launchedFields": 5}])
+                                   {"restarts": -3, "failedRestarts": [1]}, {"launchedFields": 5},
+                                   {"startTime": "yesterday"}, {"startTime": 5},
+                                   {"conditions": ["x", 5, {"type": 1}]}, {"conditions": "Running"},
+                                   {"health": "x"}, {"health": [3, {"type": "DeadExpert"}]},
+                                   {"plan": 7}, {"progress": []}])
 def test_hand_patched_status_fields_are_rederived(job, patch):
     c = Client()
     J.reconcile(c, "ns", "j", body=job)

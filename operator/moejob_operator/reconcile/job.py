@@ -61,8 +61,11 @@ class Pass:
         self.client, self.body, self.now = client, body, now
         self.job = common.JobRef.from_body(body)
         self.generation = body["metadata"].get("generation", 0)
-        self.old = copy.deepcopy(body.get("status") or {})
-        self.status: dict[str, Any] = copy.deepcopy(self.old)
+        raw = body.get("status")
+        self.old = copy.deepcopy(raw) if isinstance(raw, dict) else {}
+        self.status: dict[str, Any] = _sane_status(copy.deepcopy(self.old), now)
+        if self.status != self.old:      # readers of the body (the gate) see the sane status too
+            self.body = {**body, "status": copy.deepcopy(self.status)}
         self.events: list[tuple[str, str, str]] = []
         # a plan made in this pass, written with the launch batch (or before any other return)
         self.new_plan_cm: dict[str, Any] | None = None
@@ -109,6 +112,32 @@ class Pass:
         if self.cond_status(C.COND_RUNNING) is not None:
             self.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "the job has failed", quiet=True)
         self.status.setdefault("completionTime", now_iso(self.now))
+
+
+def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
+    """``status`` with the shapes the pass relies on (someone may have patched it by hand): only
+    well-formed conditions, times that parse (else now), lists and objects where they belong.
+    What the pass derives from the cluster (plan, workers, progress) it writes again anyway."""
+    conds = status.get("conditions")
+    status["conditions"] = [c for c in conds if isinstance(c, dict) and isinstance(c.get("type"), str)
+                            and isinstance(c.get("status"), str)] if isinstance(conds, list) else []
+    if not status["conditions"]:
+        status.pop("conditions")
+    for key in ("startTime", "completionTime"):
+        if key in status:
+            try:
+                if parse_time(status[key]) is None:
+                    raise ValueError
+            except (TypeError, ValueError, AttributeError):
+                status[key] = now_iso(now)
+    for key, kind in (("plan", dict), ("workers", dict), ("progress", dict), ("health", list),
+                      ("launchedFields", dict)):
+        if key in status and not isinstance(status[key], kind):
+            status.pop(key)
+    if isinstance(status.get("health"), list):
+        status["health"] = [f for f in status["health"] if isinstance(f, dict)
+                            and isinstance(f.get("type"), str) and isinstance(f.get("message"), str)]
+    return status
 
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,

@@ -162,8 +162,9 @@ def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | No
 
 
 def _cond(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
-    for c in ((obj or {}).get("status") or {}).get("conditions") or ():
-        if c.get("type") == ctype:
+    conds = ((obj or {}).get("status") or {}).get("conditions")
+    for c in conds if isinstance(conds, list) else ():
+        if isinstance(c, dict) and c.get("type") == ctype:      # another job's status: not trusted
             return c
     return {}
 
