@@ -200,3 +200,19 @@ def test_too_few_matching_nodes_is_insufficient_nodes_not_discovery(job, nodes, 
     assert cond(c, C.COND_PLANNED)["reason"] == C.R_NO_CANDIDATE_NODES
     assert cond(c, C.COND_TOPOLOGY)["reason"] == C.R_NO_CANDIDATE_NODES
     assert c.status["phase"] == "Discovering" and not [w for w in c.writes if w.startswith("Pod/")]
+
+
+def test_an_invalid_edit_after_launch_keeps_the_gang_tracked(job):
+    """SpecAccepted=False names the field, and the pass still tracks the workers with the
+    launched values (a worker finishing is still seen)."""
+    c = Client()
+    J.reconcile(c, "ns", "j", body=job)
+    edited = with_status(job, c.status)
+    edited["spec"] = {**job["spec"], "image": "not an image", "runPolicy": {"backoffLimit": 1}}
+    for rank in (0, 1):
+        c.objects[("Pod", f"j-worker-{rank}")]["status"] = {
+            "phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]}
+    J.reconcile(c, "ns", "j", body=edited)
+    accepted = cond(c, C.COND_SPEC_ACCEPTED)
+    assert accepted["status"] == "False" and accepted["message"].startswith("spec.image:")
+    assert cond(c, C.COND_SUCCEEDED)["status"] == "True", c.status

@@ -317,6 +317,21 @@ def _changed_since_launch(p: Pass, spec: JobSpec) -> list[str]:
     return sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
 
 
+def _launched_spec(p: Pass, raw: Any) -> JobSpec | None:
+    """The spec the workers run with: the launched values, and the current mutable fields
+    (runPolicy, gate) when they are valid. None only when the launched values are gone."""
+    view = _launched_view(p)
+    if view is None:
+        return None         # nothing to relaunch from; the running pods are tracked no more
+    mutable = {k: v for k, v in (raw if isinstance(raw, dict) else {}).items() if k not in view}
+    for extra in (mutable, {}):
+        try:
+            return parse_spec({**view, **extra})
+        except SpecError:
+            continue
+    return None
+
+
 # ---- validate -----------------------------------------------------------------------------
 def _accept_spec(p: Pass) -> JobSpec | None:
     raw = p.body.get("spec")
@@ -329,8 +344,8 @@ def _accept_spec(p: Pass) -> JobSpec | None:
     except SpecError as exc:
         # before launch the Failed event carries the message; after launch this condition does
         p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=not launched)
-        if launched:
-            return None            # keep the running gang; the user can fix the spec
+        if launched:               # keep the running gang, and keep tracking it: with the
+            return _launched_spec(p, raw)       # launched values until the user fixes the spec
         p.fail(C.R_INVALID_SPEC, str(exc))
         return None
     if launched:
@@ -339,10 +354,7 @@ def _accept_spec(p: Pass) -> JobSpec | None:
             p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_IMMUTABLE_FIELD_CHANGED,
                    f"spec fields {', '.join(changed)} cannot change after launch; the job keeps "
                    "running with the launched values (revert the change, or create a new job)")
-            view = _launched_view(p)
-            if view is None:
-                return None         # nothing to relaunch from; the running pods are tracked no more
-            return parse_spec({**view, **{k: v for k, v in (raw or {}).items() if k not in view}})
+            return _launched_spec(p, raw)
     # the first acceptance is no news (no Event); re-acceptance after a refusal is
     p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid",
            quiet=p.cond_status(C.COND_SPEC_ACCEPTED) is None)
