@@ -92,3 +92,34 @@ def test_topology_file_path(capsys, tmp_path):
     code, out, _ = _run(capsys, "plan", "--topology", str(path), "--model", "tiny-mixtral",
                         "--global-batch", "2", "--seq-len", "64")
     assert code == 0 and "world size 1" in out and "EP size    1" in out
+
+
+def _plan_with(capsys, tmp_path, stats_doc, top_k=4):
+    cfg = dict(models.preset_hf_config("tiny-qwen3-moe"), num_experts_per_tok=top_k)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    argv = ["plan", "--topology", "pcie-bridged-pairs-4", "--model", str(tmp_path / "config.json"),
+            "--ep-size", "4", "--global-batch", "8", "--seq-len", "64", "-o", str(tmp_path / "plan.json")]
+    if stats_doc is not None:
+        (tmp_path / "routing.json").write_text(json.dumps(stats_doc))
+        argv += ["--stats", str(tmp_path / "routing.json")]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    return out, read_plan(tmp_path / "plan.json")
+
+
+def test_top4_without_token_samples_is_labelled_a_lower_bound(capsys, tmp_path):
+    stats = routing.synthetic_trace(4, 8, 4, 2048, num_clusters=2, seed=2)
+    out, doc = _plan_with(capsys, tmp_path, stats.without_tokens().to_json())
+    assert "LOWER BOUND" in out and doc["placement"]["quality"]["estimate"] == "lowerBound"
+    assert any("bytes are lower bounds" in w for w in doc["warnings"])
+    out, doc = _plan_with(capsys, tmp_path, stats.to_json())          # v2 with tokenSamples: exact
+    assert "LOWER BOUND" not in out and doc["placement"]["quality"]["estimate"] == "exact"
+
+
+def test_empty_routing_stats_do_not_shrink_the_dispatch_buffer(capsys, tmp_path):
+    empty = routing.synthetic_trace(4, 8, 4, 16, seed=0).without_tokens().to_json()
+    empty.update(tokens=0, load=[[0] * 8] * 4, coactivation=[[[0] * 8] * 8] * 4)
+    out, doc = _plan_with(capsys, tmp_path, empty)
+    _, none = _plan_with(capsys, tmp_path, None)
+    assert "records 0 tokens" in out and doc["placement"]["quality"]["basis"] == "uniform"
+    assert doc["memory"]["breakdown"]["moeDispatchBytes"] == none["memory"]["breakdown"]["moeDispatchBytes"]
