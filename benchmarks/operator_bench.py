@@ -107,7 +107,9 @@ def run(jobs: int, workdir: Path) -> dict:
         register_nodes(kube)
         ns = create_namespace(kube, "bench")
         seed_topology(kube, ns)
-        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_GATE_ENABLED="false")
+        # the example's checkpoints are a hostPath: allowed here as the demo allows them
+        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_GATE_ENABLED="false",
+                   MOE_ALLOWED_HOST_PATH_PREFIXES="/tmp/moe-checkpoints")
         op = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "-m",
                           "moejob_operator.handlers"], workdir / "operator.log", env=env)
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
