@@ -123,3 +123,39 @@ def test_empty_routing_stats_do_not_shrink_the_dispatch_buffer(capsys, tmp_path)
     _, none = _plan_with(capsys, tmp_path, None)
     assert "records 0 tokens" in out and doc["placement"]["quality"]["basis"] == "uniform"
     assert doc["memory"]["breakdown"]["moeDispatchBytes"] == none["memory"]["breakdown"]["moeDispatchBytes"]
+
+
+def test_plan_shows_dedup_and_autoep_bytes_side_by_side(capsys, tmp_path):
+    """Two CPU 'nodes' x 2 processes (EP 4 over 2 groups), routing statistics with sampled tokens:
+    the plan defaults to the dedup dispatcher and carries both dispatchers' bytes by tier, equal
+    to core.dispatch on the same tokens scaled to the job's tokens per step."""
+    from moejob_operator.core import dispatch, placement
+    from moejob_operator.core.plan import cpu_topology
+    cfg = dict(models.preset_hf_config("tiny-mixtral"), num_local_experts=8, num_experts_per_tok=2)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    stats = routing.synthetic_trace(cfg["num_hidden_layers"], 8, 2, 512, num_clusters=2, seed=2)
+    doc = stats.to_json()
+    doc["tokenExperts"] = stats.token_experts.tolist()
+    (tmp_path / "routing.json").write_text(json.dumps(doc))
+    args = ["plan", "--cpu", "--nodes", "a,b", "--procs-per-node", "2", "--cpu-memory-gib", "4",
+            "--model", str(tmp_path / "config.json"), "--stats", str(tmp_path / "routing.json"),
+            "--ep-size", "4", "--global-batch", "8", "--seq-len", "64"]
+    code, out, err = _run(capsys, *args, "-o", str(tmp_path / "plan.json"))
+    assert code == 0, err
+    assert re.search(r"dispatch   dedup; MiB/step fwd\+bwd \(512 sampled tokens\): dedup cross-group .* \| "
+                     r"AutoEP cross-group", out), out
+    plan = read_plan(tmp_path / "plan.json")
+    assert plan["placement"]["dispatcher"] == "dedup"
+    assert [r["group"] for r in plan["ranks"]] == [0, 0, 1, 1]
+    q = plan["placement"]["quality"]["dispatch"]
+    topo = cpu_topology(["a", "b"], 2, 4 * 2**30)
+    pl = placement.Placement("x", __import__("numpy").array(plan["placement"]["permutation"]),
+                             __import__("numpy").arange(4), 4)
+    want = dispatch.dispatch_bytes(pl, topo, stats.token_experts, hidden_size=cfg["hidden_size"], bytes_per_elem=4)
+    scale = 8 * 64 / 512
+    for d in ("dedup", "autoep"):
+        for tier in dispatch.TIERS:
+            assert q[d][f"{tier}BytesPerStep"] == round(want[d][tier] * scale)
+    assert 0 < q["dedup"]["crossGroupBytesPerStep"] < q["autoep"]["crossGroupBytesPerStep"]
+    code, out, err = _run(capsys, *args, "--dispatcher", "autoep", "-o", str(tmp_path / "p2.json"))
+    assert code == 0 and read_plan(tmp_path / "p2.json")["placement"]["dispatcher"] == "autoep"

@@ -66,6 +66,7 @@ def test_defaults_fill_in():
     spec = parse_spec(MINIMAL)
     assert spec.device == "GPU"
     assert spec.placement.strategy == "TopologyAware"
+    assert spec.placement.dispatcher is None          # the planner picks (Dedup when EP > 1)
     assert spec.run_policy.backoff_limit == 3
     assert spec.training.lr == pytest.approx(3e-4)
     assert spec.data.kind == "Synthetic"
@@ -86,6 +87,7 @@ def test_defaults_fill_in():
     ({"placement": {"expertParallelSize": 3}, "nodes": {"count": 2}, "training": {"globalBatch": 2}},
      "spec.placement.expertParallelSize", "does not divide"),
     ({"placement": {"strategy": "contiguous"}}, "spec.placement.strategy", "'contiguous'"),
+    ({"placement": {"dispatcher": "dedup"}}, "spec.placement.dispatcher", "'dedup'"),
     ({"gate": {"skip": True}}, "spec.gate.skipReason", "audited"),
     ({"deepspeedOverrides": {"zero_optimization": {"stage": 2}}},
      "spec.deepspeedOverrides.zero_optimization.stage", "cannot be overridden"),

@@ -103,7 +103,8 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     assert took["allToAll"] == pytest.approx(0.02)
     assert took["allGather"] == pytest.approx(0.051)
     assert dscomm.all_to_all_single is fake_a2a
-    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0, "allToAllBytes": 0}
+    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0, "allToAllBytes": 0,
+                            "allToAllTierBytes": {"intraGroup": 0, "crossGroup": 0, "crossNode": 0}}
 
 
 def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
@@ -130,6 +131,30 @@ def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
     assert second == 8 * 4 * 3 // 4
 
 
+def test_comm_timer_splits_bytes_by_the_receivers_tier(monkeypatch):
+    """Ranks 0,1 | 2 | 3 are NVLink groups, 0-2 one node: rank 1 sends 2 rows to its group
+    peer, 1 row to another group on its node, 2 rows to another node."""
+    import torch
+    import torch.distributed as dist
+    import deepspeed.comm as dscomm
+    from moe_trainer.commtime import CommTimer
+
+    monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
+    monkeypatch.setattr(dscomm, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    timer = CommTimer().set_tiers(group_of=[0, 0, 1, 2], node_of=[0, 0, 0, 1]).install()
+    try:
+        x = torch.zeros(10, 8, dtype=torch.bfloat16)
+        dscomm.all_to_all_single(torch.empty(0), x, output_split_sizes=[1, 2, 3, 4],
+                                 input_split_sizes=[2, 5, 1, 2], group=None)
+        took = timer.take()
+    finally:
+        timer.uninstall()
+    assert took["allToAllTierBytes"] == {"intraGroup": 2 * 16, "crossGroup": 3 * 16, "crossNode": 2 * 16}
+    assert took["allToAllBytes"] == 5 * 16
+
+
 def test_prometheus_metrics_are_served():
     import urllib.request
     from moe_trainer.launch import free_port
@@ -138,7 +163,9 @@ def test_prometheus_metrics_are_served():
     try:
         m.update(doc(loss=2.5, moe={"maxMeanLoadPerLayer": [1.5, 1.2], "deadExperts": [[0, 1]],
                                     "allToAllSecondsPerStep": 0.01, "allGatherSecondsPerStep": 0.02,
-                                    "fragmentation": None}), tokens=256)
+                                    "fragmentation": None,
+                                    "allToAllBytesPerStepByTier": {"intraGroup": 10, "crossGroup": 7,
+                                                                   "crossNode": 3}}), tokens=256)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()
@@ -147,3 +174,4 @@ def test_prometheus_metrics_are_served():
     assert 'moe_trainer_comm_seconds_per_step{job="tiny",op="all_gather"} 0.02' in text
     assert 'moe_trainer_tokens_total{job="tiny"} 256.0' in text
     assert 'moe_trainer_dead_experts{job="tiny"} 1.0' in text
+    assert 'moe_trainer_all_to_all_bytes_per_step{job="tiny",tier="crossGroup"} 7.0' in text

@@ -81,7 +81,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  global_batch=args.global_batch, micro_batch=args.micro_batch,
                                  seq_len=args.seq_len, ep_size=args.ep_size, training=training,
                                  autoep=not args.no_autoep, ds_overrides=overrides,
-                                 performance=not args.no_performance)
+                                 performance=not args.no_performance,
+                                 dispatcher=args.dispatcher)
     else:
         if not args.topology:
             raise UsageError("moectl plan: error: --topology is required (or --cpu)")
@@ -91,7 +92,8 @@ def _run_plan(args: argparse.Namespace) -> int:
                                  global_batch=args.global_batch, micro_batch=args.micro_batch,
                                  seq_len=args.seq_len, ep_size=args.ep_size, training=training,
                                  autoep=not args.no_autoep, ds_overrides=overrides,
-                                 performance=not args.no_performance)
+                                 performance=not args.no_performance,
+                                 dispatcher=args.dispatcher)
     print(result.summary())
     if args.output:
         plan.write_plan(result, args.output)
@@ -128,6 +130,8 @@ def add_plan(sub) -> None:
     p.add_argument("--no-performance", action="store_true",
                    help="stock configuration: no planner speed choices (training.performance, "
                         "moeImpl, one-rank ZeRO-3 knobs); see docs/performance.md")
+    p.add_argument("--dispatcher", choices=["autoep", "dedup"],
+                   help="expert-parallel dispatcher (default: dedup when EP > 1, docs/dispatch.md)")
     p.add_argument("--ds-override", action="append", default=[], metavar="JSON|@FILE",
                    help="DeepSpeed config merged last (repeatable)")
     p.add_argument("--data", metavar="JSON|@FILE", help='training.data, e.g. {"kind": "synthetic"}')

@@ -178,6 +178,7 @@ class RoutingStatsFrom(_Model):
 
 class Placement(_Model):
     strategy: Literal["Contiguous", "RoundRobin", "Balanced", "TopologyAware"] = "TopologyAware"
+    dispatcher: Literal["AutoEP", "Dedup"] | None = None   # None: Dedup when EP > 1 (planner)
     expert_parallel_size: int | None = Field(default=None, ge=1, le=8192)
     routing_stats_from: RoutingStatsFrom | None = None
 

@@ -202,6 +202,62 @@ def _nonzero(mask: torch.Tensor, size: int) -> torch.Tensor:
     return torch.nonzero_static(mask, size=size)
 
 
+def _local_counts(plan: Plan, sel: torch.Tensor):
+    """``sel[T, K]`` -> (dest_group[T, K], hit_group[T, G], counts[2P + G]: tokens hitting each rank
+    | assignments to each rank | tokens hitting each group)."""
+    T, K = sel.shape
+    dev = sel.device
+    dest_rank = plan.e2r[sel]
+    dest_group = plan.r2g[dest_rank]
+    hit_rank = torch.zeros(T, plan.P, dtype=torch.bool, device=dev).scatter_(1, dest_rank, True)
+    hit_group = torch.zeros(T, plan.G, dtype=torch.bool, device=dev).scatter_(1, dest_group, True)
+    assigned = torch.zeros(plan.P, dtype=torch.long, device=dev).scatter_add_(
+        0, dest_rank.reshape(-1), torch.ones(T * K, dtype=torch.long, device=dev))
+    return dest_group, hit_group, torch.cat([hit_rank.sum(0), assigned, hit_group.sum(0)])
+
+
+def _stage_a_rows(sel, dest_group, hit_group, n: int):
+    """One row per (token, group hit), group-major: (token[n], ids[n, K] with -1 outside the group)."""
+    ga_t = _nonzero(hit_group.t(), n)                                      # [n, 2]: (group, token)
+    tok = ga_t[:, 1]
+    return tok, torch.where(dest_group[tok] == ga_t[:, :1], sel[tok], -1).to(torch.int32)
+
+
+def _stage_b_rows(plan: Plan, ids_a: torch.Tensor, n: int):
+    """One row per (stage-A row, local rank it needs), rank-major: (row[n], ids[n, K] masked to it)."""
+    R = plan.R
+    local_b = torch.where(ids_a >= 0, plan.r2local[plan.e2r[ids_a.long().clamp(min=0)]], R)     # [NA, K]
+    hit_b = torch.zeros(ids_a.shape[0], R + 1, dtype=torch.bool, device=ids_a.device).scatter_(1, local_b, True)
+    lr = _nonzero(hit_b[:, :R].t(), n)                                     # [n, 2]: (local rank, row)
+    row = lr[:, 1]
+    return row, torch.where(local_b[row] == lr[:, :1], ids_a[row], -1)
+
+
+def _expert_rows(plan: Plan, ids_b: torch.Tensor, n: int, num_local_experts: int, counts_dtype):
+    """One GEMM row per (arrived row, local expert), sorted by local expert: (row, k, counts[E_local])."""
+    rk = _nonzero(ids_b >= 0, n)                                           # [n, 2]: (row, k)
+    row, k = rk[:, 0], rk[:, 1]
+    local = plan.e2l[ids_b[row, k].long()]
+    order = torch.argsort(local, stable=True)
+    row, k, local = row[order], k[order], local[order]
+    local_counts = torch.zeros(num_local_experts, dtype=counts_dtype, device=ids_b.device).scatter_add_(
+        0, local, torch.ones_like(local, dtype=counts_dtype))
+    return row, k, local_counts
+
+
+def index_work(plan: Plan, selected: torch.Tensor):
+    """The dedup path's extra per-layer work without collectives (benchmarks): the count vector, its
+    one host copy, and the stage A / stage B / expert index building, with this rank's own rows
+    standing in for what its peers would send."""
+    sel = selected.long()
+    P = plan.P
+    dest_group, hit_group, mine = _local_counts(plan, sel)
+    counts = mine.cpu()
+    tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P:].sum()))
+    row_b, ids_b = _stage_b_rows(plan, ids_a, int(counts[:P].sum()))
+    return _expert_rows(plan, ids_b, int(counts[P:2 * P].sum()), len(plan.layout.expert2rank) // P, torch.int32)
+
+
 def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor, experts,
           num_local_experts: int, score_apply: str, counts_dtype: torch.dtype) -> torch.Tensor:
     """Dispatch ``x[T, H]`` to the experts picked in ``selected[T, K]`` with weights
@@ -210,17 +266,10 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
     from deepspeed.module_inject.auto_ep_layer import permute_by_local_expert, unpermute_by_local_expert
 
     T, H = x.shape
-    K = selected.shape[1]
-    P, G, R, me = plan.P, plan.G, plan.R, plan.me
+    P, G, me = plan.P, plan.G, plan.me
     dev = x.device
     sel = selected.long()
-    dest_rank = plan.e2r[sel]                                              # [T, K]
-    dest_group = plan.r2g[dest_rank]                                       # [T, K]
-    hit_rank = torch.zeros(T, P, dtype=torch.bool, device=dev).scatter_(1, dest_rank, True)
-    hit_group = torch.zeros(T, G, dtype=torch.bool, device=dev).scatter_(1, dest_group, True)
-    assigned = torch.zeros(P, dtype=torch.long, device=dev).scatter_add_(
-        0, dest_rank.reshape(-1), torch.ones(T * K, dtype=torch.long, device=dev))
-    mine = torch.cat([hit_rank.sum(0), assigned, hit_group.sum(0)])        # [2P + G]
+    dest_group, hit_group, mine = _local_counts(plan, sel)
 
     # ---- the one count exchange: counts[P, 2P + G] on the host
     if P > 1:
@@ -235,9 +284,7 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
     rail = plan.rail_ranks
     send_a = [int(groups_hit[me, g]) for g in range(G)]
     recv_a = [int(groups_hit[rail[g], plan.my_group]) for g in range(G)]
-    ga_t = _nonzero(hit_group.t(), sum(send_a))                            # [NA, 2]: (group, token)
-    tok_a = ga_t[:, 1]
-    ids_a = torch.where(dest_group[tok_a] == ga_t[:, :1], sel[tok_a], -1).to(torch.int32)
+    tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, sum(send_a))
     x_a = _Exchange.apply(x.index_select(0, tok_a), send_a, recv_a, plan.rail_group, plan, rail)
     w_a = _Exchange.apply(top_scores.float().index_select(0, tok_a), send_a, recv_a, plan.rail_group, plan, rail)
     ids_a = _all_to_all(ids_a, send_a, recv_a, plan.rail_group, plan, rail)
@@ -247,24 +294,14 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
     send_b = [int(sum(ranks_hit[s, d] for s in rail)) for d in members]
     recv_b = [int(sum(ranks_hit[s, me] for s in [plan.layout.group_ranks[g][plan.local_of[m]]
                                                   for g in range(G)])) for m in members]
-    valid = ids_a >= 0
-    local_b = torch.where(valid, plan.r2local[plan.e2r[ids_a.long().clamp(min=0)]], R)     # [NA', K]
-    hit_b = torch.zeros(ids_a.shape[0], R + 1, dtype=torch.bool, device=dev).scatter_(1, local_b, True)[:, :R]
-    lr = _nonzero(hit_b.t(), sum(send_b))                                  # [NB, 2]: (local rank, row)
-    row_b = lr[:, 1]
-    ids_b = torch.where(local_b[row_b] == lr[:, :1], ids_a[row_b], -1)
+    row_b, ids_b = _stage_b_rows(plan, ids_a, sum(send_b))
     x_b = _Exchange.apply(x_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members)
     w_b = _Exchange.apply(w_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members)
     ids_b = _all_to_all(ids_b, send_b, recv_b, plan.group_group, plan, members)
 
-    # ---- experts: one GEMM row per (arrived row, local expert), sorted by local expert
-    rk = _nonzero(ids_b >= 0, int(assigned_to[:, me].sum()))              # [N, 2]: (row, k)
-    row, k = rk[:, 0], rk[:, 1]
-    local = plan.e2l[ids_b[row, k].long()]
-    order = torch.argsort(local, stable=True)
-    row, k, local = row[order], k[order], local[order]
-    local_counts = torch.zeros(num_local_experts, dtype=counts_dtype, device=dev).scatter_add_(
-        0, local, torch.ones_like(local, dtype=counts_dtype))
+    # ---- experts: one GEMM row per (arrived row, local expert); partial sums per arrived row
+    row, k, local_counts = _expert_rows(plan, ids_b, int(assigned_to[:, me].sum()), num_local_experts,
+                                        counts_dtype)
     inp = x_b.index_select(0, row)
     w = w_b[row, k].unsqueeze(1)                                           # [N, 1] fp32
     if score_apply == "pre":
@@ -291,10 +328,20 @@ def ep_global_ranks(ep_group) -> list[int]:
         else list(range(dist.get_world_size()))
 
 
+_GROUPS: dict = {}
+
+
 def make_groups(layout: Layout, ep_group) -> tuple:
-    """(rail_group, group_group) for this rank: collective over the whole world, once per layout
-    shape. EP groups must be consecutive global ranks (DeepSpeed's layout); every replica of the
-    EP group gets its own rails and groups."""
+    """(rail_group, group_group) for this rank: collective over the whole world, once per group
+    shape (cached). EP groups must be consecutive global ranks (DeepSpeed's layout); every replica
+    of the EP group gets its own rails and groups."""
+    key = (layout.group_ranks, id(ep_group))
+    if key not in _GROUPS:
+        _GROUPS[key] = _new_groups(layout, ep_group)
+    return _GROUPS[key]
+
+
+def _new_groups(layout: Layout, ep_group) -> tuple:
     import torch.distributed as dist
     P, G = layout.num_ranks, len(layout.group_ranks)
     R = len(layout.group_ranks[0])
@@ -363,7 +410,6 @@ def install(blocks, layouts: list[Layout]) -> list:
     if len(layouts) != len(blocks):
         raise DispatchError(f"{len(layouts)} layouts for {len(blocks)} MoE layers")
     cls = layer_class()
-    cache: dict = {}
     for block, layout in zip(blocks, layouts):
         if not isinstance(block, AutoEPMoELayer):
             raise DispatchError(f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}")
@@ -373,10 +419,7 @@ def install(blocks, layouts: list[Layout]) -> list:
             raise DispatchError("dispatcher 'dedup' replaces AutoEP's default all-to-all path; it does not "
                                 "combine with comm_backend 'deepep' or folded tensor parallelism")
         layout.check(block.ep_size, block.num_experts, block.num_local_experts)
-        key = (layout.group_ranks, id(block.ep_group))
-        if key not in cache:
-            cache[key] = make_groups(layout, block.ep_group)
-        rail, group = cache[key]
+        rail, group = make_groups(layout, block.ep_group)
         block.__class__ = cls
         block.dedup_plan = Plan(layout, block.ep_rank, block.ep_group, rail, group,
                                 block.router.gate.weight.device)

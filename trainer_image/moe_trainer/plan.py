@@ -21,6 +21,7 @@ DEFAULT_PLAN_PATH = "/etc/moe/plan.json"
 BALANCE_MODES = ("per_layer_aux", "global_aux", "none")
 MOE_IMPLS = ("hf", "grouped")
 DATA_KINDS = ("text", "tokens", "synthetic", "corpus")
+DISPATCHERS = ("autoep", "dedup")
 
 
 class PlanError(ValueError):
@@ -34,6 +35,7 @@ class RankSpec:
     node_rank: int
     local_rank: int
     gpu: int | None
+    group: int | None = None     # NVLink group (CPU: node) index; None in plans written before it
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Placement:
     num_experts: int
     ep_size: int
     permutation: tuple[tuple[int, ...], ...]   # permutation[layer][slot] = original expert
+    dispatcher: str = "autoep"                 # "autoep" (DeepSpeed's all-to-all) | "dedup" (dedup_ep)
 
     @property
     def experts_per_rank(self) -> int:
@@ -208,8 +211,11 @@ def _parse_placement(doc: dict) -> Placement:
                 or any(isinstance(x, bool) for x in row):
             raise PlanError(f"{p}.permutation[{layer}]: {row!r} is not a permutation of 0..{num_experts - 1}")
         rows.append(tuple(row))
+    dispatcher = _get(doc, "dispatcher", p, str, required=False, default="autoep")
+    if dispatcher not in DISPATCHERS:
+        raise PlanError(f"{p}.dispatcher: {dispatcher!r} is not one of {list(DISPATCHERS)}")
     return Placement(strategy=str(doc.get("strategy", "unknown")), num_layers=num_layers,
-                     num_experts=num_experts, ep_size=ep_size, permutation=tuple(rows))
+                     num_experts=num_experts, ep_size=ep_size, permutation=tuple(rows), dispatcher=dispatcher)
 
 
 def _parse_training(doc: dict | None) -> TrainingSpec:
@@ -300,8 +306,9 @@ def parse_plan(doc: Any) -> MoEPlan:
         if rank != i:
             raise PlanError(f"{rp}.rank: {rank!r} out of order (expected {i})")
         gpu = _get(r, "gpu", rp, int, required=False)
+        group = _get(r, "group", rp, int, required=False)
         ranks.append(RankSpec(rank=rank, node=str(r.get("node", "")), node_rank=int(r.get("nodeRank", 0)),
-                              local_rank=int(r.get("localRank", 0)), gpu=gpu))
+                              local_rank=int(r.get("localRank", 0)), gpu=gpu, group=group))
     if ranks and len(ranks) != world_size:
         raise PlanError(f"ranks: has {len(ranks)} entries, worldSize is {world_size}")
     placement_doc = _get(doc, "placement", "", dict, required=False)
@@ -313,6 +320,9 @@ def parse_plan(doc: Any) -> MoEPlan:
     if ep_cfg.get("enabled") and int(ep_cfg.get("autoep_size", 1)) != ep_size:
         raise PlanError(f"deepspeed.expert_parallel.autoep_size: {ep_cfg.get('autoep_size')!r} "
                         f"differs from epSize={ep_size}")
+    if placement is not None and placement.dispatcher == "dedup" and ep_size > 1 and not ep_cfg.get("enabled"):
+        raise PlanError("placement.dispatcher: 'dedup' dispatches AutoEP layers; "
+                        "deepspeed.expert_parallel.enabled is false")
     training = _parse_training(doc.get("training"))
     if training.moe_impl == "grouped" and ep_cfg.get("enabled"):
         raise PlanError("training.moeImpl: 'grouped' replaces the MoE blocks AutoEP would replace; "

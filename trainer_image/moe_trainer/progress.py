@@ -163,6 +163,10 @@ class Metrics:
         self.dead = Gauge("moe_trainer_dead_experts", "Experts flagged dead", labels, registry=self.registry)
         self.frag = Gauge("moe_trainer_allocator_fragmentation", "1 - allocated/reserved (CUDA)", labels,
                           registry=self.registry)
+        self.tier_bytes = Gauge("moe_trainer_all_to_all_bytes_per_step",
+                                "Expert all-to-all bytes sent to other ranks in the last step, all ranks, by "
+                                "the receiver's tier (crossNode is part of crossGroup)",
+                                labels + ["tier"], registry=self.registry)
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
     def update(self, doc: dict, tokens: int) -> None:
@@ -180,6 +184,8 @@ class Metrics:
         self.dead.labels(j).set(len(moe.get("deadExperts") or []))
         if moe.get("fragmentation") is not None:
             self.frag.labels(j).set(moe["fragmentation"])
+        for tier, v in (moe.get("allToAllBytesPerStepByTier") or {}).items():
+            self.tier_bytes.labels(j, tier).set(v)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -129,10 +129,12 @@ class Trainer:
             optimizer=None if has_opt else make_opt,
             lr_scheduler=None if "scheduler" in cfg else make_sched, config=cfg)
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
+        self.dispatcher = self.install_dispatcher()
         self.probe = routing.RouterProbe(self.blocks)
         if self.is_rank0:
-            log.info("MoE blocks after initialize: %d x %s (moeImpl=%s, AutoEP=%s)", len(self.blocks),
-                     type(self.blocks[0]).__name__, t.moe_impl, p.autoep_enabled)
+            log.info("MoE blocks after initialize: %d x %s (moeImpl=%s, AutoEP=%s, dispatcher=%s)",
+                     len(self.blocks), type(self.blocks[0]).__name__, t.moe_impl, p.autoep_enabled,
+                     self.dispatcher)
         if verify:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
@@ -155,6 +157,33 @@ class Trainer:
         self._routing_written_step: int | None = None
         port = os.environ.get("MOE_METRICS_PORT")
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
+
+    def rank_tiers(self) -> tuple[list[int], list[int]]:
+        """NVLink group and node index of every global rank, from the plan's ranks (a plan without
+        ``ranks[].group``: the node is the group; without ranks: every rank its own group)."""
+        ranks, world = self.plan.ranks, self.env.world_size
+        if not ranks:
+            return list(range(world)), list(range(world))
+        nodes = [r.node_rank for r in ranks]
+        return [r.group if r.group is not None else r.node_rank for r in ranks], nodes
+
+    def install_dispatcher(self) -> str:
+        """Class-swap the AutoEP layers to the dedup dispatcher when the plan says so (EP > 1);
+        count all-to-all bytes by tier either way."""
+        p = self.plan
+        group_of, node_of = self.rank_tiers()
+        self.timer.set_tiers(group_of, node_of)
+        if p.placement is None or p.placement.dispatcher != "dedup" or not p.autoep_enabled or p.ep_size == 1:
+            return "autoep"
+        from moe_trainer import dedup_ep
+        P = p.ep_size
+        base = (self.env.rank // P) * P
+        layout = dedup_ep.contiguous_layout(self.num_experts, P, group_of[base:base + P], node_of[base:base + P])
+        dedup_ep.install(self.blocks, [layout] * len(self.blocks))
+        if self.is_rank0:
+            log.info("dedup dispatcher: %d group(s) x %d rank(s) per EP group", len(layout.group_ranks),
+                     len(layout.group_ranks[0]))
+        return "dedup"
 
     def verify_placement(self, originals) -> None:
         from moe_trainer.placement import verify_placement
@@ -282,8 +311,11 @@ class Trainer:
                 "allToAllSecondsPerStep": round(comm["allToAll"], 6),
                 "allGatherSecondsPerStep": round(comm["allGather"], 6), "fragmentation": frag,
                 "allToAllBytesPerStepByRank": [int(r[1]) for r in per_rank],
-                "peakMemoryAllocatedBytesByRank": [int(r[2]) for r in per_rank] if cuda else None,
-                "peakMemoryReservedBytesByRank": [int(r[3]) for r in per_rank] if cuda else None}
+                "dispatcher": self.dispatcher,
+                "allToAllBytesPerStepByTier": {k: int(sum(r[2 + i] for r in per_rank))
+                                               for i, k in enumerate(("intraGroup", "crossGroup", "crossNode"))},
+                "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
+                "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None}
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -310,7 +342,9 @@ class Trainer:
             # collectives: in synchronous training everyone's wall time equals the slowest rank's,
             # the time outside collectives does not), all-to-all bytes sent, memory peaks.
             busy = max(0.0, dt - comm["allToAll"] - comm["allGather"])
-            mine = torch.tensor([busy, comm["allToAllBytes"], *memory_peaks(env.device)],
+            tiers = comm["allToAllTierBytes"]
+            mine = torch.tensor([busy, comm["allToAllBytes"], tiers["intraGroup"], tiers["crossGroup"],
+                                 tiers["crossNode"], *memory_peaks(env.device)],
                                 dtype=torch.float64, device=env.device)
             per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]
             dist.all_gather(per_rank, mine)

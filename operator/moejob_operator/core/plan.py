@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from . import cost, perf as perf_mod, placement as placement_mod
+from . import cost, dispatch, perf as perf_mod, placement as placement_mod, router_groups
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DocumentError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
@@ -145,8 +145,20 @@ def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[
         node_rank.setdefault(node, len(node_rank))
         first.setdefault(node, r)
         out.append({"rank": r, "node": node, "nodeRank": node_rank[node],
-                    "localRank": r - first[node], "gpu": None if cpu else int(local)})
+                    "localRank": r - first[node], "gpu": None if cpu else int(local),
+                    "group": int(topo.group_of[g])})
     return out
+
+
+def _dispatch(pl, topo, trace: RoutingStats, spec, job_tokens_per_step: int, p: int, chosen: str) -> dict:
+    """``placement.quality.dispatch``: bytes per step by tier, forward + backward, for the chosen
+    dispatcher and for AutoEP's, exact on the trace's sampled tokens (core.dispatch)."""
+    if trace.token_experts is None:
+        return {"dispatcher": chosen, "basis": "none (routing statistics without tokenSamples)"}
+    te = trace.token_experts
+    got = dispatch.dispatch_bytes(pl, topo, te, hidden_size=spec.hidden_size, bytes_per_elem=p)
+    scale = job_tokens_per_step / max(te.shape[1], 1)
+    return {"dispatcher": chosen, "basis": f"{te.shape[1]} sampled tokens", **dispatch.per_step(got, scale)}
 
 
 def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
@@ -198,7 +210,8 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                ep_size: int | None = None, gpu: GpuCaps | None = None, device: str = "cuda",
                procs_per_node: int = 1, cpu_memory_bytes: int = 0,
                training: TrainingOptions = TrainingOptions(), autoep: bool = True,
-               ds_overrides: dict[str, Any] | None = None, performance: bool = True) -> Plan:
+               ds_overrides: dict[str, Any] | None = None, performance: bool = True,
+               dispatcher: str | None = None) -> Plan:
     """Build (and validate) the MoEPlan v1 document; raise ``DocumentError`` naming the field.
 
     ``performance``: let the planner pick the fast settings (:mod:`.perf`); False gives the
@@ -246,8 +259,9 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     if world % ep:
         raise DocumentError(f"epSize: {ep} does not divide the world size {world}")
     try:
-        pl = placement_mod.solve(strategy, topo, routing_stats, ep_size=ep, num_experts=E,
-                                 num_layers=L, seed=training.seed)
+        pl = router_groups.solve(strategy, topo, routing_stats, ep_size=ep, num_experts=E,
+                                 num_layers=L, seed=training.seed,
+                                 n_group=int((model.hf_config or {}).get("n_group") or 1))
     except ValueError as exc:
         raise DocumentError(f"placement: {exc}") from None
 
@@ -271,6 +285,13 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
         return cfg
     ds = with_perf_zero(ds)
     perf_doc = dict(choice.performance) if choice and choice.performance else {}
+    uses_autoep = bool((ds.get("expert_parallel") or {}).get("enabled"))
+    if dispatcher is None:
+        dispatcher = "dedup" if uses_autoep and ep > 1 else "autoep"
+    if dispatcher not in dispatch.DISPATCHERS:
+        raise DocumentError(f"dispatcher: {dispatcher!r} is not one of {list(dispatch.DISPATCHERS)}")
+    if dispatcher == "dedup" and not uses_autoep:
+        raise DocumentError("dispatcher: 'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
     if ep_size is not None and ep_size > auto_ep:
         warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
                         f"is {auto_ep})")
@@ -283,6 +304,7 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                                              cluster_affinity=0.0, seed=0)
     ours, quality = _score(pl, topo, trace, spec, global_batch * seq_len, p)
     quality["basis"] = "routingStats" if routing_stats is not None else "uniform"
+    quality["dispatch"] = _dispatch(pl, topo, trace, spec, global_batch * seq_len, p, dispatcher)
     quality["estimate"] = "exact" if trace.exact else "lowerBound"
     if not trace.exact:
         warnings.append(f"placement.quality: top-{trace.top_k} scored from pair counts (the routing "
@@ -334,7 +356,7 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                   "hfConfig": model.hf_config},
         "worldSize": world, "epSize": ep,
         "ranks": _ranks(topo, pl.rank2gpu, cpu),
-        "placement": {**pl.to_json(), "quality": quality},
+        "placement": {**pl.to_json(), "dispatcher": dispatcher, "quality": quality},
         "deepspeed": ds,
         "memory": {"gpuMemoryBytes": int(mem_bytes), "estimatedPeakBytes": est.total,
                    "fits": fits, "breakdown": est.breakdown},
@@ -378,6 +400,20 @@ def _strategy_line(plan: Plan) -> str:
     return asked
 
 
+def _dispatch_line(pl: dict) -> str:
+    """``dispatch   dedup; MiB/step fwd+bwd (..): dedup .. | AutoEP ..`` (core.dispatch)."""
+    q = pl["quality"].get("dispatch") or {}
+    chosen = pl.get("dispatcher", "autoep")
+    if "dedup" not in q:
+        return f"dispatch   {chosen} (bytes by tier: {q.get('basis', 'n/a')})"
+
+    def fmt(d: dict) -> str:
+        return (f"cross-group {d['crossGroupBytesPerStep'] / 2**20:.1f}, intra-group "
+                f"{d['intraGroupBytesPerStep'] / 2**20:.1f}, cross-node {d['crossNodeBytesPerStep'] / 2**20:.1f}")
+    return (f"dispatch   {chosen}; MiB/step fwd+bwd ({q['basis']}): dedup {fmt(q['dedup'])} | "
+            f"AutoEP {fmt(q['autoep'])}")
+
+
 def summarize(plan: Plan) -> str:
     """A readable summary for ``moectl plan``."""
     d, topo = plan.document, plan.topology
@@ -398,6 +434,7 @@ def summarize(plan: Plan) -> str:
         f"{q['maxMeanLoad']:.2f} ({q['basis']} routing"
         + (", LOWER BOUND: top-k > 2 scored without token samples)" if q.get("estimate") == "lowerBound"
            else ")"),
+        _dispatch_line(d["placement"]),
         f"batch      global {d['deepspeed']['train_batch_size']} = micro "
         f"{d['training']['microBatch']} x accum {d['training']['gradAccum']} x {d['worldSize']}"
         f", seq {d['training']['seqLen']}",

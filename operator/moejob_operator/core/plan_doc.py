@@ -65,6 +65,9 @@ def _check_ranks(ranks: Any, world: int, device: str) -> None:
         if node_rank.setdefault(node, nr) != nr:
             raise _err(f"{p}.nodeRank", f"{nr} but node {node!r} has nodeRank {node_rank[node]}")
         locals_.setdefault(node, []).append(lr)
+        group = r.get("group")
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 0):
+            raise _err(f"{p}.group", f"{group!r} is not an NVLink group index")
         gpu = r.get("gpu")
         if device == "cpu":
             if gpu is not None:
@@ -94,6 +97,9 @@ def _check_placement(pl: dict, ep: int, num_layers: int, num_experts: int) -> No
                    f"{num_experts} experts")
     if _int(pl, "epSize", p, 1) != ep:
         raise _err(f"{p}.epSize", f"{pl['epSize']} differs from epSize {ep}")
+    disp = pl.get("dispatcher", "autoep")
+    if disp not in ("autoep", "dedup"):
+        raise _err(f"{p}.dispatcher", f"{disp!r} is not one of ['autoep', 'dedup']")
     perm = pl.get("permutation")
     if not isinstance(perm, list) or len(perm) != L:
         raise _err(f"{p}.permutation", f"expected {L} rows (numLayers)")

@@ -34,6 +34,7 @@ MAX_PLAN_BYTES = 800 * 1024
 
 STRATEGY = {"Contiguous": "contiguous", "RoundRobin": "round_robin", "Balanced": "balanced",
             "TopologyAware": "topology_aware"}
+DISPATCHER = {"AutoEP": "autoep", "Dedup": "dedup", None: None}
 
 # core error prefix -> the spec field a person has to change
 _FIELD_OF = {
@@ -48,6 +49,7 @@ _FIELD_OF = {
     "overrides": "spec.deepspeedOverrides",
     "deepspeedOverrides": "spec.deepspeedOverrides",
     "strategy": "spec.placement.strategy",
+    "dispatcher": "spec.placement.dispatcher",
     "placement": "spec.placement",
     "seqLen": "spec.training.seqLen",
 }
@@ -327,7 +329,8 @@ def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, 
             global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
             ep_size=spec.placement.expert_parallel_size, device="cpu" if cpu else "cuda",
             procs_per_node=spec.nodes.gpus_per_node, cpu_memory_bytes=cpu_memory_bytes,
-            training=opts, ds_overrides=spec.deepspeed_overrides)
+            training=opts, ds_overrides=spec.deepspeed_overrides,
+            dispatcher=DISPATCHER[spec.placement.dispatcher])
     except DocumentError as exc:
         raise _to_spec_error(exc) from None
     except (TypeError, AttributeError, ValueError) as exc:
