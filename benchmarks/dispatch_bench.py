@@ -264,7 +264,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     a = ap.parse_args()
     job = {"stats": a.stats, "hidden": a.hidden, "ffn": a.ffn, "tokens": a.tokens, "repeat": a.repeat}
-    work = Path(a.out + ".work")
+    import tempfile
+    work = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
     cmd = " ".join(["benchmarks/dispatch_bench.py", *sys.argv[1:]])
     if not a.netns:
         rows = summarize(a.stats, launch(job, work, False), job)
@@ -291,6 +292,8 @@ def main() -> None:
     Path(a.out + ".json").write_text(json.dumps(doc, indent=1))
     Path(a.out + ".md").write_text(f"Command: `{cmd}`\n\n{md}\n")
     print(md)
+    import shutil
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def time_table(rows: list[dict]) -> str:

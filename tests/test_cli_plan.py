@@ -134,9 +134,7 @@ def test_plan_shows_dedup_and_autoep_bytes_side_by_side(capsys, tmp_path):
     cfg = dict(models.preset_hf_config("tiny-mixtral"), num_local_experts=8, num_experts_per_tok=2)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     stats = routing.synthetic_trace(cfg["num_hidden_layers"], 8, 2, 512, num_clusters=2, seed=2)
-    doc = stats.to_json()
-    doc["tokenExperts"] = stats.token_experts.tolist()
-    (tmp_path / "routing.json").write_text(json.dumps(doc))
+    (tmp_path / "routing.json").write_text(json.dumps(stats.to_json()))      # v2, with tokenSamples
     args = ["plan", "--cpu", "--nodes", "a,b", "--procs-per-node", "2", "--cpu-memory-gib", "4",
             "--model", str(tmp_path / "config.json"), "--stats", str(tmp_path / "routing.json"),
             "--ep-size", "4", "--global-batch", "8", "--seq-len", "64"]
