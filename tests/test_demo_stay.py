@@ -141,6 +141,7 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
         assert not left, f"still running after down: {left}"
         assert not _mentions(work), "a process still names the demo's folder"
         assert not (work / "demo.pid").exists()
+        assert not (work / "env.sh").exists(), "env.sh left behind, pointing at a stopped cluster"
         # down again: nothing to stop, still fine
         res = subprocess.run(["bash", "-c", f"{stop} --dir {shlex.quote(str(work))}"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)

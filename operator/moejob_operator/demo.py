@@ -112,7 +112,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _write_env(work: Path, kubeconfig: Path) -> Path:
-    """``work/env.sh``: KUBECONFIG and the project's kubectl and helm (``work/bin``) on PATH."""
+    """``work/env.sh``: KUBECONFIG and the project's kubectl and helm (``work/bin``) on PATH;
+    removed when the cluster stops."""
     from moe_localkube import binaries
 
     bindir = work / "bin"
@@ -162,6 +163,8 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
     agent = operator = None
     try:
         _say(f"control plane ready in {cp.startup_seconds:.1f}s at {cp.server}")
+        env_script = _write_env(work, cp.kubeconfig)
+        _say(f"to watch from another shell: source {_show(env_script)}; kubectl get moejob -w")
         kube = Kube.from_api_client(cp.api_client())
         kubectl_env = cp.kubectl_env()
         kubectl = str(binaries.kubectl_binary())
@@ -227,9 +230,8 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         _say(f"logs: operator {_show(work / 'operator.log')}, pods {_show(work / 'nodeagent')}")
         _say("job Succeeded" if ok else "job did NOT succeed (see describe above)")
         if stay:
-            env = _write_env(work, cp.kubeconfig)
             _say(f"the cluster stays up (pid {os.getpid()}). In another shell, from {Path.cwd()}:")
-            print(f"    source {_show(env)}      # KUBECONFIG, and the project's kubectl and helm on PATH\n"
+            print(f"    source {_show(env_script)}      # KUBECONFIG, and the project's kubectl and helm on PATH\n"
                   f"    kubectl get moejob -o wide\n"
                   f"    kubectl describe moejob {name}\n", flush=True)
             down = "scripts/dev.sh down" + ("" if work == DEFAULT_DIR else f" --dir {_show(work)}")
@@ -244,3 +246,4 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         if agent is not None:
             agent.stop()
         cp.stop()
+        (work / "env.sh").unlink(missing_ok=True)    # it would point at a stopped cluster
