@@ -13,12 +13,15 @@ The convention (docs/benchmarks.md says it for people adding numbers):
   new number there without its result file fails.
 
 The numbers a figure is compared with are all the numbers in the cited files' text (JSON and
-Markdown alike), so a benchmark that writes its Markdown table from its JSON is enough.
+Markdown alike), so a benchmark that writes its Markdown table from its JSON is enough, plus the
+total of every JSON object whose values are all numbers (``{"InvalidSpec": 40, "Other": 3}``
+backs a "43").
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 
@@ -126,10 +129,31 @@ def blocks(text: str) -> list[tuple[int, str, str]]:
     return merged
 
 
+def _totals(doc) -> list[float]:
+    """The sum of every JSON object whose values are all numbers (a breakdown's total)."""
+    out = []
+    if isinstance(doc, dict):
+        values = list(doc.values())
+        if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out.append(float(sum(values)))
+        for v in values:
+            out += _totals(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            out += _totals(v)
+    return out
+
+
 def _file_numbers(path: Path) -> list[float]:
     text = path.read_text(errors="replace")
-    return [abs(float(x)) for x in _FILE_NUMBER.findall(text)] + \
+    numbers = [abs(float(x)) for x in _FILE_NUMBER.findall(text)] + \
         [float(x.replace(",", "")) for x in _FILE_THOUSANDS.findall(text)]
+    if path.suffix == ".json":
+        try:
+            numbers += [abs(t) for t in _totals(json.loads(text))]
+        except ValueError:
+            pass
+    return numbers
 
 
 def found(value: float, decimals: int, unit: str, numbers: list[float]) -> bool:
@@ -174,6 +198,7 @@ def test_the_checker_catches_a_wrong_figure_and_a_missing_file(tmp_path):
         ["163.2k", "9%", "1.9x"]
     assert found(163.2, 1, "k", [163214.7]) and not found(163.2, 1, "k", [163300.0])
     assert found(9, 0, "%", [0.091]) and found(0.52, 2, "", [0.5213]) and not found(0.52, 2, "", [0.53])
+    assert _totals({"refused": {"InvalidSpec": 40, "Other": 3}, "n": [1, True]}) == [43.0]
     doc = tmp_path / "README.md"
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"p50": 0.5213, "jobs": 100}')
