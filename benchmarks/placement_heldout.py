@@ -1,0 +1,131 @@
+"""Held-out placement evaluation on routing the trainer recorded on real text.
+
+    .venv/bin/python benchmarks/placement_heldout.py \
+        benchmarks/results/routing_stats_real_text_e64_top8_fit.json:benchmarks/results/routing_stats_real_text_e64_top8_test.json \
+        benchmarks/results/routing_stats_real_text_e64_top2_fit.json:benchmarks/results/routing_stats_real_text_e64_top2_test.json
+
+Each pair is two disjoint windows of one training run (``moe_trainer.record_routing --test-out``).
+Every solver places on the *fit* window; placements are scored on the *test* window's token
+samples (exact cost model: a token is sent once per remote NVLink group / node holding any of
+its experts). "predicted" is what the planner reports (scored on the fit window, exactly from
+its token samples), "pair bound" what it would report without samples (pair counts only).
+Writes ``benchmarks/results/placement-heldout.{json,md}``; threads pinned to 1.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from moejob_operator.core.cost import score  # noqa: E402
+from moejob_operator.core.placement import solve  # noqa: E402
+from moejob_operator.core.routing import read_routing_stats  # noqa: E402
+from moejob_operator.core.topology import ClusterTopology  # noqa: E402
+
+# (name, topology, EP size): EP spanning 2 and 8 NVLink groups
+CASES = (("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
+         ("8 nodes x 4 (NVLink 4), EP 32 = 8 groups", dict(nodes=8, gpus_per_node=4, group_size=4), 32),
+         ("8 nodes x 8 (NVSwitch), EP 64 = 8 groups", dict(nodes=8, gpus_per_node=8, group_size=8), 64),
+         ("1 node x 16 (NVLink pairs), EP 16 = 8 groups", dict(nodes=1, gpus_per_node=16, group_size=2), 16))
+STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware")
+TARGETS = {"vs_contiguous": 0.70, "load_vs_balanced": 1.05, "prediction_error": 0.03}
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 1.0
+
+
+def run_pair(fit_path: str, test_path: str) -> list[dict]:
+    fit, test = read_routing_stats(fit_path), read_routing_stats(test_path)
+    if fit.token_experts is None or test.token_experts is None:
+        raise SystemExit(f"{fit_path} / {test_path}: both windows need tokenSamples (RoutingStats v2)")
+    rows = []
+    for name, kw, ep in CASES:
+        topo = ClusterTopology.synthetic(**kw)
+        out, secs = {}, {}
+        for strategy in STRATEGIES:
+            t = time.process_time()
+            p = solve(strategy, topo, fit, ep_size=ep, num_experts=fit.num_experts, num_layers=fit.num_layers)
+            secs[strategy] = time.process_time() - t
+            out[strategy] = (p, score(p, topo, test, hidden_size=1, bytes_per_elem=1),
+                             score(p, topo, fit, hidden_size=1, bytes_per_elem=1),
+                             score(p, topo, fit.without_tokens(), hidden_size=1, bytes_per_elem=1))
+        c_test, c_fit, c_pair = (out["contiguous"][i].cross_group_bytes_per_step for i in (1, 2, 3))
+        b_test = out["balanced"][1]
+        for strategy, (_p, s_test, s_fit, s_pair) in out.items():
+            measured = s_test.cross_group_bytes_per_step / c_test
+            in_sample = s_fit.cross_group_bytes_per_step / c_fit
+            predicted = in_sample
+            rows.append({
+                "input": f"{Path(fit_path).name} -> {Path(test_path).name}", "topK": fit.top_k,
+                "case": name, "strategy": strategy,
+                "measuredVsContiguous": measured, "predictedVsContiguous": predicted,
+                "predictionError": predicted / measured - 1, "inSampleVsContiguous": in_sample,
+                "pairBoundVsContiguous": s_pair.cross_group_bytes_per_step / c_pair,
+                "measuredCrossNodeVsContiguous": _ratio(s_test.cross_node_bytes_per_step,
+                                                        out["contiguous"][1].cross_node_bytes_per_step),
+                "loadVsBalanced": s_test.max_mean_load / b_test.max_mean_load,
+                "fitWorstLayerLoad": s_fit.worst_layer_max_mean_load,
+                "testWorstLayerLoad": s_test.worst_layer_max_mean_load,
+                "worstLayerLoadDrift": s_test.worst_layer_max_mean_load / s_fit.worst_layer_max_mean_load,
+                "fitModel": fit.model, "testModel": test.model,
+                "fitSamples": int(fit.token_experts.shape[1]), "testSamples": int(test.token_experts.shape[1]),
+                "solveSeconds": secs[strategy]})
+    return rows
+
+
+def markdown(result: dict) -> str:
+    out = ["# Held-out placement evaluation (fit on one window, scored on the next)", "",
+           "| routing (fit -> test) | case | strategy | measured vs contiguous | predicted | error "
+           "| pair bound | load vs balanced | worst-layer load fit -> test |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        out.append(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
+                   f"{r['predictedVsContiguous']:.3f} | {r['predictionError']:+.1%} | "
+                   f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
+                   f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} |")
+    out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
+    out += [f"- {v}" for v in result["verdicts"]]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pairs", nargs="+", help="FIT.json:TEST.json (RoutingStats v2 with tokenSamples)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    rows = []
+    for pair in args.pairs:
+        fit, _, test = pair.partition(":")
+        rows += run_pair(fit, test)
+    verdicts = []
+    ta = [r for r in rows if r["strategy"] == "topology_aware"]
+    for r in ta:
+        ok = (r["measuredVsContiguous"] <= TARGETS["vs_contiguous"],
+              r["loadVsBalanced"] <= TARGETS["load_vs_balanced"],
+              abs(r["predictionError"]) <= TARGETS["prediction_error"])
+        verdicts.append(f"top-{r['topK']}, {r['case']}: vs contiguous {r['measuredVsContiguous']:.3f} "
+                        f"({'ok' if ok[0] else 'MISS'}), load vs balanced {r['loadVsBalanced']:.3f} "
+                        f"({'ok' if ok[1] else 'MISS'}), prediction error {r['predictionError']:+.1%} "
+                        f"({'ok' if ok[2] else 'MISS'})")
+    drift = max(r["worstLayerLoadDrift"] for r in rows if r["strategy"] != "contiguous")
+    verdicts.append(f"worst-layer max/mean load, test / fit, largest over non-contiguous placements: "
+                    f"{drift:.3f} (the plan's capacity margin must cover it)")
+    result = {"rows": rows, "verdicts": verdicts, "targets": TARGETS, "maxWorstLayerLoadDrift": drift}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "placement-heldout.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = markdown(result)
+    (out / "placement-heldout.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
