@@ -353,3 +353,19 @@ def test_digest_change_pins_the_identity_and_regates():
     assert ident.key != RG.identity_of({"status": {}}, spec, None).key
     job_ = B.smoke_job(ident, 1, CFG)
     assert job_["spec"]["template"]["spec"]["containers"][0]["image"] == f"reg.io/trainer@{other}"
+
+
+def test_gpu_smoke_plans_cover_the_fast_path_and_partitioned_zero3():
+    """On one GPU the planner's fast settings keep every parameter whole; the gate must still
+    run ZeRO-3's partitioning (stock AutoEP cases) besides the fast path a 1-GPU job takes."""
+    from moejob_operator.core import smoke_plans as SP
+    from moejob_operator.core.dsconfig import GpuCaps
+    doc = SP.smoke_plans("cuda", GpuCaps("NVIDIA H200", 140 * 2**30, "9.0"))
+    by_case = {c["name"]: c["plan"] for c in doc["cases"]}
+    fast = [n for n, p in by_case.items() if p["training"].get("performance")]
+    hidden = SP.SMOKE_HF_CONFIGS["mixtral"]["hidden_size"]
+    partitioned = [n for n, p in by_case.items()
+                   if p["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] <= 10 * hidden]
+    assert fast == ["mixtral"]
+    assert sorted(partitioned) == ["deepseek-v3", "qwen3-moe"]
+    assert all(p["deepspeed"].get("expert_parallel", {}).get("enabled") for n, p in by_case.items() if n in partitioned)

@@ -15,7 +15,11 @@ The cases cover what real jobs run (docs/gate.md has the table):
   persistent,
 * gradient accumulation 2, the per-layer balancing loss, activation checkpointing in one case,
 * on CPU (2 ranks) EP = world in two cases and EP 1 < world in one, so that AutoEP's
-  expert-data-parallel gradient reduction runs; on one GPU every case has world = EP = 1.
+  expert-data-parallel gradient reduction runs; on one GPU every case has world = EP = 1,
+* on one GPU both paths a job can take: the planner's fast settings (:mod:`.perf`: grouped
+  block, compiled decoder layers, every parameter persistent) in the Mixtral case, and the stock
+  configuration (AutoEP, partitioned ZeRO-3) in the others, since on one GPU the fast settings
+  keep every parameter whole and would leave ZeRO-3's partitioning untested.
 
 The placement is the planner's ``round_robin`` (no routing statistics needed, and unlike
 ``contiguous`` it moves experts between EP ranks, so a misplaced expert is visible).
@@ -63,12 +67,14 @@ SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class SmokeCase:
-    """One plan of the smoke run. ``ep_size`` None: the planner's choice (= world on CPU)."""
+    """One plan of the smoke run. ``ep_size`` None: the planner's choice (= world on CPU).
+    ``performance``: let the planner pick its fast settings, as for a job (GPU plans only)."""
 
     name: str
     family: str
     ep_size: int | None = None
     activation_checkpointing: bool = False
+    performance: bool = True
 
 
 # CPU: 2 gloo ranks. The Qwen3 case has EP 1 < world 2: experts are ZeRO-partitioned over the
@@ -78,8 +84,8 @@ CPU_CASES = (SmokeCase("mixtral", "mixtral"),
              SmokeCase("deepseek-v3", "deepseek_v3"))
 # One GPU: world = EP = 1 (the expert-data-parallel reduction is covered by the CPU verdict).
 GPU_CASES = (SmokeCase("mixtral", "mixtral"),
-             SmokeCase("qwen3-moe", "qwen3_moe", activation_checkpointing=True),
-             SmokeCase("deepseek-v3", "deepseek_v3"))
+             SmokeCase("qwen3-moe", "qwen3_moe", activation_checkpointing=True, performance=False),
+             SmokeCase("deepseek-v3", "deepseek_v3", performance=False))
 CPU_WORLD = 2
 SEQ_LEN, MICRO_BATCH, GRAD_ACCUM = 32, 2, 2
 TRAIN_STEPS = 4
@@ -117,7 +123,8 @@ def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, step
         caps = gpu or GpuCaps("gpu", 0, "8.0")
         plan = build_plan(SMOKE_JOB, SMOKE_NAMESPACE, model, _gpu_topology(caps), gpu=caps,
                           strategy="round_robin", ep_size=case.ep_size, global_batch=MICRO_BATCH * GRAD_ACCUM,
-                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training)
+                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training,
+                          performance=case.performance)
     else:
         raise DocumentError(f"device: {device!r} is not 'cpu' or 'cuda'")
     return plan.document
