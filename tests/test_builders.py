@@ -69,7 +69,8 @@ def test_workers_rendezvous_and_pinning():
     for rank, (pod, node) in enumerate(zip(pods, ["gpu-7", "gpu-3"])):
         env = _env(pod)
         assert env["NODE_RANK"] == str(rank)
-        assert env["RANK"] == str(rank * 8)
+        # per-rank variables come from the pod's launcher, not from the pod's env
+        assert not {"RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} & set(env)
         assert env["WORLD_SIZE"] == "16" and env["NPROC_PER_NODE"] == "8" and env["NNODES"] == "2"
         assert env["MASTER_ADDR"] == "tiny-cpu-worker-0.tiny-cpu-workers.team-a.svc.cluster.local"
         rendezvous, metrics_port = common.job_ports(JOB)
@@ -87,9 +88,29 @@ def test_workers_rendezvous_and_pinning():
         assert pod["spec"]["subdomain"] == "tiny-cpu-workers"
         res = pod["spec"]["containers"][0]["resources"]
         assert res["limits"][C.GPU_RESOURCE] == res["requests"][C.GPU_RESOURCE] == "8"
+        assert pod["spec"]["containers"][0]["command"] == ["moe-train"]
+        assert pod["spec"]["containers"][0]["args"] == []
         # pass-through: user labels kept, ours win
         assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
         assert pod["spec"]["priorityClassName"] == "training"
+
+
+def test_worker_env_has_only_variables_something_reads():
+    """Every env name of a worker pod is read by the trainer image (launcher, trainer, publisher)."""
+    import re
+    pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
+    names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
+    source = "\n".join(p.read_text() for p in (ROOT / "trainer_image" / "moe_trainer").rglob("*.py"))
+    unread = sorted(n for n in names if not re.search(rf"[\"']{n}[\"']", source))
+    assert not unread, f"worker env nobody reads: {unread}"
+
+
+def test_cpu_workers_run_the_same_entry_point_with_cpu():
+    pods = workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0, spec_hash="h",
+                               node_ranks=[1])
+    assert [p["metadata"]["name"] for p in pods] == ["tiny-cpu-worker-1"]
+    c = pods[0]["spec"]["containers"][0]
+    assert (c["command"], c["args"]) == (["moe-train"], ["--cpu"])
 
 
 def test_operator_labels_win_over_user_labels():

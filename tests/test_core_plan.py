@@ -70,6 +70,18 @@ def test_gpus_per_node_takes_a_whole_nvlink_group():
     assert _tiny_plan(topo=_reports("pcie-only-4")).document["epSize"] == 1   # no NVLink
 
 
+def test_rank_gpus_count_the_gpus_the_container_sees():
+    """A pod given 4 of a node's 8 GPUs sees them as CUDA 0-3 (device plugin renumbering): the
+    plan's ``gpu`` indexes those, whichever NVML indices were selected."""
+    topo = topology.ClusterTopology.synthetic(nodes=1, gpus_per_node=8, group_size=4)
+    picked = plan.subset(topo, [4, 5, 6, 7])
+    ranks = plan._ranks(picked, np.array([2, 0, 3, 1]), cpu=False)
+    assert [r["gpu"] for r in ranks] == [2, 0, 3, 1]
+    assert [r["localRank"] for r in ranks] == [0, 1, 2, 3]
+    whole = plan._ranks(topo, np.arange(8), cpu=False)
+    assert [r["gpu"] for r in whole] == list(range(8))
+
+
 def test_topology_aware_beats_contiguous_when_ep_spans_groups():
     # EP 4 over two NVLink pairs: half of each EP group is across PCIe. Routing with planted
     # co-activation clusters of 4 experts: keeping a cluster inside a pair saves cross-group bytes.

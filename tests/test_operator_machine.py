@@ -140,3 +140,18 @@ def test_phase_is_derived_from_conditions():
     assert phase_of([c(C.COND_RUNNING, "True"), c(C.COND_FAILED, "True")]) == "Failed"
     assert phase_of([c(C.COND_SUCCEEDED, "True")]) == "Succeeded"
     assert phase_of([c(C.COND_SUSPENDED, "True")]) == "Suspended"
+
+
+def test_failure_message_carries_the_launchers_termination_message():
+    """The node launcher's one termination message (a TrainerExit document naming the rank that
+    failed first) reaches the Restarting condition."""
+    import json
+    doc = {"kind": "TrainerExit", "version": 1, "cause": "Signalled", "exitCode": 137, "rank": 3, "nodeRank": 1,
+           "message": "node rank 1: rank3 exited with code 137 first; exit codes {'rank2': 143, 'rank3': 137}: "}
+    pod = {"metadata": {"name": "j-worker-1", "uid": "u", "labels": {C.LABEL_NODE_RANK: "1", C.LABEL_ATTEMPT: "0"}},
+           "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
+               "exitCode": 137, "message": json.dumps(doc)}}}]}}
+    d = decide_gang([PodView.from_pod(pod)], count=2, attempt=0, failed_restarts=0, backoff_limit=2,
+                    gang_complete=True)
+    assert d.action == "restart"
+    assert "failed (exit code 137, Signalled: node rank 1: rank3 exited with code 137 first" in d.message

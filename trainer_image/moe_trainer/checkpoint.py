@@ -8,19 +8,89 @@ Layout under the checkpoint dir ($MOE_CHECKPOINT_DIR, else the plan's training.c
   ds/step-<n>/rng_rank<r>.pt     torch/numpy/python RNG states of rank r
 A tag is complete once DeepSpeed has rewritten `latest`, which it does after all shards are on
 disk; the trainer's own files are written before that, so `latest` never points at a half tag.
+
+SIGTERM / SIGINT (pod deletion: the node launcher forwards it to every rank): outside a
+checkpoint write the rank exits at once (128 + signal); during one it finishes the write first,
+so a deleted pod leaves the checkpoint it was writing complete (`install_signal_handlers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 import re
+import signal
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 TAG_RE = re.compile(r"^step-(\d+)$")
+log = logging.getLogger("moe_trainer.checkpoint")
+HOLD_LIMIT_SECONDS = 600.0
+
+_writing = 0                     # > 0 while this process is inside save()
+_pending_signal: int | None = None
+
+
+def _exit_on(signum: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)       # no interpreter teardown: process-group destructors can hang
+
+
+def _on_signal(signum, _frame) -> None:
+    global _pending_signal
+    if _writing:
+        if _pending_signal is None:
+            log.warning("%s during a checkpoint write: finishing the write, then exiting",
+                        signal.Signals(signum).name)
+        _pending_signal = signum
+        return
+    log.warning("%s: exiting", signal.Signals(signum).name)
+    _exit_on(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM / SIGINT: exit now, or right after the checkpoint write in progress."""
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _on_signal)
+
+
+@contextlib.contextmanager
+def _write_guard(step: int):
+    global _writing
+    _writing += 1
+    try:
+        yield
+    finally:
+        _writing -= 1
+    if not _writing and _pending_signal is not None:
+        log.warning("checkpoint step-%d written; exiting on %s", step, signal.Signals(_pending_signal).name)
+        _exit_on(_pending_signal)
+
+
+def _hold_for_test(step: int, ckpt_dir, rank: int) -> None:
+    """Fault injection for operator tests: MOE_FAULT_HOLD_CHECKPOINT_AT_STEP=n makes rank 0 stop
+    half-way through writing checkpoint n (its own files written, DeepSpeed's shards not yet),
+    leave `checkpoint-write-started-step-<n>` in the checkpoint dir and wait there until it is
+    signalled (a test deletes the pod), once per checkpoint dir."""
+    at = os.environ.get("MOE_FAULT_HOLD_CHECKPOINT_AT_STEP")
+    if rank != 0 or not at or int(at) != step:
+        return
+    marker = Path(ckpt_dir) / f"checkpoint-write-started-step-{step}"
+    if marker.exists():
+        return
+    marker.write_text(f"{step}\n")
+    log.warning("fault injection: holding checkpoint step-%d half-written until signalled", step)
+    deadline = time.monotonic() + HOLD_LIMIT_SECONDS
+    while _pending_signal is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def tag_for(step: int) -> str:
@@ -62,12 +132,14 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, rank: int, trainer_stat
     import torch.distributed as dist
     tag = tag_for(step)
     tag_dir = ds_dir(ckpt_dir) / tag
-    tag_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
-    if rank == 0:
-        torch.save(trainer_state, tag_dir / "trainer_state.pt")
-    dist.barrier()
-    engine.save_checkpoint(str(ds_dir(ckpt_dir)), tag=tag, client_state={"step": step})
+    with _write_guard(step):
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
+        if rank == 0:
+            torch.save(trainer_state, tag_dir / "trainer_state.pt")
+        _hold_for_test(step, ckpt_dir, rank)
+        dist.barrier()
+        engine.save_checkpoint(str(ds_dir(ckpt_dir)), tag=tag, client_state={"step": step})
     return tag_dir
 
 

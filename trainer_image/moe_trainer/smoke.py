@@ -24,14 +24,13 @@ import argparse
 import collections
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from moe_trainer.gang import Gang
+from moe_trainer.launch import free_port, rank_env
 from moe_trainer.smoke_checks import PHASE1_CHECKS
 
 CHECKS = ("imports",) + PHASE1_CHECKS + ("resume", "fused_adam")   # the check kinds
@@ -99,59 +98,20 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 # ---- the parent: start the ranks, merge their results into one verdict ---------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pump(stream, tail: collections.deque, prefix: str) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip()
-        tail.append(line)
-        print(f"{prefix}{line}", file=sys.stderr, flush=True)
-
-
 def run_ranks(args: argparse.Namespace, nproc: int, phase: str,
               timeout: float) -> tuple[list[int | None], list[collections.deque], bool]:
-    """Start `nproc` worker ranks of `phase`; returns exit codes (None: killed at the timeout),
-    output tails, and whether the timeout hit. When one rank fails the others get a few seconds,
-    then are killed (they may wait forever in a collective the failed rank never joins)."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc),
-               LOCAL_WORLD_SIZE=str(nproc), PYTHONUNBUFFERED="1")
+    """Start `nproc` worker ranks of `phase` (``moe_trainer.gang``: output prefixed
+    ``[<phase> rank<R>]`` on stderr; when one rank fails the others are stopped after a few
+    seconds: they may wait forever in a collective the failed rank never joins); returns exit
+    codes (128+N: killed by signal N), output tails, and whether the timeout hit."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-m", "moe_trainer.smoke", "--worker", phase, "--workdir", args.workdir,
            "--plans", args.plans] + (["--cpu"] if args.cpu else []) \
         + (["--expect-deepspeed", args.expect_deepspeed] if args.expect_deepspeed else [])
-    procs, tails, pumps = [], [], []
-    for rank in range(nproc):
-        p = subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        tail: collections.deque = collections.deque(maxlen=40)
-        th = threading.Thread(target=_pump, args=(p.stdout, tail, f"[{phase} rank{rank}] "), daemon=True)
-        th.start()
-        procs.append(p)
-        tails.append(tail)
-        pumps.append(th)
-    deadline = time.monotonic() + timeout
-    first_fail: float | None = None
-    timed_out = False
-    while any(p.poll() is None for p in procs):
-        now = time.monotonic()
-        if first_fail is None and any(p.poll() not in (None, 0) for p in procs):
-            first_fail = now
-        if now > deadline or (first_fail is not None and now - first_fail > 5):
-            timed_out = now > deadline
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-            break
-        time.sleep(0.1)
-    codes = []
-    for p, th in zip(procs, pumps):
-        p.wait()
-        th.join(timeout=2)
-        codes.append(p.returncode)
-    return codes, tails, timed_out
+    envs = [rank_env(env, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)]
+    res = Gang([cmd] * nproc, envs, labels=[f"{phase} rank{r}" for r in range(nproc)], out=sys.stderr,
+               timeout=timeout).run()
+    return res.codes, res.tails, res.timed_out
 
 
 def merge(results: list[dict | None], codes: list[int | None], tails: list, timed_out: bool,

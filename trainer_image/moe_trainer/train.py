@@ -1,5 +1,10 @@
 """`moe-train`: the trainer entry point every worker pod runs.
 
+In a worker pod (``NPROC_PER_NODE`` set, ``RANK`` not) it is the node launcher
+(``moe_trainer.launch.node_main``), which starts one rank per planned GPU of the node, each
+``python -m moe_trainer.train`` with ``RANK`` set; with ``RANK`` set (or no launcher env: a single
+local process) it is one rank.
+
 Exit codes (docs/contracts.md): 0 finished; 75 retryable (lost peer, rendezvous timeout, I/O);
 78 bad plan/config/model, read-only checkpoint volume; 65 non-finite loss; anything else is
 unexpected (treated as retryable). A failing worker also writes a TrainerExit document (the cause
@@ -156,7 +161,13 @@ def run(argv=None) -> int:
 
 
 def main(argv=None) -> None:
-    code = run(argv)
+    from moe_trainer import launch
+    if launch.is_pod_entry():
+        code = launch.node_main(argv)
+    else:
+        from moe_trainer.checkpoint import install_signal_handlers
+        install_signal_handlers()
+        code = run(argv)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -408,6 +408,7 @@ class Trainer:
                 ckpt.mark_fault(step, self.ckpt_dir, env.rank)
                 log.warning("fault injection: exiting with %d after step %d", code, step)
                 return code
+        log.info("rank %d trained steps %d..%d of %d", env.rank, self.start_step + 1, step, t.steps)
         self.finish()
         return EXIT_OK
 

@@ -17,8 +17,13 @@ from .common import (JobRef, resources, checkpoint_dir, child_metadata, job_port
                      routing_stats_configmap_name, service_name, token_mount, token_volume,
                      worker_account_name, worker_name)
 
-TRAINER_COMMAND = ("moe-train",)
+TRAINER_COMMAND = ("moe-train",)      # in a pod: the node launcher (moe_trainer.launch)
 RUN_AS_USER = 1000
+
+
+def trainer_args(spec: JobSpec) -> list[str]:
+    """Arguments of every rank: ``--cpu`` on CPU (gloo even where a GPU is visible)."""
+    return ["--cpu"] if spec.device == "CPU" else []
 
 
 def headless_service(job: JobRef) -> dict[str, Any]:
@@ -77,40 +82,33 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
     return volumes, mounts
 
 
-def _env(job: JobRef, spec: JobSpec, node_rank: int, attempt: int,
-         extra_env: dict[str, str]) -> list[dict[str, Any]]:
-    nproc = spec.nodes.gpus_per_node
+def _env(job: JobRef, spec: JobSpec, node_rank: int, extra_env: dict[str, str]) -> list[dict[str, Any]]:
+    """The pod's env. Per-rank variables (``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are not
+    here: the pod's entry point (``moe-train`` as node launcher, ``moe_trainer.launch``) starts
+    ``NPROC_PER_NODE`` ranks and gives each its own, ``RANK = NODE_RANK x NPROC_PER_NODE +
+    LOCAL_RANK``."""
     rendezvous, metrics_port = job_ports(job)
     env = {
-        # torchrun-style rendezvous (DeepSpeed's init_distributed reads these); RANK/LOCAL_RANK are
-        # the pod's first process, a pod with NPROC_PER_NODE > 1 starts the rest itself.
         "NODE_RANK": str(node_rank),
         "NNODES": str(spec.nodes.count),
-        "NPROC_PER_NODE": str(nproc),
+        "NPROC_PER_NODE": str(spec.nodes.gpus_per_node),
         "WORLD_SIZE": str(spec.nodes.world_size),
-        "RANK": str(node_rank * nproc),
-        "LOCAL_RANK": "0",
         "MASTER_ADDR": master_addr(job),
         "MASTER_PORT": str(rendezvous),   # per job: pods on one host network must not collide
         # NVLink SHARP multicast: off (needs fabric manager support we cannot assume).
         "NCCL_NVLS_ENABLE": "0",
-        "MOE_DEVICE": spec.device.lower(),
         "MOE_PLAN": f"{C.PLAN_MOUNT_DIR}/{C.PLAN_KEY}",
         "MOE_CHECKPOINT_DIR": checkpoint_dir(job, spec.checkpoint.path),
-        "MOE_DATA_DIR": spec.data.path,
-        "MOE_JOB_NAME": job.name,
-        "MOE_NAMESPACE": job.namespace,
         "MOE_PROGRESS_CONFIGMAP": progress_configmap_name(job),
         "MOE_ROUTING_STATS_CONFIGMAP": routing_stats_configmap_name(job),
-        "MOE_ATTEMPT": str(attempt),
         # Prometheus endpoint (the trainer serves it on rank 0 only; every pod gets the same env
         # and port so that any pod can be rank 0 and the PodMonitor's `port: metrics` finds it)
         "MOE_METRICS_PORT": str(metrics_port),
     }
     env.update(extra_env)
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
+    # the launcher checks it against the plan's node for this node rank
     out.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
-    out.append({"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
     return out
 
 
@@ -145,10 +143,13 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(TRAINER_COMMAND),
-        "env": _env(job, spec, node_rank, attempt, extra_env or {}),
+        "args": trainer_args(spec),
+        "env": _env(job, spec, node_rank, extra_env or {}),
         "ports": [{"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],
         "volumeMounts": mounts,
+        # the launcher writes one message for the pod (which rank failed first, its last lines)
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Restricted profile minus a read-only root filesystem: DeepSpeed and Triton JIT-build
         # kernels into the home directory's caches at start.
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
@@ -188,9 +189,13 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
 
 
 def worker_pods(job: JobRef, spec: JobSpec, rank2node: list[str], *, attempt: int,
-                spec_hash: str, extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """All node ranks; ``rank2node[node_rank]`` is the node the plan chose."""
+                spec_hash: str, extra_env: dict[str, str] | None = None,
+                node_ranks: list[int] | None = None) -> list[dict[str, Any]]:
+    """The gang's pods (``node_ranks``: only these, e.g. the ones a restart must recreate);
+    ``rank2node[node_rank]`` is the node the plan chose. The operator creates pods only through
+    this function."""
     if len(rank2node) != spec.nodes.count:
         raise ValueError(f"plan has {len(rank2node)} node ranks, spec.nodes.count is {spec.nodes.count}")
-    return [worker_pod(job, spec, node_rank=r, node=n, attempt=attempt, spec_hash=spec_hash,
-                       extra_env=extra_env) for r, n in enumerate(rank2node)]
+    ranks = range(spec.nodes.count) if node_ranks is None else node_ranks
+    return [worker_pod(job, spec, node_rank=r, node=rank2node[r], attempt=attempt, spec_hash=spec_hash,
+                       extra_env=extra_env) for r in ranks]

@@ -139,13 +139,20 @@ def _group_sizes(topo: ClusterTopology, rank2gpu: np.ndarray) -> list[int]:
 
 
 def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[str, Any]]:
+    """The rank table. ``gpu`` counts the node's *selected* GPUs in NVML (PCI bus) order: the
+    worker pod requests ``nvidia.com/gpu: gpusPerNode`` and the device plugin hands the container
+    that many GPUs, renumbered from 0 (with the whole node selected it is the NVML index)."""
+    visible: dict[str, list[int]] = {}
+    for node, local in topo.gpus:
+        visible.setdefault(node, []).append(int(local))
     out, node_rank, first = [], {}, {}
     for r, g in enumerate(rank2gpu.tolist()):
         node, local = topo.gpus[g]
         node_rank.setdefault(node, len(node_rank))
         first.setdefault(node, r)
         out.append({"rank": r, "node": node, "nodeRank": node_rank[node],
-                    "localRank": r - first[node], "gpu": None if cpu else int(local),
+                    "localRank": r - first[node],
+                    "gpu": None if cpu else sorted(visible[node]).index(int(local)),
                     "group": int(topo.group_of[g])})
     return out
 

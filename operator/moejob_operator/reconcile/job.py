@@ -51,7 +51,8 @@ def _crashpoint(point: str) -> None:
 
 # Annotations on the job that pass fault-injection env to the trainer (test mode only):
 FAULT_ANNOTATIONS = {f"{C.GROUP}/fault-exit-at-step": "MOE_FAULT_EXIT_AT_STEP",
-                     f"{C.GROUP}/fault-exit-code": "MOE_FAULT_EXIT_CODE"}
+                     f"{C.GROUP}/fault-exit-code": "MOE_FAULT_EXIT_CODE",
+                     f"{C.GROUP}/fault-hold-checkpoint-at-step": "MOE_FAULT_HOLD_CHECKPOINT_AT_STEP"}
 
 
 class Pass:
@@ -586,13 +587,8 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
     if d.action == "create":
         extra_env = _fault_env(p)
         h = spec.immutable_hash()
-        pods_to_create = []
-        for rank in d.create_ranks:
-            pod = workers.worker_pod(p.job, spec, node_rank=rank, node=rank2node[rank],
-                                     attempt=attempt, spec_hash=h, extra_env=extra_env)
-            if spec.device == "CPU":
-                pod["spec"]["containers"][0]["command"] = [*workers.TRAINER_COMMAND, "--cpu"]
-            pods_to_create.append(pod)
+        pods_to_create = workers.worker_pods(p.job, spec, rank2node, attempt=attempt, spec_hash=h,
+                                             extra_env=extra_env, node_ranks=list(d.create_ranks))
         if _crash_at() == "after-first-worker":
             pods_to_create = pods_to_create[:1]        # the crash test wants a partial gang
         try:
