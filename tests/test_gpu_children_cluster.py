@@ -17,7 +17,6 @@ import pytest
 
 from moejob_operator import constants as C
 from moejob_operator.builders import discovery as D
-from moejob_operator.core import gate as G
 from moejob_operator.reconcile.client import Client
 from moe_localkube.testing import WaitTimeout, create_namespace, delete_namespace, unique_name
 from operator_harness import Operator, apply_job, condition, example, get_job, install_crd, seed_topology
@@ -26,12 +25,16 @@ pytestmark = pytest.mark.cluster
 
 STAND_IN = r'''
 import json
-checks = [{"name": n, "passed": True, "seconds": 0.1, "message": "stand-in"}
-          for n in ("imports", "initialize", "permutation", "train", "checkpoint", "fused_adam")]
-v = {"kind": "SmokeVerdict", "version": 1, "passed": True, "failedCheck": None, "checks": checks,
-     "exception": None, "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0",
-     "cuda": "12.8", "device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}, "durationSeconds": 0.1,
-     "standIn": True}
+cases = [c["name"] for c in json.load(open("/etc/moe-smoke/plans.json"))["cases"]]
+pairs = ([("imports", None)] + [(n, c) for c in cases for n in ("initialize", "partition", "permutation",
+         "numerics", "train", "checkpoint")] + [("resume", c) for c in cases] + [("fused_adam", None)])
+checks = [{"name": n, "case": c, "passed": True, "seconds": 0.1, "message": "stand-in"} for n, c in pairs]
+v = {"kind": "SmokeVerdict", "version": 2, "passed": True, "failedCheck": None, "failedCase": None,
+     "cases": cases, "checks": checks, "exception": None,
+     "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0", "cuda": "12.8",
+                  "device": "cuda", "gpu": "NVIDIA H100 80GB HBM3", "computeCapability": "9.0",
+                  "cudaDriver": "12.8"},
+     "durationSeconds": 0.1, "standIn": True}
 open("/dev/termination-log", "w").write(json.dumps(v))
 '''
 NO_SCHEDULER = "moe-test-no-such-scheduler"     # keeps the GPU worker pods Pending
@@ -78,10 +81,13 @@ def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(kube, namespace, ope
     apply_job(kube, namespace, job)
     logs = operator_proc.logs
 
-    key = G.identity_for(image, None, "GPU").key
-    smoke = wait_for(lambda: kube.batch.list_namespaced_job(
-        gate_ns, label_selector=f"{G.LABEL_GATE_KEY}={key}").items, timeout=90,
-        message=f"GPU smoke Job created\n{logs()}")[0]
+    def smoke_jobs():          # this image's (the identity key also covers the GPU model)
+        return [j for j in kube.batch.list_namespaced_job(gate_ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
+                if (j.metadata.annotations or {}).get(f"{C.GROUP}/gate-image") == image]
+    try:
+        smoke = wait_for(smoke_jobs, timeout=90, message="GPU smoke Job created")[0]
+    except WaitTimeout as exc:
+        pytest.fail(f"{exc}\n{get_job(kube, namespace, 'gpu-ints').get('status')}\n{logs()}")
     assert _gpu(smoke.spec.template.spec.containers[0]) == ("1", "1")
     # the job controller's pod carries it too (the API server accepted the template)
     pod = wait_for(lambda: kube.core.list_namespaced_pod(
@@ -102,7 +108,9 @@ def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(kube, namespace, ope
         assert c.resources.requests["memory"] == "1Gi"
         assert p.spec.scheduler_name == NO_SCHEDULER and p.status.phase == "Pending"
     status = get_job(kube, namespace, "gpu-ints")["status"]
-    assert condition(get_job(kube, namespace, "gpu-ints"), C.COND_UPGRADE_VERIFIED)["status"] == "True"
+    # the gate passed (workers exist); a later pass may briefly re-check the stored verdict
+    wait_for(lambda: condition(get_job(kube, namespace, "gpu-ints"), C.COND_UPGRADE_VERIFIED).get("status") == "True",
+             timeout=60, message="UpgradeVerified=True")
     assert status["plan"]["worldSize"] == 4
     assert "ValidationError" not in logs()
 
