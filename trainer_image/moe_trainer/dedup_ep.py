@@ -198,8 +198,12 @@ class _Exchange(torch.autograd.Function):
 
 
 def _nonzero(mask: torch.Tensor, size: int) -> torch.Tensor:
-    """``nonzero`` whose size is already known from the counts: no device-to-host sync."""
-    return torch.nonzero_static(mask, size=size)
+    """``nonzero`` whose size is already known from the counts: no device-to-host sync (plain
+    ``nonzero``, which syncs, where a backend lacks ``nonzero_static``)."""
+    try:
+        return torch.nonzero_static(mask, size=size)
+    except (NotImplementedError, RuntimeError):
+        return torch.nonzero(mask)
 
 
 def _local_counts(plan: Plan, sel: torch.Tensor):
