@@ -63,8 +63,11 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     assert "EP size 2 of world 2, grad accum 2" in by[("initialize", "mixtral")]
     assert "EP size 1 of world 2" in by[("initialize", "qwen3-moe-edp")]        # expert-data-parallel
     assert "activation checkpointing on" in by[("initialize", "qwen3-moe-edp")]
+    # EP > 1: the dedup dispatcher (the planner's default there) runs; EP 1: AutoEP's own layer.
+    assert by[("initialize", "qwen3-moe-edp")].endswith("AutoEPMoELayer, dispatcher autoep")
+    for case in ("mixtral", "deepseek-v3"):
+        assert by[("initialize", case)].endswith("DedupEPMoELayer, dispatcher dedup")
     for case in CASES:
-        assert "AutoEPMoELayer" in by[("initialize", case)]
         part, total = map(int, by[("partition", case)].split(" tensors")[0].split(" of "))
         assert part / total >= 0.5, by[("partition", case)]                     # ZeRO-3 partitions most
         assert "as planned" in by[("permutation", case)]

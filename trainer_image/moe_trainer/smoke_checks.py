@@ -171,15 +171,22 @@ class CaseRun:
         blocks = self.trainer.blocks
         kinds = sorted({type(b).__name__ for b in blocks})
         n_layers = self.plan.placement.num_layers if self.plan.placement else len(blocks)
-        if len(blocks) != n_layers or (self.plan.autoep_enabled and not all("AutoEP" in k for k in kinds)):
+        want = "AutoEP layers"
+        ok = len(blocks) == n_layers
+        if self.plan.autoep_enabled:
+            from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+            # The dedup dispatcher (the default when EP > 1) is a subclass of AutoEP's layer.
+            want = "DedupEPMoELayer" if self.trainer.dispatcher == "dedup" else "AutoEPMoELayer"
+            ok = ok and all(isinstance(b, AutoEPMoELayer) and type(b).__name__ == want for b in blocks)
+        if not ok:
             raise CheckFailed(f"after initialize the MoE blocks are {kinds} x {len(blocks)}, expected "
-                              f"{n_layers} AutoEP layers")
+                              f"{n_layers} {want}")
         ds = self.plan.deepspeed
         return (f"{self.plan.model.family}: ZeRO-3 + {'AutoEP' if self.plan.autoep_enabled else 'no EP'} "
                 f"(EP size {self.plan.ep_size} of world {self.env.world_size}, grad accum "
                 f"{ds.get('gradient_accumulation_steps')}, activation checkpointing "
                 f"{'on' if self.plan.raw['training'].get('activationCheckpointing') else 'off'}): "
-                f"{len(blocks)} x {kinds[0]}")
+                f"{len(blocks)} x {kinds[0]}, dispatcher {self.trainer.dispatcher}")
 
     def partition(self) -> str:
         params = list(self.engine.module.named_parameters())
