@@ -46,6 +46,12 @@ def topology():
     return ClusterTopology.synthetic(nodes=2, gpus_per_node=2, group_size=2)
 
 
+def split(spec: str) -> tuple[str, str]:
+    """``FIT[:TEST]``: placements solved on FIT, tokens routed from TEST (held out when different)."""
+    fit, _, test = spec.partition(":")
+    return fit, test or fit
+
+
 def placements(stats):
     from moejob_operator.core import placement
     topo = topology()
@@ -77,8 +83,9 @@ def worker() -> None:
     torch.set_num_threads(1)
     topo = topology()
     results = []
-    for path in job["stats"]:
-        stats = read_routing_stats(path)
+    for spec in job["stats"]:
+        fit_path, path = split(spec)
+        stats, fit = read_routing_stats(path), read_routing_stats(fit_path)
         te = stats.token_experts[:, :job["tokens"]] if job["tokens"] else stats.token_experts
         L, T, K = te.shape
         E, H = stats.num_experts, job["hidden"]
@@ -91,11 +98,11 @@ def worker() -> None:
         ae.replace_moe_layers(ae.ep_parser(), ep_size=W, ep_rank=rank)
         base_layer = model.model.layers[0].mlp
         base_layer.ep_group = dist.new_group(list(range(W)))
-        for strategy, pl in placements(stats).items():
+        for strategy, pl in placements(fit).items():
             group_of = topo.group_of[pl.rank2gpu].tolist()
             node_of = topo.node_of[pl.rank2gpu].tolist()
             timer = CommTimer().set_tiers(group_of, node_of).install()
-            row = {"stats": Path(path).name, "strategy": strategy}
+            row = {"stats": _label(fit_path, path), "strategy": strategy}
             for dispatcher in ("autoep", "dedup"):
                 layers = []
                 for layer in range(L):
@@ -134,6 +141,11 @@ def worker() -> None:
     out = Path(os.environ["DISPATCH_OUT"]) / f"rank{rank}.json"
     out.write_text(json.dumps(results))
     dist.barrier()
+
+
+def _label(fit_path: str, path: str) -> str:
+    name = Path(path).name
+    return name if fit_path == path else f"{name} (placement fit on {Path(fit_path).name})"
 
 
 def _groups(group_of: list[int]) -> list[list[int]]:
@@ -210,10 +222,10 @@ def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
     topo = topology()
     rows = []
     for i, res in enumerate(ranks[0]):
-        path = next(p for p in stats_paths if Path(p).name == res["stats"])
+        fit_path, path = next(split(p) for p in stats_paths if _label(*split(p)) == res["stats"])
         stats = read_routing_stats(path)
         te = stats.token_experts[:, :job["tokens"]] if job["tokens"] else stats.token_experts
-        pl = placements(stats)[res["strategy"]]
+        pl = placements(read_routing_stats(fit_path))[res["strategy"]]
         pred = dispatch.dispatch_bytes(pl, topo, te, hidden_size=job["hidden"], bytes_per_elem=4)
         for d in ("autoep", "dedup"):
             measured = {t: sum(r[i][d]["tierBytes"][t] for r in ranks) for t in dispatch.TIERS}
@@ -255,7 +267,8 @@ def main() -> None:
     if os.environ.get("DISPATCH_WORKER"):
         return worker()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stats", action="append", required=True)
+    ap.add_argument("--stats", action="append", required=True, metavar="FIT[:TEST]",
+                    help="RoutingStats with token samples; FIT:TEST solves placements on FIT and routes TEST's tokens")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=0, help="use the first N recorded tokens (0: all)")
