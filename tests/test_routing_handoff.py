@@ -103,7 +103,7 @@ def test_config_map_name_source_and_bad_payloads():
     client = FakeClient(jobs={"b": body(10)}, configmaps={"mine": {"binaryData": {"routing_stats.json.gz": "bm90IGd6"}}})
     with pytest.raises(planning.SpecError, match=r"ConfigMap ns/mine: binaryData.routing_stats.json.gz is not gzip"):
         read(client, configMapName="mine")
-    client.configmaps["mine"] = {"data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 2}'}}
+    client.configmaps["mine"] = {"data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 3}'}}
     with pytest.raises(planning.SpecError, match="ns/mine: .*version"):
         read(client, configMapName="mine")
     del client.configmaps["mine"]
