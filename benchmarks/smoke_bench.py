@@ -52,7 +52,9 @@ def one_run(device: str, plans_file: Path, work: Path, timeout: float) -> dict:
     per_check: dict[str, float] = collections.defaultdict(float)
     for c in v["checks"]:
         per_check[c["name"]] += c["seconds"]
+    failed = [c.get("message") for c in v["checks"] if not c.get("passed")]
     return {"passed": v["passed"], "failedCheck": v["failedCheck"], "failedCase": v.get("failedCase"),
+            "failedMessage": (failed[0] or "")[:2000] if failed else (v.get("exception") or None),
             "exitCode": p.returncode, "durationSeconds": v["durationSeconds"], "wallSeconds": round(wall, 1),
             "loadAverageBefore": round(load, 2), "loadAverageAfter": round(os.getloadavg()[0], 2),
             "secondsByCheck": {k: round(x, 2) for k, x in per_check.items()},

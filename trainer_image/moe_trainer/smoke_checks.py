@@ -189,20 +189,39 @@ class CaseRun:
                 f"{len(blocks)} x {kinds[0]}, dispatcher {self.trainer.dispatcher}")
 
     def partition(self) -> str:
+        """ZeRO-3 keeps whole exactly the tensors the plan's persistence thresholds say (DeepSpeed's
+        rule: ``numel <= stage3_param_persistence_threshold`` while the persistent total stays under
+        ``stage3_model_persistence_threshold``), and a plan that partitions most of the model gets
+        most of it partitioned. The fast one-GPU plan keeps everything whole on purpose; the stock
+        cases partition most tensors (core/smoke_plans.py)."""
         params = list(self.engine.module.named_parameters())
-        part = [(n, p) for n, p in params if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False)]
         if any(not hasattr(p, "ds_id") for _, p in params):
             raise CheckFailed("ZeRO-3 did not convert every parameter: "
                               f"{[n for n, p in params if not hasattr(p, 'ds_id')][:3]}")
+        zo = self.plan.deepspeed.get("zero_optimization") or {}
+        threshold = zo.get("stage3_param_persistence_threshold")
+        model_cap = zo.get("stage3_model_persistence_threshold", sys.maxsize)
+        persistent = {n for n, p in params if getattr(p, "ds_persist", False)}
+        part = [(n, p) for n, p in params if n not in persistent]
         numel = sum(p.ds_numel for _, p in params)
         part_numel = sum(p.ds_numel for _, p in part)
-        share_t, share_e = len(part) / len(params), part_numel / max(numel, 1)
-        threshold = (self.plan.deepspeed.get("zero_optimization") or {}).get("stage3_param_persistence_threshold")
         msg = (f"{len(part)} of {len(params)} tensors ({part_numel} of {numel} elements) partitioned "
                f"(stage3_param_persistence_threshold {threshold})")
+        if isinstance(threshold, int) and isinstance(model_cap, int):
+            expected, total = set(), 0
+            for n, p in params:
+                if p.ds_numel + total <= model_cap and p.ds_numel <= threshold:
+                    expected.add(n)
+                    total += p.ds_numel
+            if expected != persistent:
+                raise CheckFailed(f"ZeRO-3 persistence is not what the plan's thresholds say: {msg}; whole but "
+                                  f"over the threshold: {sorted(persistent - expected)[:4]}; partitioned but "
+                                  f"under it: {sorted(expected - persistent)[:4]}")
+            if len(expected) == len(params):
+                return f"all {len(params)} tensors kept whole as the plan says (threshold {threshold})"
+        share_t, share_e = len(part) / len(params), part_numel / max(numel, 1)
         if share_t < PARTITIONED_TENSOR_SHARE or share_e < PARTITIONED_ELEMENT_SHARE:
-            persistent = [n for n, p in params if getattr(p, "ds_persist", False)]
-            raise CheckFailed(f"ZeRO-3 keeps most parameters whole: {msg}; persistent: {persistent[:6]}")
+            raise CheckFailed(f"ZeRO-3 keeps most parameters whole: {msg}; persistent: {sorted(persistent)[:6]}")
         return msg
 
     def permutation(self) -> str:
