@@ -230,7 +230,7 @@ class CaseRun:
         from moe_trainer.placement import verify_placement
         p = self.plan
         # the plain model as the plan describes it, before the permutation
-        ref = models.build_model(p.model.hf_config, p.model.path, seed=p.training.seed).to(self.env.device).eval()
+        ref = self.trainer.initial_model().to(self.env.device).eval()
         originals = [{k: v.to(self.env.device) for k, v in layer.items()}
                      for layer in models.original_expert_tensors(ref)]
         perm = self.trainer.permutation
@@ -299,7 +299,7 @@ class CaseRun:
             raise CheckFailed(f"no gradient at the accumulation boundary for {missing[:4]}")
 
         # the reference: plain PyTorch, whole model, every rank's micro-batches of step 0
-        ref = models.build_model(p.model.hf_config, p.model.path, seed=t.seed).to(self.env.device)
+        ref = tr.initial_model().to(self.env.device)
         models.permute_experts(ref, tr.permutation)
         batches = [torch.from_numpy(tr.source.batch(0, m, t.grad_accum, r, self.env.world_size)).to(self.env.device)
                    for r in range(self.env.world_size) for m in range(t.grad_accum)]

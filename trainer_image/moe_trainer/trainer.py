@@ -79,11 +79,18 @@ class Trainer:
         self.model_name = plan.model.preset or plan.model.family
 
     # ---- setup -------------------------------------------------------------------------------
+    def initial_model(self):
+        """The model as the plan describes it, before any permutation, built and seeded on the
+        device the trainer builds on (a GPU draws other random numbers than the CPU for the same
+        seed), so a reference built here equals the trained model weight for weight."""
+        p = self.plan
+        return models.build_model(p.model.hf_config, p.model.path, seed=self.t.seed,
+                                  device=self.env.device if self.env.device.type == "cuda" else None)
+
     def build(self) -> None:
         import deepspeed
         p, t = self.plan, self.t
-        model = models.build_model(p.model.hf_config, p.model.path, seed=t.seed,
-                                   device=self.env.device if self.env.device.type == "cuda" else None)
+        model = self.initial_model()
         models.apply_moe_impl(model, t.moe_impl)
         if p.raw.get("training", {}).get("activationCheckpointing"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
