@@ -481,9 +481,12 @@ def _complete_launch(p: Pass) -> None:
         if p.launched:
             p.launched = False
             try:
+                # The Role before its binding: for an operator without system:masters (the chart's
+                # ServiceAccount) the API server's RBAC escalation check resolves the bound Role,
+                # and a binding created first (or concurrently) is refused with 404.
+                p.client.create(rbac.role(p.job))
                 p.client.create_all([workers.headless_service(p.job), configmaps.progress_configmap(p.job),
-                                     configmaps.routing_stats_configmap(p.job), rbac.role(p.job),
-                                     rbac.role_binding(p.job)])
+                                     configmaps.routing_stats_configmap(p.job), rbac.role_binding(p.job)])
             except Rejected as exc:
                 p.fail(C.R_CHILD_REJECTED, str(exc))
             except Exception:
