@@ -20,11 +20,15 @@ ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 LABEL org.opencontainers.image.title="moe-operator" \
       org.opencontainers.image.description="Kubernetes operator for DeepSpeed ZeRO-3 Mixture-of-Experts training"
+# Dependencies first, in their own layer (as pyproject.toml lists them: the core + the operator
+# extra, no torch): a change to the project's code rebuilds only the layers below this one.
+# The constraints pin every transitive version verified together.
+COPY pyproject.toml constraints.txt /tmp/moe/
+RUN python3 -c "import tomllib; p = tomllib.load(open('/tmp/moe/pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['operator']))" > /tmp/moe/requirements.txt \
+    && pip install --no-cache-dir -c /tmp/moe/constraints.txt -r /tmp/moe/requirements.txt
 COPY --from=build /wheels /wheels
-COPY constraints.txt /tmp/constraints.txt
-# Operator extras only: the constraints pin every transitive version verified together.
-RUN pip install --no-cache-dir -c /tmp/constraints.txt "$(ls /wheels/moe_operator-*.whl)[operator]" \
-    && rm -rf /wheels /tmp/constraints.txt \
+RUN pip install --no-cache-dir -c /tmp/moe/constraints.txt "$(ls /wheels/moe_operator-*.whl)[operator]" \
+    && rm -rf /wheels /tmp/moe \
     && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin moe
 USER 10001:10001
 ENV PYTHONUNBUFFERED=1

@@ -10,7 +10,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 venv="$root/.venv"
 
-need_apt=(etcd-server openssl xz-utils procps)
+need_apt=(etcd-server openssl xz-utils procps
+          # real nodes (tests/test_realcluster.py): runtime, CNI, image builds, firewall rules
+          containerd runc containernetworking-plugins docker.io mmdebstrap iptables iproute2 util-linux)
 
 say() { echo "[setup] $*"; }
 took() { local s=$(( SECONDS - $1 )); printf '%dm%02ds' $(( s / 60 )) $(( s % 60 )); }
@@ -20,9 +22,16 @@ apt_setup() {
   for p in "${need_apt[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo="" t=$SECONDS; [ "$(id -u)" -eq 0 ] || sudo=sudo
-  say "apt-get install ${missing[*]} (Debian packages: etcd for the local control plane; usually under a minute)"
+  say "apt-get install ${missing[*]} (Debian packages: etcd for the local control plane, containerd/docker.io/mmdebstrap for the real nodes; a minute or two)"
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  # No daemon may start from a package's postinst (docker.io, containerd): the tests start their
+  # own, with their own data dirs. policy-rc.d exit 101 = "do not start services".
+  local policy=/usr/sbin/policy-rc.d added=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null; $sudo chmod 755 "$policy"; added=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  [ -z "$added" ] || $sudo rm -f "$policy"
   say "  Debian packages done in $(took $t)"
 }
 
