@@ -69,7 +69,7 @@ def cluster(images, tmp_path_factory):
 
     t0 = time.monotonic()
     cp = ControlPlane(tmp_path_factory.mktemp("realcp")).start()
-    nodes = RealNodes(cp, [RealNodeSpec(n) for n in NODES], images=[i.tar for i in images.values()],
+    nodes = RealNodes(cp, [RealNodeSpec(n) for n in NODES], images=list(images.values()),
                       run_dir=tmp_path_factory.mktemp("realnodes"))
     try:
         nodes.start()

@@ -492,12 +492,24 @@ oom_score = 0
                 refs = [_normalize_ref(t) for t in tags]
                 wanted.update(refs)
                 # the first tag is the content tag: present means this exact image is there
-                if refs and refs[0] in have and all(r in have for r in refs):
+                if refs and all(r in have for r in refs):
                     continue
                 self._ctr(node, "images", "import", str(tar))
-            for ref in sorted(have - wanted):
-                if wanted and all(tags for _, tags in images):
-                    self._ctr(node, "images", "rm", ref, check=False)
+            if wanted and all(tags for _, tags in images):
+                # drop older builds of the images we manage, and the runtime's sha256:<id>
+                # references to images no wanted tag points at (they would keep the content)
+                digests: dict[str, str] = {}
+                for line in self._ctr(node, "images", "ls").stdout.decode().splitlines()[1:]:
+                    cols = line.split()
+                    if len(cols) >= 3:
+                        digests[cols[0]] = cols[2]
+                keep = {digests.get(r) for r in wanted}
+                managed = {r.rsplit(":", 1)[0] for r in wanted}
+                for ref, digest in sorted(digests.items()):
+                    if ref in wanted:
+                        continue
+                    if ref.rsplit(":", 1)[0] in managed or (ref.startswith("sha256:") and digest not in keep):
+                        self._ctr(node, "images", "rm", ref, check=False)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
             node.load_error = exc
 
