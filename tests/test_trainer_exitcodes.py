@@ -42,7 +42,7 @@ def test_nan_loss_exits_65_with_progress_on_grouped_zero3(tmp_path):
     assert [h["type"] for h in prog["health"]] == ["NonFiniteLoss"]
     log = (tmp_path / "log.rank0.log").read_text()
     assert "step 1/3 loss" in log
-    assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False)" in log
+    assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False, dispatcher=autoep)" in log
 
 
 def test_comm_failure_classification():
