@@ -77,6 +77,7 @@ class ConfigMapPublisher:
         self._last = 0.0
         self.failures = 0
         self.last_error: str | None = None
+        self.last_retryable = True
 
     @staticmethod
     def in_cluster() -> bool:
@@ -118,13 +119,18 @@ class ConfigMapPublisher:
             return True
         except (urllib.error.URLError, OSError, ssl.SSLError, ValueError) as exc:
             self.failures += 1
+            # A refusal (403 RBAC, 404 no such ConfigMap, 422) stays a refusal: only outages,
+            # timeouts and 5xx / 408 / 429 answers are worth retrying.
+            code = getattr(exc, "code", None) if isinstance(exc, urllib.error.HTTPError) else None
+            self.last_retryable = code is None or code >= 500 or code in (408, 429)
             detail = _http_detail(exc)
             self.last_error = f"{exc} {detail}".strip()
             log.warning("ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, self.last_error)
             return False
 
     # A forced document is a last word (finished, failed): it is retried through a short API
-    # outage instead of being dropped, at most sum(FINAL_RETRY_SECONDS) before the process exits.
+    # outage instead of being dropped, at most sum(FINAL_RETRY_SECONDS) before the process exits;
+    # an answer that will not change (a 4xx refusal) is not retried.
     FINAL_RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
     def publish(self, doc: dict, force: bool = False, sleep=time.sleep) -> bool:
@@ -135,7 +141,7 @@ class ConfigMapPublisher:
         body = {"data": {"progress.json": json.dumps(doc)}}
         ok = self.send(body)
         for delay in self.FINAL_RETRY_SECONDS if force else ():
-            if ok:
+            if ok or not self.last_retryable:
                 break
             sleep(delay)
             ok = self.send(body)
