@@ -14,7 +14,9 @@ import os
 import secrets
 import shlex
 import shutil
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 from . import procs
@@ -124,6 +126,23 @@ def _under_other(target: str, mounts: list[Mount]) -> bool:
     return any(target != m.target and target.startswith(m.target.rstrip("/") + "/") for m in mounts)
 
 
+# The packages whose source folders are part of the "image" under the node agent (an editable
+# install points the venv at them).
+IMAGE_PACKAGES = ("moejob_operator", "moe_trainer", "moe_localkube")
+
+
+def image_paths() -> list[str]:
+    """What stands in for the container image here: the agent's Python (venv and base
+    installation), the project's package sources and PYTHONPATH. A volume mounted above one of
+    them (the chart's /tmp emptyDir over a checkout or venv under /tmp) must not hide it."""
+    paths = {sys.prefix, sys.base_prefix, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+    for name in IMAGE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            paths.add(str(Path(loc).parent))
+    return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
+
+
 def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostname: str,
            working_dir: str | None, log_path: Path, targets: MountTargets) -> subprocess.Popen:
     """Start ``argv`` in a new mount/UTS namespace with ``mounts`` bound; return the process."""
@@ -136,6 +155,10 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
     lines = ["set -e"]
     for i, m in enumerate(mounts):
         lines.append(f"exec {{src{i}}}<{shlex.quote(str(m.source))}")
+    # image paths a volume would hide: opened now, bound back over the volume after it
+    hidden = [p for p in image_paths() if _under_other(p, mounts)]
+    for j, p in enumerate(hidden):
+        lines.append(f"exec {{img{j}}}<{shlex.quote(p)}")
     for i, m in enumerate(mounts):
         is_file = m.source.is_file()
         if not _under_other(m.target, mounts):
@@ -148,7 +171,11 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
         lines.append(f'mount --no-canonicalize --bind "/proc/self/fd/${{src{i}}}" {q_dst}')
         if m.read_only:
             lines.append(f"mount -o remount,bind,ro {q_dst}")
+    for j, p in enumerate(hidden):
+        lines.append(f"mkdir -p {shlex.quote(p)}")
+        lines.append(f'mount --no-canonicalize --bind "/proc/self/fd/${{img{j}}}" {shlex.quote(p)}')
     lines += [f"exec {{src{i}}}<&-" for i in range(len(mounts))]
+    lines += [f"exec {{img{j}}}<&-" for j in range(len(hidden))]
     lines.append(f"hostname {shlex.quote(hostname[:63])}")
     if working_dir:
         lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
