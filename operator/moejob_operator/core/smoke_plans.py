@@ -54,7 +54,7 @@ SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
                       num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                       norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.0),
     # n_group 1: the planner's placements ignore DeepSeek's router groups (contiguous expert-id
-    # blocks), and a placement that crosses them changes the model (DESIGN.md).
+    # blocks), and a placement that crosses them changes the model (docs/gate.md).
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
                         intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
                         n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.0,
