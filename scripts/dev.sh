@@ -49,8 +49,8 @@ py_setup() {
   t=$SECONDS; say "  2/3 torch, CPU build (the largest download)"
   "$venv/bin/pip" install -q -c constraints.txt torch
   say "      done in $(took $t)"
-  t=$SECONDS; say "  3/3 this project (editable) with DeepSpeed, transformers, kopf, kubernetes, pytest, ..."
-  DS_BUILD_OPS=0 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e ".[operator,trainer,test]"
+  t=$SECONDS; say "  3/3 this project (editable) with DeepSpeed, transformers, kopf, kubernetes, pytest, ruff, mypy, ..."
+  DS_BUILD_OPS=0 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e ".[operator,trainer,test,lint]"
   say "      done in $(took $t)"
   echo "$want" > "$stamp"
   say "Python packages ready in $(took $t0)"
