@@ -26,7 +26,7 @@ are what a per-rank/hierarchical dispatcher (DeepEP) would send.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,9 +51,9 @@ class Score:
     def autoep_max_gpu_bytes_per_step(self) -> float:
         return max(self.autoep_bytes_per_gpu, default=0.0)
 
-    def quality(self, contiguous: "Score | None" = None) -> dict:
+    def quality(self, contiguous: "Score | None" = None) -> dict[str, Any]:
         """``MoEPlan.placement.quality`` (docs/contracts.md)."""
-        out = {"crossGroupBytesPerStep": int(round(self.cross_group_bytes_per_step)),
+        out: dict[str, Any] = {"crossGroupBytesPerStep": int(round(self.cross_group_bytes_per_step)),
                "crossNodeBytesPerStep": int(round(self.cross_node_bytes_per_step)),
                "maxMeanLoad": round(self.max_mean_load, 4),
                "allToAllSecondsPerStep": self.all_to_all_seconds_per_step,
@@ -71,7 +71,8 @@ def distinct_remote(dest: np.ndarray, src: np.ndarray) -> np.ndarray:
     d = np.sort(d, axis=-1)
     first = d[..., 0] >= 0
     new = (d[..., 1:] != d[..., :-1]) & (d[..., 1:] >= 0)
-    return first + new.sum(axis=-1)
+    count: np.ndarray = first + new.sum(axis=-1)
+    return count
 
 
 def gpu_load(placement: "Placement", load: np.ndarray) -> np.ndarray:
@@ -124,12 +125,16 @@ def autoep_sends(placement: "Placement", load: np.ndarray) -> np.ndarray:
     P = placement.ep_size
     received = gpu_load(placement, load)                          # [L, W]: each GPU's L_r
     per_group = load.sum(axis=1, keepdims=True) / (placement.world_size // P)   # T per EP group
-    return ((per_group - received) / P + received * (P - 1) / P).sum(axis=0)
+    sends: np.ndarray = ((per_group - received) / P + received * (P - 1) / P).sum(axis=0)
+    return sends
 
 
-def _token_costs(placement: "Placement", topo: ClusterTopology, trace: RoutingStats):
+def _token_costs(placement: "Placement", topo: ClusterTopology,
+                 trace: RoutingStats) -> tuple[float, float, float]:
     """Remote-group and remote-node sends (token counts) and per-layer slowest-GPU seconds/byte."""
     te = trace.token_experts                  # [L, T, k]
+    if te is None:
+        raise ValueError("per-token costs need the trace's token samples")
     L, T, _ = te.shape
     scale = trace.tokens / T if T else 0.0    # samples may be a subset of the recorded tokens
     W, P = placement.world_size, placement.ep_size
@@ -168,10 +173,12 @@ def _hit_prob(member: np.ndarray, load: np.ndarray, coact: np.ndarray, tokens: i
     pairs = 0.5 * np.einsum("ue,ef,uf->u", member, coact, member) / tokens
     second = np.divide(mu * mu, mu + 2 * pairs, out=np.zeros_like(mu), where=mu > 0)
     floor = (member * load[None, :]).max(axis=1) / tokens
-    return np.clip(np.maximum(mu - pairs, second), floor, 1.0)
+    prob: np.ndarray = np.clip(np.maximum(mu - pairs, second), floor, 1.0)
+    return prob
 
 
-def _pairwise_costs(placement: "Placement", topo: ClusterTopology, trace: RoutingStats):
+def _pairwise_costs(placement: "Placement", topo: ClusterTopology,
+                    trace: RoutingStats) -> tuple[float, float, float]:
     W, P = placement.world_size, placement.ep_size
     R = W // P
     T = trace.tokens / R                      # tokens per EP replica
@@ -223,7 +230,8 @@ def cross_counts_for_candidates(e2r: np.ndarray, rank_group: np.ndarray, rank_no
         dest = e2r[:, te]                                     # [C, T, k]
         g = distinct_remote(rank_group[dest], rank_group[src]).sum(-1)
         n = distinct_remote(rank_node[dest], rank_node[src]).sum(-1)
-        return (g + n) * (trace.tokens / max(len(te), 1))
+        sends: np.ndarray = (g + n) * (trace.tokens / max(len(te), 1))
+        return sends
     load, coact = trace.load[layer].astype(float), trace.coact[layer].astype(float)
     out = np.zeros(len(e2r))
     for unit_of in (rank_group, rank_node):

@@ -48,7 +48,7 @@ def dispatch_groups(rank_group: np.ndarray) -> list[list[int]]:
     return groups
 
 
-def _charge(out: dict, a: np.ndarray, b: np.ndarray, nbytes: float, grp: np.ndarray, node: np.ndarray) -> None:
+def _charge(out: dict[str, float], a: np.ndarray, b: np.ndarray, nbytes: float, grp: np.ndarray, node: np.ndarray) -> None:
     """Add ``nbytes`` for each send ``a[i] -> b[i]`` (global ranks) to its tier."""
     moved = a != b
     a, b = a[moved], b[moved]
@@ -97,9 +97,9 @@ def dispatch_bytes(placement: "Placement", topo: ClusterTopology, token_experts:
                 continue
             d = dest[t_idx]                                                # [t, K]
             pairs = np.unique(np.stack([np.repeat(np.arange(len(t_idx)), K), group_of[d].ravel()], 1), axis=0)
-            tok, g = pairs[:, 0], pairs[:, 1]
+            tok, tgt = pairs[:, 0], pairs[:, 1]
             sender = s[t_idx][tok]
-            hub = table[g, local_of[sender]]                               # rank i of group g
+            hub = table[tgt, local_of[sender]]                             # rank i of group tgt
             _charge(out["dedup"], b + sender, b + hub, d_row, grp, node)
             rpairs = np.unique(np.stack([np.repeat(np.arange(len(t_idx)), K), d.ravel()], 1), axis=0)
             tok, r = rpairs[:, 0], rpairs[:, 1]
@@ -108,7 +108,8 @@ def dispatch_bytes(placement: "Placement", topo: ClusterTopology, token_experts:
     return out
 
 
-def per_step(bytes_by_dispatcher: dict, scale: float) -> dict:
+def per_step(bytes_by_dispatcher: dict[str, dict[str, float]],
+             scale: float) -> dict[str, dict[str, int]]:
     """Scale to a step and round: ``{dispatcher: {tierBytesPerStep: int}}`` for the plan."""
     return {d: {f"{tier}BytesPerStep": int(round(v * scale)) for tier, v in tiers.items()}
             for d, tiers in bytes_by_dispatcher.items()}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +198,7 @@ def deepspeed_config(model: MoEModelSpec, *, world_size: int, ep_size: int, glob
 
 def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, ep_size: int,
                  gpu: GpuCaps, native_moe: bool = False,
-                 overridden: set[str] = frozenset()) -> list[str]:
+                 overridden: AbstractSet[str] = frozenset()) -> list[str]:
     """Refuse what DeepSpeed 0.19.8 rejects (or what would break the plan); return warnings."""
     warnings: list[str] = []
     zero = cfg.get("zero_optimization") or {}
@@ -210,8 +211,8 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     micro = cfg.get("train_micro_batch_size_per_gpu")
     accum = cfg.get("gradient_accumulation_steps")
     total = cfg.get("train_batch_size")
-    if not all(isinstance(v, int) and v > 0 for v in (micro, accum, total)) \
-            or total != micro * accum * world_size:
+    if not (isinstance(micro, int) and isinstance(accum, int) and isinstance(total, int)
+            and min(micro, accum, total) > 0 and total == micro * accum * world_size):
         raise DocumentError(
             f"deepspeed.train_batch_size: {total!r} != train_micro_batch_size_per_gpu {micro!r} x "
             f"gradient_accumulation_steps {accum!r} x data-parallel size {world_size}")

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import DocumentError
 
@@ -80,7 +80,7 @@ class GateConfig:
                 raise GateError(f"{name}: {raw!r} is not a positive number of seconds")
             return int(raw)
 
-        def json_env(name: str, typ: type):
+        def json_env(name: str, typ: type[list[Any]] | type[dict[str, Any]]) -> Any:
             raw = env.get(name)
             if not raw:
                 return None
@@ -144,7 +144,7 @@ class Identity:
 
     @property
     def key(self) -> str:
-        fields = {"image": self.subject, "deepspeed": self.deepspeed_version or "", "device": self.device}
+        fields: dict[str, str | list[str]] = {"image": self.subject, "deepspeed": self.deepspeed_version or "", "device": self.device}
         if self.device == "GPU":
             fields["gpu"] = [self.gpu_model or "", self.compute_capability or "", self.cuda_major or ""]
         blob = json.dumps(fields, sort_keys=True, separators=(",", ":"))
@@ -194,8 +194,10 @@ def pinned(identity: Identity, digest: str) -> Identity:
 
 def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
     """(check, case) of a passing SmokeVerdict v2 over ``cases``, in order (docs/contracts.md)."""
-    return ([("imports", None)] + [(c, n) for n in cases for c in SMOKE_CASE_CHECKS]
-            + [("resume", n) for n in cases] + [("fused_adam", None)])
+    checks: list[tuple[str, str | None]] = [("imports", None)]
+    checks += [(c, n) for n in cases for c in SMOKE_CASE_CHECKS]
+    checks += [("resume", n) for n in cases]
+    return [*checks, ("fused_adam", None)]
 
 
 def store_name(identity: Identity) -> str:
@@ -208,7 +210,8 @@ def smoke_job_name(identity: Identity, attempt: int) -> str:
 
 
 # ---- documents --------------------------------------------------------------------------------
-def _field(doc: dict, key: str, types, what: str, *, nullable: bool = False):
+def _field(doc: dict[str, Any], key: str, types: type | tuple[type, ...], what: str, *,
+           nullable: bool = False) -> Any:
     if key not in doc:
         raise GateError(f"{what}.{key}: required field is missing")
     value = doc[key]
@@ -221,7 +224,7 @@ def _field(doc: dict, key: str, types, what: str, *, nullable: bool = False):
     return value
 
 
-def parse_smoke_verdict(text: str | bytes | dict) -> dict[str, Any]:
+def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """Check a SmokeVerdict v2 (docs/contracts.md); returns the document."""
     what = SMOKE_KIND
     if isinstance(text, dict):
@@ -354,9 +357,10 @@ def _iso(t: dt.datetime) -> str:
     return t.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def is_current(stored: dict[str, Any] | None, identity: Identity, now: dt.datetime) -> bool:
+def is_current(stored: dict[str, Any] | None, identity: Identity,
+               now: dt.datetime) -> TypeGuard[dict[str, Any]]:
     """A stored verdict counts when it is about this identity and has not expired."""
-    return bool(stored) and stored.get("identity", {}).get("key") == identity.key \
+    return stored is not None and stored.get("identity", {}).get("key") == identity.key \
         and _parse_time(stored["expiresAt"]) > now
 
 
@@ -435,7 +439,7 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
     if passed and want is not None and got != want:
         passed = False
         missing = [f"{n}[{c}]" if c else n for n, c in want if (n, c) not in got]
-        smoke["message"] = (f"the verdict does not report every check of the cases {list(cases)}"
+        smoke["message"] = (f"the verdict does not report every check of the cases {cases}"
                             + (f" (missing {missing[:6]})" if missing else f": reported {len(got)} of {len(want)}"))
     ttl = config.pass_ttl_seconds if passed else config.fail_ttl_seconds
     verified = min(now, _parse_time(obs.finished_at)) if obs.finished_at else now

@@ -18,7 +18,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -42,11 +44,11 @@ class Placement:
 
     @property
     def num_layers(self) -> int:
-        return self.permutation.shape[0]
+        return int(self.permutation.shape[0])
 
     @property
     def num_experts(self) -> int:
-        return self.permutation.shape[1]
+        return int(self.permutation.shape[1])
 
     @property
     def world_size(self) -> int:
@@ -81,7 +83,7 @@ class Placement:
             raise ValueError(f"{self.strategy}: world size {W} != {topo.num_gpus} GPUs in the topology")
         return self
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """``MoEPlan.placement`` without ``quality`` (docs/contracts.md)."""
         return {"strategy": self.strategy, "numLayers": self.num_layers, "numExperts": self.num_experts,
                 "epSize": self.ep_size, "permutation": self.permutation.tolist()}
@@ -182,7 +184,8 @@ def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, gro
     return e2r
 
 
-def _repacking_swap(gain, R, e2r, load, group_of_rank, n, cap, tries: int = 8) -> bool:
+def _repacking_swap(gain: np.ndarray, R: np.ndarray, e2r: np.ndarray, load: np.ndarray,
+                    group_of_rank: np.ndarray, n: int, cap: float, tries: int = 8) -> bool:
     """In place: of the ``tries`` best positive ``gain[i, e]`` (swap ``R[i]`` with ``e``, in
     different groups), apply the first that leaves both groups packable under ``cap``, with
     both groups LPT-packed onto their GPUs. Returns whether one was applied."""
@@ -220,7 +223,8 @@ def _permutation_from_ranks(expert2rank: np.ndarray, ep_size: int) -> np.ndarray
     return np.lexsort((np.arange(len(expert2rank)), expert2rank))
 
 
-def _hierarchical(load, rank_node, rank_group, n) -> np.ndarray:
+def _hierarchical(load: np.ndarray, rank_node: np.ndarray, rank_group: np.ndarray,
+                  n: int) -> np.ndarray:
     """EPLB packing by level: experts -> nodes -> groups -> ranks, heaviest first into the
     lightest bin (per slot) at each level."""
     P = len(rank_node)
@@ -269,6 +273,7 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         return Placement(strategy, perm, rank2gpu, P).validate(topo)
     rank_node, rank_group = _levels(topo, rank2gpu[:P])
     perm = np.empty((L, E), dtype=np.int64)
+    assert stats is not None    # without statistics every other strategy fell back above
     for layer in range(L):
         load = stats.load[layer].astype(float)
         coact = stats.coact[layer].astype(float) / max(stats.tokens, 1)
@@ -282,7 +287,8 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
     return Placement(strategy, perm, rank2gpu, P, tuple(notes)).validate(topo)
 
 
-def _topology_aware_layer(load, coact, rank_node, rank_group, n, tol) -> np.ndarray:
+def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.ndarray,
+                          rank_group: np.ndarray, n: int, tol: float) -> np.ndarray:
     """Co-activation partitioning under a per-GPU load limit of ``(1 + tol)`` x the flat EPLB
     packing's heaviest GPU. Seeded with that packing (under the limit by construction) and
     improved only by moves that stay under it (``_refine``): the load never needs repairing
@@ -297,9 +303,9 @@ def _topology_aware_layer(load, coact, rank_node, rank_group, n, tol) -> np.ndar
     return _refine(coact, load, flat, A, rank_group, n, limit)
 
 
-def _assignments(E: int, P: int, n: int):
+def _assignments(E: int, P: int, n: int) -> Iterator[list[int]]:
     """All ways to give each of P ranks n of E experts: yields ``e2r[E]``."""
-    def rec(remaining: tuple[int, ...], rank: int, e2r: list[int]):
+    def rec(remaining: tuple[int, ...], rank: int, e2r: list[int]) -> Iterator[list[int]]:
         if not remaining:
             yield list(e2r)
             return
@@ -313,10 +319,11 @@ def _assignments(E: int, P: int, n: int):
 
 def brute_force_count(E: int, P: int) -> int:
     n = E // P
-    return math.factorial(E) // (math.factorial(n) ** P)
+    return math.factorial(E) // math.prod([math.factorial(n)] * P)
 
 
-def _brute_force_layer(stats, layer, rank_node, rank_group, n, tol) -> np.ndarray:
+def _brute_force_layer(stats: RoutingStats, layer: int, rank_node: np.ndarray,
+                       rank_group: np.ndarray, n: int, tol: float) -> np.ndarray:
     """Exact minimum of remote-group + remote-node sends (cost model) for one layer, over all
     assignments whose heaviest rank stays within ``tol`` of the balanced packing's."""
     E, P = stats.num_experts, len(rank_node)
@@ -332,4 +339,5 @@ def _brute_force_layer(stats, layer, rank_node, rank_group, n, tol) -> np.ndarra
     feasible = rank_load.max(axis=1) <= (1 + tol) * ref + 1e-9
     cost = cross_counts_for_candidates(cands[feasible], rank_group, rank_node, stats, layer)
     order = np.lexsort((rank_load.max(axis=1)[feasible], cost))
-    return cands[feasible][order[0]]
+    best: np.ndarray = cands[feasible][order[0]]
+    return best

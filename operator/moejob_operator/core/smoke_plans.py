@@ -105,7 +105,7 @@ def _gpu_topology(gpu: GpuCaps) -> ClusterTopology:
                            memory_bytes=(gpu.memory_bytes,) if gpu.memory_bytes else ())
 
 
-def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, steps: int = TRAIN_STEPS) -> dict:
+def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, steps: int = TRAIN_STEPS) -> dict[str, Any]:
     """The MoEPlan v1 document of one case, from :func:`build_plan`."""
     if case.family not in FAMILIES:
         raise DocumentError(f"smoke case {case.name}: family {case.family!r} is not one of {FAMILIES}")
