@@ -54,7 +54,7 @@ def from_validation_error(document: str, exc: ValidationError) -> DocumentError:
     return DocumentError("; ".join(lines) if lines else f"{document}: invalid document")
 
 
-def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)) -> dict:
+def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """Refuse anything that is not a mapping with the expected ``kind`` and a known ``version``."""
     if not isinstance(obj, dict):
         raise DocumentError(f"{document}: expected a JSON object, got {type(obj).__name__}")

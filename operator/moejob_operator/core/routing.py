@@ -36,7 +36,7 @@ class RoutingStats:
     token_experts: np.ndarray | None = field(default=None, repr=False)  # [L, T, top_k] or None
     planted_clusters: np.ndarray | None = field(default=None, repr=False)  # [L, E], synthetic only
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         doc = {"kind": DOCUMENT, "version": 2, "source": self.source, "model": self.model,
                "numLayers": self.num_layers, "numExperts": self.num_experts, "topK": self.top_k,
                "tokens": self.tokens, "steps": self.steps,
@@ -79,7 +79,7 @@ def _err(path: str, value: Any, what: str) -> DocumentError:
     return DocumentError(f"{DOCUMENT} {path}: {text} {what}")
 
 
-def _int_field(obj: dict, name: str, minimum: int) -> int:
+def _int_field(obj: dict[str, Any], name: str, minimum: int) -> int:
     if name not in obj:
         raise DocumentError(f"{DOCUMENT} {name}: required field is missing")
     v = obj[name]
@@ -88,7 +88,7 @@ def _int_field(obj: dict, name: str, minimum: int) -> int:
     return v
 
 
-def _array(obj: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _array(obj: dict[str, Any], name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in obj:
         raise DocumentError(f"{DOCUMENT} {name}: required field is missing")
     try:
@@ -145,7 +145,7 @@ def parse_routing_stats(obj: Any) -> RoutingStats:
                         str(obj.get("source", "trainer")), str(obj.get("model", "")), samples)
 
 
-def _token_samples(obj: dict, L: int, E: int, k: int, tokens: int) -> np.ndarray | None:
+def _token_samples(obj: dict[str, Any], L: int, E: int, k: int, tokens: int) -> np.ndarray | None:
     """``tokenSamples.experts[L][S][k]`` -> ``token_experts[L, S, k]`` (None when absent)."""
     ts = obj.get("tokenSamples")
     if ts is None:
@@ -175,7 +175,7 @@ def _token_samples(obj: dict, L: int, E: int, k: int, tokens: int) -> np.ndarray
     return srt.astype(np.int64)
 
 
-def read_routing_stats(src: str | Path | dict) -> RoutingStats:
+def read_routing_stats(src: str | Path | dict[str, Any]) -> RoutingStats:
     """Read from a path or an already decoded object; raises ``DocumentError``."""
     if isinstance(src, dict):
         return parse_routing_stats(src)

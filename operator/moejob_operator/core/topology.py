@@ -168,7 +168,7 @@ def load_topology(path_or_fixture: str | Path) -> TopologyReport:
                                              hint=f" (fixtures: {', '.join(list_fixtures())})"))
 
 
-def report_to_json(report: TopologyReport) -> dict:
+def report_to_json(report: TopologyReport) -> dict[str, Any]:
     return report.model_dump(mode="json", by_alias=True)
 
 
@@ -198,8 +198,10 @@ def nvlink_groups(report: TopologyReport) -> list[list[int]]:
         union(a, b)
     for gpu in report.gpus:
         for lk in gpu.nvlinks:
-            if lk.remote == "gpu":
-                union(gpu.index, report.index_of_pci(lk.remote_pci_bus_id))
+            # parse_topology checked that a GPU link names a GPU of the report
+            peer = report.index_of_pci(lk.remote_pci_bus_id) if lk.remote_pci_bus_id else None
+            if lk.remote == "gpu" and peer is not None:
+                union(gpu.index, peer)
     groups: dict[int, list[int]] = {}
     for i in range(n):
         groups.setdefault(find(i), []).append(i)
@@ -280,7 +282,7 @@ class ClusterTopology:
         g = np.arange(nodes * gpus_per_node)
         has_nvlink = group_size > 1
         return cls(tuple(f"node-{n}" for n in range(nodes)),
-                   tuple((f"node-{i // gpus_per_node}", i % gpus_per_node) for i in g),
+                   tuple((f"node-{i // gpus_per_node}", i % gpus_per_node) for i in range(len(g))),
                    g // gpus_per_node, g // group_size,
                    np.full(len(g), nvlink_gbps if has_nvlink else 0.0),
                    pcie_gbps, network_gbps, (memory_bytes,) * len(g))
