@@ -66,7 +66,6 @@ def worker() -> None:
     import copy
 
     import deepspeed
-    import numpy as np
     import torch
     import torch.distributed as dist
     from deepspeed.module_inject.auto_ep import AutoEP
@@ -87,7 +86,7 @@ def worker() -> None:
         fit_path, path = split(spec)
         stats, fit = read_routing_stats(path), read_routing_stats(fit_path)
         te = stats.token_experts[:, :job["tokens"]] if job["tokens"] else stats.token_experts
-        L, T, K = te.shape
+        L, _T, K = te.shape
         E, H = stats.num_experts, job["hidden"]
         torch.manual_seed(0)
         cfg = MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=job["ffn"], num_hidden_layers=1,
@@ -242,10 +241,10 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
         rs = [r for r in rows if r["stats"] == stats]
         base = next(r for r in rs if r["dispatcher"] == "autoep" and r["strategy"] == "contiguous")
         dc = next(r for r in rs if r["dispatcher"] == "dedup" and r["strategy"] == "contiguous")
-        out += [f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} layers, "
-                f"{rs[0]['tokens']} recorded tokens, 2 groups x 2 ranks", "",
-                "| variant | cross-group bytes measured | predicted | measured/predicted | vs AutoEP | "
-                "vs dedup+contiguous | intra-group bytes measured |",
+        out += [(f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} layers, "
+                f"{rs[0]['tokens']} recorded tokens, 2 groups x 2 ranks"), "",
+                ("| variant | cross-group bytes measured | predicted | measured/predicted | vs AutoEP | "
+                "vs dedup+contiguous | intra-group bytes measured |"),
                 "|---|---|---|---|---|---|---|"]
         variants = [base] + [r for r in rs if r["dispatcher"] == "dedup"]
         for r in variants:
@@ -310,11 +309,11 @@ def main() -> None:
 
 
 def time_table(rows: list[dict]) -> str:
-    out = [f"## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to {RATE_MBIT} "
-           "Mbit/s (tc tbf), loopback inside a node; one machine, not a cluster", ""]
+    out = [(f"## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to {RATE_MBIT} "
+           "Mbit/s (tc tbf), loopback inside a node; one machine, not a cluster"), ""]
     for stats in dict.fromkeys(r["stats"] for r in rows):
-        out += [f"### {stats}", "", "| variant | step s (shaped) | predicted s | step s (unshaped) | "
-                "cross-node bytes measured |", "|---|---|---|---|---|"]
+        out += [f"### {stats}", "", ("| variant | step s (shaped) | predicted s | step s (unshaped) | "
+                "cross-node bytes measured |"), "|---|---|---|---|---|"]
         for r in rows:
             if r["stats"] != stats or (r["dispatcher"] == "autoep" and r["strategy"] != "contiguous"):
                 continue

@@ -115,14 +115,14 @@ def markdown(res: dict) -> str:
     m = res["model"]
     return "\n".join([
         f"# Launcher overhead ({res['tag']})", "",
-        f"Command: `{res['command']}`  ", f"Device: {res['device']}; model: hidden {m['hidden']}, "
+        f"Command: `{res['command']}`  ", (f"Device: {res['device']}; model: hidden {m['hidden']}, "
         f"intermediate {m['inter']}, {m['experts']} experts top-{m['top_k']}, {m['layers']} layers, seq "
         f"{m['seq']}, micro-batch {m['batch']}, {m['steps']} steps ({m['warmup']} warm-up), plan from "
-        f"`moectl plan` ({res['planDevice']}, {res['precision']}).", "",
+        f"`moectl plan` ({res['planDevice']}, {res['precision']})."), "",
         "| round | order | launcher tok/s | direct tok/s | launcher / direct |", "|---|---|---|---|---|",
         *rows, "",
-        f"**Median launcher / direct: {res['ratio']}** (goal: >= 0.97). Launcher runs printed "
-        f"their rank's lines with the `[rank0] ` prefix: {res['launcherPrefixed']}.", ""])
+        (f"**Median launcher / direct: {res['ratio']}** (goal: >= 0.97). Launcher runs printed "
+        f"their rank's lines with the `[rank0] ` prefix: {res['launcherPrefixed']}."), ""])
 
 
 def main(argv=None) -> int:

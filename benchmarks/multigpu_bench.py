@@ -41,7 +41,8 @@ for sub in ("operator", "trainer_image"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from moejob_operator.core import cost, models, plan as plan_mod, routing  # noqa: E402
+from moejob_operator.core import cost, models, routing  # noqa: E402
+from moejob_operator.core import plan as plan_mod
 from moejob_operator.core.placement import Placement  # noqa: E402
 from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups  # noqa: E402
 
@@ -149,16 +150,16 @@ def markdown(r: dict) -> str:
     return "\n".join([
         f"# Multi-GPU validation: AutoEP + ZeRO-3 on {gpus} x {r['gpuName']} (one host)",
         "",
-        f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, same seed and "
+        (f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, same seed and "
         "data; measured / predicted side by side (predicted = the planning core, from the recorded "
         "statistics of the first run: in-sample). Bytes = what the busiest GPU sent in all-to-alls per "
         "step (forward + backward); a2a time is host-side time in the collective (includes waiting "
-        "for the slower rank). Memory = peak reserved (caching allocator) vs the memory model.",
+        "for the slower rank). Memory = peak reserved (caching allocator) vs the memory model."),
         "",
         f"Topology (discovered): {r['topologyNote']}",
         "",
-        "| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step busiest GPU meas / pred | "
-        "max/mean GPU load meas / pred | peak GiB/GPU meas / model | final loss |",
+        ("| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step busiest GPU meas / pred | "
+        "max/mean GPU load meas / pred | peak GiB/GPU meas / model | final loss |"),
         "|---|---|---|---|---|---|---|---|",
         *rows,
         "",

@@ -32,8 +32,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from kubernetes.watch.watch import iter_resp_lines
 from kubernetes.client.rest import ApiException
+from kubernetes.watch.watch import iter_resp_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -44,7 +44,6 @@ from moe_localkube.nodes import NodeSpec, node_manifest, node_status  # noqa: E4
 from moe_localkube.testing import Kube, create_namespace  # noqa: E402
 from moejob_operator import constants as C  # noqa: E402
 from operator_harness import install_crd, seed_topology  # noqa: E402
-
 
 GC_DISCOVERY_SECONDS = 35.0
 
@@ -92,7 +91,7 @@ def request_counts(cp: ControlPlane) -> dict[str, float]:
 
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
+    k = max(0, min(len(s) - 1, round(q / 100 * (len(s) - 1))))
     return s[k]
 
 
@@ -250,10 +249,10 @@ def markdown(r: dict) -> str:
     return "\n".join([
         "# Operator benchmark: jobs applied at once -> all worker pods created",
         "",
-        f"{r['jobs']} MoETrainingJobs (tiny CPU example, 2 node ranks each) created from 8 client "
+        (f"{r['jobs']} MoETrainingJobs (tiny CPU example, 2 node ranks each) created from 8 client "
         f"threads in {r['applySeconds']} s against the local v1.20.2 control plane on a "
         f"{r['cpus']}-core machine (API server, etcd and the operator share it); cached topology, "
-        "gate off, workers created but not run. Command: `.venv/bin/python benchmarks/operator_bench.py`.",
+        "gate off, workers created but not run. Command: `.venv/bin/python benchmarks/operator_bench.py`."),
         "",
         "| metric | value | target | met |",
         "|---|---|---|---|",

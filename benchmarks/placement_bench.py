@@ -16,7 +16,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -91,8 +90,8 @@ def timing_run(shape, layers=64, experts=256, tokens=8192, seed=0):
 def markdown(result) -> str:
     out = [f"# Placement benchmark ({result['input']})", "",
            f"Synthetic trace parameters: {result['synthetic']}", "",
-           "| case | strategy | cross-group vs contiguous | vs balanced | cross-node vs contiguous "
-           "| vs balanced | max/mean load | load vs balanced | all-to-all ms/step | solve s |",
+           ("| case | strategy | cross-group vs contiguous | vs balanced | cross-node vs contiguous "
+           "| vs balanced | max/mean load | load vs balanced | all-to-all ms/step | solve s |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['case']} | {r['strategy']} | {r['crossGroupVsContiguous']:.3f} | "
@@ -100,9 +99,9 @@ def markdown(result) -> str:
                    f"{r['crossNodeVsBalanced']:.3f} | {r['maxMeanLoad']:.3f} | {r['loadVsBalanced']:.3f} | "
                    f"{r['allToAllSecondsPerStep'] * 1e3:.3f} | {r['solveSeconds']:.3f} |")
     for t in result.get("timings", []):
-        out += ["", f"topology_aware, {t['experts']} experts x {t['gpus']} GPUs ({t['shape']}) x {t['layers']} "
+        out += ["", (f"topology_aware, {t['experts']} experts x {t['gpus']} GPUs ({t['shape']}) x {t['layers']} "
                     f"layers, 1 thread: **{t['seconds']:.2f} s CPU** ({t['wallSeconds']:.2f} s wall on a shared "
-                    f"machine; target <= {TARGETS['time_s']} s)"]
+                    f"machine; target <= {TARGETS['time_s']} s)")]
     out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
     for line in result.get("verdicts", []):
         out.append(f"- {line}")

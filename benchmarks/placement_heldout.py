@@ -85,8 +85,8 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
 
 def markdown(result: dict) -> str:
     out = ["# Held-out placement evaluation (fit on one window, scored on the next)", "",
-           "| routing (fit -> test) | case | strategy | measured vs contiguous | predicted | error "
-           "| pair bound | load vs balanced | worst-layer load fit -> test |",
+           ("| routing (fit -> test) | case | strategy | measured vs contiguous | predicted | error "
+           "| pair bound | load vs balanced | worst-layer load fit -> test |"),
            "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "

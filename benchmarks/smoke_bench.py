@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     durations = [r.get("durationSeconds", r["wallSeconds"]) for r in runs]
     doc = {"benchmark": "gate smoke run", "device": device, "command": " ".join(["python", "benchmarks/smoke_bench.py",
                                                                                  *(argv or sys.argv[1:])]),
-           "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "cpus": os.cpu_count(),
+           "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "cpus": os.cpu_count(),
            "cases": [c["name"] for c in plans["cases"]], "budgetSeconds": BUDGET_SECONDS[device],
            "maxDurationSeconds": max(durations), "minDurationSeconds": min(durations),
            "withinBudget": all(r["passed"] for r in runs) and max(durations) <= BUDGET_SECONDS[device], "runs": runs}

@@ -251,6 +251,7 @@ def layer_worker(args) -> dict:
     """One MoE layer at benchmark shapes, forward + backward, no ZeRO: where the layer's time goes."""
     torch, on_gpu, device, dtype = _setup(args.tiny)
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
     from moe_trainer.fast.ops import combine, dispatch, plan_dispatch
     from moe_trainer.grouped_moe import GroupedMoeBlock
     d = TINY if args.tiny else FULL
@@ -290,7 +291,7 @@ def layer_worker(args) -> dict:
         measure(name, fwd_bwd(fast))
         # the same layer's pieces, each forward + backward on its own
         x2 = x.detach().reshape(-1, d["hidden"])
-        logits, w, ids = fast.gate(x2)
+        _logits, w, ids = fast.gate(x2)
         plan = plan_dispatch(ids, fast.num_experts)
         xs = dispatch(x2, plan).detach().requires_grad_()
         ys = fast.experts(xs, plan.offsets).detach().requires_grad_()
@@ -339,7 +340,9 @@ def check_worker(args) -> dict:
     relative errors of output and gradients; then forward + backward under CUDA sync-debug 'error'."""
     torch, on_gpu, device, dtype = _setup(args.tiny)
     import copy
+
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
     from moe_trainer.grouped_moe import GroupedMoeBlock
     d = TINY if args.tiny else FULL
     cfg = mixtral_config(d)
@@ -427,10 +430,10 @@ def report(results: dict, tag: str, d: dict, args) -> str:
     base.update({k: tr[k]["tokensPerSecond"] for k in tr if k.startswith("autoep@") and "tokensPerSecond" in tr[k]})
     gib = 2 ** 30
     lines = [f"# Trainer benchmark ({tag})", "",
-             f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, {d['experts']} experts "
+             (f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, {d['experts']} experts "
              f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
              f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed steps after "
-             f"{args.warmup} warm-up. Device: {results['device']}.", "",
+             f"{args.warmup} warm-up. Device: {results['device']}."), "",
              "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc GiB | peak reserved GiB | loss first/last |",
              "|---|---|---|---|---|---|---|---|---|"]
     for k, r in tr.items():
@@ -455,8 +458,8 @@ def report(results: dict, tag: str, d: dict, args) -> str:
     lay = results.get("layer", {})
     if "ms" in lay:
         dev = lay.get("deviceMs", {})
-        lines += ["", f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms (median, "
-                  "CUDA events) and device ms (sum of kernel time, torch.profiler):", "",
+        lines += ["", (f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms (median, "
+                  "CUDA events) and device ms (sum of kernel time, torch.profiler):"), "",
                   "| path | wall ms | device ms |", "|---|---|---|"]
         lines += [f"| {k} | {v:.3f} | {dev[k]:.3f} |" if dev.get(k) is not None else f"| {k} | {v:.3f} | - |"
                   for k, v in lay["ms"].items()]

@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 
 from moe_localkube import procs
-from moe_localkube.testing import Kube, Kubectl, create_namespace, delete_namespace, unique_name, wait_for as _wait_for
+from moe_localkube.testing import Kube, Kubectl, create_namespace, delete_namespace, unique_name
+from moe_localkube.testing import wait_for as _wait_for
 
 GPU_NODES = {"node-a": "nvswitch-h100-8", "node-b": "nvswitch-h100-8"}
 

@@ -107,7 +107,7 @@ def _free_form(path: tuple[str, ...]) -> st.SearchStrategy:
     if path[-1] == "hfConfig":
         cfg = preset_hf_config(PRESET)
         keys = sorted(k for k, v in cfg.items() if isinstance(v, (int, str, bool)))
-        return st.tuples(st.sampled_from(keys), st.one_of(st.sampled_from(HOSTILE_INTS + [65536, 4096]),
+        return st.tuples(st.sampled_from(keys), st.one_of(st.sampled_from([*HOSTILE_INTS, 65536, 4096]),
                                                           WRONG_TYPE)).map(
             lambda kv: {**cfg, kv[0]: kv[1]})
     json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**9), st.sampled_from(HOSTILE_STRINGS))
@@ -131,18 +131,18 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
     if t == "boolean":
         return st.booleans()
     if t == "array":
-        return st.lists(from_schema(s.get("items") or {}, path + ("[]",), depth + 1),
+        return st.lists(from_schema(s.get("items") or {}, (*path, "[]"), depth + 1),
                         max_size=min(s.get("maxItems", 3), 3))
     if t == "object":
         if s.get("properties") and depth < 4:
-            props = {k: from_schema(v, path + (k,), depth + 1) for k, v in s["properties"].items()}
+            props = {k: from_schema(v, (*path, k), depth + 1) for k, v in s["properties"].items()}
             req = {k: props.pop(k) for k in s.get("required", []) if k in props}
             return st.fixed_dictionaries(req, optional=props)
         extra = s.get("additionalProperties")
         if isinstance(extra, dict):
             keys = st.one_of(st.sampled_from(HOSTILE_STRINGS), st.from_regex(r"[a-z][a-z0-9.-]{0,12}(/[a-z]{1,8})?",
                                                                              fullmatch=True))
-            return st.dictionaries(keys, from_schema(extra, path + ("*",), depth + 1), max_size=3)
+            return st.dictionaries(keys, from_schema(extra, (*path, "*"), depth + 1), max_size=3)
         return st.just({})
     return WRONG_TYPE
 
@@ -150,7 +150,7 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
 def _paths(s: dict[str, Any], path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], dict]]:
     out = [(path, s)] if path else []
     for k, v in (s.get("properties") or {}).items():
-        out += _paths(v, path + (k,))
+        out += _paths(v, (*path, k))
     return out
 
 

@@ -21,8 +21,6 @@ import json
 import os
 import sys
 
-import torch
-
 
 def main() -> None:
     import deepspeed

@@ -93,7 +93,7 @@ def test_ordinary_pass_through_is_accepted():
         "priorityClassName": "ml-high"}))
 
 
-@pytest.mark.parametrize("sched,field", [
+@pytest.mark.parametrize(("sched", "field"), [
     ({"podLabels": {"team": "ml platform"}}, "spec.scheduling.podLabels.team"),
     ({"podLabels": {"x": "a" * 64}}, "spec.scheduling.podLabels.x"),
     ({"podLabels": {"app.kubernetes.io/managed-by": "me"}}, "spec.scheduling.podLabels"),
@@ -122,7 +122,7 @@ def test_spec_size_is_bounded():
 
 
 # ---- mounts, quantities, images, overrides ------------------------------------------------
-@pytest.mark.parametrize("raw,field", [
+@pytest.mark.parametrize(("raw", "field"), [
     (spec_with(checkpoint={"path": "/etc/moe"}), "spec.checkpoint.path"),
     (spec_with(checkpoint={"path": "/dev/shm/x"}), "spec.checkpoint.path"),
     (spec_with(checkpoint={"path": "/"}), "spec.checkpoint.path"),
@@ -142,7 +142,7 @@ def test_quantities():
             parse_quantity(bad)
 
 
-@pytest.mark.parametrize("res,field", [
+@pytest.mark.parametrize(("res", "field"), [
     ({"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}, "spec.resources.requests.memory"),
     ({"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}, "spec.resources.requests.cpu"),
     ({"requests": {"memory": "1e308"}}, "spec.resources.requests.memory"),
@@ -175,7 +175,7 @@ def test_image_references_refused(image):
     assert refuse(spec_with(image=image)).field == "spec.image"
 
 
-@pytest.mark.parametrize("ov,field", [
+@pytest.mark.parametrize(("ov", "field"), [
     ({"bf16": True}, "spec.deepspeedOverrides.bf16"),
     ({"zero_optimization": "disabled"}, "spec.deepspeedOverrides.zero_optimization"),
     ({"zero_optimization": {"stage": None}}, "spec.deepspeedOverrides.zero_optimization.stage"),

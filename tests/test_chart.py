@@ -52,7 +52,7 @@ def test_lint_strict_and_template_clean(helm, values):
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel", d["metadata"]
 
 
-@pytest.mark.parametrize("bad, message", [
+@pytest.mark.parametrize(("bad", "message"), [
     (["--set", "replicaCount=two"], "/replicaCount': got string, want integer"),
     (["--set", "replicaCount=5"], "/replicaCount': maximum"),
     (["--set", "image.pullPolicy=Sometimes"], "value must be one of"),
@@ -91,7 +91,7 @@ def test_chart_crd_does_not_drift_from_crds_folder():
 
 
 def _dockerfile_user() -> int:
-    users = re.findall(r"^USER\s+(\d+)", (ROOT / "Dockerfile").read_text(), re.M)
+    users = re.findall(r"^USER\s+(\d+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     return int(users[-1])
 
 

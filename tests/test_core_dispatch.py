@@ -53,7 +53,7 @@ def brute(pl, topo, te, backward=True):
     return out
 
 
-@pytest.mark.parametrize("nodes, gpn, group, ep, k", [(2, 2, 2, 4, 2), (2, 2, 2, 4, 8), (1, 4, 4, 4, 2),
+@pytest.mark.parametrize(("nodes", "gpn", "group", "ep", "k"), [(2, 2, 2, 4, 2), (2, 2, 2, 4, 8), (1, 4, 4, 4, 2),
                                                        (2, 4, 2, 4, 3), (2, 2, 1, 4, 2), (3, 2, 2, 6, 4)])
 @pytest.mark.parametrize("strategy", ["contiguous", "balanced", "topology_aware"])
 def test_matches_brute_force(nodes, gpn, group, ep, k, strategy):

@@ -28,7 +28,7 @@ def test_zero3_autoep_on_h200():
     assert warnings == []
 
 
-@pytest.mark.parametrize("name,preset", [("qwen3-30b-a3b", "qwen3_moe"),
+@pytest.mark.parametrize(("name", "preset"), [("qwen3-30b-a3b", "qwen3_moe"),
                                          ("deepseek-v3", "deepseek_v3")])
 def test_autoep_preset_per_family(name, preset):
     spec = models.resolve_model(name).spec
@@ -111,7 +111,7 @@ def test_overrides_merge_deep_and_warn():
     assert any("stage 2 with AutoEP works" in w for w in warnings)
 
 
-@pytest.mark.parametrize("override,match", [
+@pytest.mark.parametrize(("override", "match"), [
     ({"zero_optimization": {"zero_hpz_partition_size": 8}}, r"zero_hpz_partition_size: 8"),
     ({"zero_optimization": {"zero_quantized_gradients": True}}, r"zero_quantized_gradients"),
     ({"sequence_parallel_size": 2}, r"sequence_parallel_size: 2"),

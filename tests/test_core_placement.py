@@ -5,9 +5,19 @@ import pytest
 
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import (
-    BRUTE_FORCE_LIMIT, STRATEGIES, Placement, brute_force_count, solve)
+    BRUTE_FORCE_LIMIT,
+    STRATEGIES,
+    Placement,
+    brute_force_count,
+    solve,
+)
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
-from moejob_operator.core.topology import ClusterTopology, load_topology, parse_topology, report_to_json
+from moejob_operator.core.topology import (
+    ClusterTopology,
+    load_topology,
+    parse_topology,
+    report_to_json,
+)
 
 
 def _stats_from_tokens(te, num_experts):
@@ -99,7 +109,7 @@ def _objective(p, topo, st):
     return s.cross_group_bytes_per_step + s.cross_node_bytes_per_step
 
 
-@pytest.mark.parametrize("nodes, gpn, group, top_k", [(1, 4, 2, 2), (2, 2, 2, 2), (2, 2, 1, 3)])
+@pytest.mark.parametrize(("nodes", "gpn", "group", "top_k"), [(1, 4, 2, 2), (2, 2, 2, 2), (2, 2, 1, 3)])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_topology_aware_near_brute_force(nodes, gpn, group, top_k, seed):
     topo = ClusterTopology.synthetic(nodes=nodes, gpus_per_node=gpn, group_size=group)
@@ -171,7 +181,7 @@ def test_load_limit_keeps_the_hot_expert_with_its_partners():
     assert np.argmax(st.load[0]) == 0 and ta.expert2rank(0)[0] // 2 == best.expert2rank(0)[0] // 2
 
 
-@pytest.mark.parametrize("gpn, group", [(8, 8), (8, 2), (4, 4)])
+@pytest.mark.parametrize(("gpn", "group"), [(8, 8), (8, 2), (4, 4)])
 def test_topology_aware_never_exceeds_the_load_limit(gpn, group):
     # skewed layers: every GPU stays within 1.02 x the flat EPLB packing's heaviest GPU
     topo = ClusterTopology.synthetic(nodes=4, gpus_per_node=gpn, group_size=group)

@@ -8,7 +8,11 @@ import pytest
 
 from moejob_operator.core.errors import DocumentError
 from moejob_operator.core.routing import (
-    count_routing, read_routing_stats, synthetic_trace, write_routing_stats)
+    count_routing,
+    read_routing_stats,
+    synthetic_trace,
+    write_routing_stats,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,7 @@ def _bad(mutate, match, trace):
         read_routing_stats(doc)
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(("mutate", "match"), [
     (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
     (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
     (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),

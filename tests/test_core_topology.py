@@ -8,8 +8,16 @@ import pytest
 
 from moejob_operator.core.errors import DocumentError
 from moejob_operator.core.topology import (
-    ClusterTopology, list_fixtures, load_topology, normalize_pci_bus_id, nvlink_bandwidth_gbps,
-    nvlink_groups, nvlink_links, parse_topology, report_to_json)
+    ClusterTopology,
+    list_fixtures,
+    load_topology,
+    normalize_pci_bus_id,
+    nvlink_bandwidth_gbps,
+    nvlink_groups,
+    nvlink_links,
+    parse_topology,
+    report_to_json,
+)
 
 EXPECTED_GROUPS = {
     "nvswitch-h100-8": [list(range(8))],
@@ -78,7 +86,7 @@ def test_pci_normalisation():
     assert nvlink_groups(report) == [[0, 1], [2, 3]]
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(("mutate", "match"), [
     (lambda d: d.update(kind="Topology"), r"TopologyReport kind: 'Topology' is not"),
     (lambda d: d.update(version=2), r"TopologyReport version: 2 is not a known version"),
     (lambda d: d.pop("gpus"), r"TopologyReport gpus: required field is missing"),

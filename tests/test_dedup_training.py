@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("dedup_train")
     plans = {d: plan_for(base, d) for d in ("autoep", "dedup")}
     out = {}
-    for name, plan in plans.items():
+    for name in plans:
         out[name] = base / name
         assert run(out[name], plan=plans[name]) == [0, 0], name
     # autoep checkpoint -> dedup run, dedup checkpoint -> autoep run

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.cluster
 def readme_lines() -> tuple[list[str], str]:
     """The commands of the README's demo-stay block: (second-shell lines, the stop line)."""
     text = README.read_text()
-    m = re.search(r"<!-- demo-stay -->\s*```(?:sh|console)?\n(.*?)```", text, re.S)
+    m = re.search(r"<!-- demo-stay -->\s*```(?:sh|console)?\n(.*?)```", text, re.DOTALL)
     assert m, "README.md has no <!-- demo-stay --> block"
     cmds = [ln.split("  #")[0].strip() for ln in m.group(1).splitlines()]
     cmds = [c for c in cmds if c and not c.startswith("#")]

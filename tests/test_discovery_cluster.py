@@ -54,9 +54,8 @@ def _run_pod(kube, ns, wait_for, node, *, namespace_arg=True, **kwargs):
     if not namespace_arg:   # moe-discover then takes the pod's namespace from its token mount
         pod["spec"]["containers"][0]["args"] = ["--configmap", D.topology_configmap_name(node)]
     kube.core.create_namespaced_pod(ns, pod)
-    done = wait_for(lambda: _finished(kube, ns, pod["metadata"]["name"]), timeout=60,
+    return wait_for(lambda: _finished(kube, ns, pod["metadata"]["name"]), timeout=60,
                     message=f"discovery pod on {node} finished")
-    return done
 
 
 def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, namespace, wait_for):

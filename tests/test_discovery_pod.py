@@ -130,7 +130,7 @@ def test_role_is_narrow():
 
 
 def test_cached_report_is_current_by_age_and_boot_id():
-    now = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+    now = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
 
     def cm(collected: str, boot: str | None = "boot-1") -> dict:
         meta = {"annotations": {publish.ANNOTATION_BOOT_ID: boot}} if boot else {}

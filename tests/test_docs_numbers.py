@@ -20,6 +20,7 @@ backs a "43").
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -59,10 +60,9 @@ def cited_files(text: str) -> list[str]:
 
 def _prose(text: str) -> str:
     """The block without code spans, link targets, image links and HTML comments."""
-    text = re.sub(r"<!--.*?-->", " ", text, flags=re.S)
+    text = re.sub(r"<!--.*?-->", " ", text, flags=re.DOTALL)
     text = re.sub(r"`[^`]*`", " ", text)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    return text
+    return re.sub(r"\]\([^)]*\)", "]", text)
 
 
 def figures(text: str) -> list[tuple[str, float, int, str]]:
@@ -149,10 +149,8 @@ def _file_numbers(path: Path) -> list[float]:
     numbers = [abs(float(x)) for x in _FILE_NUMBER.findall(text)] + \
         [float(x.replace(",", "")) for x in _FILE_THOUSANDS.findall(text)]
     if path.suffix == ".json":
-        try:
+        with contextlib.suppress(ValueError):
             numbers += [abs(t) for t in _totals(json.loads(text))]
-        except ValueError:
-            pass
     return numbers
 
 

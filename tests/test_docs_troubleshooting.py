@@ -15,14 +15,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def documented() -> set[str]:
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
-    return set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    return set(re.findall(r"^\| `(\w+)` \|", text, re.MULTILINE))
 
 
 def test_every_reason_has_a_row():
     reasons = {v for k, v in vars(C).items() if k.startswith("R_")}
     reasons |= {v for k, v in vars(core_gate).items() if k.startswith("R_") and isinstance(v, str)}
     gate_src = (ROOT / "operator" / "moejob_operator" / "reconcile" / "gate.py").read_text()
-    reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.M))
+    reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.MULTILINE))
     health_src = (ROOT / "trainer_image" / "moe_trainer" / "health.py").read_text()
     findings = set(re.findall(r'Finding\("(\w+)"', health_src))
     assert len(reasons) >= 30 and len(findings) >= 4

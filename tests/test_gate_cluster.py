@@ -20,12 +20,20 @@ from pathlib import Path
 
 import pytest
 
+from moe_localkube.testing import create_namespace, delete_namespace, unique_name
+from moe_trainer import smoke
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
-from moe_trainer import smoke
-from moe_localkube.testing import create_namespace, delete_namespace, unique_name
-from operator_harness import Operator, apply_job, condition, events_for, example, get_job, install_crd
+from operator_harness import (
+    Operator,
+    apply_job,
+    condition,
+    events_for,
+    example,
+    get_job,
+    install_crd,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -79,10 +87,9 @@ def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
 
 
 def gate_job(name: str, image: str, tmp_path) -> dict:
-    job = example("tiny-cpu.yaml", image=image, metadata={"name": name},
+    return example("tiny-cpu.yaml", image=image, metadata={"name": name},
                   checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(tmp_path)}}},
                   runPolicy={"suspend": True, "backoffLimit": 0})
-    return job
 
 
 def smoke_jobs(kube, ns: str, key: str | None = None) -> list:

@@ -11,7 +11,7 @@ from moejob_operator import constants as C
 from moejob_operator.builders import smoke as B
 from moejob_operator.core import gate as G
 
-NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
 DIGEST = "sha256:" + "ab" * 32
 CFG = G.GateConfig(namespace="moe-system")
 

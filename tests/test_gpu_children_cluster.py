@@ -15,11 +15,19 @@ import sys
 
 import pytest
 
+from moe_localkube.testing import WaitTimeout, create_namespace, delete_namespace, unique_name
 from moejob_operator import constants as C
 from moejob_operator.builders import discovery as D
 from moejob_operator.reconcile.client import Client
-from moe_localkube.testing import WaitTimeout, create_namespace, delete_namespace, unique_name
-from operator_harness import Operator, apply_job, condition, example, get_job, install_crd, seed_topology
+from operator_harness import (
+    Operator,
+    apply_job,
+    condition,
+    example,
+    get_job,
+    install_crd,
+    seed_topology,
+)
 
 pytestmark = pytest.mark.cluster
 

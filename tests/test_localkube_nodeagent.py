@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -264,10 +265,8 @@ def test_standalone_agent_cli(control_plane, kube, namespace, wait_for, tmp_path
         assert not procs.group_alive(pid), "the agent's pod process survived its shutdown"
     finally:
         procs.stop(agent)
-        try:
+        with contextlib.suppress(ApiException):
             kube.core.delete_node("cli-node")
-        except ApiException:
-            pass
 
 
 def test_two_pods_rendezvous_over_gloo_by_pod_hostname(kube, node_agent, namespace, wait_for):

@@ -72,9 +72,8 @@ def test_reconcile_timer_observes_duration_and_counts_errors_by_type():
     before_err = value("moe_operator_reconcile_errors_total", error="KeyError") or 0
     with metrics.reconcile_timer():
         pass
-    with pytest.raises(KeyError, match="boom"):
-        with metrics.reconcile_timer():
-            raise KeyError("boom")
+    with pytest.raises(KeyError, match="boom"), metrics.reconcile_timer():
+        raise KeyError("boom")
     assert value("moe_operator_reconcile_duration_seconds_count") == before_count + 2
     assert value("moe_operator_reconcile_errors_total", error="KeyError") == before_err + 1
 
@@ -93,7 +92,7 @@ def test_smoke_verdicts_count_and_keep_one_current_verdict_per_image():
 
 def test_http_server_serves_the_registry():
     metrics.set_leader(True)
-    server, thread = metrics.start_server(0, "127.0.0.1")
+    server, _thread = metrics.start_server(0, "127.0.0.1")
     try:
         port = server.server_address[1]
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()

@@ -61,7 +61,7 @@ def _all_logs(node_agent, namespace: str, pod: str) -> str:
 
 def _rank_pid(ckpt: Path, rank: int) -> int | None:
     """The trainer process of global rank ``rank`` of this job (a child of a pod's launcher)."""
-    want = [f"RANK={rank}".encode(), f"MOE_CHECKPOINT_DIR=".encode()]
+    want = [f"RANK={rank}".encode(), b"MOE_CHECKPOINT_DIR="]
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue

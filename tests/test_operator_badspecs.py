@@ -9,8 +9,15 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
-from operator_harness import (apply_job, children, condition, events_for, get_job, module_operator,
-                              seed_topology)
+from operator_harness import (
+    apply_job,
+    children,
+    condition,
+    events_for,
+    get_job,
+    module_operator,
+    seed_topology,
+)
 from test_spec_badspecs import BAD, expectation
 
 pytestmark = pytest.mark.cluster

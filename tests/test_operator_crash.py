@@ -7,7 +7,16 @@ from __future__ import annotations
 import pytest
 
 from moejob_operator import constants as C
-from operator_harness import Operator, apply_job, children, condition, example, get_job, install_crd, seed_topology
+from operator_harness import (
+    Operator,
+    apply_job,
+    children,
+    condition,
+    example,
+    get_job,
+    install_crd,
+    seed_topology,
+)
 
 pytestmark = pytest.mark.cluster
 

@@ -21,7 +21,15 @@ import json
 import pytest
 
 from moejob_operator import constants as C
-from operator_harness import Operator, apply_job, condition, events_for, get_job, install_crd, seed_topology
+from operator_harness import (
+    Operator,
+    apply_job,
+    condition,
+    events_for,
+    get_job,
+    install_crd,
+    seed_topology,
+)
 
 pytestmark = pytest.mark.cluster
 

@@ -12,10 +12,18 @@ import time
 import pytest
 from kubernetes.client.rest import ApiException
 
-from moejob_operator import constants as C
 from moe_localkube.nodes import NodeSpec, node_manifest, node_status
-from operator_harness import (apply_job, condition, events_for, example, get_job, launched,
-                              module_operator, seed_topology)
+from moejob_operator import constants as C
+from operator_harness import (
+    apply_job,
+    condition,
+    events_for,
+    example,
+    get_job,
+    launched,
+    module_operator,
+    seed_topology,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -34,10 +42,8 @@ def extra_node(kube, name: str):
         kube.core.patch_node(name, {"spec": {"taints": None}})
         yield
     finally:
-        try:
+        with contextlib.suppress(ApiException):
             kube.core.delete_node(name)
-        except ApiException:
-            pass
 
 
 def _patch(kube, ns, name, spec):

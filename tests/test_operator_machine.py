@@ -7,8 +7,14 @@ import datetime as dt
 import pytest
 
 from moejob_operator import constants as C
-from moejob_operator.reconcile.machine import (PodView, candidate_nodes, decide_gang, health_findings,
-                                               progress_status, seconds_left)
+from moejob_operator.reconcile.machine import (
+    PodView,
+    candidate_nodes,
+    decide_gang,
+    health_findings,
+    progress_status,
+    seconds_left,
+)
 from moejob_operator.status import phase_of, set_condition
 
 
@@ -94,7 +100,7 @@ def test_candidate_nodes_filters_ready_and_labels():
 
 
 def test_seconds_left():
-    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     assert seconds_left(t0, t0 + dt.timedelta(seconds=30), 100) == 70
     assert seconds_left(t0, t0 + dt.timedelta(seconds=130), 100) == -30
     assert seconds_left(t0, t0, None) is None and seconds_left(None, t0, 5) is None

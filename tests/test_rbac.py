@@ -104,9 +104,7 @@ def kopf_needs(source: str) -> set[Need]:
             version, resource = args
             group = "" if version == "v1" else version.split("/")[0]
         needs |= {(group, resource, "list"), (group, resource, "watch")}
-        if ast.unparse(node.func).split(".")[-1] in ("create", "update", "resume", "timer", "delete"):
-            needs.add((group, resource, "patch"))
-        elif group == C.GROUP and "settings.persistence.finalizer" in source:
+        if ast.unparse(node.func).split(".")[-1] in ("create", "update", "resume", "timer", "delete") or (group == C.GROUP and "settings.persistence.finalizer" in source):
             needs.add((group, resource, "patch"))
     return needs
 

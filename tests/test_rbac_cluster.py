@@ -59,7 +59,7 @@ def test_every_needed_verb_is_allowed(kube, release, namespace):
     assert len(needs["jobs"]) >= 20
 
 
-@pytest.mark.parametrize("verb, group, resource, where", [
+@pytest.mark.parametrize(("verb", "group", "resource", "where"), [
     ("get", "", "secrets", "other"),
     ("list", "", "secrets", "other"),
     ("get", "", "secrets", "kube-system"),
@@ -83,7 +83,7 @@ def test_every_needed_verb_is_allowed(kube, release, namespace):
     ("delete", "apiextensions.k8s.io", "customresourcedefinitions", None),
 ])
 def test_forbidden_things_are_denied(kube, release, verb, group, resource, where):
-    _, rel_ns, user = release
+    _, _rel_ns, user = release
     namespace = {"other": "default", "kube-system": "kube-system", None: None}[where]
     assert not allowed(kube, user, verb, group, resource, namespace)
 

@@ -156,7 +156,7 @@ def _check_security(facts: dict, promised: dict, what: str) -> None:
 
 
 def test_users_path_on_real_nodes(cluster, images, tmp_path):
-    cp, nodes = cluster
+    cp, _nodes = cluster
     kube = Kube.from_api_client(cp.api_client())
     cli = Cli(cp)
     op_image = images["operator"].ref          # moe-operator:<content key>

@@ -186,7 +186,7 @@ def test_cpu_mode_checks_memory_against_the_nodes(job):
     assert cond(tiny, C.COND_FAILED)["reason"] == C.R_INSUFFICIENT_MEMORY
 
 
-@pytest.mark.parametrize("nodes,sched", [
+@pytest.mark.parametrize(("nodes", "sched"), [
     ({"count": 3}, {}),                                                   # more than the cluster has
     ({"count": 2, "nodeNames": ["node-a", "node-b"]}, {"nodeSelector": {"pool": "x"}}),  # contradiction
 ])

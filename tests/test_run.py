@@ -65,7 +65,7 @@ def _get(url: str) -> tuple[int, str]:
 
 
 def _leader_metric(port: int) -> float | None:
-    code, text = _get(f"http://127.0.0.1:{port}/metrics")
+    _code, text = _get(f"http://127.0.0.1:{port}/metrics")
     for line in text.splitlines():
         if line.startswith("moe_operator_leader "):
             return float(line.split()[1])
@@ -91,7 +91,7 @@ def test_two_replicas_hand_over_on_sigterm(kube, control_plane, namespace, wait_
                      message=(tmp_path / "old.log").read_text(errors="replace"))
     logs = lambda: "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))  # noqa: E731
     try:
-        (hp_old, mp_old), (hp_new, mp_new) = ports
+        (hp_old, _mp_old), (hp_new, mp_new) = ports
         wait_for(lambda: _get(f"http://127.0.0.1:{hp_new}/healthz")[0] == 200, timeout=60,
                  message=logs())
         time.sleep(2)                                  # several election rounds of the standby

@@ -108,13 +108,13 @@ def test_each_broken_upgrade_fails_the_gate_naming_the_cause(tmp_path, plans_fil
         assert w in last["message"], last["message"]
     assert all(c["passed"] for c in v["checks"][:-1])  # the cases before it passed
     rec = G.decide(G.identity_for("reg.io/t:1", None, "CPU"), None,
-                   G.SmokeObservation("moe-smoke-k-1", True, 1, term), dt.datetime.now(dt.timezone.utc),
+                   G.SmokeObservation("moe-smoke-k-1", True, 1, term), dt.datetime.now(dt.UTC),
                    G.GateConfig(), cases=CASES)
     assert rec.status == "False" and f"check '{check}' of case '{case}' failed" in rec.message
 
 
 def test_expected_deepspeed_mismatch_fails_imports(tmp_path, plans_file):
-    p, v, _, _, wall = run_smoke(tmp_path, plans_file, "--expect-deepspeed", "0.99.0")
+    p, v, _, _, _wall = run_smoke(tmp_path, plans_file, "--expect-deepspeed", "0.99.0")
     assert p.returncode == 1 and v["failedCheck"] == "imports" and v["failedCase"] is None
     assert "the image has deepspeed 0.19.8, the job declares 0.99.0" in v["checks"][0]["message"]
 
@@ -154,7 +154,7 @@ EXPECTED = smoke.expected_checks(["a", "b"])
 
 
 def test_expected_checks_match_the_operators():
-    assert EXPECTED == G.expected_checks(["a", "b"])
+    assert G.expected_checks(["a", "b"]) == EXPECTED
     assert smoke.CHECKS == G.SMOKE_CHECKS
 
 
@@ -162,8 +162,8 @@ def test_merge_a_check_passes_only_when_every_rank_passed_it():
     ok = [(n, c, True, "ok") for n, c in EXPECTED]
     v = smoke.merge([_rank(ok), _rank(ok)], [0, 0], [[], []], False, 600, 10.0, EXPECTED)
     assert v["passed"] and len(v["checks"]) == len(EXPECTED) and v["cases"] == ["a", "b"]
-    r1 = _rank(ok[:3] + [("permutation", "a", False, "misplaced")], "Tb\nX")
-    r0 = _rank(ok[:3] + [("permutation", "a", False, "RuntimeError: Connection closed by peer [127.0.0.1]")])
+    r1 = _rank([*ok[:3], ("permutation", "a", False, "misplaced")], "Tb\nX")
+    r0 = _rank([*ok[:3], ("permutation", "a", False, "RuntimeError: Connection closed by peer [127.0.0.1]")])
     v = smoke.merge([r0, r1], [1, 1], [[], []], False, 600, 10.0, EXPECTED)
     assert not v["passed"] and (v["failedCheck"], v["failedCase"]) == ("permutation", "a")
     # the rank that broke is reported, not the one that lost its peer
@@ -184,7 +184,7 @@ def test_merge_a_rank_that_died_names_the_unfinished_check_and_keeps_its_output(
 
 def test_compact_fits_the_termination_message_limit():
     ok = [(n, c, True, "x" * 300) for n, c in EXPECTED]
-    big = _rank(ok[:5] + [("numerics", "a", False, "y" * 1000)], "z" * 3000)
+    big = _rank([*ok[:5], ("numerics", "a", False, "y" * 1000)], "z" * 3000)
     v = smoke.merge([big, big], [1, 1], [[], []], False, 600, 1.0, EXPECTED)
     text = smoke.compact(v)
     assert len(text.encode()) <= smoke.TERMINATION_LIMIT

@@ -13,7 +13,7 @@ from kubernetes import client as k8s
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate as RG
 
-NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 
 
 def stamp(hours_ago: float) -> str:

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from moejob_operator import constants as C
-from moejob_operator.spec import (JobSpec, SpecError, changed_immutable_fields, parse_spec)
+from moejob_operator.spec import JobSpec, SpecError, changed_immutable_fields, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = yaml.safe_load((ROOT / "crds" / "moetrainingjob.yaml").read_text())
@@ -72,7 +72,7 @@ def test_defaults_fill_in():
     assert spec.data.kind == "Synthetic"
 
 
-@pytest.mark.parametrize("patch, field, text", [
+@pytest.mark.parametrize(("patch", "field", "text"), [
     ({"image": 5}, "spec.image", "5 is invalid"),
     ({"model": {}}, "spec.model", "exactly one"),
     ({"model": {"preset": "a", "path": "/x"}}, "spec.model", "exactly one"),

@@ -107,6 +107,7 @@ def test_routing_stats_progress_and_heatmap(runs):
     # bytes each rank sent in the last step's all-to-alls vs the planner's AutoEP model on this
     # run's own routing (per-step mean; fwd + bwd, fp32 rows); the total is placement-independent
     import numpy as np
+
     from moejob_operator.core.cost import autoep_sends
     from moejob_operator.core.placement import Placement
     plan = json.loads(PLAN.read_text())
@@ -121,7 +122,7 @@ def test_routing_stats_progress_and_heatmap(runs):
     assert (d / "ds" / "latest").read_text().strip() == "step-10"
 
 
-@pytest.mark.parametrize("preset, family", [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
+@pytest.mark.parametrize(("preset", "family"), [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
 def test_other_families_train_under_autoep(tmp_path, preset, family):
     """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3 steps."""
     from moe_trainer.models import TINY_HF_CONFIGS

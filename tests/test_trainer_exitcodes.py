@@ -55,10 +55,10 @@ def test_comm_failure_classification():
 @pytest.mark.slow
 def test_lost_peer_exits_75(tmp_path):
     """SIGKILL one rank mid-run: the survivor sees the broken connection and exits 75 (retryable)."""
-    import signal
     import subprocess
     import sys
     import time
+
     from moe_trainer.launch import free_port
     doc = json.loads((FIXTURES / "tiny_mixtral_autoep.json").read_text())
     doc["training"]["steps"] = 500

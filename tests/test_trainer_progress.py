@@ -2,7 +2,6 @@
 LR schedule, and the comm timer."""
 
 import json
-import time
 
 import pytest
 
@@ -73,6 +72,7 @@ def test_lr_warmup_then_cosine():
 
 def test_comm_timer_counts_sync_and_async(monkeypatch):
     import deepspeed.comm as dscomm
+
     from moe_trainer import commtime
     from moe_trainer.commtime import CommTimer
 
@@ -110,8 +110,9 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
 def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
     """AutoEP's call shape: rows per destination rank in input_split_sizes; the caller's own rows
     stay local. Without splits (the count exchange) (P-1)/P of the input leaves."""
-    import torch
     import deepspeed.comm as dscomm
+    import torch
+
     from moe_trainer.commtime import CommTimer
 
     monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
@@ -134,9 +135,10 @@ def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
 def test_comm_timer_splits_bytes_by_the_receivers_tier(monkeypatch):
     """Ranks 0,1 | 2 | 3 are NVLink groups, 0-2 one node: rank 1 sends 2 rows to its group
     peer, 1 row to another group on its node, 2 rows to another node."""
+    import deepspeed.comm as dscomm
     import torch
     import torch.distributed as dist
-    import deepspeed.comm as dscomm
+
     from moe_trainer.commtime import CommTimer
 
     monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
@@ -157,6 +159,7 @@ def test_comm_timer_splits_bytes_by_the_receivers_tier(monkeypatch):
 
 def test_prometheus_metrics_are_served():
     import urllib.request
+
     from moe_trainer.launch import free_port
     port = free_port()
     m = progress.Metrics(port, "tiny")

@@ -105,7 +105,7 @@ def test_patch_request_carries_nulls_for_the_other_key(tmp_path, monkeypatch):
     assert req.get_method() == "PATCH" and req.headers["Content-type"] == "application/merge-patch+json"
 
 
-@pytest.mark.parametrize("layers,experts,top_k,fits", [
+@pytest.mark.parametrize(("layers", "experts", "top_k", "fits"), [
     (32, 8, 2, KEY),          # Mixtral-8x7B shape
     (32, 64, 8, KEY),
     (24, 128, 8, GZ_KEY),

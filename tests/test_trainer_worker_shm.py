@@ -17,12 +17,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_cpu_worker_pod_builds_no_shm_op(tmp_path):
+    from moe_trainer.launch import free_port
     from moejob_operator.builders import workers
     from moejob_operator.builders.common import JobRef
     from moejob_operator.reconcile import planning
     from moejob_operator.spec import parse_spec
-
-    from moe_trainer.launch import free_port
     spec = parse_spec({"image": "moe-trainer:local", "device": "CPU", "model": {"preset": "tiny-mixtral"},
                        "nodes": {"count": 1, "gpusPerNode": 1}, "checkpoint": {"everySteps": 1},
                        "placement": {"strategy": "Contiguous"},

@@ -107,7 +107,7 @@ class ClusterDNS:
             return _reply(msg, qid, flags, end, 3, [])          # NXDOMAIN
         return _reply(msg, qid, flags, end, 0, ips if qtype == _A else [])
 
-    def start(self) -> "ClusterDNS":
+    def start(self) -> ClusterDNS:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((self.address, self.port))
         self._sock.settimeout(0.5)
@@ -119,7 +119,7 @@ class ClusterDNS:
         while not self._stop.is_set():
             try:
                 msg, peer = self._sock.recvfrom(1500)
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             # Lookups call the API server: answer each query in its own thread.
             threading.Thread(target=self._answer, args=(msg, peer), daemon=True).start()

@@ -100,14 +100,14 @@ class ControlPlane:
         self.startup_seconds = 0.0
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         t0 = time.monotonic()
         self._install_signal_handlers()
         atexit.register(self.stop)

@@ -76,11 +76,11 @@ def images_cache_dir() -> Path:
 def debian_mirror() -> str:
     """The Debian mirror apt uses on this host (deb822 or one-line sources), else deb.debian.org."""
     for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
-        m = re.search(r"^URIs:\s*(\S+)", path.read_text(), re.M)
+        m = re.search(r"^URIs:\s*(\S+)", path.read_text(), re.MULTILINE)
         if m and "security" not in m.group(1):
             return m.group(1)
     try:
-        m = re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", Path("/etc/apt/sources.list").read_text(), re.M)
+        m = re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", Path("/etc/apt/sources.list").read_text(), re.MULTILINE)
         if m:
             return m.group(1)
     except OSError:
@@ -140,7 +140,7 @@ def _ignored(rel: str, patterns: list[str]) -> bool:
     parts = rel.split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
     return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) or
-               fnmatch.fnmatch(parts[i - 1], pat.removeprefix("**/")) and pat.startswith("**/")
+               (fnmatch.fnmatch(parts[i - 1], pat.removeprefix("**/")) and pat.startswith("**/"))
                for pat in patterns for i, p in enumerate(prefixes, 1))
 
 
@@ -180,7 +180,7 @@ class BuildReport:
 # ---------------------------------------------------------------- wheelhouse server
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):  # noqa: D401 - silence per-request logging
+    def log_message(self, *args):
         pass
 
 
@@ -212,7 +212,7 @@ def remove_cgroup_tree(top: Path) -> None:
     """rmdir ``top`` and everything below it, deepest first (cgroup dirs hold no files)."""
     if not top.is_dir():
         return
-    for root, dirs, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
+    for root, _dirs, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
         with contextlib.suppress(OSError):
             os.rmdir(root)
 
@@ -248,7 +248,7 @@ class Dockerd:
         self._proc: subprocess.Popen | None = None
         self._lock_fd: int | None = None
 
-    def __enter__(self) -> "Dockerd":
+    def __enter__(self) -> Dockerd:
         for tool in ("dockerd", "docker", "containerd", "runc"):
             if not shutil.which(tool):
                 raise ImageError(f"{tool} not found: install Debian's docker.io, containerd and runc "
@@ -420,7 +420,7 @@ class ImageBuilder:
             self._timed("wheelhouse", True, t0)
             return dst
         tmp = Path(tempfile.mkdtemp(prefix=".wheels-", dir=self.cache_dir))
-        build_reqs = re.search(r"requires\s*=\s*\[(.*?)\]", (REPO_ROOT / "pyproject.toml").read_text(), re.S)
+        build_reqs = re.search(r"requires\s*=\s*\[(.*?)\]", (REPO_ROOT / "pyproject.toml").read_text(), re.DOTALL)
         reqs = re.findall(r'"([^"]+)"', build_reqs.group(1)) if build_reqs else ["setuptools", "wheel"]
         reqs += dockerfile_pins()
         log = self.log_dir / "wheelhouse.log"
@@ -449,7 +449,7 @@ class ImageBuilder:
         self._stack.close()
         self._dockerd = None
 
-    def __enter__(self) -> "ImageBuilder":
+    def __enter__(self) -> ImageBuilder:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
 from urllib.parse import parse_qs, unquote, urlparse
 
 from . import pki
@@ -30,12 +30,12 @@ def _tail_lines(data: bytes, n: int) -> bytes:
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: "KubeletApi._Server"
+    server: KubeletApi._Server
 
     def log_message(self, *args) -> None:  # quiet
         pass
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+    def do_GET(self) -> None:
         url = urlparse(self.path)
         parts = [unquote(p) for p in url.path.strip("/").split("/")]
         if parts == ["healthz"]:
@@ -109,7 +109,7 @@ class KubeletApi:
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="kubelet-api", daemon=True)
 
-    def start(self) -> "KubeletApi":
+    def start(self) -> KubeletApi:
         self._thread.start()
         return self
 

@@ -14,6 +14,7 @@ Stand-alone:  python -m moe_localkube.nodeagent --kubeconfig KC --nodes node-a:n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -46,7 +47,7 @@ PASS_ENV = ("TMPDIR", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TERM", "LANG", 
 
 
 def _micro_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class HostsFile:
@@ -87,7 +88,7 @@ def pod_hostnames(pod: dict) -> list[str]:
     host = spec.get("hostname") or pod["metadata"]["name"]
     sub = spec.get("subdomain")
     names = [f"{host}.{sub}.{ns}.svc.cluster.local", f"{host}.{sub}.{ns}.svc", f"{host}.{sub}"] if sub else []
-    return names + [host]
+    return [*names, host]
 
 
 class NodeAgent:
@@ -122,13 +123,13 @@ class NodeAgent:
         self._started = False
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "NodeAgent":
+    def __enter__(self) -> NodeAgent:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "NodeAgent":
+    def start(self) -> NodeAgent:
         sandbox.check_host()
         self.mount_targets = sandbox.MountTargets()
         self.hosts = HostsFile(self.run_dir / "hosts")
@@ -156,10 +157,8 @@ class NodeAgent:
         for w in workers:
             w.join(timeout=15)
         for pgid in procs.survivors(self.pids):      # a worker that did not finish in time
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         if self.mount_targets:
             self.mount_targets.cleanup()
         if self.kubelet_api:
@@ -195,7 +194,7 @@ class NodeAgent:
             for name in self.nodes:
                 try:
                     self._renew_lease(name)
-                    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+                    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
                     self.core.patch_node_status(name, {"status": {"conditions": [
                         {"type": "Ready", "status": "True", "reason": "KubeletReady",
                          "lastHeartbeatTime": now}]}}, _content_type=STRATEGIC)
@@ -248,7 +247,7 @@ class NodeAgent:
         """One pod's trouble must not stall the others: log it and go on."""
         try:
             fn(pod)
-        except Exception:  # noqa: BLE001
+        except Exception:
             meta = pod.get("metadata", {})
             log.exception("pod %s/%s: %s failed", meta.get("namespace"), meta.get("name"), fn.__name__)
 
@@ -292,7 +291,7 @@ class NodeAgent:
         if any(c.get("type") == "PodScheduled" for c in status.get("conditions") or []):
             return   # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
         created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
-        if (datetime.now(timezone.utc) - created).total_seconds() < self.bind_fallback_seconds:
+        if (datetime.now(UTC) - created).total_seconds() < self.bind_fallback_seconds:
             return
         meta = pod["metadata"]
         log.warning("pod %s/%s: unscheduled after %.0fs, binding it to %s", meta["namespace"], meta["name"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from .binaries import REPO_ROOT
@@ -58,7 +58,7 @@ class NodeSpec:
     extra_labels: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def parse(cls, text: str) -> "NodeSpec":
+    def parse(cls, text: str) -> NodeSpec:
         """``node-a:nvswitch-h100-8`` (fixture optional)."""
         name, _, fixture = text.partition(":")
         if not name:
@@ -67,7 +67,7 @@ class NodeSpec:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def node_manifest(spec: NodeSpec) -> dict:

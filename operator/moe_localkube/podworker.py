@@ -8,7 +8,7 @@ import logging
 import shutil
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ TICK = 0.1
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _tail_text(path: Path, n: int = 2048) -> str:
@@ -74,7 +74,7 @@ class ContainerRun:
 
 
 class PodWorker(threading.Thread):
-    def __init__(self, agent: "NodeAgent", pod: dict):
+    def __init__(self, agent: NodeAgent, pod: dict):
         meta = pod["metadata"]
         super().__init__(name=f"pod-{meta['namespace']}/{meta['name']}", daemon=True)
         self.agent, self.pod = agent, pod
@@ -242,7 +242,7 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-        except Exception as exc:  # noqa: BLE001 - the pod shows it; the agent keeps going
+        except Exception as exc:
             log.exception("pod %s/%s: node agent error", self.ns, self.pod_name)
             self._kill_all(1.0)
             self.phase, self.reason, self.message = "Failed", "NodeAgentError", str(exc)[:MAX_MESSAGE]
@@ -281,7 +281,7 @@ class PodWorker(threading.Thread):
         self.report()
         while True:                                   # kubelet retries config errors
             if self._stopping():
-                return
+                return None
             if self._deadline_passed():
                 return self._deadline()
             try:
@@ -301,13 +301,13 @@ class PodWorker(threading.Thread):
         for c in self.inits:                           # init containers: in order, to success
             while not (c.final and c.terminated and c.terminated["exitCode"] == 0):
                 if self._stopping():
-                    return
+                    return None
                 if self._deadline_passed():
                     return self._deadline()
                 if c.final:                             # failed under restartPolicy Never
                     self.phase = "Failed"
                     self.report()
-                    return
+                    return None
                 self._poll_init(c)
                 self.report()
                 time.sleep(TICK)
@@ -320,9 +320,9 @@ class PodWorker(threading.Thread):
             if all(c.final for c in self.mains):
                 self.phase = "Succeeded" if all(c.terminated["exitCode"] == 0 for c in self.mains) else "Failed"
                 self.report()
-                return
+                return None
             if self._stopping():
-                return
+                return None
             if self._deadline_passed():
                 return self._deadline()
             self.report()

@@ -8,6 +8,7 @@ nothing survives.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -71,23 +72,17 @@ def group_alive(pgid: int) -> bool:
 def stop(proc: subprocess.Popen, grace_seconds: float = 5.0) -> int | None:
     """SIGTERM the process group, wait up to ``grace_seconds``, then SIGKILL it; reap the leader."""
     pgid = proc.pid
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + grace_seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None and not group_alive(pgid):
             return proc.returncode
         time.sleep(0.05)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        pass
     deadline = time.monotonic() + 5
     while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.05)

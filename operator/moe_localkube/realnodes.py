@@ -36,10 +36,10 @@ Layout (docs/localkube.md, "Real nodes"):
 from __future__ import annotations
 
 import contextlib
-import re
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -168,7 +168,7 @@ class SharedHostState:
 
 def _remove_if_only_sockets(path: Path) -> None:
     """Remove a host directory the kubelet created, if all it holds is sockets/empty dirs."""
-    for root, dirs, files in os.walk(path, topdown=False):
+    for root, _dirs, files in os.walk(path, topdown=False):
         for f in files:
             fp = Path(root) / f
             if fp.is_socket():
@@ -236,13 +236,13 @@ class RealNodes:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "RealNodes":
+    def __enter__(self) -> RealNodes:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "RealNodes":
+    def start(self) -> RealNodes:
         t0 = time.monotonic()
         self._started = True
         try:
@@ -377,7 +377,7 @@ class RealNodes:
         fixture_gpus(node.spec.fixture)          # unknown fixture: fail here, not in a pod
         spec = json.loads(_run("ctr", "oci", "spec").stdout)
         env = [e for e in spec["process"].get("env", []) if not e.startswith(FAKE_NVML_ENV + "=")]
-        spec["process"]["env"] = env + [f"{FAKE_NVML_ENV}={node.spec.fixture}"]
+        spec["process"]["env"] = [*env, f"{FAKE_NVML_ENV}={node.spec.fixture}"]
         path = node.dir / "base-spec.json"
         path.write_text(json.dumps(spec))
         return path
@@ -865,8 +865,7 @@ def host_leftovers(nodes: RealNodes) -> list[str]:
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4]
-            if mp.startswith(str(nodes.run_dir)) or mp.startswith(str(nodes.host_dir)) or \
-                    mp in {os.path.realpath(n) for n in nodes._netns}:
+            if mp.startswith((str(nodes.run_dir), str(nodes.host_dir))) or mp in {os.path.realpath(n) for n in nodes._netns}:
                 out.append(f"mount {mp}")
     if nodes.host_dir.exists():
         out.append(f"directory {nodes.host_dir}")

@@ -10,11 +10,11 @@ remove the empty ones when it stops).
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import secrets
 import shlex
 import shutil
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -54,9 +54,8 @@ class MountTargets:
         return f
 
     def _record(self, path: Path) -> None:
-        with self._locked():
-            with open(self._list, "a") as f:
-                f.write(f"{path}\n")
+        with self._locked(), open(self._list, "a") as f:
+            f.write(f"{path}\n")
 
     def ensure(self, target: str, is_file: bool) -> None:
         path = Path(target)

@@ -7,9 +7,10 @@ import os
 import secrets
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class WaitTimeout(AssertionError):
@@ -58,7 +59,7 @@ class Kube:
     coordination: Any  # CoordinationV1Api
 
     @classmethod
-    def from_api_client(cls, api_client) -> "Kube":
+    def from_api_client(cls, api_client) -> Kube:
         from kubernetes import client
 
         return cls(api_client=api_client, core=client.CoreV1Api(api_client),

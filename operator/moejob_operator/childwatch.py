@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
@@ -53,7 +54,7 @@ class ChildWatch:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
-    def start(self) -> "ChildWatch":
+    def start(self) -> ChildWatch:
         for ns in self.namespaces or [None]:
             t = threading.Thread(target=self._run, args=(ns,), daemon=True,
                                  name=f"moe-watch-{self.kind}-{ns or 'all'}")
@@ -119,7 +120,7 @@ class ChildWatch:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     try:
                         self.handler(etype, obj)
-                    except Exception:  # noqa: BLE001 - one bad event must not end the watch
+                    except Exception:
                         log.exception("watch %s: handler failed on %s", self.kind, etype)
             return version
         finally:

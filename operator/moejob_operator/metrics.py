@@ -27,8 +27,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector,
-                               ProcessCollector, generate_latest, start_http_server)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 

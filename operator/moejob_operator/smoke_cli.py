@@ -70,7 +70,7 @@ def smoke_command(args: argparse.Namespace, plans_file: str, python: str = sys.e
         if not args.cpu:      # and no silent CPU fallback when the runtime hands over no GPU
             runtime += ["--gpus", "1"] if args.runtime == "docker" else ["--device", "nvidia.com/gpu=all"]
             opts = ["--gpu"] + [o for o in opts if o != "--gpu"]
-        return runtime + [args.image] + opts + ["--plans", IMAGE_PLANS]
+        return [*runtime, args.image, *opts, "--plans", IMAGE_PLANS]
     exe = shutil.which("moe-smoke")
     return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts + ["--plans", plans_file]
 
@@ -85,8 +85,8 @@ def format_verdict(doc: dict) -> str:
         lines.append(f"  {mark}  {name:<{width}} {c['seconds']:7.1f}s  {c['message']}")
     v = doc.get("versions") or {}
     stack = ", ".join(f"{k} {v[k]}" for k in ("deepspeed", "torch", "transformers", "cuda", "gpu") if v.get(k))
-    head = [f"smoke test of {stack or 'unknown versions'} on {v.get('device', '?')} "
-            f"({doc.get('worldSize', '?')} rank(s))"]
+    head = [(f"smoke test of {stack or 'unknown versions'} on {v.get('device', '?')} "
+            f"({doc.get('worldSize', '?')} rank(s))")]
     if doc["passed"]:
         tail = [f"PASSED in {doc['durationSeconds']:.1f}s"]
     else:

@@ -18,8 +18,8 @@ TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 
 
 def now_iso(now: dt.datetime | None = None) -> str:
-    now = now or dt.datetime.now(dt.timezone.utc)
-    return now.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    now = now or dt.datetime.now(dt.UTC)
+    return now.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def parse_time(text: str | None) -> dt.datetime | None:

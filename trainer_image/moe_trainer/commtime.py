@@ -108,7 +108,7 @@ class CommTimer:
         self._local = threading.local()
         self._originals = {}
 
-    def set_tiers(self, group_of: list[int], node_of: list[int]) -> "CommTimer":
+    def set_tiers(self, group_of: list[int], node_of: list[int]) -> CommTimer:
         """NVLink group and node of every global rank: count all-to-all bytes by tier too."""
         self._tiers = (list(group_of), list(node_of))
         return self
@@ -150,7 +150,7 @@ class CommTimer:
             return out
         return wrapper
 
-    def install(self) -> "CommTimer":
+    def install(self) -> CommTimer:
         import deepspeed.comm as dscomm
         for name, kind in KINDS.items():
             fn = getattr(dscomm, name, None)

@@ -96,7 +96,7 @@ class Layout:
     def num_ranks(self) -> int:
         return len(self.tier_group)
 
-    def check(self, ep_size: int, num_experts: int, num_local_experts: int) -> "Layout":
+    def check(self, ep_size: int, num_experts: int, num_local_experts: int) -> Layout:
         P = ep_size
         if len(self.expert2rank) != num_experts or len(self.expert2local) != num_experts:
             raise DispatchError(f"expert2rank/expert2local have {len(self.expert2rank)}/{len(self.expert2local)} "
@@ -257,8 +257,8 @@ def index_work(plan: Plan, selected: torch.Tensor):
     P = plan.P
     dest_group, hit_group, mine = _local_counts(plan, sel)
     counts = mine.cpu()
-    tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P:].sum()))
-    row_b, ids_b = _stage_b_rows(plan, ids_a, int(counts[:P].sum()))
+    _tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P:].sum()))
+    _row_b, ids_b = _stage_b_rows(plan, ids_a, int(counts[:P].sum()))
     return _expert_rows(plan, ids_b, int(counts[P:2 * P].sum()), len(plan.layout.expert2rank) // P, torch.int32)
 
 
@@ -267,7 +267,10 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
     """Dispatch ``x[T, H]`` to the experts picked in ``selected[T, K]`` with weights
     ``top_scores[T, K]``, run ``experts`` and combine; returns ``y[T, H]`` (= sum_k w_k f_k(x))."""
     import torch.distributed as dist
-    from deepspeed.module_inject.auto_ep_layer import permute_by_local_expert, unpermute_by_local_expert
+    from deepspeed.module_inject.auto_ep_layer import (
+        permute_by_local_expert,
+        unpermute_by_local_expert,
+    )
 
     T, H = x.shape
     P, G, me = plan.P, plan.G, plan.me

@@ -24,6 +24,7 @@ Semantics:
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import signal
@@ -31,8 +32,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Sequence
+from typing import IO
 
 GRACE_SECONDS = 25.0      # worker pods get 30 s (terminationGracePeriodSeconds) before SIGKILL
 STOP_SECONDS = 5.0        # after a rank failed: how long the others get to exit on SIGTERM
@@ -129,10 +131,8 @@ class Gang:
     def _send(self, sig: int) -> None:
         for p in self.procs:
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
 
     def _on_signal(self, signum, _frame) -> None:
         if self._signal is None:
@@ -200,7 +200,7 @@ class Gang:
             if not alive:
                 break
             now = time.monotonic()
-            if stop_at is not None and now >= stop_at or self._kill_at is not None and now >= self._kill_at:
+            if (stop_at is not None and now >= stop_at) or (self._kill_at is not None and now >= self._kill_at):
                 self._send(signal.SIGKILL)
             if deadline is not None and now >= deadline:
                 res.timed_out = True

@@ -29,7 +29,7 @@ Statistics interface (agreed with the trainer; all tensors detached, on device, 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from moe_trainer.fast.ops import (
     swiglu,
 )
 
-__all__ = ["GroupedExperts", "GroupedMoeBlock", "SUPPORTED_BLOCKS", "from_hf_block", "swap_moe_blocks"]
+__all__ = ["SUPPORTED_BLOCKS", "GroupedExperts", "GroupedMoeBlock", "from_hf_block", "swap_moe_blocks"]
 
 # HF block classes this block reproduces exactly: router `gate` -> (logits, weights, ids),
 # experts `gate_up_proj`/`down_proj` with SwiGLU, no shared experts, no bias.
@@ -105,7 +105,7 @@ class GroupedMoeBlock(nn.Module):
         self.last_tokens_per_expert = None
 
     @classmethod
-    def from_hf(cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None) -> "GroupedMoeBlock":
+    def from_hf(cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None) -> GroupedMoeBlock:
         """Wrap an HF Mixtral/Qwen3-MoE block, sharing (not copying) its router and expert params."""
         name = type(block).__name__
         if name not in SUPPORTED_BLOCKS:

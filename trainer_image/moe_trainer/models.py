@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import copy
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -153,7 +153,7 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
         bias = getattr(ref.gate, "e_score_correction_bias", None)
         if bias is not None:
             targets.append(bias)
-        for pname, p in ref.experts.named_parameters(recurse=False):
+        for _pname, p in ref.experts.named_parameters(recurse=False):
             if p.dim() >= 2 and p.shape[0] == num_experts:
                 targets.append(p)
         if len(targets) < 2:
@@ -180,7 +180,7 @@ def swap_moe_blocks(model: nn.Module, factory: BlockFactory) -> int:
     layers = find_moe_layers(model)
     for ref in layers:
         parent = model.get_submodule(ref.name.rsplit(".", 1)[0])
-        setattr(parent, "mlp", factory(ref.block, model.config))
+        parent.mlp = factory(ref.block, model.config)
     return len(layers)
 
 

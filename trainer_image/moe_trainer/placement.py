@@ -28,7 +28,7 @@ def verify_placement(blocks, permutation, originals: list[dict[str, torch.Tensor
     layers = []
     for layer, block in enumerate(blocks):
         experts = block.experts
-        params = [p for p in experts.parameters(recurse=False)]
+        params = list(experts.parameters(recurse=False))
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             orig = originals[layer]
             if hasattr(experts, "w1") and hasattr(block, "ep_rank"):           # AutoEP GroupedExperts

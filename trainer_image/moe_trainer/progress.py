@@ -28,7 +28,7 @@ PHASES = ("Starting", "Training", "Checkpointing", "Finished", "Failed")
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def progress_doc(*, phase: str, step: int, total_steps: int, loss: float | None, tokens_per_second: float,
@@ -84,7 +84,7 @@ class ConfigMapPublisher:
         return (SA_DIR / "token").is_file() and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     @classmethod
-    def from_env(cls, var: str = "MOE_PROGRESS_CONFIGMAP", timeout_s: float = 5.0) -> "ConfigMapPublisher | None":
+    def from_env(cls, var: str = "MOE_PROGRESS_CONFIGMAP", timeout_s: float = 5.0) -> ConfigMapPublisher | None:
         name = os.environ.get(var)
         if not name:
             return None
@@ -163,16 +163,16 @@ class Metrics:
                          registry=self.registry)
         self.tokens = Counter("moe_trainer_tokens", "Tokens trained on", labels, registry=self.registry)
         self.comm = Gauge("moe_trainer_comm_seconds_per_step", "Seconds per step in a collective",
-                          labels + ["op"], registry=self.registry)
+                          [*labels, "op"], registry=self.registry)
         self.maxmean = Gauge("moe_trainer_expert_load_max_mean", "Max/mean expert load of a layer (window)",
-                             labels + ["layer"], registry=self.registry)
+                             [*labels, "layer"], registry=self.registry)
         self.dead = Gauge("moe_trainer_dead_experts", "Experts flagged dead", labels, registry=self.registry)
         self.frag = Gauge("moe_trainer_allocator_fragmentation", "1 - allocated/reserved (CUDA)", labels,
                           registry=self.registry)
         self.tier_bytes = Gauge("moe_trainer_all_to_all_bytes_per_step",
                                 "Expert all-to-all bytes sent to other ranks in the last step, all ranks, by "
                                 "the receiver's tier (crossNode is part of crossGroup)",
-                                labels + ["tier"], registry=self.registry)
+                                [*labels, "tier"], registry=self.registry)
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
     def update(self, doc: dict, tokens: int) -> None:

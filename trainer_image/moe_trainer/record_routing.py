@@ -104,6 +104,7 @@ def _window(ckpt: Path, full: dict, a, end: int) -> dict:
     uniform sample of the window), cut to ``--samples``."""
     import numpy as np
     import torch
+
     from moe_trainer.routing import routing_stats_doc
     start = max(0, end - a.window)
 

@@ -89,7 +89,7 @@ class RoutingStatsPublisher:
         self._warned_too_large = False
 
     @classmethod
-    def from_env(cls) -> "RoutingStatsPublisher | None":
+    def from_env(cls) -> RoutingStatsPublisher | None:
         pub = ConfigMapPublisher.from_env(ENV, timeout_s=30.0)
         return None if pub is None else cls(pub)
 

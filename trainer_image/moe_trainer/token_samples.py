@@ -73,7 +73,7 @@ class TokenSampler:
         n = int(torch.isfinite(flat).sum())
         thr = torch.sort(flat).values[min(cap, n) - 1] if n else torch.tensor(-1.0, dtype=torch.float64)
         wins = [int(((row <= thr) & torch.isfinite(row)).sum()) for row in all_keys]
-        mine = torch.nonzero((self.keys <= thr)).flatten()
+        mine = torch.nonzero(self.keys <= thr).flatten()
         m = max(wins)
         width = self.L * self.k + 1
         buf = torch.zeros(m, width, dtype=torch.int32)
@@ -82,7 +82,7 @@ class TokenSampler:
         gathered = [torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)]
         dist.all_gather(gathered, buf.to(device))
         keys, rows = [], []
-        for r, (row, g) in enumerate(zip(all_keys, gathered)):
+        for _r, (row, g) in enumerate(zip(all_keys, gathered)):
             sel = torch.nonzero((row <= thr) & torch.isfinite(row)).flatten()
             keys.append(row[sel])
             rows.append(g.cpu()[:len(sel)])

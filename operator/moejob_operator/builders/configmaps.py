@@ -10,8 +10,13 @@ import json
 from typing import Any
 
 from .. import constants as C
-from .common import (JobRef, child_metadata, plan_configmap_name, progress_configmap_name,
-                     routing_stats_configmap_name)
+from .common import (
+    JobRef,
+    child_metadata,
+    plan_configmap_name,
+    progress_configmap_name,
+    routing_stats_configmap_name,
+)
 
 
 def plan_json(plan: dict[str, Any]) -> str:

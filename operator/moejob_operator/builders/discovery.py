@@ -35,10 +35,12 @@ import datetime as dt
 import hashlib
 import json
 import re
-from typing import Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import Any, Literal
 
 from .. import constants as C
-from .common import resources as quantities, token_mount, token_volume
+from .common import resources as quantities
+from .common import token_mount, token_volume
 
 COMPONENT = "discovery"
 DISCOVERY_POD_PREFIX = "moe-discovery-"

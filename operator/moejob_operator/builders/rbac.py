@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .common import (JobRef, child_metadata, progress_configmap_name,
-                     routing_stats_configmap_name, worker_account_name)
+from .common import (
+    JobRef,
+    child_metadata,
+    progress_configmap_name,
+    routing_stats_configmap_name,
+    worker_account_name,
+)
 
 
 def service_account(job: JobRef) -> dict[str, Any]:

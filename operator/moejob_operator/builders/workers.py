@@ -13,9 +13,22 @@ from typing import Any
 
 from .. import constants as C
 from ..spec import JobSpec
-from .common import (JobRef, resources, checkpoint_dir, child_metadata, job_ports, master_addr, plan_configmap_name, progress_configmap_name,
-                     routing_stats_configmap_name, service_name, token_mount, token_volume,
-                     worker_account_name, worker_name)
+from .common import (
+    JobRef,
+    checkpoint_dir,
+    child_metadata,
+    job_ports,
+    master_addr,
+    plan_configmap_name,
+    progress_configmap_name,
+    resources,
+    routing_stats_configmap_name,
+    service_name,
+    token_mount,
+    token_volume,
+    worker_account_name,
+    worker_name,
+)
 
 TRAINER_COMMAND = ("moe-train",)      # in a pod: the node launcher (moe_trainer.launch)
 RUN_AS_USER = 1000

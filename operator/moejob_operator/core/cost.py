@@ -51,13 +51,13 @@ class Score:
     def autoep_max_gpu_bytes_per_step(self) -> float:
         return max(self.autoep_bytes_per_gpu, default=0.0)
 
-    def quality(self, contiguous: "Score | None" = None) -> dict[str, Any]:
+    def quality(self, contiguous: Score | None = None) -> dict[str, Any]:
         """``MoEPlan.placement.quality`` (docs/contracts.md)."""
-        out: dict[str, Any] = {"crossGroupBytesPerStep": int(round(self.cross_group_bytes_per_step)),
-               "crossNodeBytesPerStep": int(round(self.cross_node_bytes_per_step)),
+        out: dict[str, Any] = {"crossGroupBytesPerStep": round(self.cross_group_bytes_per_step),
+               "crossNodeBytesPerStep": round(self.cross_node_bytes_per_step),
                "maxMeanLoad": round(self.max_mean_load, 4),
                "allToAllSecondsPerStep": self.all_to_all_seconds_per_step,
-               "autoEpMaxGpuBytesPerStep": int(round(self.autoep_max_gpu_bytes_per_step))}
+               "autoEpMaxGpuBytesPerStep": round(self.autoep_max_gpu_bytes_per_step)}
         if contiguous is not None:
             base = contiguous.cross_group_bytes_per_step
             out["crossGroupVsContiguous"] = round(self.cross_group_bytes_per_step / base, 4) if base else 1.0
@@ -75,9 +75,9 @@ def distinct_remote(dest: np.ndarray, src: np.ndarray) -> np.ndarray:
     return count
 
 
-def gpu_load(placement: "Placement", load: np.ndarray) -> np.ndarray:
+def gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
     """``load[L, E]`` -> ``gpu_load[L, W]`` tokens received per GPU (replicas split tokens evenly)."""
-    L, E = load.shape
+    L, _E = load.shape
     P, W = placement.ep_size, placement.world_size
     out = np.zeros((L, W))
     for layer in range(L):
@@ -93,7 +93,7 @@ def _tier_seconds(topo: ClusterTopology, sent: np.ndarray) -> float:
     return float(t.max()) if len(t) else 0.0
 
 
-def score(placement: "Placement", topo: ClusterTopology, trace: RoutingStats, *,
+def score(placement: Placement, topo: ClusterTopology, trace: RoutingStats, *,
           hidden_size: int, bytes_per_elem: int = 2) -> Score:
     """Score a placement on a trace: exact on sampled tokens when present, else pairwise."""
     if placement.world_size != topo.num_gpus:
@@ -118,7 +118,7 @@ def score(placement: "Placement", topo: ClusterTopology, trace: RoutingStats, *,
                  tuple(float(x) for x in autoep))
 
 
-def autoep_sends(placement: "Placement", load: np.ndarray) -> np.ndarray:
+def autoep_sends(placement: Placement, load: np.ndarray) -> np.ndarray:
     """Rows each GPU sends to other GPUs in AutoEP's forward dispatch + combine, summed over
     layers, for ``load[L, E]`` assignments; ``[W]``. Each source rank is assumed to route like the
     whole (its share of ``load`` is ``load / W``); backward sends the same again."""
@@ -129,7 +129,7 @@ def autoep_sends(placement: "Placement", load: np.ndarray) -> np.ndarray:
     return sends
 
 
-def _token_costs(placement: "Placement", topo: ClusterTopology,
+def _token_costs(placement: Placement, topo: ClusterTopology,
                  trace: RoutingStats) -> tuple[float, float, float]:
     """Remote-group and remote-node sends (token counts) and per-layer slowest-GPU seconds/byte."""
     te = trace.token_experts                  # [L, T, k]
@@ -177,7 +177,7 @@ def _hit_prob(member: np.ndarray, load: np.ndarray, coact: np.ndarray, tokens: i
     return prob
 
 
-def _pairwise_costs(placement: "Placement", topo: ClusterTopology,
+def _pairwise_costs(placement: Placement, topo: ClusterTopology,
                     trace: RoutingStats) -> tuple[float, float, float]:
     W, P = placement.world_size, placement.ep_size
     R = W // P

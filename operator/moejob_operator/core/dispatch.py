@@ -58,7 +58,7 @@ def _charge(out: dict[str, float], a: np.ndarray, b: np.ndarray, nbytes: float, 
     out["crossNode"] += float((node[a] != node[b]).sum()) * nbytes
 
 
-def dispatch_bytes(placement: "Placement", topo: ClusterTopology, token_experts: np.ndarray, *,
+def dispatch_bytes(placement: Placement, topo: ClusterTopology, token_experts: np.ndarray, *,
                    hidden_size: int, bytes_per_elem: int, backward: bool = True) -> dict[str, dict[str, float]]:
     """``token_experts[L, T, K]`` (original ids) -> ``{"autoep": {tier: bytes}, "dedup": {...}}``
     for routing those T tokens through every layer once (forward, + backward when asked)."""
@@ -111,5 +111,5 @@ def dispatch_bytes(placement: "Placement", topo: ClusterTopology, token_experts:
 def per_step(bytes_by_dispatcher: dict[str, dict[str, float]],
              scale: float) -> dict[str, dict[str, int]]:
     """Scale to a step and round: ``{dispatcher: {tierBytesPerStep: int}}`` for the plan."""
-    return {d: {f"{tier}BytesPerStep": int(round(v * scale)) for tier, v in tiers.items()}
+    return {d: {f"{tier}BytesPerStep": round(v * scale) for tier, v in tiers.items()}
             for d, tiers in bytes_by_dispatcher.items()}

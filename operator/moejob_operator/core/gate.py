@@ -38,7 +38,7 @@ SMOKE_JOB_PREFIX = "moe-smoke-"            # Job moe-smoke-<key>-<attempt>
 LABEL_GATE_KEY = "moe-operator.io/gate-key"
 # Check kinds, in order: `imports`, per case the phase-1 checks, per case `resume`, `fused_adam`.
 SMOKE_CASE_CHECKS = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
-SMOKE_CHECKS = ("imports",) + SMOKE_CASE_CHECKS + ("resume", "fused_adam")
+SMOKE_CHECKS = ("imports", *SMOKE_CASE_CHECKS, "resume", "fused_adam")
 
 DEFAULT_PASS_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_FAIL_TTL_SECONDS = 3600
@@ -354,7 +354,7 @@ def _parse_time(text: str) -> dt.datetime:
 
 
 def _iso(t: dt.datetime) -> str:
-    return t.astimezone(dt.timezone.utc).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return t.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def is_current(stored: dict[str, Any] | None, identity: Identity,

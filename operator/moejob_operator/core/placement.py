@@ -68,7 +68,7 @@ class Placement:
         """``expert2rank[num_experts]``: EP rank holding each expert of ``layer``."""
         return self.expert2slot(layer) // self.experts_per_rank
 
-    def validate(self, topo: ClusterTopology | None = None) -> "Placement":
+    def validate(self, topo: ClusterTopology | None = None) -> Placement:
         L, E = self.permutation.shape
         P, W = self.ep_size, self.world_size
         if P < 1 or E % P or W % P:

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .placement import Placement, solve as solve_experts
+from .placement import Placement
+from .placement import solve as solve_experts
 from .routing import RoutingStats
 from .topology import ClusterTopology
 
@@ -62,12 +63,12 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         pl = solve_experts(strategy, topo, coarse, ep_size=P, num_experts=n_group, num_layers=num_layers,
                            seed=seed)
         perm = (pl.permutation[:, :, None] * gs + np.arange(gs)).reshape(num_layers, E)
-        notes = pl.notes + (f"router groups ({n_group} of {gs} experts) placed whole",)
+        notes = (*pl.notes, f"router groups ({n_group} of {gs} experts) placed whole")
         return Placement(pl.strategy, perm, pl.rank2gpu, P, notes).validate(topo)
     if gs % n == 0:                                 # a group spans gs / n consecutive ranks
         rank2gpu = np.arange(topo.num_gpus) if strategy == "contiguous" else topo.gpu_order()
         perm = np.tile(np.arange(E), (num_layers, 1))
         return Placement(strategy, perm, rank2gpu, P,
-                         (f"router groups of {gs} experts span {gs // n} EP ranks: kept in id order, "
-                          "ranks ordered by NVLink group",)).validate(topo)
+                         ((f"router groups of {gs} experts span {gs // n} EP ranks: kept in id order, "
+                          "ranks ordered by NVLink group"),)).validate(topo)
     raise ValueError(f"router groups of {gs} experts neither fill nor divide the {n} experts per EP rank")

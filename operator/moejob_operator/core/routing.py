@@ -50,7 +50,7 @@ class RoutingStats:
         """Whether placements can be scored exactly: token samples, or top-k <= 2 (pairs suffice)."""
         return self.token_experts is not None or self.top_k <= 2
 
-    def without_tokens(self) -> "RoutingStats":
+    def without_tokens(self) -> RoutingStats:
         """The same statistics as a recorded document would carry (matrices only)."""
         return RoutingStats(self.num_layers, self.num_experts, self.top_k, self.tokens, self.load,
                             self.coact, self.steps, self.source, self.model, None, self.planted_clusters)
@@ -58,7 +58,7 @@ class RoutingStats:
 
 def count_routing(token_experts: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """``token_experts[L, T, k]`` -> (``load[L, E]``, ``coact[L, E, E]``)."""
-    L, T, k = token_experts.shape
+    L, _T, k = token_experts.shape
     E = num_experts
     load = np.zeros((L, E), dtype=np.int64)
     coact = np.zeros((L, E, E), dtype=np.int64)

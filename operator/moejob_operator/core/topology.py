@@ -112,7 +112,7 @@ class TopologyReport(_Doc):
     pcie_level: tuple[tuple[int, ...], ...]
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TopologyReport":
+    def _consistent(self) -> TopologyReport:
         n = len(self.gpus)
         for i, gpu in enumerate(self.gpus):
             if gpu.index != i:
@@ -247,7 +247,7 @@ class ClusterTopology:
 
     @classmethod
     def from_reports(cls, reports: list[TopologyReport], *, pcie_gbps: float = DEFAULT_PCIE_GBPS,
-                     network_gbps: float = DEFAULT_NETWORK_GBPS) -> "ClusterTopology":
+                     network_gbps: float = DEFAULT_NETWORK_GBPS) -> ClusterTopology:
         if not reports:
             raise DocumentError("ClusterTopology: no topology reports")
         names = [r.node for r in reports]
@@ -274,7 +274,7 @@ class ClusterTopology:
     def synthetic(cls, nodes: int = 8, gpus_per_node: int = 4, group_size: int = 4, *,
                   nvlink_gbps: float = 450.0, pcie_gbps: float = DEFAULT_PCIE_GBPS,
                   network_gbps: float = DEFAULT_NETWORK_GBPS,
-                  memory_bytes: int = 150754820096) -> "ClusterTopology":
+                  memory_bytes: int = 150754820096) -> ClusterTopology:
         """``nodes`` x ``gpus_per_node`` GPUs, consecutive local GPUs form NVLink groups of ``group_size``."""
         if nodes < 1 or gpus_per_node < 1 or group_size < 1 or gpus_per_node % group_size:
             raise ValueError(f"synthetic cluster: gpus_per_node={gpus_per_node} must be a positive "

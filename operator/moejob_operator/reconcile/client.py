@@ -22,7 +22,6 @@ from .. import constants as C
 from ..status import now_iso
 from .deferred import PassClock, YieldingQueue
 
-
 EVENT_QUIET_SECONDS = 0.3   # Events wait until no pass has started for this long...
 EVENT_MAX_DELAY_SECONDS = 5.0   # ...but never longer than this after they were raised
 POOL_SIZE = 64   # > kopf's worker threads + create_all's + the event poster: a smaller pool drops

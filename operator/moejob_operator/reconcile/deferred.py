@@ -14,7 +14,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("moejob_operator")
 
@@ -74,7 +75,7 @@ class YieldingQueue:
                         break
                     time.sleep(min(wait, 0.05))
                 self._run(item)
-            except Exception:  # noqa: BLE001 - one item must not stop the queue
+            except Exception:
                 log.exception("%s: deferred work failed", self.name)
             finally:
                 self._q.task_done()

@@ -137,7 +137,7 @@ def decide_gang(pods: list[PodView], *, count: int, attempt: int, failed_restart
                                     f"{p.describe()}; not retried")
     if failed:
         # a worker that says why first (the others often only lost their peer)
-        p = sorted(failed, key=lambda x: (x.cause not in KNOWN_CAUSES, x.node_rank))[0]
+        p = min(failed, key=lambda x: (x.cause not in KNOWN_CAUSES, x.node_rank))
         what = p.describe()
         if failed_restarts >= backoff_limit:
             return GangDecision("fail", reason=KNOWN_CAUSES.get(p.cause or "", C.R_BACKOFF_LIMIT_EXCEEDED),

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 REPORT_KIND = "TopologyReport"
 REPORT_VERSION = 1
@@ -289,8 +290,8 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
             "node": node,
             "source": source,
             "fixture": fixture,
-            "collectedAt": (now or _dt.datetime.now(_dt.timezone.utc))
-            .astimezone(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "collectedAt": (now or _dt.datetime.now(_dt.UTC))
+            .astimezone(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "driverVersion": _text(nv.call("nvmlSystemGetDriverVersion")),
             "cudaDriverVersion": cuda_version_string(nv.call("nvmlSystemGetCudaDriverVersion")),
             "gpus": gpus,

@@ -77,7 +77,7 @@ class ApiConfig:
         self.ca_file = ca_file
 
     @classmethod
-    def from_env(cls) -> "ApiConfig":
+    def from_env(cls) -> ApiConfig:
         base = os.environ.get("MOE_KUBE_API")
         if not base:
             host = os.environ.get("KUBERNETES_SERVICE_HOST")

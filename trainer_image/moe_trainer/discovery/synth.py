@@ -93,7 +93,7 @@ def as_old_stack(rec: dict) -> dict:
     for gpu in rec["gpus"]:
         gpu["nvmlDeviceGetPciInfo"]["busId"] = ""
         gpu.pop("nvmlDeviceGetNumaNodeId", None)
-        for key, link in gpu["nvlinks"].items():
+        for link in gpu["nvlinks"].values():
             if not isinstance(link, dict) or "nvmlDeviceGetNvLinkRemotePciInfo" not in link:
                 continue
             pci = link["nvmlDeviceGetNvLinkRemotePciInfo"]

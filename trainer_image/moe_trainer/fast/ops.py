@@ -18,12 +18,12 @@ import torch.nn.functional as F
 
 __all__ = [
     "DispatchPlan",
-    "plan_dispatch",
-    "dispatch",
     "combine",
+    "dispatch",
     "grouped_linear",
     "grouped_linear_loop",
     "grouped_mm_supported",
+    "plan_dispatch",
     "swiglu",
 ]
 
@@ -37,7 +37,7 @@ class DispatchPlan:
     token_idx[S] token of each sorted row
     """
 
-    __slots__ = ("perm", "inv", "offsets", "token_idx", "top_k")
+    __slots__ = ("inv", "offsets", "perm", "token_idx", "top_k")
 
     def __init__(self, perm, inv, offsets, token_idx, top_k):
         self.perm, self.inv, self.offsets, self.token_idx, self.top_k = perm, inv, offsets, token_idx, top_k
