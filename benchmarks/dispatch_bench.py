@@ -185,7 +185,8 @@ def launch(job: dict, out: Path, netns: bool) -> list[list[dict]]:
             cmd = ["ip", "netns", "exec", NS_NAME[r // 2], *cmd]
         else:
             e["MASTER_ADDR"] = "127.0.0.1"
-        procs.append(subprocess.Popen(cmd, env=e, stdout=open(out / f"log{r}.txt", "w"), stderr=subprocess.STDOUT))
+        with open(out / f"log{r}.txt", "w") as log:     # the child keeps its own copy
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=3600) for p in procs]
     if codes != [0] * 4:
         raise SystemExit(f"workers failed {codes}: {(out / 'log0.txt').read_text()[-2000:]}")
@@ -264,7 +265,8 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
 
 def main() -> None:
     if os.environ.get("DISPATCH_WORKER"):
-        return worker()
+        worker()
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stats", action="append", required=True, metavar="FIT[:TEST]",
                     help="RoutingStats with token samples; FIT:TEST solves placements on FIT and routes TEST's tokens")
@@ -294,7 +296,7 @@ def main() -> None:
                 netns_down()
         link = RATE_MBIT * 1e6 / 8
         rows = []
-        for free, shaped in zip(runs["unshaped"], runs["shaped"]):
+        for free, shaped in zip(runs["unshaped"], runs["shaped"], strict=True):
             # the veth carries each direction separately: the busier direction bounds the time
             cross = shaped["predicted"]["crossNode"] / 2
             rows.append({**shaped, "secondsUnshaped": free["seconds"],

@@ -42,9 +42,10 @@ def render(rows: list[dict], source: str) -> str:
            "Command: `PYTHONPATH=operator .venv/bin/python benchmarks/memory_model.py --out benchmarks/results`."), "",
            ("| micro-batch | measured peak allocated GiB | measured peak reserved GiB | estimate GiB "
            "| estimate vs reserved | estimate vs allocated |"), "|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['microBatch']} | {r['measuredPeakAllocatedGiB']:.2f} | {r['measuredPeakReservedGiB']:.2f} "
-                   f"| {r['estimateGiB']:.2f} | {r['errorVsReservedPercent']:+.1f}% | {r['errorVsAllocatedPercent']:+.1f}% |")
+    out.extend(
+        f"| {r['microBatch']} | {r['measuredPeakAllocatedGiB']:.2f} | {r['measuredPeakReservedGiB']:.2f} "
+        f"| {r['estimateGiB']:.2f} | {r['errorVsReservedPercent']:+.1f}% | {r['errorVsAllocatedPercent']:+.1f}% |"
+        for r in rows)
     return "\n".join(out) + "\n"
 
 

@@ -41,10 +41,10 @@ for sub in ("operator", "trainer_image"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from moejob_operator.core import cost, models, routing  # noqa: E402
+from moejob_operator.core import cost, models, routing
 from moejob_operator.core import plan as plan_mod
-from moejob_operator.core.placement import Placement  # noqa: E402
-from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups  # noqa: E402
+from moejob_operator.core.placement import Placement
+from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups
 
 MODEL = {"model_type": "mixtral", "vocab_size": 320, "hidden_size": 1024, "intermediate_size": 1024,
          "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,

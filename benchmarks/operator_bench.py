@@ -38,12 +38,12 @@ from kubernetes.watch.watch import iter_resp_lines
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from moe_localkube import procs  # noqa: E402
-from moe_localkube.controlplane import ControlPlane  # noqa: E402
-from moe_localkube.nodes import NodeSpec, node_manifest, node_status  # noqa: E402
-from moe_localkube.testing import Kube, create_namespace  # noqa: E402
-from moejob_operator import constants as C  # noqa: E402
-from operator_harness import install_crd, seed_topology  # noqa: E402
+from moe_localkube import procs
+from moe_localkube.controlplane import ControlPlane
+from moe_localkube.nodes import NodeSpec, node_manifest, node_status
+from moe_localkube.testing import Kube, create_namespace
+from moejob_operator import constants as C
+from operator_harness import install_crd, seed_topology
 
 GC_DISCOVERY_SECONDS = 35.0
 

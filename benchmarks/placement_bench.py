@@ -14,17 +14,17 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from moejob_operator.core.cost import score  # noqa: E402
-from moejob_operator.core.placement import Placement, solve  # noqa: E402
-from moejob_operator.core.routing import RoutingStats, read_routing_stats, synthetic_trace  # noqa: E402
-from moejob_operator.core.topology import ClusterTopology  # noqa: E402
+from moejob_operator.core.cost import score
+from moejob_operator.core.placement import Placement, solve
+from moejob_operator.core.routing import RoutingStats, read_routing_stats, synthetic_trace
+from moejob_operator.core.topology import ClusterTopology
 
 STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware")
 CLUSTERS = {"32gpu-8x4nvl": dict(nodes=8, gpus_per_node=4, group_size=4),
@@ -93,11 +93,11 @@ def markdown(result) -> str:
            ("| case | strategy | cross-group vs contiguous | vs balanced | cross-node vs contiguous "
            "| vs balanced | max/mean load | load vs balanced | all-to-all ms/step | solve s |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        out.append(f"| {r['case']} | {r['strategy']} | {r['crossGroupVsContiguous']:.3f} | "
+    out.extend(f"| {r['case']} | {r['strategy']} | {r['crossGroupVsContiguous']:.3f} | "
                    f"{r['crossGroupVsBalanced']:.3f} | {r['crossNodeVsContiguous']:.3f} | "
                    f"{r['crossNodeVsBalanced']:.3f} | {r['maxMeanLoad']:.3f} | {r['loadVsBalanced']:.3f} | "
-                   f"{r['allToAllSecondsPerStep'] * 1e3:.3f} | {r['solveSeconds']:.3f} |")
+               f"{r['allToAllSecondsPerStep'] * 1e3:.3f} | {r['solveSeconds']:.3f} |"
+               for r in result["rows"])
     for t in result.get("timings", []):
         out += ["", (f"topology_aware, {t['experts']} experts x {t['gpus']} GPUs ({t['shape']}) x {t['layers']} "
                     f"layers, 1 thread: **{t['seconds']:.2f} s CPU** ({t['wallSeconds']:.2f} s wall on a shared "

@@ -19,15 +19,15 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import time
+from pathlib import Path
 
-from moejob_operator.core.cost import score  # noqa: E402
-from moejob_operator.core.placement import solve  # noqa: E402
-from moejob_operator.core.routing import read_routing_stats  # noqa: E402
-from moejob_operator.core.topology import ClusterTopology  # noqa: E402
+from moejob_operator.core.cost import score
+from moejob_operator.core.placement import solve
+from moejob_operator.core.routing import read_routing_stats
+from moejob_operator.core.topology import ClusterTopology
 
 # (name, topology, EP size): EP spanning 2 and 8 NVLink groups
 CASES = (("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
@@ -88,11 +88,11 @@ def markdown(result: dict) -> str:
            ("| routing (fit -> test) | case | strategy | measured vs contiguous | predicted | error "
            "| pair bound | load vs balanced | worst-layer load fit -> test |"),
            "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        out.append(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
+    out.extend(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
                    f"{r['predictedVsContiguous']:.3f} | {r['predictionError']:+.1%} | "
                    f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
-                   f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} |")
+               f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} |"
+               for r in result["rows"])
     out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
     out += [f"- {v}" for v in result["verdicts"]]
     return "\n".join(out) + "\n"

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "trainer_image")]
 
-from moejob_operator.core.dsconfig import GpuCaps  # noqa: E402
-from moejob_operator.core.smoke_plans import smoke_plans  # noqa: E402
+from moejob_operator.core.dsconfig import GpuCaps
+from moejob_operator.core.smoke_plans import smoke_plans
 
 BUDGET_SECONDS = {"cpu": 180.0, "gpu": 120.0}
 

@@ -166,8 +166,7 @@ def train_worker(args) -> dict:
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    for i in range(args.warmup, args.warmup + args.steps):
-        losses.append(step(i).detach())
+    losses.extend(step(i).detach() for i in range(args.warmup, args.warmup + args.steps))
     if on_gpu:
         torch.cuda.synchronize()
     timed_s = time.perf_counter() - t
@@ -365,7 +364,7 @@ def check_worker(args) -> dict:
         return float((a.float() - b.float()).norm() / b.float().norm())
     res = {"impl": fast.experts.resolved_impl(xb), "dtype": str(dtype), "out": rel(y, y_ref),
            "gradX": rel(xb.grad, x.grad)}
-    for (n, p), (_, q) in zip(fast.named_parameters(), hf.named_parameters()):
+    for (n, p), (_, q) in zip(fast.named_parameters(), hf.named_parameters(), strict=True):
         res["grad." + n] = rel(p.grad, q.grad)
     ids_ref = torch.sort(hf.gate(x.detach().reshape(-1, d["hidden"]))[2], -1).values
     res["routingFlipFraction"] = float((torch.sort(fast.last_topk_ids, -1).values != ids_ref).any(-1).float().mean())
@@ -376,7 +375,7 @@ def check_worker(args) -> dict:
     y_low.backward(grad.to(dtype))
     res["sameDtype.out"] = rel(y, y_low)
     res["sameDtype.gradX"] = rel(xb.grad, xl.grad)
-    for (n, p), (_, q) in zip(fast.named_parameters(), hf_low.named_parameters()):
+    for (n, p), (_, q) in zip(fast.named_parameters(), hf_low.named_parameters(), strict=True):
         res["sameDtype.grad." + n] = rel(p.grad, q.grad)
     if on_gpu:
         torch.cuda.synchronize()

@@ -66,7 +66,7 @@ def test_workers_rendezvous_and_pinning():
     spec = _example("gpu-h200.yaml")
     pods = workers.worker_pods(JOB, spec, ["gpu-7", "gpu-3"], attempt=0, spec_hash="h")
     assert [p["metadata"]["name"] for p in pods] == ["tiny-cpu-worker-0", "tiny-cpu-worker-1"]
-    for rank, (pod, node) in enumerate(zip(pods, ["gpu-7", "gpu-3"])):
+    for rank, (pod, node) in enumerate(zip(pods, ["gpu-7", "gpu-3"], strict=True)):
         env = _env(pod)
         assert env["NODE_RANK"] == str(rank)
         # per-rank variables come from the pod's launcher, not from the pod's env

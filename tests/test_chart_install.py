@@ -132,7 +132,7 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
 
         # the reconcile loop's metrics, scraped from the running process
         assert metric(mp, 'moe_operator_jobs{condition="Planned",status="True"}') == 1
-        assert metric(mp, 'moe_operator_plan_world_size{job="%s",namespace="%s"}' % (jname, namespace)) == 2
+        assert metric(mp, f'moe_operator_plan_world_size{{job="{jname}",namespace="{namespace}"}}') == 2
         assert metric(mp, "moe_operator_plan_cross_group_vs_contiguous") is not None
         assert (metric(mp, "moe_operator_reconcile_duration_seconds_count") or 0) >= 2
 

@@ -148,7 +148,7 @@ def test_errors():
         solve("balanced", topo, st, ep_size=4, num_experts=8, num_layers=2)
     big = synthetic_trace(1, 32, 2, 100, seed=0)
     assert brute_force_count(32, 4) > BRUTE_FORCE_LIMIT
-    with pytest.raises(ValueError, match="brute_force: .* exceed the limit"):
+    with pytest.raises(ValueError, match=r"brute_force: .* exceed the limit"):
         solve("brute_force", topo, big, ep_size=4, num_experts=32, num_layers=1)
     with pytest.raises(ValueError, match=r"permutation\[0\] is not a permutation"):
         Placement("x", np.array([[0, 0, 1, 2]]), np.arange(4), 2).validate()

@@ -43,9 +43,11 @@ def run_world(nproc: int, out: Path) -> list[list[dict]]:
     cases = [dict({"deadRanks": [], "tokens": 10, "seed": 7 + i}, **c) for i, c in enumerate(CASES[nproc])]
     env = dict(os.environ, CASES=json.dumps(cases), OUT=str(out), MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    procs = [subprocess.Popen([sys.executable, str(WORKER)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=open(out / f"log{r}.txt", "w"), stderr=subprocess.STDOUT)
-             for r in range(nproc)]
+    procs = []
+    for r in range(nproc):
+        with open(out / f"log{r}.txt", "w") as log:      # the child keeps its own copy
+            procs.append(subprocess.Popen([sys.executable, str(WORKER)], stdout=log, stderr=subprocess.STDOUT,
+                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
     try:
         codes = [p.wait(timeout=600) for p in procs]
     finally:

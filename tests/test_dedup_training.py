@@ -55,7 +55,7 @@ def test_dedup_follows_autoep_loss_step_for_step(runs):
     a, d = losses(runs["autoep"]), losses(runs["dedup"])
     assert len(a) == len(d) == STEPS
     assert a[-1] < a[0] - 0.3                                     # it trains
-    for step, (x, y) in enumerate(zip(a, d), 1):
+    for step, (x, y) in enumerate(zip(a, d, strict=True), 1):
         assert abs(x - y) <= 1e-4 * abs(x), (step, a, d)
 
 

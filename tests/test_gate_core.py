@@ -80,19 +80,19 @@ def test_identity_refuses_bad_input():
 # ---- documents --------------------------------------------------------------------------------
 def test_smoke_verdict_reader():
     assert G.parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
-    with pytest.raises(G.GateError, match="SmokeVerdict.kind: 'Nope'"):
+    with pytest.raises(G.GateError, match=r"SmokeVerdict.kind: 'Nope'"):
         G.parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
     with pytest.raises(G.GateError, match="version: 1 is not supported"):
         G.parse_smoke_verdict(dict(smoke_doc(), version=1))
     with pytest.raises(G.GateError, match="failedCheck: required when passed is false"):
         G.parse_smoke_verdict(dict(smoke_doc(), passed=False))
+    doc = smoke_doc()
+    doc["checks"][0]["passed"] = "yes"
     with pytest.raises(G.GateError, match=r"checks\[0\].passed: 'yes' has the wrong type"):
-        doc = smoke_doc()
-        doc["checks"][0]["passed"] = "yes"
         G.parse_smoke_verdict(doc)
+    doc = smoke_doc()
+    doc["checks"][2]["passed"] = False
     with pytest.raises(G.GateError, match="passed: true but a check failed"):
-        doc = smoke_doc()
-        doc["checks"][2]["passed"] = False
         G.parse_smoke_verdict(doc)
     with pytest.raises(G.GateError, match="not JSON"):
         G.parse_smoke_verdict("Traceback (most recent call last): ...")
@@ -108,7 +108,7 @@ def test_config_from_env():
     assert G.GateConfig.from_env({}, default_namespace="ops").namespace == "ops"
     with pytest.raises(G.GateError, match="MOE_GATE_FAIL_TTL_SECONDS: '-5' is not a positive"):
         G.GateConfig.from_env({"MOE_GATE_FAIL_TTL_SECONDS": "-5"})
-    with pytest.raises(G.GateError, match="MOE_GATE_SMOKE_COMMAND: .* is not a JSON list of strings"):
+    with pytest.raises(G.GateError, match=r"MOE_GATE_SMOKE_COMMAND: .* is not a JSON list of strings"):
         G.GateConfig.from_env({"MOE_GATE_SMOKE_COMMAND": '"moe-smoke"'})
 
 
@@ -259,7 +259,7 @@ def test_verdict_configmap_round_trips():
     assert cm["metadata"]["name"] == G.store_name(IDENT)
     assert cm["metadata"]["labels"][f"{C.GROUP}/gate-passed"] == "true"
     assert G.parse_stored_verdict(cm["data"][G.VERDICT_KEY]) == rec
-    with pytest.raises(G.GateError, match="GateVerdict.expiresAt: 'soon' is not an RFC 3339 time"):
+    with pytest.raises(G.GateError, match=r"GateVerdict.expiresAt: 'soon' is not an RFC 3339 time"):
         G.parse_stored_verdict(json.dumps(dict(rec, expiresAt="soon")))
 
 

@@ -95,7 +95,7 @@ def test_cache_used_when_no_shared_dir_and_corruption_detected(tmp_path, monkeyp
     monkeypatch.delenv(binaries.ENV_BIN_DIR, raising=False)
     monkeypatch.setattr(binaries, "shared_bin_dir", lambda: tmp_path / "nowhere")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    with pytest.raises(BinaryError, match="no Kubernetes v1.20.2 binaries"):
+    with pytest.raises(BinaryError, match=r"no Kubernetes v1.20.2 binaries"):
         binaries.resolve_kube_binaries(allow_build=False)
     cache = binaries.kube_cache_dir()
     assert cache == tmp_path / "xdg" / "moe-operator" / "kube-v1.20.2"

@@ -50,7 +50,7 @@ def test_field_values():
     assert field_value(POD, "status.podIP") == "127.0.0.7"
     assert field_value(POD, "spec.serviceAccountName") == "trainer"
     assert field_value(POD, "metadata.labels") == 'app="moe"\nrank="0"'
-    with pytest.raises(ConfigError, match="fieldRef 'spec.priority' is not supported"):
+    with pytest.raises(ConfigError, match=r"fieldRef 'spec.priority' is not supported"):
         field_value(POD, "spec.priority")
 
 
@@ -116,7 +116,7 @@ def test_node_shapes_come_from_the_recordings():
     assert manifest["metadata"]["labels"]["nvidia.com/gpu.count"] == "8"
     assert manifest["metadata"]["annotations"]["moe-operator.io/fake-topology"] == "nvswitch-h100-8"
     assert NodeSpec.parse("n").fixture == "nvswitch-h100-8"
-    with pytest.raises(FixtureError, match="unknown fake-topology fixture 'dgx-z'.*nvswitch-h100-8"):
+    with pytest.raises(FixtureError, match=r"unknown fake-topology fixture 'dgx-z'.*nvswitch-h100-8"):
         fixture_gpus("dgx-z")
 
 

@@ -118,7 +118,7 @@ def test_two_ranks_per_pod_survive_a_killed_rank_and_succeed(kube, namespace, op
         assert resumed and resumed[-1] >= first, (rank, resumed)
         assert any(f"rank {rank} trained steps {resumed[-1] + 1}..{steps} of {steps}" in x for x in lines), \
             pod_log[-3000:]
-    assert "step %d/%d loss" % (steps, steps) in logs[0]
+    assert f"step {steps}/{steps} loss" in logs[0]
 
     prog = json.loads((ckpt / "progress.json").read_text())
     by_rank = prog["moe"]["allToAllBytesPerStepByRank"]

@@ -203,10 +203,10 @@ def test_chart_grants_exactly_what_the_code_needs(values):
     needs, have = derived_needs(), chart_grants(rendered(*values))
     problems = []
     for scope in needs:
-        for n in sorted(needs[scope] - have[scope]):
-            problems.append(f"{scope}: code needs {n} but the chart does not grant it")
-        for n in sorted(have[scope] - needs[scope]):
-            problems.append(f"{scope}: chart grants {n} that no code needs (least privilege)")
+        problems += [f"{scope}: code needs {n} but the chart does not grant it"
+                     for n in sorted(needs[scope] - have[scope])]
+        problems += [f"{scope}: chart grants {n} that no code needs (least privilege)"
+                     for n in sorted(have[scope] - needs[scope])]
     assert not problems, "\n".join(problems)
 
 

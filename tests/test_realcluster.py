@@ -12,6 +12,7 @@ after that (content-addressed image cache). Stage timings go to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -213,11 +214,10 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
                 if p.metadata.name in worker_seen or p.status.phase != "Running":
                     continue
                 if any(s.state.running for s in p.status.container_statuses or ()):
-                    try:
+                    # AssertionError: it just exited; the next running one, or the gang's retry
+                    with contextlib.suppress(AssertionError):
                         worker_seen[p.metadata.name] = {"facts": _security_facts(cli, ns, p.metadata.name, "trainer"),
                                                         "promised": _promised(p), "node": p.spec.node_name}
-                    except AssertionError:
-                        pass        # just exited: the next running one, or the gang's retry
             return len(worker_seen) >= 1 and len(pods) >= 2
 
         try:

@@ -15,10 +15,13 @@ import json
 import pytest
 from kubernetes.client.rest import ApiException
 
+import test_deferred_launch
 from moejob_operator import constants as C
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Rejected
-from test_deferred_launch import MemoryClient, job  # noqa: F401 - the fixture
+from test_deferred_launch import MemoryClient
+
+job = test_deferred_launch.job      # the fixture, shared with the deferred-launch tests
 
 
 class Client(MemoryClient):

@@ -104,7 +104,7 @@ def test_invalid_specs_name_the_field(patch, field, text):
 
 
 def test_missing_image_and_non_object():
-    with pytest.raises(SpecError, match="spec.image: required"):
+    with pytest.raises(SpecError, match=r"spec.image: required"):
         parse_spec({"model": {"preset": "x"}})
     with pytest.raises(SpecError, match="expected an object"):
         parse_spec(["not", "a", "spec"])

@@ -86,7 +86,7 @@ def assert_tensors_equal(a, b, path) -> int:
         return sum(assert_tensors_equal(v, b[k], f"{path}.{k}") for k, v in a.items()
                    if k not in ("ds_config", "ds_version", "global_samples"))
     if isinstance(a, (list, tuple)):
-        return sum(assert_tensors_equal(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b)))
+        return sum(assert_tensors_equal(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
     return 0
 
 

@@ -72,7 +72,7 @@ def test_guarded_build_waits_for_a_live_builder(tmp_path):
     (d / "lock").touch()                          # a live builder's baton
     seen = []
     wrapped = guarded_build(lambda: seen.append((d / "lock").exists()) or "module", build_dir=d)
-    holder = open(tmp_path / ".deepspeed_shm_comm.moe-build.flock", "a+")
+    holder = open(tmp_path / ".deepspeed_shm_comm.moe-build.flock", "a+")  # noqa: SIM115 - held, closed below
     fcntl.flock(holder, fcntl.LOCK_EX)
     result = []
     t = threading.Thread(target=lambda: result.append(wrapped()))

@@ -27,7 +27,7 @@ def test_permutation_preserves_function_and_moves_experts(preset):
     with torch.no_grad():
         after = model(input_ids=x).logits
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
-    for ref, row, orig, router in zip(models.find_moe_layers(model), perm, originals, routers):
+    for ref, row, orig, router in zip(models.find_moe_layers(model), perm, originals, routers, strict=True):
         for slot, e in enumerate(row):
             assert torch.equal(ref.gate.weight[slot], router[e])
             assert torch.equal(ref.experts.gate_up_proj[slot], orig["gate_up_proj"][e])

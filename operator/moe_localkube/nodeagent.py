@@ -290,7 +290,7 @@ class NodeAgent:
             return
         if any(c.get("type") == "PodScheduled" for c in status.get("conditions") or []):
             return   # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
-        created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"].replace("Z", "+00:00"))
+        created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"])
         if (datetime.now(UTC) - created).total_seconds() < self.bind_fallback_seconds:
             return
         meta = pod["metadata"]

@@ -23,10 +23,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
+    # best effort: the parent still stops its children
+    with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except Exception:  # noqa: BLE001 - best effort: the parent still stops its children
-        pass
 
 
 def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,

@@ -49,7 +49,7 @@ class MountTargets:
         self._lock_path = state_dir / "lock"
 
     def _locked(self):
-        f = open(self._lock_path, "a")
+        f = open(self._lock_path, "a")  # noqa: SIM115 - returned: the caller's `with` closes it
         fcntl.flock(f, fcntl.LOCK_EX)
         return f
 

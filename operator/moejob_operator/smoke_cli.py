@@ -80,7 +80,7 @@ def format_verdict(doc: dict) -> str:
     lines = []
     label = [c["name"] + (f" [{c['case']}]" if c.get("case") else "") for c in doc["checks"]]
     width = max([len(x) for x in label] + [10])
-    for c, name in zip(doc["checks"], label):
+    for c, name in zip(doc["checks"], label, strict=True):
         mark = "PASS" if c["passed"] else "FAIL"
         lines.append(f"  {mark}  {name:<{width}} {c['seconds']:7.1f}s  {c['message']}")
     v = doc.get("versions") or {}

@@ -25,7 +25,7 @@ def now_iso(now: dt.datetime | None = None) -> str:
 def parse_time(text: str | None) -> dt.datetime | None:
     if not text:
         return None
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return dt.datetime.fromisoformat(text)
 
 
 def get_condition(conditions: list[dict[str, Any]] | None, ctype: str) -> dict[str, Any] | None:

@@ -35,7 +35,7 @@ def _zero_expert_grads(mod) -> None:
     cls = mod.AutoEPMoELayer
     init = cls.__init__
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs):  # noqa: N807 - becomes the patched class's __init__
         init(self, *args, **kwargs)
         for p in self.experts.parameters():
             p.register_hook(lambda g: torch.zeros_like(g))

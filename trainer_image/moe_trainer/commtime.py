@@ -87,7 +87,7 @@ def all_to_all_tier_bytes(args: tuple, kwargs: dict, group_of: list[int], node_o
     splits, row, group = got
     peers = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     me = dist.get_rank()
-    for peer, n in zip(peers, splits):
+    for peer, n in zip(peers, splits, strict=True):
         if peer == me or not n:
             continue
         if group_of[peer] == group_of[me]:

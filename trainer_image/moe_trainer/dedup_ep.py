@@ -101,7 +101,7 @@ class Layout:
         if len(self.expert2rank) != num_experts or len(self.expert2local) != num_experts:
             raise DispatchError(f"expert2rank/expert2local have {len(self.expert2rank)}/{len(self.expert2local)} "
                                 f"entries, the layer has {num_experts} experts")
-        seen = set(zip(self.expert2rank, self.expert2local))
+        seen = set(zip(self.expert2rank, self.expert2local, strict=True))
         want = {(r, j) for r in range(P) for j in range(num_local_experts)}
         if seen != want:
             raise DispatchError(f"expert2rank/expert2local do not give every EP rank of {P} exactly "
@@ -157,7 +157,7 @@ class Plan:
     def tier_bytes(self, peers: list[int], splits: list[int], row_bytes: int) -> dict[str, int]:
         out = dict.fromkeys(ByteCounters.TIERS, 0)
         lay = self.layout
-        for peer, n in zip(peers, splits):
+        for peer, n in zip(peers, splits, strict=True):
             if peer == self.me or not n:
                 continue
             if lay.tier_group[peer] == lay.tier_group[self.me]:
@@ -417,7 +417,7 @@ def install(blocks, layouts: list[Layout]) -> list:
     if len(layouts) != len(blocks):
         raise DispatchError(f"{len(layouts)} layouts for {len(blocks)} MoE layers")
     cls = layer_class()
-    for block, layout in zip(blocks, layouts):
+    for block, layout in zip(blocks, layouts, strict=True):
         if not isinstance(block, AutoEPMoELayer):
             raise DispatchError(f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}")
         if block.ep_size == 1:

@@ -88,7 +88,7 @@ class Result:
             head = "all ranks finished" if self.exit_code == 0 else "stopped"
         if self.signal is not None:
             head += f" (launcher got {signal.Signals(self.signal).name})"
-        return f"{head}; exit codes {dict(zip(names, self.codes))}"
+        return f"{head}; exit codes {dict(zip(names, self.codes, strict=True))}"
 
 
 class Gang:
@@ -150,13 +150,13 @@ class Gang:
         pumps: list[threading.Thread] = []
         tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.cmds]
         try:
-            for r, (cmd, env) in enumerate(zip(self.cmds, self.envs)):
+            for cmd, env in zip(self.cmds, self.envs, strict=True):
                 self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                    start_new_session=True, preexec_fn=_die_with_parent))
             for r, p in enumerate(self.procs):     # threads only after every fork (preexec_fn)
                 if self.log_paths:
-                    logs[r] = open(self.log_paths[r], "ab")
+                    logs[r] = open(self.log_paths[r], "ab")  # noqa: SIM115 - closed in `finally`
                 t = threading.Thread(target=self._pump, args=(p.stdout, tails[r], self.labels[r], logs[r]),
                                      daemon=True, name=f"gang-{self.labels[r]}")
                 t.start()

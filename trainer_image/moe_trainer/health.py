@@ -71,7 +71,7 @@ class HealthMonitor:
                 for layer, e in self.dead_experts()]
 
     def dead_experts(self) -> list[list[int]]:
-        return [[int(layer), int(e)] for layer, e in zip(*np.nonzero(self.low_streak >= self.dead_steps))]
+        return [[int(layer), int(e)] for layer, e in zip(*np.nonzero(self.low_streak >= self.dead_steps), strict=True)]
 
     def update_stragglers(self, step_seconds) -> list[Finding]:
         """step_seconds[world]: this step's wall time of every rank."""

@@ -145,7 +145,7 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
     if len(permutation) != len(layers):
         raise ModelError(f"placement.permutation: {len(permutation)} rows, the model has {len(layers)} MoE layers")
     num_experts = num_experts_of(model)
-    for ref, row in zip(layers, permutation):
+    for ref, row in zip(layers, permutation, strict=True):
         if sorted(row) != list(range(num_experts)):
             raise ModelError(f"placement.permutation[{ref.index}]: not a permutation of 0..{num_experts - 1}")
         idx = torch.as_tensor(list(row), dtype=torch.long)

@@ -93,7 +93,7 @@ def main() -> None:
                               "samples": len(window.get("tokenSamples", {}).get("experts", [[]])[0]),
                               "maxMeanPerLayer": [round(x, 2) for x in mm],
                               "maxMeanOfSummedLoad": round(max_mean_per_layer(
-                                  [list(map(sum, zip(*window["load"])))])[0], 2)}))
+                                  [list(map(sum, zip(*window["load"], strict=True)))])[0], 2)}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -88,7 +88,7 @@ def balance_loss(probe: RouterProbe, num_experts: int, mode: str) -> torch.Tenso
     if mode == "none":
         return None
     if mode == "per_layer_aux":
-        losses = [switch_aux_loss(lg, tk, num_experts) for lg, tk in zip(probe.logits, probe.topk)]
+        losses = [switch_aux_loss(lg, tk, num_experts) for lg, tk in zip(probe.logits, probe.topk, strict=True)]
         return torch.stack(losses).mean()
     if mode == "global_aux":
         return switch_aux_loss(torch.cat(probe.logits), torch.cat(probe.topk), num_experts)
@@ -100,7 +100,7 @@ def step_counts(probe: RouterProbe, num_experts: int) -> tuple[torch.Tensor, tor
     load[L, E] (token->expert assignments), coact[L, E, E] (tokens whose top-k held both i and j,
     zero diagonal), max_abs_logit[L]."""
     loads, coacts, maxlog = [], [], []
-    for lg, tk in zip(probe.logits, probe.topk):
+    for lg, tk in zip(probe.logits, probe.topk, strict=True):
         onehot = torch.zeros(tk.shape[0], num_experts, dtype=torch.float64, device=tk.device)
         onehot.scatter_(1, tk.long(), 1.0)                                # [T, E]
         loads.append(onehot.sum(0))
@@ -210,4 +210,4 @@ def max_mean_per_layer(load) -> list[float]:
     import numpy as np
     load = np.asarray(load, dtype=np.float64)
     mean = load.mean(axis=1)
-    return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(axis=1), mean)]
+    return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(axis=1), mean, strict=True)]

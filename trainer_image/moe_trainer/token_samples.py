@@ -82,7 +82,7 @@ class TokenSampler:
         gathered = [torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)]
         dist.all_gather(gathered, buf.to(device))
         keys, rows = [], []
-        for _r, (row, g) in enumerate(zip(all_keys, gathered)):
+        for row, g in zip(all_keys, gathered, strict=True):
             sel = torch.nonzero((row <= thr) & torch.isfinite(row)).flatten()
             keys.append(row[sel])
             rows.append(g.cpu()[:len(sel)])

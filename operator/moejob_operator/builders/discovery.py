@@ -243,7 +243,7 @@ def cached_report_is_current(configmap: dict[str, Any] | None, node: dict[str, A
     raw = (configmap.get("data") or {}).get(C.TOPOLOGY_KEY)
     try:
         collected = dt.datetime.fromisoformat(
-            str(json.loads(raw or "{}").get("collectedAt", "")).replace("Z", "+00:00"))
+            str(json.loads(raw or "{}").get("collectedAt", "")))
     except ValueError:
         return False, "report has no readable collectedAt"
     age = (now - collected).total_seconds()

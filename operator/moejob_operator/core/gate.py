@@ -350,7 +350,7 @@ class Decision:
 
 
 def _parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return dt.datetime.fromisoformat(text)
 
 
 def _iso(t: dt.datetime) -> str:

@@ -190,7 +190,7 @@ def _repacking_swap(gain: np.ndarray, R: np.ndarray, e2r: np.ndarray, load: np.n
     different groups), apply the first that leaves both groups packable under ``cap``, with
     both groups LPT-packed onto their GPUs. Returns whether one was applied."""
     flat = np.argsort(-gain, axis=None)[:tries]
-    for i, e in zip(*np.unravel_index(flat, gain.shape)):
+    for i, e in zip(*np.unravel_index(flat, gain.shape), strict=True):
         if not gain[i, e] > 1e-7:
             return False
         a = int(R[i])

@@ -10,6 +10,7 @@ placement solvers and the cost model need.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,7 +195,7 @@ def nvlink_groups(report: TopologyReport) -> list[list[int]]:
         parent[find(a)] = find(b)
 
     on_switch = [g.index for g in report.gpus if _switch_attached(g)]
-    for a, b in zip(on_switch, on_switch[1:]):
+    for a, b in itertools.pairwise(on_switch):
         union(a, b)
     for gpu in report.gpus:
         for lk in gpu.nvlinks:

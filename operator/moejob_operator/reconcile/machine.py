@@ -222,9 +222,7 @@ def health_findings(doc: dict[str, Any] | None) -> list[dict[str, str]]:
     """Trainer health findings (``health`` of TrainerProgress), Warning severity first."""
     if not isinstance(doc, dict):
         return []
-    out = []
-    for f in doc.get("health") or ():
-        if isinstance(f, dict) and f.get("type"):
-            out.append({"type": str(f["type"]), "severity": str(f.get("severity", "Warning")),
-                        "message": str(f.get("message", ""))[:512]})
+    out = [{"type": str(f["type"]), "severity": str(f.get("severity", "Warning")),
+            "message": str(f.get("message", ""))[:512]}
+           for f in doc.get("health") or () if isinstance(f, dict) and f.get("type")]
     return sorted(out, key=lambda f: (f["severity"] != "Warning", f["type"]))

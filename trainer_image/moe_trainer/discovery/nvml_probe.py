@@ -9,6 +9,7 @@ or `nvmlDeviceGetHandleByIndex` is fatal, because then there is nothing true to 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import re
 from collections.abc import Callable
@@ -279,7 +280,7 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
                                  "and the NVIDIA runtime in use?", EXIT_NO_DRIVER)
         gpus = [_probe_gpu(nv, i, h) for i, h in enumerate(handles)]
         addresses = {parse_bus_id(g["pciBusId"]) for g in gpus if g["pciBusId"]}
-        for gpu, handle in zip(gpus, handles):
+        for gpu, handle in zip(gpus, handles, strict=True):
             gpu["nvlinks"] = _probe_links(nv, handle, addresses)
             if gpu["nvlinks"]:
                 gpu["nvlinkLinkGBps"] = _NVLINK_GBPS_BY_CC.get(gpu["computeCapability"],
@@ -299,10 +300,8 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
             "pcieLevel": _pcie_matrix(nv, handles),
         }
     finally:
-        try:
+        with contextlib.suppress(Exception):   # a failed shutdown changes nothing we report
             nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001 - shutdown failure changes nothing we report
-            pass
     return report, nv.errors
 
 
