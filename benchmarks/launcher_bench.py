@@ -109,19 +109,19 @@ def run_once(mode: str, plan: Path, work: Path, tag: str, cpu: bool, warmup: int
 
 
 def markdown(res: dict) -> str:
-    rows = [f"| {i + 1} | {' / '.join(r['order'])} | {r['launcher'].get('tokensPerSecond', 'failed')} | "
+    rows = [f"| {i + 1} | {' / '.join(r['order'])} | {r['launcher'].get('tokensPerSecond', 'failed')} " "| "
             f"{r['direct'].get('tokensPerSecond', 'failed')} | {r.get('ratio', '-')} |"
             for i, r in enumerate(res["rounds"])]
     m = res["model"]
     return "\n".join([
         f"# Launcher overhead ({res['tag']})", "",
         f"Command: `{res['command']}`  ", (f"Device: {res['device']}; model: hidden {m['hidden']}, "
-        f"intermediate {m['inter']}, {m['experts']} experts top-{m['top_k']}, {m['layers']} layers, seq "
-        f"{m['seq']}, micro-batch {m['batch']}, {m['steps']} steps ({m['warmup']} warm-up), plan from "
+        f"intermediate {m['inter']}, {m['experts']} experts top-{m['top_k']}, " f"{m['layers']} layers, seq "
+        f"{m['seq']}, micro-batch {m['batch']}, {m['steps']} steps ({m['warmup']} " "warm-up), plan from "
         f"`moectl plan` ({res['planDevice']}, {res['precision']})."), "",
         "| round | order | launcher tok/s | direct tok/s | launcher / direct |", "|---|---|---|---|---|",
         *rows, "",
-        (f"**Median launcher / direct: {res['ratio']}** (goal: >= 0.97). Launcher runs printed "
+        (f"**Median launcher / direct: {res['ratio']}** (goal: >= 0.97). Launcher runs " "printed "
         f"their rank's lines with the `[rank0] ` prefix: {res['launcherPrefixed']}."), ""])
 
 

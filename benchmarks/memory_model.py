@@ -39,12 +39,12 @@ def render(rows: list[dict], source: str) -> str:
     out = ["# Memory model vs measured peaks (one H200, bench-mixtral, AutoEP + ZeRO-3)", "",
            (f"Measured: `{source}` (`benchmarks/trainer_bench.py`); estimate: "
            "`core.memory.benchmark_estimate(micro_batch=N)` with the code that wrote this file. "
-           "Command: `PYTHONPATH=operator .venv/bin/python benchmarks/memory_model.py --out benchmarks/results`."), "",
-           ("| micro-batch | measured peak allocated GiB | measured peak reserved GiB | estimate GiB "
+           "Command: `PYTHONPATH=operator .venv/bin/python benchmarks/memory_model.py --out " "benchmarks/results`."), "",
+           ("| micro-batch | measured peak allocated GiB | measured peak reserved GiB | estimate " "GiB "
            "| estimate vs reserved | estimate vs allocated |"), "|---|---|---|---|---|---|"]
     out.extend(
-        f"| {r['microBatch']} | {r['measuredPeakAllocatedGiB']:.2f} | {r['measuredPeakReservedGiB']:.2f} "
-        f"| {r['estimateGiB']:.2f} | {r['errorVsReservedPercent']:+.1f}% | {r['errorVsAllocatedPercent']:+.1f}% |"
+        f"| {r['microBatch']} | {r['measuredPeakAllocatedGiB']:.2f} | " f"{r['measuredPeakReservedGiB']:.2f} "
+        f"| {r['estimateGiB']:.2f} | {r['errorVsReservedPercent']:+.1f}% | " f"{r['errorVsAllocatedPercent']:+.1f}% |"
         for r in rows)
     return "\n".join(out) + "\n"
 

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
             r = one_run(device, plans_file, Path(tmp) / f"work{i}", args.timeout)
             runs.append(r)
             print(f"run {i + 1}: passed={r['passed']} {r.get('durationSeconds', r['wallSeconds'])}s "
-                  f"(load {r.get('loadAverageBefore')} -> {r.get('loadAverageAfter')}) {r.get('secondsByCheck')}",
+                  f"(load {r.get('loadAverageBefore')} -> {r.get('loadAverageAfter')}) " f"{r.get('secondsByCheck')}",
                   flush=True)
     durations = [r.get("durationSeconds", r["wallSeconds"]) for r in runs]
     doc = {"benchmark": "gate smoke run", "device": device, "command": " ".join(["python", "benchmarks/smoke_bench.py",
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     out = Path(args.out) / f"smoke_{device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}: {min(durations):.1f}-{max(durations):.1f}s, budget {BUDGET_SECONDS[device]:.0f}s")
+    print(f"wrote {out}: {min(durations):.1f}-{max(durations):.1f}s, budget " f"{BUDGET_SECONDS[device]:.0f}s")
     return 0 if doc["withinBudget"] else 1
 
 

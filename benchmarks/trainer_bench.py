@@ -40,7 +40,8 @@ ZERO_MODS = {
 
 
 def parse_variant(spec: str) -> tuple[str, int | None]:
-    """'grouped@32' -> ('grouped', 32): same variant at another micro-batch; 'grouped+z2' -> ZeRO mod."""
+    """'grouped@32' -> ('grouped', 32): same variant at another micro-batch; 'grouped+z2' -> ZeRO
+    mod."""
     name, _, batch = spec.partition("@")
     name = name.split("+")[0]
     if name not in VARIANTS:
@@ -247,7 +248,8 @@ def _time(torch, fn, on_gpu, warmup=5, iters=20) -> float:
 
 
 def layer_worker(args) -> dict:
-    """One MoE layer at benchmark shapes, forward + backward, no ZeRO: where the layer's time goes."""
+    """One MoE layer at benchmark shapes, forward + backward, no ZeRO: where the layer's time
+    goes."""
     torch, on_gpu, device, dtype = _setup(args.tiny)
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
@@ -336,7 +338,8 @@ def layer_worker(args) -> dict:
 
 def check_worker(args) -> dict:
     """On the device: grouped block (bf16, grouped_mm) vs HF eager block (fp32) on the same weights,
-    relative errors of output and gradients; then forward + backward under CUDA sync-debug 'error'."""
+    relative errors of output and gradients; then forward + backward under CUDA sync-debug
+    'error'."""
     torch, on_gpu, device, dtype = _setup(args.tiny)
     import copy
 
@@ -429,11 +432,11 @@ def report(results: dict, tag: str, d: dict, args) -> str:
     base.update({k: tr[k]["tokensPerSecond"] for k in tr if k.startswith("autoep@") and "tokensPerSecond" in tr[k]})
     gib = 2 ** 30
     lines = [f"# Trainer benchmark ({tag})", "",
-             (f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, {d['experts']} experts "
+             (f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, " f"{d['experts']} experts "
              f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
-             f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed steps after "
+             f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed " "steps after "
              f"{args.warmup} warm-up. Device: {results['device']}."), "",
-             "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc GiB | peak reserved GiB | loss first/last |",
+             "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc " "GiB | peak reserved GiB | loss first/last |",
              "|---|---|---|---|---|---|---|---|---|"]
     for k, r in tr.items():
         if "error" in r:
@@ -452,12 +455,12 @@ def report(results: dict, tag: str, d: dict, args) -> str:
     chk = results.get("check", {})
     lines += ["", "Correctness on the device (grouped bf16 vs HF eager fp32, relative L2 error): " +
               ", ".join(f"{k} {v:.2e}" for k, v in chk.items() if isinstance(v, float)) +
-              (f"; CUDA sync-debug 'error' mode: {'no host sync' if chk.get('syncDebugError') is None else chk['syncDebugError']}"
+              ("; CUDA sync-debug 'error' mode: " f"{'no host sync' if chk.get('syncDebugError') is None else chk['syncDebugError']}"
                if "syncDebugError" in chk else "")]
     lay = results.get("layer", {})
     if "ms" in lay:
         dev = lay.get("deviceMs", {})
-        lines += ["", (f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms (median, "
+        lines += ["", (f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms " "(median, "
                   "CUDA events) and device ms (sum of kernel time, torch.profiler):"), "",
                   "| path | wall ms | device ms |", "|---|---|---|"]
         lines += [f"| {k} | {v:.3f} | {dev[k]:.3f} |" if dev.get(k) is not None else f"| {k} | {v:.3f} | - |"

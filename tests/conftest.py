@@ -69,7 +69,7 @@ def control_plane(tmp_path_factory):
 
     cp = ControlPlane(tmp_path_factory.mktemp("localkube"))
     cp.start()
-    print(f"\n[localkube] control plane ready in {cp.startup_seconds:.2f}s at {cp.server} (logs {cp.run_dir})")
+    print(f"\n[localkube] control plane ready in {cp.startup_seconds:.2f}s at {cp.server} (logs " f"{cp.run_dir})")
     try:
         yield cp
     finally:

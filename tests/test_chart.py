@@ -138,7 +138,8 @@ def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
 
 
 def test_host_path_policy_reaches_the_operator_and_defaults_to_none(helm):
-    """The operator refuses every hostPath unless the chart lists allowed prefixes (admission.py)."""
+    """The operator refuses every hostPath unless the chart lists allowed prefixes
+    (admission.py)."""
     from moejob_operator.admission import Policy
 
     def policy(*args):

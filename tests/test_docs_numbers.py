@@ -200,7 +200,7 @@ def test_the_checker_catches_a_wrong_figure_and_a_missing_file(tmp_path):
     doc = tmp_path / "README.md"
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"p50": 0.5213, "jobs": 100}')
-    doc.write_text("## Measured numbers\nOperator (`benchmarks/results/r.json`): 100 jobs, p50 0.52 s, p99 0.61 s\n\n"
+    doc.write_text("## Measured numbers\nOperator (`benchmarks/results/r.json`): 100 jobs, p50 0.52 s, p99 " "0.61 s\n\n"
                    "Another claim: 42 s\n\nGone (`benchmarks/results/nope.json`): 1 s\n")
     global ROOT
     old, ROOT = ROOT, tmp_path

@@ -162,7 +162,8 @@ HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", 
 
 @pytest.mark.parametrize(("which", "syncs"), [("grouped", False), ("hf_eager", True)])
 def test_fast_path_has_no_host_sync(which, syncs):
-    """Record every aten op of forward + backward; HF's eager block (nonzero) is the positive control."""
+    """Record every aten op of forward + backward; HF's eager block (nonzero) is the positive
+    control."""
     block = _init(MixtralSparseMoeBlock(_mixtral_cfg()), seed=8)
     if which == "grouped":
         block = GroupedMoeBlock.from_hf(block, impl="grouped_mm")

@@ -270,7 +270,8 @@ def test_standalone_agent_cli(control_plane, kube, namespace, wait_for, tmp_path
 
 
 def test_two_pods_rendezvous_over_gloo_by_pod_hostname(kube, node_agent, namespace, wait_for):
-    """torchrun-style env rendezvous across the two fake nodes, MASTER_ADDR = rank 0's pod DNS name."""
+    """torchrun-style env rendezvous across the two fake nodes, MASTER_ADDR = rank 0's pod DNS
+    name."""
     script = """
         import os, socket, torch, torch.distributed as dist
         dist.init_process_group("gloo")

@@ -51,7 +51,8 @@ METHOD = re.compile(r"^(create|read|get|replace|patch|delete|list)_(namespaced_)
 
 # Granted without a call site, each for a stated reason.
 EXTRAS = {
-    # ownerReferences with blockOwnerDeletion: required where OwnerReferencesPermissionEnforcement is on
+    # ownerReferences with blockOwnerDeletion: required where OwnerReferencesPermissionEnforcement
+    # is on
     (C.GROUP, f"{C.PLURAL}/finalizers", "update"),
 }
 # kopf's resource observation: it lists and watches CRDs to notice ours being (re)installed.

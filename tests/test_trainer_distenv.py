@@ -61,7 +61,8 @@ def test_enabled_shm_op_build_clears_a_stale_baton(tmp_path):
 
 
 def test_guarded_build_waits_for_a_live_builder(tmp_path):
-    """Builders take turns: while another holds the flock, the baton is not touched and the build waits."""
+    """Builders take turns: while another holds the flock, the baton is not touched and the build
+    waits."""
     import fcntl
     import threading
     import time

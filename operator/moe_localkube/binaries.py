@@ -3,7 +3,8 @@
 Kubernetes v1.20.2 server binaries are looked up in this order:
 
 1. ``$MOE_KUBE_BIN_DIR`` (used as is; verified when that folder has a ``SHA256SUMS``);
-2. ``<repo>/../shared/k8s/bin`` or ``<repo>/../../shared/k8s/bin`` (``*.xz`` files, decompressed into the cache and verified against
+2. ``<repo>/../shared/k8s/bin`` or ``<repo>/../../shared/k8s/bin`` (``*.xz`` files, decompressed
+into the cache and verified against
    its ``SHA256SUMS``, which hashes the decompressed files);
 3. the per-user cache ``$XDG_CACHE_HOME/moe-operator/kube-v1.20.2`` (or ``~/.cache/...``),
    verified against the ``SHA256SUMS`` stored next to the binaries;
@@ -169,7 +170,7 @@ def build_from_source(dst: Path, names=KUBE_BINARIES) -> dict[str, Path]:
     """Run ``build_kube.sh`` (Debian source package, offline vendor tree) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     log = dst / "build.log"
-    print(f"[localkube] no Kubernetes {KUBE_VERSION} binaries found: building {', '.join(names)} from "
+    print(f"[localkube] no Kubernetes {KUBE_VERSION} binaries found: building {', '.join(names)} " "from "
           f"Debian's source package into {dst} (once; many minutes on a small machine; log {log})",
           file=sys.stderr, flush=True)
     with open(log, "wb") as f:

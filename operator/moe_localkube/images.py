@@ -186,7 +186,8 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @contextlib.contextmanager
 def serve_directory(directory: Path, port: int = 0):
-    """Serve ``directory`` read-only on 127.0.0.1 (a ``--find-links`` page for pip); yield the URL."""
+    """Serve ``directory`` read-only on 127.0.0.1 (a ``--find-links`` page for pip); yield the
+    URL."""
     handler = functools.partial(_QuietHandler, directory=str(directory))
     try:
         server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
@@ -218,7 +219,8 @@ def remove_cgroup_tree(top: Path) -> None:
 
 
 def unmount_under(prefix: Path) -> list[str]:
-    """Unmount every mount point at or below ``prefix`` (deepest first); return what was unmounted."""
+    """Unmount every mount point at or below ``prefix`` (deepest first); return what was
+    unmounted."""
     pre = os.path.realpath(str(prefix)).rstrip("/")      # /var/run/x is mounted as /run/x
     points = []
     with open("/proc/self/mountinfo") as f:
@@ -469,7 +471,8 @@ class ImageBuilder:
         return ref
 
     def build(self, name: str, tags: tuple[str, ...] | None = None) -> BuiltImage:
-        """Build ``name`` ("operator" or "trainer") from its Dockerfile unless its archive is cached."""
+        """Build ``name`` ("operator" or "trainer") from its Dockerfile unless its archive is
+        cached."""
         if name not in DOCKERFILES:
             raise ValueError(f"unknown image {name!r}; known: {sorted(DOCKERFILES)}")
         t0 = time.monotonic()

@@ -9,7 +9,8 @@ shared hosts file at /etc/hosts that maps pod hostnames to those IPs. Images are
 container's ``command`` + ``args`` run with this interpreter's ``bin`` folder first on PATH.
 
 In-process:   agent = NodeAgent(api_client, [NodeSpec("node-a", "nvswitch-h100-8")]); agent.start()
-Stand-alone:  python -m moe_localkube.nodeagent --kubeconfig KC --nodes node-a:nvswitch-h100-8,node-b
+Stand-alone:  python -m moe_localkube.nodeagent --kubeconfig KC --nodes
+node-a:nvswitch-h100-8,node-b
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def stop(proc: subprocess.Popen, grace_seconds: float = 5.0) -> int | None:
 
 
 def survivors(pids=None) -> list[int]:
-    """The process groups among ``pids`` (default: all ever spawned) that still have a live member."""
+    """The process groups among ``pids`` (default: all ever spawned) that still have a live
+    member."""
     with _lock:
         candidates = sorted(SPAWNED if pids is None else pids)
     return [p for p in candidates if group_alive(p)]

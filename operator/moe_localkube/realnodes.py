@@ -150,7 +150,8 @@ class SharedHostState:
             return self._restore()
 
     def _restore(self) -> dict[str, str]:
-        """Write the saved sysctls back and remove the host dirs the kubelets created (lock held)."""
+        """Write the saved sysctls back and remove the host dirs the kubelets created (lock
+        held)."""
         restored: dict[str, str] = {}
         saved = json.loads(self.saved.read_text())
         for key, value in saved.get("sysctls", {}).items():

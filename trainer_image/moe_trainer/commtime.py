@@ -117,7 +117,8 @@ class CommTimer:
         self.seconds[kind] += dt
 
     def take(self) -> dict[str, float]:
-        """Seconds per kind, all-to-all bytes sent to other ranks (``allToAllBytes``) and the same by
+        """Seconds per kind, all-to-all bytes sent to other ranks (``allToAllBytes``) and the same
+        by
         tier (``allToAllTierBytes``, zeros without `set_tiers`) since the last take()."""
         out = dict(self.seconds, allToAllBytes=self.sent_bytes, allToAllTierBytes=dict(self.tier_bytes))
         for k in self.seconds:

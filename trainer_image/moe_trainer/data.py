@@ -117,7 +117,8 @@ class BatchSource:
         return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, step: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int) -> np.ndarray:
-        """batch[micro_batch, seq_len + 1] for optimizer step `step` (0-based), micro step `micro`."""
+        """batch[micro_batch, seq_len + 1] for optimizer step `step` (0-based), micro step
+        `micro`."""
         first = ((step * grad_accum + micro) * dp_size + dp_rank) * self.micro_batch
         return np.stack([self._window(first + b) for b in range(self.micro_batch)])
 

@@ -221,14 +221,16 @@ def _local_counts(plan: Plan, sel: torch.Tensor):
 
 
 def _stage_a_rows(sel, dest_group, hit_group, n: int):
-    """One row per (token, group hit), group-major: (token[n], ids[n, K] with -1 outside the group)."""
+    """One row per (token, group hit), group-major: (token[n], ids[n, K] with -1 outside the
+    group)."""
     ga_t = _nonzero(hit_group.t(), n)                                      # [n, 2]: (group, token)
     tok = ga_t[:, 1]
     return tok, torch.where(dest_group[tok] == ga_t[:, :1], sel[tok], -1).to(torch.int32)
 
 
 def _stage_b_rows(plan: Plan, ids_a: torch.Tensor, n: int):
-    """One row per (stage-A row, local rank it needs), rank-major: (row[n], ids[n, K] masked to it)."""
+    """One row per (stage-A row, local rank it needs), rank-major: (row[n], ids[n, K] masked to
+    it)."""
     R = plan.R
     local_b = torch.where(ids_a >= 0, plan.r2local[plan.e2r[ids_a.long().clamp(min=0)]], R)     # [NA, K]
     hit_b = torch.zeros(ids_a.shape[0], R + 1, dtype=torch.bool, device=ids_a.device).scatter_(1, local_b, True)
@@ -238,7 +240,8 @@ def _stage_b_rows(plan: Plan, ids_a: torch.Tensor, n: int):
 
 
 def _expert_rows(plan: Plan, ids_b: torch.Tensor, n: int, num_local_experts: int, counts_dtype):
-    """One GEMM row per (arrived row, local expert), sorted by local expert: (row, k, counts[E_local])."""
+    """One GEMM row per (arrived row, local expert), sorted by local expert: (row, k,
+    counts[E_local])."""
     rk = _nonzero(ids_b >= 0, n)                                           # [n, 2]: (row, k)
     row, k = rk[:, 0], rk[:, 1]
     local = plan.e2l[ids_b[row, k].long()]

@@ -77,7 +77,8 @@ def _no_shm_op():
 
 
 def extension_build_dir(name: str = SHM_OP_NAME) -> Path:
-    """Where torch JIT-builds extension `name` (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<py>_<acc>)."""
+    """Where torch JIT-builds extension `name` (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions/<py>_<acc>)."""
     from torch.utils import cpp_extension
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 

@@ -2,7 +2,8 @@
 `MixtralSparseMoeBlock` and `Qwen3MoeSparseMoeBlock` (transformers 5.x layout).
 
 Why: routing and token permutation take a large share of MoE-layer time in the stock paths
-(benchmarks/trainer_bench.py measures it per path). This block sorts the T*k routed slots by expert once, runs each expert projection as one
+(benchmarks/trainer_bench.py measures it per path). This block sorts the T*k routed slots by expert
+once, runs each expert projection as one
 `torch._grouped_mm` over the stacked weights, and moves tokens with gathers only (see
 `fast/ops.py`). No Python loop over experts and no host sync on the fast path.
 
@@ -106,7 +107,8 @@ class GroupedMoeBlock(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None) -> GroupedMoeBlock:
-        """Wrap an HF Mixtral/Qwen3-MoE block, sharing (not copying) its router and expert params."""
+        """Wrap an HF Mixtral/Qwen3-MoE block, sharing (not copying) its router and expert
+        params."""
         name = type(block).__name__
         if name not in SUPPORTED_BLOCKS:
             raise TypeError(f"from_hf: {name} is not one of {SUPPORTED_BLOCKS}")
@@ -139,7 +141,8 @@ class GroupedMoeBlock(nn.Module):
 
 
 def from_hf_block(block: nn.Module, config=None, impl: str = "auto", fused_act: bool | None = None) -> GroupedMoeBlock:
-    """Factory for `moe_trainer.models.swap_moe_blocks(model, factory)`: `(block, config) -> block`."""
+    """Factory for `moe_trainer.models.swap_moe_blocks(model, factory)`: `(block, config) ->
+    block`."""
     return GroupedMoeBlock.from_hf(block, impl=impl, fused_act=fused_act)
 
 

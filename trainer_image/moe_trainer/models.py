@@ -109,11 +109,13 @@ def build_model(hf_config: dict | None = None, path: str | None = None, seed: in
 
 
 def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
-    """The MoE blocks in decoder-layer order: modules `*.layers.<i>.mlp` with `experts` and a router."""
+    """The MoE blocks in decoder-layer order: modules `*.layers.<i>.mlp` with `experts` and a
+    router."""
     refs = []
     for name, module in model.named_modules():
         parts = name.split(".")
-        # HF blocks have `gate`; AutoEP layers have `router` (aliased as `gate` only for some presets)
+        # HF blocks have `gate`; AutoEP layers have `router` (aliased as `gate` only for some
+        # presets)
         if len(parts) >= 3 and parts[-1] == "mlp" and parts[-3] == "layers" and hasattr(module, "experts") \
                 and (hasattr(module, "gate") or hasattr(module, "router")):
             refs.append(MoELayerRef(index=len(refs), decoder_layer=int(parts[-2]), name=name, block=module))
@@ -143,7 +145,7 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
     """
     layers = find_moe_layers(model)
     if len(permutation) != len(layers):
-        raise ModelError(f"placement.permutation: {len(permutation)} rows, the model has {len(layers)} MoE layers")
+        raise ModelError(f"placement.permutation: {len(permutation)} rows, the model has {len(layers)} MoE " "layers")
     num_experts = num_experts_of(model)
     for ref, row in zip(layers, permutation, strict=True):
         if sorted(row) != list(range(num_experts)):

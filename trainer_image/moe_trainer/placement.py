@@ -22,7 +22,8 @@ def _same(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
 
 def verify_placement(blocks, permutation, originals: list[dict[str, torch.Tensor]], rank: int,
                      atol: float = 0.0) -> dict:
-    """blocks: the MoE blocks after initialize; originals[l][name][E, ...] from before the permutation.
+    """blocks: the MoE blocks after initialize; originals[l][name][E, ...] from before the
+    permutation.
     Returns {"rank", "ok", "layers": [{"layer", "epRank", "experts", "ok"}]}."""
     import deepspeed
     layers = []

@@ -38,7 +38,8 @@ def quantity(value: int | str) -> str:
 
 def resources(requests: dict[str, int | str] | None = None,
               limits: dict[str, int | str] | None = None) -> dict[str, Any]:
-    """A container's ``resources`` block, quantities as strings, keys sorted; empty parts left out."""
+    """A container's ``resources`` block, quantities as strings, keys sorted; empty parts left
+    out."""
     out: dict[str, Any] = {}
     for part, values in (("requests", requests), ("limits", limits)):
         if values:

@@ -11,7 +11,8 @@ Decisions (docs/discovery.md has the long form):
   The cost: NoSchedule taints and cordons are not checked (fine for a read-only probe of seconds),
   and if the node lacks the small CPU/memory the kubelet rejects the pod (``OutOfcpu``), which
   the operator sees as a failed discovery.
-- **GPU access without a GPU request** (default, ``gpu_access="env"``): ``NVIDIA_VISIBLE_DEVICES=all``
+- **GPU access without a GPU request** (default, ``gpu_access="env"``):
+``NVIDIA_VISIBLE_DEVICES=all``
   + ``NVIDIA_DRIVER_CAPABILITIES=utility`` make the NVIDIA container runtime mount the driver's
   NVML and every GPU device node, without taking GPUs away from running jobs, so discovery works
   on busy nodes. It needs the NVIDIA runtime for this pod (default runtime on GPU Operator nodes,

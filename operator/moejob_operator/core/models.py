@@ -226,7 +226,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         pad_token_id=258),
     # The trainer benchmark's shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
     # micro-batch 16, bf16), expert width 3.5h like
-    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters), vocabulary 32000 and 4 KV heads as in
+    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters), vocabulary 32000 and 4 KV heads as
+    # in
     # the measured run (benchmarks/trainer_bench.py): 430M parameters.
     "bench-mixtral": dict(
         model_type="mixtral", vocab_size=32000, hidden_size=1024, intermediate_size=3584,

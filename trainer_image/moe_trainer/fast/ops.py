@@ -150,7 +150,8 @@ def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `torch._grouped_mm` runs for this device/dtype (CUDA: bf16 on sm80+; CPU: fp32/bf16)."""
+    """Whether `torch._grouped_mm` runs for this device/dtype (CUDA: bf16 on sm80+; CPU:
+    fp32/bf16)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if device.type == "cuda":
@@ -203,5 +204,6 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate_up: torch.Tensor, fused: bool = False) -> torch.Tensor:
-    """gate_up[S, 2F] -> [S, F]. `fused=True` compiles fwd/bwd into one kernel each (torch.compile)."""
+    """gate_up[S, 2F] -> [S, F]. `fused=True` compiles fwd/bwd into one kernel each
+    (torch.compile)."""
     return _SwiGLU.apply(gate_up, fused)
