@@ -436,7 +436,7 @@ def report(results: dict, tag: str, d: dict, args) -> str:
              f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
              f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed " "steps after "
              f"{args.warmup} warm-up. Device: {results['device']}."), "",
-             "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc " "GiB | peak reserved GiB | loss first/last |",
+             ("| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc " "GiB | peak reserved GiB | loss first/last |"),
              "|---|---|---|---|---|---|---|---|---|"]
     for k, r in tr.items():
         if "error" in r:
