@@ -3,7 +3,9 @@
 #   scripts/dev.sh demo [--stay]  set everything up, start a local control plane and run a whole
 #                                 MoETrainingJob; --stay keeps the cluster up afterwards (runs/demo/env.sh)
 #   scripts/dev.sh down           stop the cluster `demo --stay` left running
-#   scripts/dev.sh test           set everything up and run the whole test suite (what .ci/run calls)
+#   scripts/dev.sh test           set everything up and run the whole test suite (what .ci/run calls;
+#                                 tests/test_lint.py in it runs the lint below)
+#   scripts/dev.sh lint           ruff check, ruff format --check and mypy (config in pyproject.toml)
 #   scripts/dev.sh setup          only install (Debian packages, .venv, Python packages)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -65,6 +67,13 @@ case "$cmd" in
   demo) setup; exec "$venv/bin/moectl" demo "$@" ;;
   up) setup; exec "$venv/bin/moectl" demo --stay "$@" ;;
   down) exec "$venv/bin/moectl" demo --stop "$@" ;;
+  lint)
+    setup
+    rc=0
+    "$venv/bin/ruff" check . || rc=1
+    "$venv/bin/ruff" format --check . || rc=1
+    "$venv/bin/mypy" || rc=1
+    exit "$rc" ;;
   test)
     setup
     set +e
@@ -73,5 +82,5 @@ case "$cmd" in
     set -e
     if [ "$rc" -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi
     exit "$rc" ;;
-  *) echo "usage: scripts/dev.sh {demo [--stay]|up|down|test|setup} [args]" >&2; exit 2 ;;
+  *) echo "usage: scripts/dev.sh {demo [--stay]|up|down|test|lint|setup} [args]" >&2; exit 2 ;;
 esac
