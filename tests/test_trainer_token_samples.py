@@ -5,6 +5,7 @@ import json
 import socket
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,6 +41,25 @@ def _all_tokens(ranks, steps=6, micros=2):
                 ex.append(torch.stack(tk, 1))
                 st.append(torch.full((tk[0].shape[0],), step))
     return torch.cat(keys), torch.cat(ex), torch.cat(st)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the host copy runs without a sync)")
+def test_cuda_expert_ids_reach_the_sample_without_a_host_sync():
+    """On CUDA the ids are copied to pinned memory behind an event, folded in later: the same sample."""
+    cpu, gpu = TokenSampler(L, K, 64, 7, 0, 1), TokenSampler(L, K, 64, 7, 0, 1)
+    for step in range(1, 7):
+        for micro in range(2):
+            tk = _topk(step, micro, 0)
+            cpu.add(tk, step, micro)
+            on_gpu = [t.cuda() for t in tk]
+            torch.cuda.set_sync_debug_mode("error")     # any synchronising call in add() raises
+            try:
+                gpu.add(on_gpu, step, micro)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    a, b = cpu.merge("cpu"), gpu.merge("cuda")
+    assert all(torch.equal(a[key], b[key]) for key in ("keys", "experts", "steps"))
+    assert len(gpu) == 64
 
 
 def test_single_rank_keeps_the_smallest_keys_and_survives_resume():

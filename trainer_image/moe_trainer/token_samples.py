@@ -29,27 +29,51 @@ class TokenSampler:
         self.keys = torch.empty(0, dtype=torch.float64)
         self.experts = torch.empty(0, num_layers, top_k, dtype=torch.int16)
         self.steps = torch.empty(0, dtype=torch.int32)
+        # CUDA: (keys, experts [pinned, copy in flight], steps, event) not yet folded in; the
+        # forward's expert ids reach the host without the host waiting for the forward
+        self._pending: list[tuple] = []
 
     def __len__(self) -> int:
+        self._settle(wait=True)
         return len(self.keys)
+
+    def _settle(self, wait: bool) -> None:
+        """Fold in the pending expert sets whose copies are done (every one when ``wait``)."""
+        while self._pending:
+            keys, ex, steps, event = self._pending[0]
+            if not wait and not event.query():
+                return
+            event.synchronize()
+            self._pending.pop(0)
+            self._keep(torch.cat([self.keys, keys]), torch.cat([self.experts, ex]), torch.cat([self.steps, steps]))
 
     def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
         """``topk[L]`` of ``[T, k]`` expert (slot) ids of one forward pass at 1-based ``step``."""
         if self.capacity <= 0 or not topk:
             return
+        self._settle(wait=False)
         T = topk[0].shape[0]
         g = torch.Generator().manual_seed(hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
         keys = torch.rand(T, generator=g, dtype=torch.float64)
-        if len(self) >= self.capacity:
+        # a pre-filter only (pending keys are not in self.keys yet): _keep picks the exact bottom-k
+        if len(self.keys) >= self.capacity:
             idx = torch.nonzero(keys < self.keys.max()).flatten()
         else:
             idx = torch.arange(T)
         if not len(idx):
             return
-        dev = idx.to(topk[0].device)
-        ex = torch.stack([tk[dev] for tk in topk], dim=1).to("cpu", torch.int16)    # [c, L, k]
-        self._keep(torch.cat([self.keys, keys[idx]]), torch.cat([self.experts, ex]),
-                   torch.cat([self.steps, torch.full((len(idx),), step, dtype=torch.int32)]))
+        dev = idx.pin_memory().to(topk[0].device, non_blocking=True) if topk[0].is_cuda else idx
+        ex = torch.stack([tk[dev] for tk in topk], dim=1).to(torch.int16)    # [c, L, k]
+        steps = torch.full((len(idx),), step, dtype=torch.int32)
+        if ex.device.type == "cuda":
+            host = torch.empty(ex.shape, dtype=torch.int16, pin_memory=True)
+            host.copy_(ex, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((keys[idx], host, steps, event))
+            return
+        self._keep(torch.cat([self.keys, keys[idx]]), torch.cat([self.experts, ex.cpu()]),
+                   torch.cat([self.steps, steps]))
 
     def _keep(self, keys, experts, steps) -> None:
         if len(keys) > self.capacity:
@@ -60,6 +84,7 @@ class TokenSampler:
     def merge(self, device) -> dict:
         """Collective (every rank): the global sample, sorted by key, as {keys, experts, steps}
         on every rank; afterwards this rank holds every W-th winner."""
+        self._settle(wait=True)
         if self.world <= 1 or not dist.is_available() or not dist.is_initialized():
             order = torch.argsort(self.keys)
             return {"keys": self.keys[order], "experts": self.experts[order], "steps": self.steps[order]}
@@ -106,6 +131,7 @@ class TokenSampler:
     def load_state_dict(self, sd: dict | None) -> None:
         if not sd:
             return
+        self._pending.clear()
         self._hold_share({"keys": sd["keys"], "experts": sd["experts"].to(torch.int16),
                           "steps": sd["steps"].to(torch.int32)})
         self._keep(self.keys, self.experts, self.steps)
