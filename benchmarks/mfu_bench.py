@@ -22,6 +22,8 @@ Variants (each in its own process; clean CUDA memory and DeepSpeed state):
   fast_nocompile   fast without compileLayers (ablation)
   fast_hf          fast with HF's grouped_mm experts instead of the grouped block (ablation)
   fast_smallbucket fast with HF's reduce_bucket_size h*h instead of one bucket (ablation)
+  fast_bf16master  fast + DeepSpeed's bf16 master weights, gradients and Adam moments
+                   (bf16.bf16_master_weights_and_grads + bf16_optimizer_states; not the default)
 Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
 byte tokenizer), 200 steps.
 """
@@ -45,11 +47,13 @@ SIZES = {
     "430m": ("bench-mixtral", 1024, 16),
     "tiny": ("tiny-mixtral", 64, 2),
 }
-TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf", "fast_smallbucket")
+TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf", "fast_smallbucket",
+                    "fast_bf16master")
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
 DEFAULT_RUNS = ("3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
                 "3b:stock_levers,430m:stock,430m:fast,430m:plain_compiled,3b:fast_nocompile")
 LOSS_SIZE = "430m"
+BF16_MASTER = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
 # ---- FLOPs -------------------------------------------------------------------------------------
@@ -203,6 +207,8 @@ def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> d
         tr["performance"]["compileLayers"] = False
     if variant == "fast_hf":
         tr["moeImpl"] = "hf"
+    if variant.endswith("bf16master") and (doc["deepspeed"].get("bf16") or {}).get("enabled"):
+        doc["deepspeed"]["bf16"].update(BF16_MASTER)
     if variant == "fast_smallbucket":
         h = model.spec.hidden_size
         doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] = h * h
@@ -442,8 +448,11 @@ def annotate(results: dict) -> dict:
             if other:
                 r[f"vs_{ref}"] = r["tokensPerSecond"] / other["tokensPerSecond"]
     losses = {r["variant"]: r["losses"] for r in results["runs"] if r.get("kind") == "loss" and "error" not in r}
-    if "stock" in losses and "fast" in losses:
-        results["lossCurves"] = compare_losses(losses["stock"], losses["fast"])
+    if "stock" in losses:
+        every = {v: compare_losses(losses["stock"], xs) for v, xs in losses.items() if v != "stock"}
+        results["lossCurvesByVariant"] = every
+        if "fast" in every:
+            results["lossCurves"] = every["fast"]
     return results
 
 
@@ -499,11 +508,13 @@ def render(results: dict) -> str:
         top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in p["topKernels"][:4])
         lines.append(f"| {r['size']} | {r['variant']} | {p['wallMs']:.1f} | {p['gpuBusyMs']:.1f} | "
                      f"{p['gpuIdleMs']:.1f} | {top} |")
-    lc = results.get("lossCurves")
-    if lc:
-        lines += ["", "## Loss curves (real text, same seed)", "",
-                  f"{lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / fast {lc['first'][1]:.4f}; "
-                  f"last-10 mean stock {lc['last10Mean'][0]:.4f} / fast {lc['last10Mean'][1]:.4f}; "
+    every = results.get("lossCurvesByVariant") or (
+        {"fast": results["lossCurves"]} if results.get("lossCurves") else {})
+    if every:
+        lines += ["", "## Loss curves (real text, same seed, against stock)", ""]
+    for v, lc in every.items():
+        lines += [f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} {lc['first'][1]:.4f}; "
+                  f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
                   f"max relative difference of the 10-step moving average {lc['maxRelDiffMovingAvg10']:.3%} "
                   f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
                   f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}."]

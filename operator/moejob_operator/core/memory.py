@@ -52,6 +52,18 @@ FRAGMENTATION = 0.10             # caching-allocator slack over the dynamic tota
 # earlier value) put that peak 3 GiB low.
 STEP_TEMP_BYTES = 8
 ADAM_BYTES = 12                  # fp32 master + exp_avg + exp_avg_sq
+# deepspeed.bf16.bf16_master_weights_and_grads + bf16_optimizer_states: the 16-bit partition is
+# the master (no copy), moments are bf16; the step's temporaries are bf16 too
+BF16_MASTER_ADAM_BYTES = 4
+BF16_MASTER_STEP_TEMP_BYTES = 4
+
+
+def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
+    """(optimizer-state bytes, optimizer-step temporary bytes) per element of the partition."""
+    bf16 = dsconfig.get("bf16") or {}
+    if bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads") and bf16.get("bf16_optimizer_states"):
+        return BF16_MASTER_ADAM_BYTES, BF16_MASTER_STEP_TEMP_BYTES
+    return ADAM_BYTES, STEP_TEMP_BYTES
 
 
 @dataclass(frozen=True)
@@ -208,7 +220,8 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
         persistent = _persistent_elements(model, zero.get("stage3_param_persistence_threshold",
                                                           100_000), ep) * p
     grads = per_gpu(stage >= 2) * p
-    optim = per_gpu(stage >= 1) * ADAM_BYTES
+    adam_bytes, step_temp_bytes = optimizer_bytes(dsconfig)
+    optim = per_gpu(stage >= 1) * adam_bytes
 
     gathered = 0
     gathered_name = "none (stage < 3: parameters are resident)"
@@ -242,7 +255,7 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
 
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
     sub_group = zero.get("sub_group_size", 1_000_000_000)
-    step = params + persistent + grads + optim + STEP_TEMP_BYTES * min(per_gpu(stage >= 1), sub_group)
+    step = params + persistent + grads + optim + step_temp_bytes * min(per_gpu(stage >= 1), sub_group)
     dynamic = max(fwd_bwd, step)
     base = CPU_BASELINE_BYTES if device == "cpu" else GPU_CONTEXT_BYTES
     overhead = base + FRAGMENTATION * dynamic
