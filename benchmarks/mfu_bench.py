@@ -47,8 +47,8 @@ SIZES = {
     "430m": ("bench-mixtral", 1024, 16),
     "tiny": ("tiny-mixtral", 64, 2),
 }
-TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf", "fast_smallbucket",
-                    "fast_bf16master")
+TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf",
+                    "fast_smallbucket", "fast_bf16master")
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
 DEFAULT_RUNS = ("3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
                 "3b:stock_levers,430m:stock,430m:fast,430m:plain_compiled,3b:fast_nocompile")
@@ -513,7 +513,8 @@ def render(results: dict) -> str:
     if every:
         lines += ["", "## Loss curves (real text, same seed, against stock)", ""]
     for v, lc in every.items():
-        lines += [f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} {lc['first'][1]:.4f}; "
+        lines += [f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
+                  f"{lc['first'][1]:.4f}; "
                   f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
                   f"max relative difference of the 10-step moving average {lc['maxRelDiffMovingAvg10']:.3%} "
                   f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "

@@ -43,9 +43,9 @@ def _all_tokens(ranks, steps=6, micros=2):
     return torch.cat(keys), torch.cat(ex), torch.cat(st)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the host copy runs without a sync)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host copy without a sync)")
 def test_cuda_expert_ids_reach_the_sample_without_a_host_sync():
-    """On CUDA the ids are copied to pinned memory behind an event, folded in later: the same sample."""
+    """On CUDA the ids go to pinned memory behind an event and are folded in later: same sample."""
     cpu, gpu = TokenSampler(L, K, 64, 7, 0, 1), TokenSampler(L, K, 64, 7, 0, 1)
     for step in range(1, 7):
         for micro in range(2):

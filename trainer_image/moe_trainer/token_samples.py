@@ -45,7 +45,8 @@ class TokenSampler:
                 return
             event.synchronize()
             self._pending.pop(0)
-            self._keep(torch.cat([self.keys, keys]), torch.cat([self.experts, ex]), torch.cat([self.steps, steps]))
+            self._keep(torch.cat([self.keys, keys]), torch.cat([self.experts, ex]),
+                       torch.cat([self.steps, steps]))
 
     def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
         """``topk[L]`` of ``[T, k]`` expert (slot) ids of one forward pass at 1-based ``step``."""

@@ -61,7 +61,8 @@ BF16_MASTER_STEP_TEMP_BYTES = 4
 def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
     """(optimizer-state bytes, optimizer-step temporary bytes) per element of the partition."""
     bf16 = dsconfig.get("bf16") or {}
-    if bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads") and bf16.get("bf16_optimizer_states"):
+    if (bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads")
+            and bf16.get("bf16_optimizer_states")):
         return BF16_MASTER_ADAM_BYTES, BF16_MASTER_STEP_TEMP_BYTES
     return ADAM_BYTES, STEP_TEMP_BYTES
 
@@ -255,7 +256,8 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
 
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
     sub_group = zero.get("sub_group_size", 1_000_000_000)
-    step = params + persistent + grads + optim + step_temp_bytes * min(per_gpu(stage >= 1), sub_group)
+    step_temp = step_temp_bytes * min(per_gpu(stage >= 1), sub_group)
+    step = params + persistent + grads + optim + step_temp
     dynamic = max(fwd_bwd, step)
     base = CPU_BASELINE_BYTES if device == "cpu" else GPU_CONTEXT_BYTES
     overhead = base + FRAGMENTATION * dynamic
