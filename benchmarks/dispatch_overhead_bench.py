@@ -1,8 +1,9 @@
-"""The dedup dispatcher's cost where nothing is sent: EP = 1 unchanged, and its extra work per layer.
+"""The dedup dispatcher's cost where nothing is sent: EP = 1 unchanged, its extra work per layer.
 
-    .venv/bin/python benchmarks/dispatch_overhead_bench.py --out benchmarks/results/dispatch_overhead_h200.json
-    .venv/bin/python benchmarks/dispatch_overhead_bench.py --device cpu --tokens 2048 --hidden 256 \\
-        --out benchmarks/results/dispatch_overhead_cpu.json
+    .venv/bin/python benchmarks/dispatch_overhead_bench.py \\
+        --out benchmarks/results/dispatch_overhead_h200.json
+    .venv/bin/python benchmarks/dispatch_overhead_bench.py --device cpu --tokens 2048 \\
+        --hidden 256 --out benchmarks/results/dispatch_overhead_cpu.json
 
 One process, one device (GPU if present). Two measurements, each against a baseline in the same run:
 

@@ -1,7 +1,9 @@
 """The worker pod's entry point vs the trainer called directly: one GPU, same plan, interleaved.
 
-    H200:    PYTHONPATH=operator:trainer_image python3 benchmarks/launcher_bench.py --out benchmarks/results
-    CPU dry: PYTHONPATH=operator:trainer_image python3 benchmarks/launcher_bench.py --tiny --out /tmp/lb
+    H200:    PYTHONPATH=operator:trainer_image python3 benchmarks/launcher_bench.py \\
+                 --out benchmarks/results
+    CPU dry: PYTHONPATH=operator:trainer_image python3 benchmarks/launcher_bench.py --tiny \\
+                 --out /tmp/lb
 
 The plan comes from `moectl plan` (in-process: `moejob_operator.cli.main`) for the single-H200
 topology fixture (CPU: `--cpu`, one process). Each round runs the trainer twice, in alternating

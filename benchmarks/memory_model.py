@@ -1,4 +1,4 @@
-"""The planner's per-GPU memory estimate beside the peaks the trainer benchmark measured on one H200.
+"""The planner's per-GPU memory estimate beside the peaks the trainer benchmark measured on an H200.
 
 Reads the measured peaks from ``benchmarks/results/trainer_h200.json`` (``trainer_bench.py``: the
 AutoEP + ZeRO-3 variant at micro-batch 16 and 32), computes ``core.memory.benchmark_estimate`` for

@@ -5,8 +5,9 @@ real `python -m moe_trainer.smoke` `--runs` times and writes each verdict's dura
 seconds (summed over cases), the machine (CPUs, load average before and after, GPU) and the
 budget (CPU 180 s, GPU 120 s, docs/gate.md) to `<out>/smoke_<cpu|gpu>.json`.
 
-    python benchmarks/smoke_bench.py --cpu --runs 2 --out benchmarks/results     # CPU (2 gloo ranks)
-    python benchmarks/smoke_bench.py --gpu --out benchmarks/results              # one GPU (FusedAdam JIT included)
+    # CPU (2 gloo ranks); one GPU (FusedAdam JIT included)
+    python benchmarks/smoke_bench.py --cpu --runs 2 --out benchmarks/results
+    python benchmarks/smoke_bench.py --gpu --out benchmarks/results
 """
 
 from __future__ import annotations

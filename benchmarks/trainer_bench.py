@@ -35,7 +35,8 @@ DEFAULT_VARIANTS = "autoep,hf,grouped,grouped_eager,autoep@32,grouped@32"
 # ZeRO modifiers ('grouped+persist'): test where a ZeRO-3 step's time goes.
 ZERO_MODS = {
     "z2": "ZeRO-2 instead of 3 (no parameter partitioning: no gather/release hooks)",
-    "persist": "ZeRO-3 with stage3_param_persistence_threshold=1e9 (every parameter persistent: no per-step gathers)",
+    "persist": "ZeRO-3 with stage3_param_persistence_threshold=1e9 "
+               "(every parameter persistent: no per-step gathers)",
 }
 
 

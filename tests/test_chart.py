@@ -75,7 +75,8 @@ def test_bad_values_are_refused(helm, bad, message):
     assert out.returncode != 0
     assert message in out.stderr, out.stderr
     if "needs" in message or "smaller" in message or "required" in message:
-        return      # template `fail`/`required`: helm lint only logs them (by design), install/template refuse
+        # template `fail`/`required`: helm lint only logs them (by design), install/template refuse
+        return
     lint = run_helm(helm, "lint", str(CHART), *bad)
     assert lint.returncode != 0 and message in lint.stdout + lint.stderr
 

@@ -1,4 +1,4 @@
-"""Discovery pod and RBAC builders: golden manifests and the properties a cluster admin relies on."""
+"""Discovery pod and RBAC builders: golden manifests, the properties a cluster admin relies on."""
 
 from __future__ import annotations
 

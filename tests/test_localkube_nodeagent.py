@@ -56,7 +56,9 @@ def test_job_with_configmap_and_downward_env_completes(kube, node_agent, namespa
     script = """
         import os
         greeting = open("/etc/cfg/greeting").read()
-        line = f"{greeting} from {os.environ['POD_NAME']} on {os.environ['NODE']} ip {os.environ['POD_IP']} fixture {os.environ['MOE_FAKE_NVML_FIXTURE']}"
+        env = os.environ
+        line = (f"{greeting} from {env['POD_NAME']} on {env['NODE']} ip {env['POD_IP']} "
+                f"fixture {env['MOE_FAKE_NVML_FIXTURE']}")
         print(line)
         open("/out/result.txt", "w").write(line)
     """
@@ -184,7 +186,8 @@ def test_init_containers_deadline_and_hosts(kube, node_agent, namespace, wait_fo
         import socket, time
         assert open("/w/init").read() == "init\\n"
         assert open("/w/host").read().strip() == "inits"
-        print(socket.gethostbyname("peer.grp.{namespace}.svc.cluster.local"), socket.gethostbyname("peer.grp"), flush=True)
+        print(socket.gethostbyname("peer.grp.{namespace}.svc.cluster.local"),
+              socket.gethostbyname("peer.grp"), flush=True)
         time.sleep(600)
     """, initContainers=[init], activeDeadlineSeconds=8,
         container={"volumeMounts": [{"name": "w", "mountPath": "/w"}]}, volumes=[{"name": "w", "emptyDir": {}}]))
@@ -215,7 +218,8 @@ def test_in_cluster_config_with_service_account(kube, node_agent, namespace, wai
         except client.exceptions.ApiException as exc:
             print(exc.status)
         token = open("/var/run/projected/token").read()
-        print(token.count("."), open("/var/run/projected/cfg/k").read(), open("/var/run/projected/ns").read())
+        print(token.count("."), open("/var/run/projected/cfg/k").read(),
+              open("/var/run/projected/ns").read())
     """, container={"volumeMounts": [{"name": "proj", "mountPath": "/var/run/projected", "readOnly": True}]},
         volumes=[{"name": "proj", "projected": {"sources": [
             {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},

@@ -42,7 +42,8 @@ def test_operator_killed_mid_launch_converges(control_plane, kube, namespace, no
         want = sorted(["cm/crash-plan", "cm/crash-progress", "cm/crash-routing-stats",
                        "pod/crash-worker-0", "pod/crash-worker-1", "sa/crash-worker", "svc/crash-workers"])
         wait_for(lambda: children(kube, namespace, "crash") == want, timeout=60,
-                 message=f"children after restart: {children(kube, namespace, 'crash')}\n{restarted.logs()}")
+                 message=f"children after restart: {children(kube, namespace, 'crash')}\n"
+                         f"{restarted.logs()}")
         # the pass writes status after creating the pods
         st = wait_for(lambda: "gangComplete" in (get_job(kube, namespace, "crash").get("status") or {})
                       and get_job(kube, namespace, "crash")["status"], timeout=30, message="status.gangComplete")

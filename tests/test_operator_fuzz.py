@@ -165,7 +165,8 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
     logs = fuzz_operator.logs()
     restarts = fuzz_operator.starts - 1 + (0 if fuzz_operator.proc.poll() is None else 1)
     result = {
-        "command": "MOE_FUZZ_RESULTS=benchmarks/results/fuzz.json python -m pytest -q tests/test_operator_fuzz.py",
+        "command": "MOE_FUZZ_RESULTS=benchmarks/results/fuzz.json "
+                   "python -m pytest -q tests/test_operator_fuzz.py",
         "batches": BATCHES, "batchSize": BATCH_SIZE, "seconds": round(seconds, 1),
         "manifests": tally["manifests"], "refusedBySchema": tally["refusedBySchema"],
         "edits": tally["edits"], "editsRefusedBySchema": tally["editsRefusedBySchema"],

@@ -1,4 +1,4 @@
-"""The MoETrainingJob spec model: parsing, defaults in step with the CRD, errors naming the field."""
+"""The MoETrainingJob spec model: parsing, defaults in step with the CRD, errors name the field."""
 
 from __future__ import annotations
 

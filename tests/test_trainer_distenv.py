@@ -6,7 +6,8 @@ import sys
 
 SCRIPT = r'''
 import os
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1])
 import deepspeed.ops.op_builder.cpu.comm as m
 def refuse(self, *a, **k):
     raise SystemExit("ShareMemCommBuilder.load called")
@@ -31,7 +32,8 @@ def test_cpu_rendezvous_skips_the_shm_build():
 
 SHM_ON = r'''
 import os, sys
-os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1],
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=sys.argv[1],
                   MOE_DS_SHM_OP="1")
 lock = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "deepspeed_shm_comm", "lock")
 import deepspeed.ops.op_builder.cpu.comm as m

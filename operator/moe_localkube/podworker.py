@@ -210,7 +210,8 @@ class PodWorker(threading.Thread):
             delay = min(BACKOFF_BASE * 2 ** c.restarts, BACKOFF_MAX)
             c.next_start = time.monotonic() + delay
             c.waiting = {"reason": "CrashLoopBackOff",
-                         "message": f"back-off {delay:.1f}s restarting failed container={c.name} pod={self.pod_name}"}
+                         "message": f"back-off {delay:.1f}s restarting failed container={c.name} "
+                                    f"pod={self.pod_name}"}
             self.event("BackOff", f"Back-off restarting container {c.name} (exit code {code})",
                        warning=code != 0, container=c.name)
         else:
