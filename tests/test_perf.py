@@ -173,6 +173,7 @@ def test_moectl_plan_shows_the_choices_and_can_turn_them_off(capsys, tmp_path):
     assert "MoE impl   grouped; performance options (planner's choice, why):" in out
     assert "  - compileLayers: torch.compile of each decoder layer" in out
     assert "  - reduce_bucket_size 3453257728 (all parameters)" in out
+    assert "  - fp32 master weights kept: DeepSpeed's bf16 master weights" in out
     assert cli.main(args + ["--no-performance", "-o", str(tmp_path / "stock.json")]) == 0
     assert "MoE impl   hf; performance options off (stock configuration)" in capsys.readouterr().out
     fast, stock = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fast", "stock"))

@@ -92,6 +92,10 @@ def choose(spec: MoEModelSpec, *, world_size: int, ep_size: int, gpu: GpuCaps, a
         perf["compileLayers"] = True
         notes.append("compileLayers: torch.compile of each decoder layer's forward (fused "
                      "norms, RoPE, SwiGLU, router)")
+    if gpu.supports_bf16:
+        notes.append("fp32 master weights kept: DeepSpeed's bf16 master weights + bf16 optimizer "
+                     "states were faster on one H200 but their 200-step loss curve left the "
+                     "tolerance (docs/performance.md); set deepspeed.bf16 to opt in")
     zero_overrides: dict[str, Any] = {}
     if world_size == 1 and zero_stage == 3:
         zero_overrides["stage3_param_persistence_threshold"] = largest_tensor(spec) + 1
