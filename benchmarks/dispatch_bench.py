@@ -74,7 +74,7 @@ def worker() -> None:
 
     from moe_trainer import dedup_ep
     from moe_trainer.commtime import CommTimer
-    from moejob_operator.core.routing import read_routing_stats
+    from moe_contracts.routing import read_routing_stats
 
     job = json.loads(os.environ["DISPATCH_JOB"])
     deepspeed.init_distributed(dist_backend="gloo")
@@ -218,7 +218,7 @@ def netns_down() -> None:
 
 def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
     from moejob_operator.core import dispatch
-    from moejob_operator.core.routing import read_routing_stats
+    from moe_contracts.routing import read_routing_stats
     topo = topology()
     rows = []
     for i, res in enumerate(ranks[0]):

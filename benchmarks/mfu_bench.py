@@ -234,7 +234,7 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
     import torch
     _env_single(_free_port())
     from moe_trainer import distenv
-    from moe_trainer.plan import parse_plan
+    from moe_contracts.plan import parse_plan
     from moe_trainer.trainer import Trainer
     total = warmup + steps + (2 if profile else 0)   # + one profiled step + one sync-debug step
     doc = plan_doc(size, variant, total, data)

@@ -41,7 +41,8 @@ for sub in ("operator", "trainer_image"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
 
-from moejob_operator.core import cost, models, routing
+from moe_contracts.routing import RoutingStats, read_routing_stats
+from moejob_operator.core import cost, models
 from moejob_operator.core import plan as plan_mod
 from moejob_operator.core.placement import Placement
 from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups
@@ -68,7 +69,7 @@ def discover(out: Path, env: dict) -> tuple[Path, str]:
 
 
 def make_plan(path: Path, model_path: Path, topo_path: Path, gpus: int, strategy: str,
-              stats: routing.RoutingStats | None, a, micro_batch: int | None = None) -> dict:
+              stats: RoutingStats | None, a, micro_batch: int | None = None) -> dict:
     micro = micro_batch or a.micro_batch
     report = load_topology(str(topo_path))
     training = plan_mod.TrainingOptions(steps=a.steps, lr=3e-4, warmup_steps=5, seed=1234,
@@ -111,7 +112,7 @@ def train(plan_path: Path, nproc: int, work: Path, tag: str, env: dict, timeout:
 
 def measured_gpu_load(plan: dict, stats_path: str) -> float:
     """Mean over layers of max/mean tokens received per GPU, this run's routing under its placement."""
-    st = routing.read_routing_stats(stats_path)
+    st = read_routing_stats(stats_path)
     pl = plan["placement"]
     world = plan["worldSize"]
     p = Placement(pl["strategy"], np.array(pl["permutation"]), np.arange(world), plan["epSize"])
@@ -223,7 +224,7 @@ def main() -> None:
         if "routingStats" not in rec:
             raise SystemExit(f"recording run failed: {rec.get('logTail', '')[-1500:]}")
         shutil.copy(rec["routingStats"], out / "routing_stats.json")
-    stats = routing.read_routing_stats(str(out / "routing_stats.json"))
+    stats = read_routing_stats(str(out / "routing_stats.json"))
 
     # 3. placements side by side, 4. fewer GPUs / other micro-batches for the memory model
     for i, case in enumerate(a.cases.split(",")):

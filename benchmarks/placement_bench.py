@@ -21,9 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_contracts.routing import RoutingStats, read_routing_stats
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import Placement, solve
-from moejob_operator.core.routing import RoutingStats, read_routing_stats, synthetic_trace
+from moejob_operator.core.routing import synthetic_trace
 from moejob_operator.core.topology import ClusterTopology
 
 STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware")

@@ -24,9 +24,9 @@ import json
 import time
 from pathlib import Path
 
+from moe_contracts.routing import read_routing_stats
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import solve
-from moejob_operator.core.routing import read_routing_stats
 from moejob_operator.core.topology import ClusterTopology
 
 # (name, topology, EP size): EP spanning 2 and 8 NVLink groups

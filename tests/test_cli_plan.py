@@ -7,7 +7,12 @@ import pytest
 
 from moejob_operator import cli
 from moejob_operator.core import models, routing
-from moejob_operator.core.plan_doc import read_plan
+from moe_contracts.plan import load_plan
+from moe_contracts.routing import write_routing_stats
+
+
+def read_plan(path):
+    return load_plan(path, complete=True).raw
 
 
 def _run(capsys, *argv):
@@ -35,7 +40,7 @@ def test_plan_with_stats_config_file_and_overrides(capsys, tmp_path):
     cfg = models.preset_hf_config("tiny-qwen3-moe")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     stats = routing.synthetic_trace(4, 8, 2, 1024, num_clusters=2, seed=2).without_tokens()
-    routing.write_routing_stats(stats, tmp_path / "routing.json")
+    write_routing_stats(stats, tmp_path / "routing.json")
     code, out, err = _run(capsys, "plan", "--topology", "pcie-bridged-pairs-4",
                           "--model", str(tmp_path / "config.json"),
                           "--stats", str(tmp_path / "routing.json"), "--ep-size", "4",

@@ -9,7 +9,12 @@ import pytest
 from moejob_operator.core import models, plan, routing, topology
 from moejob_operator.core.dsconfig import GpuCaps
 from moejob_operator.core.errors import DocumentError
-from moejob_operator.core.plan_doc import parse_plan, read_plan, write_plan
+from moejob_operator.core.plan import check_plan as parse_plan, write_plan
+from moe_contracts.plan import load_plan
+
+
+def read_plan(path):
+    return load_plan(path, complete=True).raw
 
 
 def _reports(fixture, *names):
@@ -53,9 +58,8 @@ def test_two_nvswitch_nodes(two_h200_nodes):
 
 
 def test_trainer_reader_accepts_the_plan(two_h200_nodes, tmp_path):
-    trainer_plan = pytest.importorskip("moe_trainer.plan")
     write_plan(two_h200_nodes, tmp_path / "plan.json")
-    parsed = trainer_plan.load_plan(tmp_path / "plan.json")
+    parsed = load_plan(tmp_path / "plan.json")      # what the trainer runs
     assert (parsed.world_size, parsed.ep_size, parsed.autoep_enabled) == (16, 8, True)
     assert [list(r) for r in parsed.placement.permutation] == \
         two_h200_nodes.document["placement"]["permutation"]
@@ -157,7 +161,10 @@ def _mutated(doc, path, value):
     node = out
     for key in path[:-1]:
         node = node[key]
-    node[path[-1]] = value
+    if value == "drop-layer":      # a placement consistent in itself, not with the model
+        node[path[-1]] = dict(node[path[-1]], numLayers=3, permutation=node[path[-1]]["permutation"][:3])
+    else:
+        node[path[-1]] = value
     return out
 
 
@@ -169,7 +176,8 @@ def _mutated(doc, path, value):
     (("ranks", 1, "nodeRank"), 1, r"ranks\[1\]\.nodeRank: 1 but node 'ws-a6000' has nodeRank 0"),
     (("placement", "permutation", 2), [0, 0, 1, 2, 3, 4, 5, 6],
      r"placement\.permutation\[2\]: .* is not a permutation of 0\.\.7"),
-    (("placement", "numLayers"), 3, r"placement: 3 layers x 8 experts, the model has 4"),
+    (("placement", "numLayers"), 3, r"placement\.permutation: has 4 rows, numLayers is 3"),
+    (("placement",), "drop-layer", r"placement: 3 layers x 8 experts, the model has 4"),
     (("deepspeed", "expert_parallel", "autoep_size"), 4, r"autoep_size: 4 differs from epSize 2"),
     (("deepspeed", "train_batch_size"), 9, r"train_batch_size: 9 != 2 x 1 x worldSize 4"),
     (("training", "microBatch"), 1, r"training\.microBatch: 1 differs"),
@@ -186,7 +194,7 @@ def test_reader_refuses_bad_documents(path, value, match):
 
 
 def test_read_plan_errors(tmp_path):
-    with pytest.raises(DocumentError, match=r"MoEPlan: no such file"):
+    with pytest.raises(DocumentError, match=r"MoEPlan: plan file .* does not exist"):
         read_plan(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(DocumentError, match=r"not JSON"):

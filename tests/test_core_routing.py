@@ -7,12 +7,8 @@ import numpy as np
 import pytest
 
 from moejob_operator.core.errors import DocumentError
-from moejob_operator.core.routing import (
-    count_routing,
-    read_routing_stats,
-    synthetic_trace,
-    write_routing_stats,
-)
+from moe_contracts.routing import read_routing_stats, write_routing_stats
+from moejob_operator.core.routing import count_routing, synthetic_trace
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +82,11 @@ def _bad(mutate, match, trace):
         read_routing_stats(doc)
 
 
-@pytest.mark.parametrize(("mutate", "match"), [
+@pytest.mark.parametrize("mutate, match", [
     (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
     (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
     (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),
-    (lambda d: d.update(numExperts="16"), r"RoutingStats numExperts: '16' is not an integer >= 1"),
+    (lambda d: d.update(numExperts="16"), r"RoutingStats numExperts: '16' is not an integer"),
     (lambda d: d.update(numLayers=4), r"RoutingStats load: shape \[3, 16\] does not match numLayers/numExperts \[4, 16\]"),
     (lambda d: d["load"][1].__setitem__(2, -1), r"RoutingStats load\[1\]\[2\]: -1 is negative"),
     (lambda d: d["load"][0].__setitem__(0, d["load"][0][0] + 1), r"RoutingStats load\[0\]: sums to 8001, expected tokens\*topK = 8000"),

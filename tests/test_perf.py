@@ -15,7 +15,7 @@ from moejob_operator.core.errors import DocumentError  # noqa: F401  (import che
 from moejob_operator.core.plan import build_plan
 from moejob_operator.core.topology import load_topology
 from moe_trainer import perf
-from moe_trainer.plan import PlanError, parse_perf
+from moe_contracts.plan import PerfSpec, PlanError, parse_perf
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPO = ROOT / "tests" / "fixtures" / "topology"
@@ -54,7 +54,7 @@ def test_fused_loss_head_keeps_state_dict_and_plain_logits():
 
 
 def test_parse_perf_rejects_bad_documents():
-    assert parse_perf(None) == perf.PerfSpec()
+    assert parse_perf(None) == PerfSpec()
     spec = parse_perf({"fusedLoss": True, "zeroLeafModules": ["MixtralDecoderLayer"], "reasons": ["x"]})
     assert spec.fused_loss and spec.zero_leaf_modules == ("MixtralDecoderLayer",) and not spec.compile_layers
     for bad, msg in [({"fusedLos": True}, "unknown keys ['fusedLos']"),
@@ -100,7 +100,7 @@ def test_planner_picks_the_fast_path_on_one_h200():
     assert "MoE impl   grouped; performance options (planner's choice, why):" in summary
     assert "epSize 1 leaves AutoEP nothing to parallelise" in summary
     # the trainer's reader takes it
-    from moe_trainer.plan import parse_plan
+    from moe_contracts.plan import parse_plan
     assert parse_plan(doc).training.performance.compile_layers
 
 

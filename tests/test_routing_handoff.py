@@ -120,7 +120,7 @@ operator_proc = module_operator()
 def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):
     from operator_harness import apply_job, condition, example, get_job
 
-    from moe_trainer.routing_publish import decode
+    from moe_contracts.routing import decode_configmap
     a = example("tiny-cpu.yaml", checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}})
     a["metadata"]["name"] = "stats-a"
     a["spec"]["training"]["steps"] = 2
@@ -130,9 +130,9 @@ def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_pr
     assert out.returncode == 0, f"{out.stderr}\n{get_job(kube, namespace, 'stats-a').get('status')}\n" \
                                 f"{operator_proc.logs()}"
     cm = kube.core.read_namespaced_config_map("stats-a-routing-stats", namespace).to_dict()
-    stats = decode({"data": cm.get("data"), "binaryData": cm.get("binary_data")})
+    stats = decode_configmap({"data": cm.get("data"), "binaryData": cm.get("binary_data")})
     assert stats is not None, cm
-    assert stats["steps"] == 2 and stats["numExperts"] == 8 and stats["tokens"] > 0
+    assert stats.steps == 2 and stats.num_experts == 8 and stats.tokens > 0
     progress = json.loads(kube.core.read_namespaced_config_map("stats-a-progress", namespace).data[C.PROGRESS_KEY])
     assert progress["routingStats"]["published"] is True and progress["routingStats"]["step"] == 2
 
@@ -164,7 +164,9 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
     from urllib.parse import urlparse
 
     from moe_trainer import progress
-    from moe_trainer.routing_publish import GZ_KEY, KEY, RoutingStatsPublisher
+    from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY, ROUTING_STATS_KEY as KEY
+    from moe_contracts.routing import configmap_text
+    from moe_trainer.routing_publish import RoutingStatsPublisher
     from test_trainer_routing_publish import stats_doc
     name = "a-routing-stats"
     kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": {}})
@@ -195,5 +197,5 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
         assert status["published"] and status["key"] == key, status
         cm = stored()
         assert set(cm["data"]) | set(cm["binaryData"]) == {key}      # the other key was cleared
-        got = json.loads(planning.routing_stats_text(cm, name))
+        got = json.loads(configmap_text(cm))
         assert got == doc

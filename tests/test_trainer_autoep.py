@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moe_trainer.launch import launch
-from moe_trainer.routing import check_routing_stats
+from moe_contracts.routing import parse_routing_stats as check_routing_stats
 
 pytestmark = pytest.mark.slow
 PLAN = Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json"

@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_contracts import routing as contract_routing
 from moe_trainer import routing
-from moe_trainer.plan import parse_plan
+from moe_contracts.plan import parse_plan
 
 core_plan = pytest.importorskip("moejob_operator.core.plan")
 core_models = pytest.importorskip("moejob_operator.core.models")
@@ -50,8 +51,8 @@ def test_core_reads_trainer_routing_stats():
     load, coact, _ = routing.step_counts(Probe, E)
     perm = [list(rng.permutation(E)) for _ in range(3)]
     load, coact = routing.to_original_ids(load.numpy(), coact.numpy(), perm)
-    doc = routing.routing_stats_doc(load, coact, tokens=T, steps=1, top_k=K, model="x")
-    stats = core_routing.parse_routing_stats(json.loads(json.dumps(doc)))
+    doc = contract_routing.routing_stats_doc(load, coact, tokens=T, steps=1, top_k=K, model="x")
+    stats = contract_routing.parse_routing_stats(json.loads(json.dumps(doc)))
     assert stats.load.sum() == 3 * T * K and stats.top_k == K
 
 
@@ -59,7 +60,7 @@ def test_core_reads_trainer_routing_stats():
 def test_core_reads_recorded_real_text_stats(name):
     if not (RESULTS / name).exists():
         pytest.skip(f"{name} not recorded")
-    stats = core_routing.read_routing_stats(RESULTS / name)
+    stats = contract_routing.read_routing_stats(RESULTS / name)
     assert stats.source == "trainer" and stats.num_experts == 64
 
 
@@ -77,6 +78,6 @@ def test_core_plan_trains_on_two_cpu_processes(tmp_path):
     for rank in range(2):
         rep = json.loads((tmp_path / "ck" / f"placement_check_rank{rank}.json").read_text())
         assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [r[rank * 4:rank * 4 + 4] for r in perm]
-    stats = core_routing.read_routing_stats(tmp_path / "ck" / "routing_stats.json")
+    stats = contract_routing.read_routing_stats(tmp_path / "ck" / "routing_stats.json")
     assert (stats.num_layers, stats.num_experts, stats.top_k, stats.steps) == (4, 8, 2, 4)
     assert stats.tokens == 4 * 4 * 64                 # steps x global batch x seqLen

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moe_trainer import corpus, data
-from moe_trainer.plan import DataSpec
+from moe_contracts.plan import DataSpec
 
 
 def test_byte_tokenizer_roundtrip():

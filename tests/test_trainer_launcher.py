@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from moe_trainer import gang, launch
-from moe_trainer.plan import parse_plan
+from moe_contracts.plan import parse_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "plans"
@@ -105,14 +105,14 @@ def test_gpu_h200_example_every_pods_ranks_match_the_plan():
     ({"NODE_RANK": "0", "NNODES": "1", "WORLD_SIZE": "1"}, 1, "NPROC_PER_NODE is not set"),
 ])
 def test_launcher_refuses_env_that_disagrees(env, plan_world, match):
-    from moe_trainer.plan import RankSpec
+    from moe_contracts.plan import RankSpec
     ranks = [RankSpec(rank=r, node="n", node_rank=r // 2, local_rank=r % 2, gpu=r % 2) for r in range(plan_world)]
     with pytest.raises(launch.LaunchError, match=match):
         launch.node_ranks(env, ranks, plan_world)
 
 
 def test_launcher_refuses_a_plan_with_another_rank_layout():
-    from moe_trainer.plan import RankSpec
+    from moe_contracts.plan import RankSpec
     env = {"NPROC_PER_NODE": "2", "NODE_RANK": "1", "NNODES": "2", "WORLD_SIZE": "4"}
     ranks = [RankSpec(rank=r, node="n", node_rank=r % 2, local_rank=r // 2, gpu=0) for r in range(4)]
     with pytest.raises(launch.LaunchError, match=r"expected rank 2 = 1 x 2 \+ 0"):

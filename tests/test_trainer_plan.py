@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_trainer.plan import PlanError, load_plan, parse_plan, resolve_plan_path
+from moe_contracts.plan import PlanError, load_plan, parse_plan, resolve_plan_path
 
 FIXTURE = Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json"
 
@@ -30,15 +30,15 @@ def test_fixture_parses(doc):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda d: d.update(kind="TopologyReport"), r"kind: 'TopologyReport' is not 'MoEPlan'"),
-    (lambda d: d.update(version=2), r"version: 2 is not supported"),
+    (lambda d: d.update(version=2), r"version: 2 is not a known version"),
     (lambda d: d.pop("worldSize"), r"worldSize: required field is missing"),
-    (lambda d: d.update(worldSize="2"), r"worldSize: '2' is not a int"),
+    (lambda d: d.update(worldSize="2"), r"worldSize: '2' is not an integer"),
     (lambda d: d["placement"]["permutation"].__setitem__(1, [0, 0, 1, 2]),
      r"placement.permutation\[1\]: \[0, 0, 1, 2\] is not a permutation of 0..3"),
     (lambda d: d["placement"].update(numLayers=3), r"placement.permutation: has 2 rows, numLayers is 3"),
     (lambda d: d["placement"].update(epSize=3), r"placement.epSize: 3 does not divide numExperts=4"),
     (lambda d: d["deepspeed"]["expert_parallel"].update(autoep_size=1),
-     r"deepspeed.expert_parallel.autoep_size: 1 differs from epSize=2"),
+     r"deepspeed.expert_parallel.autoep_size: 1 differs from epSize 2"),
     (lambda d: d["model"].update(hfConfig=None), r"model.hfConfig: required when model.path is null"),
     (lambda d: d["model"]["hfConfig"].pop("model_type"), r"model.hfConfig.model_type: required"),
     (lambda d: d["ranks"][1].update(rank=5), r"ranks\[1\].rank: 5 out of order"),

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from moe_contracts.errors import DocumentError
+from moe_contracts.routing import parse_routing_stats, routing_stats_doc
 from moe_trainer import routing
 
 
@@ -71,14 +73,14 @@ def test_counts_invariants_and_original_ids():
             for s2, e2 in enumerate(perm[layer]):
                 assert ocoact[layer, e, e2] == coact[layer, s, s2]
     np.testing.assert_array_equal(routing.load_to_original_ids(load.numpy(), perm), oload)
-    doc = routing.routing_stats_doc(oload, ocoact, tokens=50, steps=1, top_k=K, model="t")
-    routing.check_routing_stats(doc)      # sums, symmetry, zero diagonal, row sums
+    doc = routing_stats_doc(oload, ocoact, tokens=50, steps=1, top_k=K, model="t")
+    parse_routing_stats(doc)      # sums, symmetry, zero diagonal, row sums
     doc["coactivation"][0][0][1] += 1
-    with pytest.raises(ValueError, match=r"coactivation\[0\]: not symmetric"):
-        routing.check_routing_stats(doc)
-    doc = routing.routing_stats_doc(oload, ocoact, tokens=51, steps=1, top_k=K, model="t")
-    with pytest.raises(ValueError, match=r"load\[0\]: sums to 100, tokens\*topK is 102"):
-        routing.check_routing_stats(doc)
+    with pytest.raises(DocumentError, match=r"coactivation\[0\]\[0\]\[1\]: .* \(not symmetric\)"):
+        parse_routing_stats(doc)
+    doc = routing_stats_doc(oload, ocoact, tokens=51, steps=1, top_k=K, model="t")
+    with pytest.raises(DocumentError, match=r"load\[0\]: sums to 100, expected tokens\*topK = 102"):
+        parse_routing_stats(doc)
 
 
 def test_max_mean_per_layer():

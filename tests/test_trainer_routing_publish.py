@@ -6,8 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from moe_trainer import progress, routing, routing_publish
-from moe_trainer.routing_publish import GZ_KEY, KEY, RoutingStatsPublisher, decode, encode
+from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY, ROUTING_STATS_KEY as KEY
+from moe_contracts.routing import (configmap_text, decode_configmap, encode_configmap as encode,
+                                   parse_routing_stats, routing_stats_doc)
+from moe_trainer import progress, routing_publish
+from moe_trainer.routing_publish import RoutingStatsPublisher
+
+
+def decode(cm):
+    return json.loads(configmap_text(cm))
 
 
 def stats_doc(layers=2, experts=8, top_k=2, tokens=512, seed=0):
@@ -22,8 +29,8 @@ def stats_doc(layers=2, experts=8, top_k=2, tokens=512, seed=0):
                 for j in chosen:
                     if i != j:
                         coact[layer, i, j] += 1
-    doc = routing.routing_stats_doc(load, coact, tokens, 3, top_k, "test")
-    routing.check_routing_stats(doc)
+    doc = routing_stats_doc(load, coact, tokens, 3, top_k, "test")
+    parse_routing_stats(doc)
     return doc
 
 
@@ -45,13 +52,11 @@ def test_large_document_is_gzipped_under_binary_data_and_round_trips():
 
 
 def test_operator_reader_accepts_both_keys():
-    from moejob_operator.core.routing import parse_routing_stats
-    from moejob_operator.reconcile.planning import routing_stats_text
     doc = stats_doc(experts=16)
     for limit in (10**6, encode(doc).json_bytes - 1):
         enc = encode(doc, limit)
         cm = {k: {kk: vv for kk, vv in v.items() if vv is not None} for k, v in enc.body.items()}
-        stats = parse_routing_stats(json.loads(routing_stats_text(cm, "ns/x")))
+        stats = decode_configmap(cm)
         assert stats.load.tolist() == doc["load"] and stats.coact.tolist() == doc["coactivation"]
 
 

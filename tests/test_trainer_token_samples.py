@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_trainer import routing
-from moe_trainer.routing_publish import KEY, encode
+from moe_contracts.env import ROUTING_STATS_KEY as KEY
+from moe_contracts.routing import encode_configmap as encode, parse_routing_stats, routing_stats_doc
 from moe_trainer.token_samples import TokenSampler, to_original_ids
 
 L, K, E = 3, 2, 8
@@ -92,8 +92,8 @@ def test_original_ids_and_document():
     for layer, toks in enumerate(([[6, 7], [0, 1]], [[4, 5], [2, 3]])):
         for a, b in toks:
             co[layer, a, b] = co[layer, b, a] = 1
-    doc = routing.routing_stats_doc(load, co, 2, 1, 2, "m", samples=[[[6, 7], [0, 1]], [[4, 5], [2, 3]]])
-    routing.check_routing_stats(doc)
+    doc = routing_stats_doc(load, co, 2, 1, 2, "m", samples=[[[6, 7], [0, 1]], [[4, 5], [2, 3]]])
+    parse_routing_stats(doc)
     assert doc["version"] == 2 and doc["tokenSamples"]["experts"][0] == [[6, 7], [0, 1]]
 
 
@@ -129,7 +129,7 @@ def test_too_large_document_publishes_a_cut_sample():
     for a, b in te:
         co[0, a, b] += 1
         co[0, b, a] += 1
-    doc = routing.routing_stats_doc(load, co, 2000, 1, K, "m", samples=[te.tolist()])
+    doc = routing_stats_doc(load, co, 2000, 1, K, "m", samples=[te.tolist()])
     full = encode(doc, limit=10**9)
     assert full.samples == 2000
     enc = encode(doc, limit=2000)

@@ -58,10 +58,12 @@ def _json_arg(text: str, what: str) -> dict:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from .core import dsconfig, models, plan, routing
+    from moe_contracts.routing import read_routing_stats
+
+    from .core import dsconfig, models, plan
 
     model = models.resolve_model(args.model)
-    stats = routing.read_routing_stats(args.stats) if args.stats else None
+    stats = read_routing_stats(args.stats) if args.stats else None
     overrides: dict = {}
     for text in args.ds_override:
         overrides = dsconfig.deep_merge(overrides, _json_arg(text, "--ds-override"))

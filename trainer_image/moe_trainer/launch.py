@@ -167,7 +167,7 @@ def failure_document(res: gang.Result, labels: Sequence[str], ranks: Sequence[No
 
 def node_main(argv: Sequence[str] | None = None) -> int:
     """``moe-train`` in a worker pod: the ranks of this node; returns the pod's exit code."""
-    from moe_trainer.plan import PlanError, load_plan, resolve_plan_path
+    from moe_contracts.plan import PlanError, load_plan, resolve_plan_path
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s launcher %(levelname)s %(message)s")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_trainer.plan import PerfSpec  # noqa: F401  (re-exported)
+from moe_contracts.plan import PerfSpec
 
 log = logging.getLogger("moe_trainer")
 

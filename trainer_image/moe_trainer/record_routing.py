@@ -21,8 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_contracts.routing import parse_routing_stats, routing_stats_doc
+
 from moe_trainer.launch import launch
-from moe_trainer.routing import check_routing_stats, max_mean_per_layer
+from moe_trainer.routing import max_mean_per_layer
 
 
 def plan_doc(a) -> dict:
@@ -81,7 +83,7 @@ def main() -> None:
         outs = [(a.out, a.steps)] if not a.test_out else [(a.out, a.steps - a.window), (a.test_out, a.steps)]
         for out, end in outs:
             window = _window(work / "ck", full, a, end)
-            check_routing_stats(window)
+            parse_routing_stats(window)
             window["source"] = "trainer"
             window["model"] += (f" balance={a.balance} coef={a.coef} real-text corpus, steps "
                                 f"{end - window['steps'] + 1}-{end} of {a.steps}")
@@ -104,8 +106,6 @@ def _window(ckpt: Path, full: dict, a, end: int) -> dict:
     uniform sample of the window), cut to ``--samples``."""
     import numpy as np
     import torch
-
-    from moe_trainer.routing import routing_stats_doc
     start = max(0, end - a.window)
 
     def state_at(step: int) -> dict:

@@ -159,52 +159,6 @@ def load_to_original_ids(load_slot, permutation):
     return load
 
 
-def routing_stats_doc(load, coact, tokens: int, steps: int, top_k: int, model: str,
-                      source: str = "trainer", samples: list | None = None) -> dict:
-    """The RoutingStats v2 document. load[L, E], coact[L, E, E] in original expert ids;
-    ``samples[L][S][k]`` (original ids) a uniform sample of the window's tokens' expert sets."""
-    import numpy as np
-    load = np.rint(np.asarray(load)).astype(np.int64)
-    coact = np.rint(np.asarray(coact)).astype(np.int64)
-    num_layers, num_experts = load.shape
-    return {
-        "kind": "RoutingStats", "version": 2, "source": source, "model": model,
-        "numLayers": int(num_layers), "numExperts": int(num_experts), "topK": int(top_k),
-        "tokens": int(tokens), "steps": int(steps),
-        "load": load.tolist(), "coactivation": coact.tolist(),
-        **({"tokenSamples": {"experts": samples}} if samples is not None and len(samples[0]) else {}),
-    }
-
-
-def check_routing_stats(doc: dict) -> None:
-    """The invariants docs/contracts.md lists for RoutingStats v1/v2; raises ValueError naming the field."""
-    import numpy as np
-    if doc.get("kind") != "RoutingStats" or doc.get("version") not in (1, 2):
-        raise ValueError(f"kind/version: {doc.get('kind')!r} v{doc.get('version')!r} is not RoutingStats v1/v2")
-    L, E, K, T = doc["numLayers"], doc["numExperts"], doc["topK"], doc["tokens"]
-    load = np.asarray(doc["load"])
-    co = np.asarray(doc["coactivation"])
-    if load.shape != (L, E):
-        raise ValueError(f"load: shape {load.shape} != ({L}, {E})")
-    if co.shape != (L, E, E):
-        raise ValueError(f"coactivation: shape {co.shape} != ({L}, {E}, {E})")
-    if (load < 0).any() or (co < 0).any():
-        raise ValueError("load/coactivation: negative count")
-    for layer in range(L):
-        if load[layer].sum() != T * K:
-            raise ValueError(f"load[{layer}]: sums to {load[layer].sum()}, tokens*topK is {T * K}")
-        if not (co[layer] == co[layer].T).all() or np.diag(co[layer]).any():
-            raise ValueError(f"coactivation[{layer}]: not symmetric with zero diagonal")
-        if not (co[layer].sum(1) == (K - 1) * load[layer]).all():
-            raise ValueError(f"coactivation[{layer}]: row sums != (topK-1)*load")
-    if "tokenSamples" in doc:
-        ex = np.asarray(doc["tokenSamples"]["experts"])
-        if ex.ndim != 3 or ex.shape[0] != L or ex.shape[2] != K or ex.shape[1] > max(T, 0):
-            raise ValueError(f"tokenSamples.experts: shape {ex.shape} is not ({L}, <= {T}, {K})")
-        if ex.size and ((ex < 0).any() or (ex >= E).any() or (np.diff(np.sort(ex, -1), axis=-1) == 0).any()):
-            raise ValueError("tokenSamples.experts: ids out of range or repeated within a token")
-
-
 def max_mean_per_layer(load) -> list[float]:
     """load[L, E] -> max/mean expert load of each layer (1.0 = perfectly balanced)."""
     import numpy as np

@@ -49,7 +49,7 @@ class PlansError(ValueError):
 
 def read_plans(path: str) -> dict:
     """A SmokePlans v1 document: every case a MoEPlan the trainer's reader accepts, one world size."""
-    from moe_trainer.plan import PlanError, parse_plan
+    from moe_contracts.plan import PlanError, parse_plan
     try:
         doc = json.loads(Path(path).read_text())
     except OSError as exc:

@@ -115,7 +115,7 @@ class CaseRun:
     """One plan through the trainer on this rank."""
 
     def __init__(self, name: str, doc: dict, workdir: Path, env, cpu: bool):
-        from moe_trainer.plan import parse_plan
+        from moe_contracts.plan import parse_plan
         self.name, self.doc, self.env, self.cpu = name, doc, env, cpu
         self.plan = parse_plan(doc)
         self.dir = workdir / name

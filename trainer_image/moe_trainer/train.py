@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 
-from moe_trainer.plan import PlanError, load_plan, resolve_plan_path
+from moe_contracts.plan import PlanError, load_plan, resolve_plan_path
 
 log = logging.getLogger("moe_trainer")
 

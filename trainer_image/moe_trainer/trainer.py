@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_contracts.plan import MoEPlan
+from moe_contracts.routing import routing_stats_doc
 
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
@@ -26,7 +28,6 @@ from moe_trainer import models, perf, routing
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
-from moe_trainer.plan import MoEPlan
 from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
 from moe_trainer.routing_publish import RoutingStatsPublisher
 from moe_trainer.token_samples import TokenSampler
@@ -256,7 +257,7 @@ class Trainer:
         load, coact = routing.to_original_ids(self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(),
                                               self.permutation)
         samples = None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
-        return routing.routing_stats_doc(load, coact, self.acc.tokens, self.acc.steps, self.top_k,
+        return routing_stats_doc(load, coact, self.acc.tokens, self.acc.steps, self.top_k,
                                          self.model_name, samples=samples)
 
     def write_routing(self, merged: dict | None = None) -> None:

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .routing import RoutingStats
+from moe_contracts.routing import RoutingStats
+
 from .topology import TIER_NODE, TIER_NVLINK, ClusterTopology
 
 if TYPE_CHECKING:

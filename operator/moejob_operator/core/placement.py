@@ -24,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from moe_contracts.routing import RoutingStats
+
 from .cost import cross_counts_for_candidates
-from .routing import RoutingStats
 from .topology import ClusterTopology
 
 STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware", "brute_force")

@@ -7,7 +7,8 @@ against DeepSpeed's contiguous default (``cost.score``), writes the DeepSpeed co
 (``memory``). CPU mode (no GPUs, the local demo): ``device: "cpu"``, ``distBackend: "gloo"``,
 ``worldSize = nodes x processes per node``, fp32, every rank ``gpu: null``.
 
-The document's reader and validator live in :mod:`.plan_doc`; the trainer has its own reader.
+The document's one reader is :mod:`moe_contracts.plan` (the trainer reads plans with it too);
+:func:`check_plan` adds what only the planning core knows (the model family's layer counts).
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import Any
 
 import numpy as np
 
+from moe_contracts.plan import PLAN_KIND, PLAN_VERSION, MoEPlan, PlanError, parse_plan, plan_json
+from moe_contracts.routing import RoutingStats
+
 from . import cost, dispatch, perf as perf_mod, placement as placement_mod, router_groups
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DocumentError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
-from .models import ResolvedModel
-from .plan_doc import PLAN_KIND, PLAN_VERSION, parse_plan, read_plan, write_plan  # noqa: F401
-from .routing import RoutingStats, synthetic_trace
+from .models import FAMILIES, ResolvedModel, spec_from_hf_config
+from .routing import synthetic_trace
 from .topology import ClusterTopology, TopologyReport
 
 HEADROOM = 0.9                 # usable share of GPU memory
@@ -383,8 +386,34 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
         doc["training"]["moeImpl"] = training.extra.get("moeImpl", choice.moe_impl)
         if perf_doc:
             doc["training"]["performance"] = perf_doc
-    parse_plan(doc)   # the document we hand out must pass our own reader
+    check_plan(doc)   # the document we hand out must pass the reader
     return Plan(doc, topo, pl, est, tuple(warnings), caps)
+
+
+def check_plan(doc: dict[str, Any]) -> MoEPlan:
+    """A plan as the planning core hands it out: every field it writes (the contract's reader,
+    ``complete``), and the model family's MoE layers and experts matching the placement."""
+    plan = parse_plan(doc, complete=True)
+    family = plan.model.family
+    if family not in FAMILIES:
+        raise PlanError(f"{PLAN_KIND} model.family: {family!r} is not one of {list(FAMILIES)}")
+    spec = spec_from_hf_config(plan.model.hf_config or {}, f"{PLAN_KIND} model.hfConfig")
+    if spec.num_experts % plan.ep_size:
+        raise PlanError(f"{PLAN_KIND} epSize: {plan.ep_size} must divide the number of experts "
+                        f"{spec.num_experts}")
+    pl = plan.placement
+    if pl is not None and (pl.num_layers, pl.num_experts) != (spec.num_moe_layers, spec.num_experts):
+        raise PlanError(f"{PLAN_KIND} placement: {pl.num_layers} layers x {pl.num_experts} experts, the "
+                        f"model has {spec.num_moe_layers} MoE layers x {spec.num_experts} experts")
+    return plan
+
+
+def write_plan(result: Plan | dict[str, Any], path: str) -> None:
+    """Check (:func:`check_plan`) and write a plan document (or a ``Plan``'s) to ``path``."""
+    doc = result.document if isinstance(result, Plan) else result
+    check_plan(doc)
+    with open(path, "w") as f:
+        f.write(plan_json(doc))
 
 
 def _group_label(topo: ClusterTopology, grp: list[int]) -> str:

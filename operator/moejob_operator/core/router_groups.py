@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_contracts.routing import RoutingStats
+
 from .placement import Placement
 from .placement import solve as solve_experts
-from .routing import RoutingStats
 from .topology import ClusterTopology
 
 

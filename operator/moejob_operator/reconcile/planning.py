@@ -6,18 +6,16 @@ memory) or :class:`NotYet` (routing statistics of an earlier job not there yet).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import copy
 import datetime as dt
-import gzip
 import hashlib
-import io
 import json
 import re
 import threading
 from collections import OrderedDict
 from typing import Any
+
+from moe_contracts.routing import decode_configmap
 
 from .. import constants as C
 from ..builders.common import JobRef
@@ -25,7 +23,6 @@ from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import TrainingOptions, build_plan
-from ..core.routing import parse_routing_stats
 from ..core.topology import TopologyReport
 from ..spec import JobSpec, SpecError
 
@@ -117,36 +114,12 @@ def _to_spec_error(exc: DocumentError) -> Exception:
     return Refused(C.R_PLAN_FAILED, text)
 
 
-# Routing statistics of an earlier job (docs/trainer.md, "Routing statistics hand-off"). The trainer
-# stores large documents gzip+base64 under binaryData; a ConfigMap holds at most 1 MiB.
-ROUTING_STATS_GZ_KEY = C.ROUTING_STATS_KEY + ".gz"
-ROUTING_STATS_MAX_JSON_BYTES = 256 * 2**20     # refuse to inflate more than this (gzip bomb)
+# Routing statistics of an earlier job (docs/trainer.md, "Routing statistics hand-off"); the
+# ConfigMap codec is the contract's (moe_contracts.routing).
 # How long a job waits, counted from its creation, for statistics that are not there yet:
 SOURCE_MISSING_WAIT_SECONDS = 15 * 60          # no such source job (a typo?) / configMapName never filled
 SOURCE_ACTIVE_WAIT_SECONDS = 24 * 3600         # the source job is still pending or training
 SOURCE_SUCCEEDED_GRACE_SECONDS = 60            # the trainer publishes before it exits: a little slack
-
-
-def routing_stats_text(cm: dict[str, Any] | None, where: str) -> str | None:
-    """The RoutingStats JSON of a ConfigMap: ``data[routing_stats.json]`` or, for large documents,
-    ``binaryData[routing_stats.json.gz]`` (gzip, base64 as the API returns it). None when empty."""
-    cm = cm or {}
-    raw = (cm.get("data") or {}).get(C.ROUTING_STATS_KEY)
-    if raw:
-        return raw
-    packed = (cm.get("binaryData") or {}).get(ROUTING_STATS_GZ_KEY)
-    if not packed:
-        return None
-    try:
-        with gzip.GzipFile(fileobj=io.BytesIO(base64.b64decode(packed, validate=True))) as f:
-            text = f.read(ROUTING_STATS_MAX_JSON_BYTES + 1)
-    except (binascii.Error, OSError, EOFError) as exc:
-        raise SpecError("spec.placement.routingStatsFrom",
-                        f"ConfigMap {where}: binaryData.{ROUTING_STATS_GZ_KEY} is not gzip+base64: {exc}") from None
-    if len(text) > ROUTING_STATS_MAX_JSON_BYTES:
-        raise SpecError("spec.placement.routingStatsFrom", f"ConfigMap {where}: binaryData."
-                        f"{ROUTING_STATS_GZ_KEY} inflates to more than {ROUTING_STATS_MAX_JSON_BYTES} bytes")
-    return text.decode("utf-8", errors="replace")
 
 
 def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | None = None):
@@ -154,13 +127,13 @@ def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | No
     if src is None:
         return None
     where = f"{job.namespace}/{src.config_map}"
-    raw = routing_stats_text(client.get_configmap(job.namespace, src.config_map), where)
-    if not raw:
-        raise _no_stats_yet(client, job, src, now or dt.datetime.now(dt.timezone.utc))
     try:
-        return parse_routing_stats(json.loads(raw))
-    except (ValueError, DocumentError) as exc:
+        stats = decode_configmap(client.get_configmap(job.namespace, src.config_map))
+    except DocumentError as exc:
         raise SpecError("spec.placement.routingStatsFrom", f"ConfigMap {where}: {exc}") from None
+    if stats is None:
+        raise _no_stats_yet(client, job, src, now or dt.datetime.now(dt.timezone.utc))
+    return stats
 
 
 def _cond(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""The one error type for a bad document, and the helpers every contract reader uses.
+
+A message always names the document, the field path and the offending value, e.g.
+``TopologyReport gpus[3].pciBusId: '18:00' is not a PCI bus id``, so a person can fix the input
+without reading a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class DocumentError(ValueError):
+    """A document (TopologyReport, RoutingStats, MoEPlan, ...) is missing or invalid."""
+
+
+def field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    """``('gpus', 3, 'pciBusId')`` -> ``'gpus[3].pciBusId'``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# pydantic error types -> the house wording ("'2' is not an integer", "0 must be >= 1")
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true/false",
+               "string_type": "a string", "dict_type": "an object", "list_type": "a list",
+               "tuple_type": "a list", "model_type": "an object", "model_attributes_type": "an object"}
+_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
+           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
+
+
+def from_validation_error(document: str, exc: ValidationError) -> DocumentError:
+    """Turn a pydantic ValidationError into a DocumentError naming the first bad field.
+
+    Validators raise ``ValueError("'<value>' is not ...")`` (field level) or
+    ``ValueError("<path>: '<value>' ...")`` (model level); both read naturally here.
+    """
+    lines = []
+    for err in exc.errors(include_url=False):
+        path = field_path(err.get("loc", ()))
+        kind = str(err.get("type", ""))
+        value = err.get("input")
+        ctx = err.get("ctx") or {}
+        if kind == "value_error":
+            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+            lines.append(f"{document} {path}: {msg}" if path else f"{document} {msg}")
+            continue
+        if kind == "missing":
+            what = "required field is missing"
+        elif kind in _TYPE_WORDS:
+            what = f"{short(value)} is not {_TYPE_WORDS[kind]}"
+        elif kind in _BOUNDS and _BOUNDS[kind][0] in ctx:
+            what = f"{short(value)} must be {_BOUNDS[kind][1]} {ctx[_BOUNDS[kind][0]]}"
+        elif kind in ("literal_error", "enum"):
+            what = f"{short(value)} is not one of [{ctx.get('expected', '')}]"
+        elif kind == "extra_forbidden":
+            what = "unknown field"
+        else:
+            what = f"{short(value)} is invalid ({err.get('msg', 'invalid')})"
+        lines.append(f"{document} {path}: {what}" if path else f"{document}: {what}")
+    return DocumentError("; ".join(lines) if lines else f"{document}: invalid document")
+
+
+def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """Refuse anything that is not a mapping with the expected ``kind`` and a known ``version``."""
+    if not isinstance(obj, dict):
+        raise DocumentError(f"{document}: expected a JSON object, got {type(obj).__name__}")
+    if obj.get("kind") != document:
+        raise DocumentError(f"{document} kind: {short(obj.get('kind'))} is not {document!r}")
+    version = obj.get("version")
+    if isinstance(version, bool) or version not in versions:
+        raise DocumentError(
+            f"{document} version: {short(version)} is not a known version {list(versions)}")
+    return obj
+
+
+def loads_document(document: str, text: str | bytes) -> Any:
+    """``json.loads`` that raises DocumentError naming the document."""
+    try:
+        return json.loads(text)
+    except (ValueError, TypeError) as exc:
+        raise DocumentError(f"{document}: not JSON ({str(exc)[:80]})") from None
+
+
+def read_json_document(document: str, path: str | Path, *, what: str = "file", hint: str = "") -> Any:
+    """The decoded JSON of ``path``; a missing file or bad JSON raises ``DocumentError`` naming
+    the document (``MoEPlan: no such file 'x.json'``)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise DocumentError(f"{document}: no such {what} {str(path)!r}{hint}") from None
+    except OSError as exc:
+        raise DocumentError(f"{document}: {what} {str(path)!r} cannot be read: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise DocumentError(f"{document} {path}: not JSON ({exc})") from None

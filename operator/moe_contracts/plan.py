@@ -1,0 +1,378 @@
+"""``MoEPlan`` v1 (docs/contracts.md): the planning core writes it, the trainer runs it.
+
+:func:`parse_plan` is the one reader: the operator checks every plan it hands out with it
+(``complete=True``: every field the planner writes must be there) and the trainer reads its
+mounted plan with it (hand-written plans may leave out what has a default). A bad plan raises
+:class:`PlanError` naming the field (``MoEPlan ranks[3].localRank: ...``); the trainer maps it to
+exit code 78.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from . import env
+from ._base import Bool, Doc, Float, Int, Str, validate
+from .errors import DocumentError, check_kind_version
+
+PLAN_KIND = "MoEPlan"
+PLAN_VERSION = 1
+DEVICES = ("cuda", "cpu")
+BALANCE_MODES = ("per_layer_aux", "global_aux", "none")
+MOE_IMPLS = ("hf", "grouped")
+DATA_KINDS = ("text", "tokens", "synthetic", "corpus")
+DISPATCHERS = ("autoep", "dedup")
+PERF_KEYS = ("compileLayers", "fusedLoss", "fusedOptimizer", "zeroLeafModules", "lossChunkTokens",
+             "reasons")
+
+
+class PlanError(DocumentError):
+    """The plan document is missing, malformed, or violates an invariant."""
+
+
+def _drop_nulls(value: Any) -> Any:
+    """A null optional field reads as absent (its default)."""
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+class JobName(Doc):
+    namespace: Str = Field(default="default", min_length=1)
+    name: Str = Field(default="local", min_length=1)
+
+
+class ModelSpec(Doc):
+    family: Str
+    preset: Str | None = None
+    path: Str | None = None
+    hf_config: dict[str, Any] | None = None
+
+
+class RankSpec(Doc):
+    rank: Int = Field(ge=0)
+    node: Str = Field(min_length=1)
+    node_rank: Int = Field(ge=0)
+    local_rank: Int = Field(ge=0)
+    gpu: Int | None = Field(default=None, ge=0)      # null on CPU plans
+    group: Int | None = Field(default=None, ge=0)    # NVLink group (CPU: node); absent in older plans
+
+
+class Placement(Doc):
+    strategy: Str
+    num_layers: Int = Field(ge=1)
+    num_experts: Int = Field(ge=1)
+    ep_size: Int = Field(ge=1)
+    permutation: tuple[tuple[Int, ...], ...]         # permutation[layer][slot] = original expert
+    dispatcher: Literal["autoep", "dedup"] = "autoep"
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep_size
+
+    def experts_of_ep_rank(self, layer: int, ep_rank: int) -> tuple[int, ...]:
+        """Original expert ids that EP rank ``ep_rank`` holds in ``layer``, in local order."""
+        n = self.experts_per_rank
+        return self.permutation[layer][ep_rank * n:(ep_rank + 1) * n]
+
+    def is_identity(self) -> bool:
+        return all(list(row) == list(range(self.num_experts)) for row in self.permutation)
+
+
+class Memory(Doc):
+    gpu_memory_bytes: Int = Field(ge=0)
+    estimated_peak_bytes: Int = Field(ge=0)
+    fits: Bool
+    breakdown: dict[str, Int]
+
+    @model_validator(mode="after")
+    def _bytes(self) -> Memory:
+        for key, value in self.breakdown.items():
+            if value < 0:
+                raise ValueError(f"breakdown.{key}: {value!r} is not a byte count")
+        return self
+
+
+class BalanceSpec(Doc):
+    mode: Literal["per_layer_aux", "global_aux", "none"] = "per_layer_aux"
+    coef: Float = Field(default=0.01, ge=0)
+
+    _nulls = model_validator(mode="before")(_drop_nulls)
+
+
+class DataSpec(Doc):
+    kind: Literal["text", "tokens", "synthetic", "corpus"] = "synthetic"
+    path: Str | None = None
+    tokenizer: Str | None = None     # local HF tokenizer path; None = byte-level
+
+
+class PerfSpec(Doc):
+    """``training.performance``: speed options the planner picks (absent: everything off)."""
+
+    compile_layers: Bool = False
+    fused_loss: Bool = False
+    fused_optimizer: Bool = False
+    zero_leaf_modules: tuple[Str, ...] = ()
+    loss_chunk_tokens: Int = Field(default=8192, ge=1)
+    reasons: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - set(PERF_KEYS))
+            if unknown:
+                raise ValueError(f"unknown keys {unknown} (known: {list(PERF_KEYS)})")
+            leaves = value.get("zeroLeafModules", [])
+            if not isinstance(leaves, list) or not all(isinstance(x, str) and x for x in leaves):
+                raise ValueError(f"zeroLeafModules: {leaves!r} is not a list of class names")
+            if "reasons" in value and isinstance(value["reasons"], list):
+                value = dict(value, reasons=[str(r) for r in value["reasons"]])
+        return value
+
+    @property
+    def any(self) -> bool:
+        return self.compile_layers or self.fused_loss or self.fused_optimizer or bool(self.zero_leaf_modules)
+
+
+class TrainingSpec(Doc):
+    steps: Int = Field(default=20, ge=1)
+    seq_len: Int = Field(default=128, ge=1)
+    micro_batch: Int = Field(default=2, ge=1)
+    grad_accum: Int = Field(default=1, ge=1)
+    lr: Float = Field(default=1e-3, ge=0)
+    warmup_steps: Int = Field(default=2, ge=0)
+    min_lr_ratio: Float = Field(default=0.1, ge=0)
+    checkpoint_every_steps: Int = Field(default=5, ge=1)
+    seed: Int = 1234
+    grad_clip: Float = Field(default=1.0, ge=0)
+    moe_impl: Literal["hf", "grouped"] = "hf"
+    balance: BalanceSpec = BalanceSpec()
+    data: DataSpec = DataSpec()
+    checkpoint_dir: Str | None = None
+    activation_checkpointing: Bool = False
+    dead_expert_steps: Int = Field(default=20, ge=1)
+    dead_expert_fraction: Float = Field(default=0.1, ge=0)
+    router_logit_limit: Float = Field(default=30.0, ge=0)
+    straggler_factor: Float = Field(default=2.0, ge=0)
+    straggler_steps: Int = Field(default=5, ge=1)
+    fragmentation_limit: Float = Field(default=0.3, ge=0)
+    routing_sample_tokens: Int = Field(default=65536, ge=0)   # token expert sets kept for RoutingStats
+    performance: PerfSpec = PerfSpec()
+
+    _nulls = model_validator(mode="before")(_drop_nulls)
+
+
+class MoEPlan(Doc):
+    """A parsed MoEPlan v1. Build with :func:`parse_plan`; ``raw`` is the document as read."""
+
+    kind: Literal["MoEPlan"] = "MoEPlan"
+    version: Literal[1] = 1
+    job: JobName = JobName()
+    device: Literal["cuda", "cpu"] = "cuda"
+    model: ModelSpec
+    world_size: Int = Field(ge=1)
+    ep_size: Int = Field(default=1, ge=1)
+    ranks: tuple[RankSpec, ...] = ()
+    placement: Placement | None = None
+    deepspeed: dict[str, Any]
+    memory: Memory | None = None
+    training: TrainingSpec = TrainingSpec()
+    _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        return self._raw
+
+    @property
+    def job_namespace(self) -> str:
+        return self.job.namespace
+
+    @property
+    def job_name(self) -> str:
+        return self.job.name
+
+    @property
+    def autoep_enabled(self) -> bool:
+        return bool(self._ep_cfg().get("enabled", False))
+
+    def _ep_cfg(self) -> dict[str, Any]:
+        ep = self.deepspeed.get("expert_parallel") or {}
+        return ep if isinstance(ep, dict) else {}
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MoEPlan:
+        world, ep = self.world_size, self.ep_size
+        m = self.model
+        if m.path is None and m.hf_config is None:
+            raise ValueError("model.hfConfig: required when model.path is null")
+        if m.hf_config is not None:
+            if "model_type" not in m.hf_config:
+                raise ValueError("model.hfConfig.model_type: required field is missing")
+            if m.hf_config["model_type"] != m.family:
+                raise ValueError(f"model.hfConfig.model_type: {m.hf_config['model_type']!r} differs from "
+                                 f"model.family {m.family!r}")
+        if world % ep:
+            raise ValueError(f"epSize: {ep} must divide worldSize {world}")
+        if self.ranks:
+            _check_ranks(self.ranks, world, self.device)
+        pl = self.placement
+        if pl is not None:
+            if pl.num_experts % pl.ep_size:
+                raise ValueError(f"placement.epSize: {pl.ep_size} does not divide numExperts={pl.num_experts}")
+            if pl.ep_size != ep:
+                raise ValueError(f"placement.epSize: {pl.ep_size} differs from epSize {ep}")
+            if len(pl.permutation) != pl.num_layers:
+                raise ValueError(f"placement.permutation: has {len(pl.permutation)} rows, numLayers is "
+                                 f"{pl.num_layers}")
+            for layer, row in enumerate(pl.permutation):
+                if sorted(row) != list(range(pl.num_experts)):
+                    raise ValueError(f"placement.permutation[{layer}]: {list(row)!r} is not a permutation "
+                                     f"of 0..{pl.num_experts - 1}")
+        ep_cfg = self._ep_cfg()
+        if ep_cfg.get("enabled") and ep_cfg.get("autoep_size", 1) != ep:
+            raise ValueError(f"deepspeed.expert_parallel.autoep_size: {ep_cfg.get('autoep_size')!r} "
+                             f"differs from epSize {ep}")
+        if pl is not None and pl.dispatcher == "dedup" and ep > 1 and not ep_cfg.get("enabled"):
+            raise ValueError("placement.dispatcher: 'dedup' dispatches AutoEP layers; "
+                             "deepspeed.expert_parallel.enabled is false")
+        ds, tr = self.deepspeed, self.training
+        micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps")
+        for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum),
+                           ("train_batch_size", ds.get("train_batch_size"))):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"deepspeed.{key}: {value!r} is not an integer >= 1")
+        if micro is not None and accum is not None and ds.get("train_batch_size") is not None \
+                and ds["train_batch_size"] != micro * accum * world:
+            raise ValueError(f"deepspeed.train_batch_size: {ds['train_batch_size']} != {micro} x {accum} x "
+                             f"worldSize {world}")
+        if micro is not None and "micro_batch" in self.training.model_fields_set \
+                and tr.micro_batch != micro:
+            raise ValueError(f"training.microBatch: {tr.micro_batch} differs from deepspeed "
+                             f"train_micro_batch_size_per_gpu {micro}")
+        if accum is not None and "grad_accum" in self.training.model_fields_set and tr.grad_accum != accum:
+            raise ValueError(f"training.gradAccum: {tr.grad_accum} differs from deepspeed "
+                             f"gradient_accumulation_steps {accum}")
+        if tr.data.kind in ("text", "tokens") and not tr.data.path:
+            raise ValueError(f"training.data.path: required when data.kind is {tr.data.kind!r}")
+        if tr.moe_impl == "grouped" and ep_cfg.get("enabled"):
+            raise ValueError("training.moeImpl: 'grouped' replaces the MoE blocks AutoEP would replace; "
+                             "set deepspeed.expert_parallel.enabled=false or moeImpl='hf'")
+        return self
+
+
+def _check_ranks(ranks: tuple[RankSpec, ...], world: int, device: str) -> None:
+    if len(ranks) != world:
+        raise ValueError(f"ranks: has {len(ranks)} entries, worldSize is {world}")
+    seen_gpu: dict[tuple[str, int], int] = {}
+    node_rank: dict[str, int] = {}
+    locals_: dict[str, list[int]] = {}
+    for i, r in enumerate(ranks):
+        p = f"ranks[{i}]"
+        if r.rank != i:
+            raise ValueError(f"{p}.rank: {r.rank} out of order (expected {i})")
+        if node_rank.setdefault(r.node, r.node_rank) != r.node_rank:
+            raise ValueError(f"{p}.nodeRank: {r.node_rank} but node {r.node!r} has nodeRank "
+                             f"{node_rank[r.node]}")
+        locals_.setdefault(r.node, []).append(r.local_rank)
+        if r.gpu is None:
+            continue
+        if device == "cpu":
+            raise ValueError(f"{p}.gpu: {r.gpu!r} on a CPU plan (must be null)")
+        if (r.node, r.gpu) in seen_gpu:
+            raise ValueError(f"{p}.gpu: {r.node}:{r.gpu} is already used by rank {seen_gpu[r.node, r.gpu]} "
+                             "(ranks must map one-to-one onto GPUs)")
+        seen_gpu[r.node, r.gpu] = i
+    if sorted(node_rank.values()) != list(range(len(node_rank))):
+        raise ValueError(f"ranks: nodeRanks {sorted(node_rank.values())} are not 0..{len(node_rank) - 1}")
+    for node, lrs in locals_.items():
+        if sorted(lrs) != list(range(len(lrs))):
+            raise ValueError(f"ranks: localRanks of node {node!r} are {sorted(lrs)}, not 0..{len(lrs) - 1}")
+
+
+def _check_complete(doc: dict[str, Any], plan: MoEPlan) -> None:
+    """What the planning core always writes (a plan it hands out must have all of it)."""
+    for key in ("job", "placement", "memory", "training"):
+        if not isinstance(doc.get(key), dict):
+            raise PlanError(f"{PLAN_KIND} {key}: required object is missing")
+    if len(plan.ranks) != plan.world_size:
+        raise PlanError(f"{PLAN_KIND} ranks: has {len(doc['ranks']) if isinstance(doc.get('ranks'), list) else None}"
+                        f" entries, worldSize is {plan.world_size}")
+    if plan.device == "cuda":
+        for i, r in enumerate(plan.ranks):
+            if r.gpu is None:
+                raise PlanError(f"{PLAN_KIND} ranks[{i}].gpu: None is not a GPU index")
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+        if key not in plan.deepspeed:
+            raise PlanError(f"{PLAN_KIND} deepspeed.{key}: required field is missing")
+    for key in ("steps", "seqLen", "microBatch", "gradAccum"):
+        if key not in doc["training"]:
+            raise PlanError(f"{PLAN_KIND} training.{key}: required field is missing")
+
+
+def parse_plan(doc: Any, *, complete: bool = False) -> MoEPlan:
+    """Parse and check a decoded MoEPlan v1 document; raises :class:`PlanError`.
+    ``complete``: also require every field the planning core writes."""
+    try:
+        check_kind_version(PLAN_KIND, doc, (PLAN_VERSION,))
+        plan = validate(PLAN_KIND, MoEPlan, doc)
+    except PlanError:
+        raise
+    except DocumentError as exc:
+        raise PlanError(str(exc)) from None
+    if complete:
+        _check_complete(doc, plan)
+    plan._raw = doc
+    return plan
+
+
+def parse_perf(doc: Any) -> PerfSpec:
+    """The ``training.performance`` object alone (absent: everything off)."""
+    if doc is None:
+        return PerfSpec()
+    if not isinstance(doc, dict):
+        raise PlanError(f"{PLAN_KIND} training.performance: expected an object, got {type(doc).__name__}")
+    try:
+        return validate(PLAN_KIND, _PerfOnly, {"training": {"performance": doc}}).training.performance
+    except DocumentError as exc:
+        raise PlanError(str(exc)) from None
+
+
+class _PerfTraining(Doc):
+    performance: PerfSpec
+
+
+class _PerfOnly(Doc):
+    training: _PerfTraining
+
+
+def resolve_plan_path(cli_path: str | None = None) -> Path:
+    """``--plan``, else ``$MOE_PLAN``, else /etc/moe/plan.json."""
+    return Path(cli_path or os.environ.get(env.PLAN) or env.DEFAULT_PLAN_PATH)
+
+
+def load_plan(path: str | os.PathLike[str], *, complete: bool = False) -> MoEPlan:
+    """Read and parse a plan file; a missing or non-JSON file is a PlanError too."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise PlanError(f"{PLAN_KIND}: plan file {str(path)!r} does not exist (set --plan or "
+                        f"{env.PLAN})") from None
+    except OSError as exc:
+        raise PlanError(f"{PLAN_KIND}: plan file {str(path)!r} cannot be read: {exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{PLAN_KIND}: plan file {str(path)!r} is not JSON: {exc}") from None
+    return parse_plan(doc, complete=complete)
+
+
+def plan_json(doc: dict[str, Any]) -> str:
+    """The serialised document, checked complete first: what goes into the ``<job>-plan`` ConfigMap
+    and what ``moectl plan -o`` writes."""
+    parse_plan(doc, complete=True)
+    return json.dumps(doc, indent=1, sort_keys=False) + "\n"
