@@ -112,7 +112,8 @@ def example(name: str, **overrides) -> dict:
 def seed_topology(kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvswitch-h100-8") -> None:
     """Fresh cached TopologyReports, as a discovery pod would have left them."""
     import json
-    from moejob_operator.core.topology import load_topology, report_to_json
+    from moe_contracts.topology import report_to_json
+    from moejob_operator.core.topology import load_topology
     from moejob_operator.status import now_iso
 
     for node in nodes:

@@ -12,12 +12,8 @@ from moejob_operator.core.placement import (
     solve,
 )
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
-from moejob_operator.core.topology import (
-    ClusterTopology,
-    load_topology,
-    parse_topology,
-    report_to_json,
-)
+from moe_contracts.topology import parse_topology, report_to_json
+from moejob_operator.core.topology import ClusterTopology, load_topology
 
 
 def _stats_from_tokens(te, num_experts):

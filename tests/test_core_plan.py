@@ -181,7 +181,7 @@ def _mutated(doc, path, value):
     (("deepspeed", "expert_parallel", "autoep_size"), 4, r"autoep_size: 4 differs from epSize 2"),
     (("deepspeed", "train_batch_size"), 9, r"train_batch_size: 9 != 2 x 1 x worldSize 4"),
     (("training", "microBatch"), 1, r"training\.microBatch: 1 differs"),
-    (("memory", "fits"), "yes", r"memory\.fits: 'yes' is not true/false"),
+    (("memory", "fits"), "yes", r"memory\.fits: 'yes' is invalid \(Input should be a valid boolean\)"),
     (("model", "family"), "qwen3_moe", r"model\.hfConfig\.model_type: 'mixtral' differs"),
     (("device",), "cpu", r"ranks\[0\]\.gpu: 0 on a CPU plan"),
     (("worldSize",), 3, r"epSize: 2 must divide worldSize 3"),

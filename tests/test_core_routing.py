@@ -86,7 +86,7 @@ def _bad(mutate, match, trace):
     (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
     (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
     (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),
-    (lambda d: d.update(numExperts="16"), r"RoutingStats numExperts: '16' is not an integer"),
+    (lambda d: d.update(numExperts="16"), r"RoutingStats numExperts: '16' is invalid \(Input should be a valid integer\)"),
     (lambda d: d.update(numLayers=4), r"RoutingStats load: shape \[3, 16\] does not match numLayers/numExperts \[4, 16\]"),
     (lambda d: d["load"][1].__setitem__(2, -1), r"RoutingStats load\[1\]\[2\]: -1 is negative"),
     (lambda d: d["load"][0].__setitem__(0, d["load"][0][0] + 1), r"RoutingStats load\[0\]: sums to 8001, expected tokens\*topK = 8000"),

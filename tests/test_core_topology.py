@@ -7,16 +7,14 @@ import numpy as np
 import pytest
 
 from moejob_operator.core.errors import DocumentError
+from moe_contracts.topology import normalize_pci_bus_id, parse_topology, report_to_json
 from moejob_operator.core.topology import (
     ClusterTopology,
     list_fixtures,
     load_topology,
-    normalize_pci_bus_id,
     nvlink_bandwidth_gbps,
     nvlink_groups,
     nvlink_links,
-    parse_topology,
-    report_to_json,
 )
 
 EXPECTED_GROUPS = {

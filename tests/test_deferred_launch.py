@@ -18,7 +18,8 @@ from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
 from moejob_operator import handlers, metrics
-from moejob_operator.core.topology import load_topology, report_to_json
+from moe_contracts.topology import report_to_json
+from moejob_operator.core.topology import load_topology
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Client
 from moejob_operator.reconcile.deferred import PassClock, YieldingQueue

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from moejob_operator.builders import discovery as D
-from moejob_operator.core.topology import nvlink_groups, parse_topology
+from moe_contracts.topology import parse_topology
+from moejob_operator.core.topology import nvlink_groups
 
 pytestmark = pytest.mark.cluster
 

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from moe_trainer.discovery import main as discover, nvml_probe, publish
-from moejob_operator.core.topology import parse_topology
+from moe_contracts.topology import parse_topology
 
 
 @pytest.fixture

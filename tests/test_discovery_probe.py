@@ -16,7 +16,8 @@ from moe_trainer.discovery import fake_nvml, nvml_probe
 from moe_trainer.discovery.fake_nvml import FakeNvml, load_recording
 from moe_trainer.discovery.nvml_probe import DiscoveryError, parse_bus_id, pci_address, probe
 from moejob_operator.core.errors import DocumentError
-from moejob_operator.core.topology import FIXTURE_DIR, nvlink_groups, parse_topology
+from moe_contracts.topology import parse_topology
+from moejob_operator.core.topology import FIXTURE_DIR, nvlink_groups
 
 REAL_DIR = Path(__file__).parent / "fixtures" / "topology"
 PLANNING_FIXTURES = ["nvswitch-h100-8", "nvswitch-a100-8", "nvswitch-h200-8",

@@ -45,7 +45,8 @@ class _Stats:
 def _h200_plan_and_pods():
     from moejob_operator.builders import common, workers
     from moejob_operator.core import routing
-    from moejob_operator.core.topology import load_topology, parse_topology, report_to_json
+    from moe_contracts.topology import parse_topology, report_to_json
+    from moejob_operator.core.topology import load_topology
     from moejob_operator.reconcile import planning
     from moejob_operator.spec import parse_spec
     spec = parse_spec(yaml.safe_load((ROOT / "examples" / "gpu-h200.yaml").read_text())["spec"])

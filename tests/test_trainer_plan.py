@@ -32,7 +32,7 @@ def test_fixture_parses(doc):
     (lambda d: d.update(kind="TopologyReport"), r"kind: 'TopologyReport' is not 'MoEPlan'"),
     (lambda d: d.update(version=2), r"version: 2 is not a known version"),
     (lambda d: d.pop("worldSize"), r"worldSize: required field is missing"),
-    (lambda d: d.update(worldSize="2"), r"worldSize: '2' is not an integer"),
+    (lambda d: d.update(worldSize="2"), r"worldSize: '2' is invalid \(Input should be a valid integer\)"),
     (lambda d: d["placement"]["permutation"].__setitem__(1, [0, 0, 1, 2]),
      r"placement.permutation\[1\]: \[0, 0, 1, 2\] is not a permutation of 0..3"),
     (lambda d: d["placement"].update(numLayers=3), r"placement.permutation: has 2 rows, numLayers is 3"),
@@ -42,9 +42,9 @@ def test_fixture_parses(doc):
     (lambda d: d["model"].update(hfConfig=None), r"model.hfConfig: required when model.path is null"),
     (lambda d: d["model"]["hfConfig"].pop("model_type"), r"model.hfConfig.model_type: required"),
     (lambda d: d["ranks"][1].update(rank=5), r"ranks\[1\].rank: 5 out of order"),
-    (lambda d: d["training"]["balance"].update(mode="magic"), r"training.balance.mode: 'magic' is not one of"),
-    (lambda d: d["training"].update(moeImpl="fast"), r"training.moeImpl: 'fast' is not one of"),
-    (lambda d: d["training"].update(steps=0), r"training.steps: 0 must be >= 1"),
+    (lambda d: d["training"]["balance"].update(mode="magic"), r"training.balance.mode: 'magic' is invalid \(Input should be 'per_layer_aux', 'global_aux' or 'none'\)"),
+    (lambda d: d["training"].update(moeImpl="fast"), r"training.moeImpl: 'fast' is invalid \(Input should be 'hf' or 'grouped'\)"),
+    (lambda d: d["training"].update(steps=0), r"training.steps: 0 is invalid \(Input should be greater than or equal to 1\)"),
     (lambda d: d["training"]["data"].update(kind="text"), r"training.data.path: required when data.kind is 'text'"),
 ])
 def test_bad_plans_name_the_field(doc, mutate, match):

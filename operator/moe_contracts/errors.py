@@ -35,14 +35,6 @@ def short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# pydantic error types -> the house wording ("'2' is not an integer", "0 must be >= 1")
-_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true/false",
-               "string_type": "a string", "dict_type": "an object", "list_type": "a list",
-               "tuple_type": "a list", "model_type": "an object", "model_attributes_type": "an object"}
-_BOUNDS = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"),
-           "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
-
-
 def from_validation_error(document: str, exc: ValidationError) -> DocumentError:
     """Turn a pydantic ValidationError into a DocumentError naming the first bad field.
 
@@ -52,26 +44,14 @@ def from_validation_error(document: str, exc: ValidationError) -> DocumentError:
     lines = []
     for err in exc.errors(include_url=False):
         path = field_path(err.get("loc", ()))
-        kind = str(err.get("type", ""))
-        value = err.get("input")
-        ctx = err.get("ctx") or {}
-        if kind == "value_error":
-            msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "value_error":
+            msg = msg.removeprefix("Value error, ")
             lines.append(f"{document} {path}: {msg}" if path else f"{document} {msg}")
-            continue
-        if kind == "missing":
-            what = "required field is missing"
-        elif kind in _TYPE_WORDS:
-            what = f"{short(value)} is not {_TYPE_WORDS[kind]}"
-        elif kind in _BOUNDS and _BOUNDS[kind][0] in ctx:
-            what = f"{short(value)} must be {_BOUNDS[kind][1]} {ctx[_BOUNDS[kind][0]]}"
-        elif kind in ("literal_error", "enum"):
-            what = f"{short(value)} is not one of [{ctx.get('expected', '')}]"
-        elif kind == "extra_forbidden":
-            what = "unknown field"
+        elif err.get("type") == "missing":
+            lines.append(f"{document} {path}: required field is missing")
         else:
-            what = f"{short(value)} is invalid ({err.get('msg', 'invalid')})"
-        lines.append(f"{document} {path}: {what}" if path else f"{document}: {what}")
+            lines.append(f"{document} {path}: {short(err.get('input'))} is invalid ({msg})")
     return DocumentError("; ".join(lines) if lines else f"{document}: invalid document")
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from moe_contracts.plan import PLAN_KIND, PLAN_VERSION, MoEPlan, PlanError, parse_plan, plan_json
 from moe_contracts.routing import RoutingStats
+from moe_contracts.topology import TopologyReport
 
 from . import cost, dispatch, perf as perf_mod, placement as placement_mod, router_groups
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
@@ -28,7 +29,7 @@ from .errors import DocumentError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
 from .models import FAMILIES, ResolvedModel, spec_from_hf_config
 from .routing import synthetic_trace
-from .topology import ClusterTopology, TopologyReport
+from .topology import ClusterTopology
 
 HEADROOM = 0.9                 # usable share of GPU memory
 UNIFORM_TRACE_TOKENS = 4096    # sampled tokens when scoring without routing statistics

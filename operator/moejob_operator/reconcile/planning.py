@@ -16,6 +16,7 @@ from collections import OrderedDict
 from typing import Any
 
 from moe_contracts.routing import decode_configmap
+from moe_contracts.topology import TopologyReport
 
 from .. import constants as C
 from ..builders.common import JobRef
@@ -23,7 +24,6 @@ from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import TrainingOptions, build_plan
-from ..core.topology import TopologyReport
 from ..spec import JobSpec, SpecError
 
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.

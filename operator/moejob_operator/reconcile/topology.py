@@ -10,11 +10,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from moe_contracts.topology import TopologyReport, parse_topology
+
 from .. import constants as C
 from ..builders import discovery as D
 from ..builders.common import JobRef, owner_reference
 from ..core.errors import DocumentError
-from ..core.topology import TopologyReport, parse_topology
 from ..spec import JobSpec
 from . import machine
 
