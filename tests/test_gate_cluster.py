@@ -23,6 +23,8 @@ import pytest
 from moe_localkube.testing import create_namespace, delete_namespace, unique_name
 from moe_trainer import smoke
 from moejob_operator import constants as C
+from moe_contracts.gate import parse_gate_verdict
+from moe_contracts import gate as contract_gate
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
 from operator_harness import (
@@ -129,7 +131,7 @@ def test_concurrent_jobs_share_one_smoke_job_then_a_cached_pass_is_reused(
         assert verified(kube, namespace, n)["reason"] == G.R_SMOKE_TEST_PASSED
     assert len(smoke_jobs(kube, gate_ns, key)) == 1          # still one Job for three jobs
     cm = kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
-    stored = G.parse_stored_verdict(cm.data[G.VERDICT_KEY])
+    stored = parse_gate_verdict(cm.data[G.VERDICT_KEY])
     assert stored["passed"] and stored["attempt"] == 1 and stored["smokeJob"] == f"moe-smoke-{key}-1"
     # the jobs went on past the gate (suspended: no workers)
     wait_for(lambda: condition(get_job(kube, namespace, "gate-a"), C.COND_SUSPENDED).get("status") == "True",
@@ -171,7 +173,7 @@ def test_a_failed_smoke_test_blocks_launch_and_says_why(kube, kubectl, namespace
     assert "SmokeTestFailed" in out.stdout and "initialize" in out.stdout, out.stdout
     # the real moe-smoke ran in the pod and its verdict is stored
     key = G.identity_for(image, None, "CPU").key
-    stored = G.parse_stored_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
+    stored = parse_gate_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
                                     .data[G.VERDICT_KEY])
     assert stored["failedCheck"] == "initialize" and stored["versions"]["deepspeed"] == "0.19.8"
 
@@ -200,14 +202,14 @@ def test_the_real_smoke_program_passes_through_the_job(kube, namespace, operator
              message=operator_proc.logs())
     assert verified(kube, namespace, "gate-real")["reason"] == G.R_SMOKE_TEST_PASSED
     key = G.identity_for(image, None, "CPU").key
-    stored = G.parse_stored_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
+    stored = parse_gate_verdict(kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns)
                                     .data[G.VERDICT_KEY])
     assert stored["passed"] and stored["versions"]["deepspeed"] == "0.19.8"
     assert stored["versions"]["device"] == "cpu" and stored["durationSeconds"] > 0
     pod = kube.core.list_namespaced_pod(gate_ns, label_selector=f"job-name=moe-smoke-{key}-1").items[0]
-    smoke = G.parse_smoke_verdict(pod.status.container_statuses[0].state.terminated.message)
+    smoke = contract_gate.parse_smoke_verdict(pod.status.container_statuses[0].state.terminated.message)
     cases = [c.name for c in CPU_CASES]
-    assert [(c["name"], c["case"]) for c in smoke["checks"]] == G.expected_checks(cases) and "standIn" not in smoke
+    assert [(c["name"], c["case"]) for c in smoke["checks"]] == contract_gate.expected_checks(cases) and "standIn" not in smoke
     # it ran the planner's plans, mounted from the ConfigMap beside the Job
     plans = json.loads(kube.core.read_namespaced_config_map(f"moe-smoke-{key}-1", gate_ns).data["plans.json"])
     assert plans == smoke_plans("cpu") and [c["name"] for c in plans["cases"]] == cases

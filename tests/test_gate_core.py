@@ -9,6 +9,9 @@ import pytest
 
 from moejob_operator import constants as C
 from moejob_operator.builders import smoke as B
+from moe_contracts.errors import DocumentError
+from moe_contracts.gate import parse_gate_verdict, parse_smoke_verdict
+from moe_contracts import gate as contract_gate
 from moejob_operator.core import gate as G
 
 NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
@@ -22,7 +25,7 @@ HW = {"gpu": "NVIDIA H200", "computeCapability": "9.0", "driverVersion": "580.95
 
 def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom", case=None) -> dict:
     checks = []
-    for name, c in G.expected_checks(CASES):
+    for name, c in contract_gate.expected_checks(CASES):
         if failed == name and case in (None, c):
             checks.append({"name": name, "case": c, "passed": False, "seconds": 1.0, "message": message})
             case = c
@@ -79,23 +82,25 @@ def test_identity_refuses_bad_input():
 
 # ---- documents --------------------------------------------------------------------------------
 def test_smoke_verdict_reader():
-    assert G.parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
-    with pytest.raises(G.GateError, match=r"SmokeVerdict.kind: 'Nope'"):
-        G.parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
-    with pytest.raises(G.GateError, match="version: 1 is not supported"):
-        G.parse_smoke_verdict(dict(smoke_doc(), version=1))
-    with pytest.raises(G.GateError, match="failedCheck: required when passed is false"):
-        G.parse_smoke_verdict(dict(smoke_doc(), passed=False))
+    assert parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
+    with pytest.raises(DocumentError, match="SmokeVerdict kind: 'Nope'"):
+        parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
+    with pytest.raises(DocumentError, match=r"version: 1 is not a known version \[2\]"):
+        parse_smoke_verdict(dict(smoke_doc(), version=1))
+    with pytest.raises(DocumentError, match="failedCheck: required when passed is false"):
+        parse_smoke_verdict(dict(smoke_doc(), passed=False))
     doc = smoke_doc()
     doc["checks"][0]["passed"] = "yes"
-    with pytest.raises(G.GateError, match=r"checks\[0\].passed: 'yes' has the wrong type"):
-        G.parse_smoke_verdict(doc)
+    with pytest.raises(DocumentError, match=r"checks\[0\].passed: 'yes' is invalid"):
+        parse_smoke_verdict(doc)
+    with pytest.raises(DocumentError, match="SmokeVerdict exception: required field is missing"):
+        parse_smoke_verdict({k: v for k, v in smoke_doc().items() if k != "exception"})
     doc = smoke_doc()
     doc["checks"][2]["passed"] = False
-    with pytest.raises(G.GateError, match="passed: true but a check failed"):
-        G.parse_smoke_verdict(doc)
-    with pytest.raises(G.GateError, match="not JSON"):
-        G.parse_smoke_verdict("Traceback (most recent call last): ...")
+    with pytest.raises(DocumentError, match="passed: true but a check failed"):
+        parse_smoke_verdict(doc)
+    with pytest.raises(DocumentError, match="not JSON"):
+        parse_smoke_verdict("Traceback (most recent call last): ...")
 
 
 def test_config_from_env():
@@ -138,7 +143,7 @@ def test_pass_is_recorded_with_expiry_then_cached_until_it_expires():
     assert rec["passed"] and rec["attempt"] == 1 and rec["observedDigest"] == DIGEST
     assert rec["expiresAt"] == "2026-12-06T14:00:00Z" and rec["identity"]["key"] == IDENT.key
     assert "deepspeed 0.19.8" in d.message and DIGEST in d.message
-    stored = G.parse_stored_verdict(json.dumps(rec))
+    stored = parse_gate_verdict(json.dumps(rec))
     later = NOW + dt.timedelta(days=6, hours=23)
     c = decide(IDENT, stored, None, later, CFG)
     assert (c.action, c.status, c.reason) == ("none", "True", G.R_CACHED_VERDICT)
@@ -258,9 +263,9 @@ def test_verdict_configmap_round_trips():
     cm = B.verdict_configmap(rec, "moe-system")
     assert cm["metadata"]["name"] == G.store_name(IDENT)
     assert cm["metadata"]["labels"][f"{C.GROUP}/gate-passed"] == "true"
-    assert G.parse_stored_verdict(cm["data"][G.VERDICT_KEY]) == rec
-    with pytest.raises(G.GateError, match=r"GateVerdict.expiresAt: 'soon' is not an RFC 3339 time"):
-        G.parse_stored_verdict(json.dumps(dict(rec, expiresAt="soon")))
+    assert parse_gate_verdict(cm["data"][G.VERDICT_KEY]) == rec
+    with pytest.raises(DocumentError, match="GateVerdict expiresAt: 'soon' is not an RFC 3339 time"):
+        parse_gate_verdict(json.dumps(dict(rec, expiresAt="soon")))
 
 
 def test_a_leftover_job_counts_from_when_it_ran_and_an_expired_one_is_replaced():

@@ -20,9 +20,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moe_contracts.gate import parse_smoke_verdict
+
 from .core.dsconfig import GpuCaps
 from .core.errors import DocumentError
-from .core.gate import GateError, parse_smoke_verdict
 from .core.smoke_plans import smoke_plans
 
 IMAGE_PLANS = "/etc/moe-smoke/plans.json"
@@ -134,7 +135,7 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
         return 1
     try:
         doc = parse_smoke_verdict(p.stdout)
-    except GateError as exc:
+    except DocumentError as exc:
         print(f"moectl smoke: error: {cmd[0]} exited with {p.returncode} and no verdict ({exc})",
               file=sys.stderr)
         if p.stderr:

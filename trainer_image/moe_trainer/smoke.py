@@ -29,14 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from moe_contracts import env
+from moe_contracts.errors import DocumentError
+from moe_contracts.gate import SMOKE_KIND, SMOKE_VERSION, expected_checks, parse_smoke_plans
+
 from moe_trainer.gang import Gang
 from moe_trainer.launch import free_port, rank_env
-from moe_trainer.smoke_checks import PHASE1_CHECKS
 
-CHECKS = ("imports",) + PHASE1_CHECKS + ("resume", "fused_adam")   # the check kinds
-VERDICT_KIND, VERDICT_VERSION = "SmokeVerdict", 2
-PLANS_KIND, PLANS_VERSION = "SmokePlans", 1
-DEFAULT_PLANS = "/etc/moe-smoke/plans.json"
+DEFAULT_PLANS = env.SMOKE_PLANS_PATH
 TERMINATION_LOG = "/dev/termination-log"
 TERMINATION_LIMIT = 4096          # bytes the kubelet keeps of a termination message
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -48,8 +48,8 @@ class PlansError(ValueError):
 
 
 def read_plans(path: str) -> dict:
-    """A SmokePlans v1 document: every case a MoEPlan the trainer's reader accepts, one world size."""
-    from moe_contracts.plan import PlanError, parse_plan
+    """A SmokePlans v1 document (``moe_contracts.gate.parse_smoke_plans``: every case a MoEPlan
+    the trainer's reader accepts, one world size)."""
     try:
         doc = json.loads(Path(path).read_text())
     except OSError as exc:
@@ -57,28 +57,11 @@ def read_plans(path: str) -> dict:
                          "them; locally `moectl smoke` renders them)") from None
     except ValueError as exc:
         raise PlansError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("kind") != PLANS_KIND or doc.get("version") != PLANS_VERSION:
-        raise PlansError(f"{path}: not a {PLANS_KIND} v{PLANS_VERSION} document")
-    cases = doc.get("cases")
-    if not isinstance(cases, list) or not cases:
-        raise PlansError(f"{path}: cases: expected a non-empty list")
-    worlds = set()
-    for i, case in enumerate(cases):
-        if not isinstance(case, dict) or not isinstance(case.get("name"), str) or not case["name"]:
-            raise PlansError(f"{path}: cases[{i}].name: required")
-        try:
-            worlds.add(parse_plan(case.get("plan")).world_size)
-        except PlanError as exc:
-            raise PlansError(f"{path}: cases[{i}] ({case['name']}).plan: {exc}") from None
-    if len(worlds) != 1:
-        raise PlansError(f"{path}: the cases have world sizes {sorted(worlds)}; one run needs one")
+    try:
+        parse_smoke_plans(doc)
+    except DocumentError as exc:
+        raise PlansError(f"{path}: {exc}") from None
     return doc
-
-
-def expected_checks(case_names: list[str]) -> list[tuple[str, str | None]]:
-    """(check, case) in the order a passing run reports them."""
-    return ([("imports", None)] + [(c, n) for n in case_names for c in PHASE1_CHECKS]
-            + [("resume", n) for n in case_names] + [("fused_adam", None)])
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -149,7 +132,7 @@ def merge(results: list[dict | None], codes: list[int | None], tails: list, time
                        "message": f"{why} before finishing this check"})
         exception = "\n".join(list(tails[r])[-15:])[-3000:] if tails else None
     versions = next((res["versions"] for res in results if res and res.get("versions")), {})
-    return {"kind": VERDICT_KIND, "version": VERDICT_VERSION, "passed": failed is None,
+    return {"kind": SMOKE_KIND, "version": SMOKE_VERSION, "passed": failed is None,
             "failedCheck": failed[0] if failed else None, "failedCase": failed[1] if failed else None,
             "cases": [c for c in dict.fromkeys(case for _, case in expected) if c],
             "checks": checks, "exception": exception, "versions": versions,

@@ -7,7 +7,8 @@ stored cluster-wide, one ConfigMap per identity in the operator's namespace, and
 after 7 days, failures after 1 hour by default). One smoke Job per identity and attempt, with a
 name derived from the identity, so jobs asking at the same time share it.
 
-Everything here works on plain dicts and dataclasses; :mod:`moejob_operator.reconcile.gate` does
+The documents (SmokeVerdict, GateVerdict) are read by :mod:`moe_contracts.gate`. Everything
+here works on plain dicts and dataclasses; :mod:`moejob_operator.reconcile.gate` does
 the API calls around :func:`decide`.
 """
 
@@ -21,7 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from .errors import DocumentError
+from moe_contracts import env
+from moe_contracts.errors import DocumentError
+from moe_contracts.gate import VERDICT_KIND, VERDICT_VERSION, expected_checks, parse_smoke_verdict, parse_time
 
 # Condition reasons of UpgradeVerified (besides GateSkipped / GateNotConfigured in constants.py)
 R_SMOKE_TEST_RUNNING = "SmokeTestRunning"
@@ -30,15 +33,10 @@ R_SMOKE_TEST_FAILED = "SmokeTestFailed"
 R_CACHED_VERDICT = "CachedVerdict"
 R_IMAGE_DIGEST_CHANGED = "ImageDigestChanged"   # a tag-only image's pods run other bits than the verdict's
 
-SMOKE_KIND, SMOKE_VERSION = "SmokeVerdict", 2
-VERDICT_KIND, VERDICT_VERSION = "GateVerdict", 1
-VERDICT_KEY = "verdict.json"               # ConfigMap data key of the stored verdict
+VERDICT_KEY = env.VERDICT_KEY              # ConfigMap data key of the stored verdict
 STORE_PREFIX = "moe-gate-"                 # ConfigMap moe-gate-<key>
 SMOKE_JOB_PREFIX = "moe-smoke-"            # Job moe-smoke-<key>-<attempt>
 LABEL_GATE_KEY = "moe-operator.io/gate-key"
-# Check kinds, in order: `imports`, per case the phase-1 checks, per case `resume`, `fused_adam`.
-SMOKE_CASE_CHECKS = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
-SMOKE_CHECKS = ("imports", *SMOKE_CASE_CHECKS, "resume", "fused_adam")
 
 DEFAULT_PASS_TTL_SECONDS = 7 * 24 * 3600
 DEFAULT_FAIL_TTL_SECONDS = 3600
@@ -50,7 +48,7 @@ _TRUE = ("1", "true", "yes", "on", "enabled")
 
 
 class GateError(DocumentError):
-    """A SmokeVerdict / GateVerdict document or a gate setting is invalid."""
+    """A gate setting is invalid (the documents' errors are ``moe_contracts``' DocumentError)."""
 
 
 # ---- settings ---------------------------------------------------------------------------------
@@ -192,14 +190,6 @@ def pinned(identity: Identity, digest: str) -> Identity:
                     cuda_major=identity.cuda_major)
 
 
-def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
-    """(check, case) of a passing SmokeVerdict v2 over ``cases``, in order (docs/contracts.md)."""
-    checks: list[tuple[str, str | None]] = [("imports", None)]
-    checks += [(c, n) for n in cases for c in SMOKE_CASE_CHECKS]
-    checks += [("resume", n) for n in cases]
-    return [*checks, ("fused_adam", None)]
-
-
 def store_name(identity: Identity) -> str:
     return f"{STORE_PREFIX}{identity.key}"
 
@@ -207,89 +197,6 @@ def store_name(identity: Identity) -> str:
 def smoke_job_name(identity: Identity, attempt: int) -> str:
     """Deterministic: every job that needs this identity verified names the same Job."""
     return f"{SMOKE_JOB_PREFIX}{identity.key}-{attempt}"
-
-
-# ---- documents --------------------------------------------------------------------------------
-def _field(doc: dict[str, Any], key: str, types: type | tuple[type, ...], what: str, *,
-           nullable: bool = False) -> Any:
-    if key not in doc:
-        raise GateError(f"{what}.{key}: required field is missing")
-    value = doc[key]
-    if value is None and nullable:
-        return None
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise GateError(f"{what}.{key}: {value!r} has the wrong type")
-    if not isinstance(value, types):
-        raise GateError(f"{what}.{key}: {str(value)[:80]!r} has the wrong type")
-    return value
-
-
-def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
-    """Check a SmokeVerdict v2 (docs/contracts.md); returns the document."""
-    what = SMOKE_KIND
-    if isinstance(text, dict):
-        doc = text
-    else:
-        try:
-            doc = json.loads(text)
-        except (ValueError, TypeError) as exc:
-            raise GateError(f"{what}: not JSON ({str(exc)[:80]})") from None
-    if not isinstance(doc, dict):
-        raise GateError(f"{what}: expected a JSON object, got {type(doc).__name__}")
-    if doc.get("kind") != SMOKE_KIND:
-        raise GateError(f"{what}.kind: {doc.get('kind')!r} is not {SMOKE_KIND!r}")
-    if doc.get("version") != SMOKE_VERSION:
-        raise GateError(f"{what}.version: {doc.get('version')!r} is not supported (reads {SMOKE_VERSION})")
-    passed = _field(doc, "passed", bool, what)
-    failed = _field(doc, "failedCheck", str, what, nullable=True)
-    checks = _field(doc, "checks", list, what)
-    for i, c in enumerate(checks):
-        w = f"{what}.checks[{i}]"
-        if not isinstance(c, dict):
-            raise GateError(f"{w}: expected an object")
-        _field(c, "name", str, w)
-        _field(c, "passed", bool, w)
-        _field(c, "seconds", (int, float), w)
-        _field(c, "message", str, w)
-        if c.get("case") is not None and not isinstance(c["case"], str):
-            raise GateError(f"{w}.case: {str(c['case'])[:80]!r} has the wrong type")
-    _field(doc, "cases", list, what)
-    if doc.get("failedCase") is not None and not isinstance(doc["failedCase"], str):
-        raise GateError(f"{what}.failedCase: has the wrong type")
-    _field(doc, "exception", str, what, nullable=True)
-    _field(doc, "versions", dict, what)
-    _field(doc, "durationSeconds", (int, float), what)
-    if passed and failed is not None:
-        raise GateError(f"{what}.failedCheck: {failed!r} given but passed is true")
-    if not passed and failed is None:
-        raise GateError(f"{what}.failedCheck: required when passed is false")
-    if passed and not all(c["passed"] for c in checks):
-        raise GateError(f"{what}.passed: true but a check failed")
-    return doc
-
-
-def parse_stored_verdict(text: str) -> dict[str, Any]:
-    """Check a GateVerdict v1 read back from the store."""
-    what = VERDICT_KIND
-    try:
-        doc = json.loads(text)
-    except (ValueError, TypeError) as exc:
-        raise GateError(f"{what}: not JSON ({str(exc)[:80]})") from None
-    if not isinstance(doc, dict) or doc.get("kind") != VERDICT_KIND:
-        raise GateError(f"{what}.kind: {(doc or {}).get('kind') if isinstance(doc, dict) else doc!r} "
-                        f"is not {VERDICT_KIND!r}")
-    if doc.get("version") != VERDICT_VERSION:
-        raise GateError(f"{what}.version: {doc.get('version')!r} is not supported (reads {VERDICT_VERSION})")
-    _field(doc, "identity", dict, what)
-    _field(doc, "passed", bool, what)
-    _field(doc, "attempt", int, what)
-    for key in ("verifiedAt", "expiresAt"):
-        raw = _field(doc, key, str, what)
-        try:
-            _parse_time(raw)
-        except ValueError:
-            raise GateError(f"{what}.{key}: {raw!r} is not an RFC 3339 time") from None
-    return doc
 
 
 # ---- the smoke Job as observed ----------------------------------------------------------------
@@ -349,10 +256,6 @@ class Decision:
     stale_job: str | None = None      # the previous attempt's Job, to delete when starting anew
 
 
-def _parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text)
-
-
 def _iso(t: dt.datetime) -> str:
     return t.astimezone(dt.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -361,7 +264,7 @@ def is_current(stored: dict[str, Any] | None, identity: Identity,
                now: dt.datetime) -> TypeGuard[dict[str, Any]]:
     """A stored verdict counts when it is about this identity and has not expired."""
     return stored is not None and stored.get("identity", {}).get("key") == identity.key \
-        and _parse_time(stored["expiresAt"]) > now
+        and parse_time(stored["expiresAt"]) > now
 
 
 def failure_text(doc: dict[str, Any]) -> str:
@@ -398,7 +301,7 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
     if obs.message:
         try:
             smoke = parse_smoke_verdict(obs.message)
-        except GateError as exc:
+        except DocumentError as exc:
             problem = str(exc)
     if smoke is None:
         why = [f"exit code {obs.exit_code}" if obs.exit_code is not None else "no exit code"]
@@ -442,7 +345,7 @@ def verdict_from_observation(identity: Identity, obs: SmokeObservation, attempt:
         smoke["message"] = (f"the verdict does not report every check of the cases {cases}"
                             + (f" (missing {missing[:6]})" if missing else f": reported {len(got)} of {len(want)}"))
     ttl = config.pass_ttl_seconds if passed else config.fail_ttl_seconds
-    verified = min(now, _parse_time(obs.finished_at)) if obs.finished_at else now
+    verified = min(now, parse_time(obs.finished_at)) if obs.finished_at else now
     return {"kind": VERDICT_KIND, "version": VERDICT_VERSION, "identity": identity.to_doc(),
             "attempt": attempt, "passed": passed, "failedCheck": None if passed else smoke.get("failedCheck"),
             "failedCase": None if passed else smoke.get("failedCase"),
@@ -495,7 +398,7 @@ def decide(identity: Identity, stored: dict[str, Any] | None, obs: SmokeObservat
                         f"{'; pod ' + obs.pod_phase if obs.pod_phase else ''})", job_name=job,
                         retry_seconds=WAIT_SECONDS)
     rec = verdict_from_observation(identity, obs, attempt, now, config, cases)
-    if _parse_time(rec["expiresAt"]) <= now:
+    if parse_time(rec["expiresAt"]) <= now:
         # a Job left from an expired verdict (the ConfigMap was deleted): store it to remember the
         # attempt, and test again under the next attempt's name
         nxt = smoke_job_name(identity, attempt + 1)

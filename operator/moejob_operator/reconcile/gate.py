@@ -20,6 +20,8 @@ from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
+from moe_contracts.errors import DocumentError
+from moe_contracts.gate import parse_gate_verdict
 
 from .. import constants as C
 from .. import metrics
@@ -164,8 +166,8 @@ class Store:
         if raw is None:
             return None
         try:
-            doc = G.parse_stored_verdict(raw)
-        except G.GateError as exc:
+            doc = parse_gate_verdict(raw)
+        except DocumentError as exc:
             log.warning("ignoring unreadable verdict %s/%s: %s", self.namespace, G.store_name(identity), exc)
             return None
         doc["_resourceVersion"] = cm["metadata"].get("resourceVersion")
@@ -178,10 +180,10 @@ class Store:
         name = f"{G.STORE_PREFIX}{record['identity']['key']}"
         cm = self.client.get_configmap(self.namespace, name)
         try:
-            old = G.parse_stored_verdict((cm or {}).get("data", {}).get(G.VERDICT_KEY, ""))
+            old = parse_gate_verdict((cm or {}).get("data", {}).get(G.VERDICT_KEY, ""))
             if old["attempt"] >= record["attempt"]:
                 return
-        except G.GateError:
+        except DocumentError:
             pass
         body = B.verdict_configmap(record, self.namespace,
                                    resource_version=(cm or {}).get("metadata", {}).get("resourceVersion"))
@@ -289,8 +291,8 @@ def sweep_smoke_jobs(client, now: dt.datetime | None = None, *, keep_seconds: fl
             continue
         cm = client.get_configmap(config.namespace, f"{G.STORE_PREFIX}{key}")
         try:
-            stored = G.parse_stored_verdict(((cm or {}).get("data") or {}).get(G.VERDICT_KEY, ""))
-        except G.GateError:
+            stored = parse_gate_verdict(((cm or {}).get("data") or {}).get(G.VERDICT_KEY, ""))
+        except DocumentError:
             continue            # no verdict yet: the next job that asks records this one's
         if stored.get("smokeJob") == name or int(stored.get("attempt", 0)) > int(attempt):
             store.delete_job(name)
