@@ -99,9 +99,14 @@ def test_worker_env_has_only_variables_something_reads():
     """Every env name of a worker pod is read by the trainer image (launcher, trainer, publisher)."""
     import re
     pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
+    from moe_contracts import env as contract_env
     names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
-    source = "\n".join(p.read_text() for p in (ROOT / "trainer_image" / "moe_trainer").rglob("*.py"))
-    unread = sorted(n for n in names if not re.search(rf"[\"']{n}[\"']", source))
+    # the contract names each variable; the trainer reads it by that name (E.NODE_RANK) or literally
+    attr = {v: k for k, v in vars(contract_env).items() if k.isupper() and isinstance(v, str)}
+    assert not names - set(attr), f"worker env outside moe_contracts.env: {sorted(names - set(attr))}"
+    source = "\n".join(p.read_text() for d in (ROOT / "trainer_image" / "moe_trainer", ROOT / "operator" / "moe_contracts")
+                       for p in d.rglob("*.py") if p.name != "env.py")     # the trainer and the readers it calls
+    unread = sorted(n for n in names if not re.search(rf"[\"']{n}[\"']|\.{attr[n]}\b", source))
     assert not unread, f"worker env nobody reads: {unread}"
 
 

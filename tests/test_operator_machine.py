@@ -6,6 +6,8 @@ import datetime as dt
 
 import pytest
 
+from moe_contracts.errors import DocumentError
+from moe_contracts.progress import parse_progress
 from moejob_operator import constants as C
 from moejob_operator.reconcile.machine import (
     PodView,
@@ -112,12 +114,16 @@ def test_progress_and_health_from_trainer_document():
            "checkpoint": {"step": 10, "path": "/ckpt/step-10"},
            "health": [{"type": "Straggler", "severity": "Info", "message": "rank 1 slow"},
                       {"type": "DeadExpert", "severity": "Warning", "message": "layer 1 expert 5"}]}
-    prog = progress_status(doc)
+    prog = progress_status(parse_progress(doc))
     assert prog["step"] == 12 and prog["totalSteps"] == 20 and prog["loss"] == 3.2123
     assert prog["checkpointStep"] == 10
-    assert [f["type"] for f in health_findings(doc)] == ["DeadExpert", "Straggler"]
-    assert progress_status({**doc, "version": 2}) is None
-    assert progress_status({"kind": "Other"}) is None
+    assert [f["type"] for f in health_findings(parse_progress(doc))] == ["DeadExpert", "Straggler"]
+    with pytest.raises(DocumentError, match=r"TrainerProgress version: 2 is not a known version"):
+        parse_progress({**doc, "version": 2})
+    with pytest.raises(DocumentError, match=r"TrainerProgress kind: 'Other'"):
+        parse_progress({"kind": "Other"})
+    with pytest.raises(DocumentError, match=r"TrainerProgress step: 'x' is invalid"):
+        parse_progress({**doc, "step": "x"})
 
 
 def test_conditions_keep_transition_time_unless_status_flips():

@@ -18,7 +18,7 @@ def test_bad_plan_exits_78(tmp_path, caplog):
     p = tmp_path / "plan.json"
     p.write_text(json.dumps(doc))
     assert run(["--plan", str(p)]) == 78
-    assert "version: 9 is not supported" in caplog.text
+    assert "version: 9 is not a known version" in caplog.text
     assert run(["--plan", str(tmp_path / "missing.json")]) == 78
 
 

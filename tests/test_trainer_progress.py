@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from moe_contracts.progress import parse_progress, progress_doc
 from moe_trainer import progress
 from moe_trainer.trainer import lr_lambda
 
@@ -13,13 +14,15 @@ def doc(**kw):
     args = dict(phase="Training", step=3, total_steps=10, loss=float("nan"), tokens_per_second=10.0,
                 eta_seconds=1.0, checkpoint=None, moe={}, health=[])
     args.update(kw)
-    return progress.progress_doc(**args)
+    return progress_doc(**args)
 
 
 def test_progress_doc_is_json_and_nulls_non_finite():
     d = doc()
     assert d["kind"] == "TrainerProgress" and d["version"] == 1 and d["loss"] is None
     json.dumps(d, allow_nan=False)
+    back = parse_progress(json.dumps(d))                 # what the operator reads
+    assert (back.phase, back.step, back.total_steps, back.loss) == ("Training", 3, 10, None)
     with pytest.raises(ValueError, match=r"phase: 'Running' is not one of"):
         doc(phase="Running")
 

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from moe_contracts.progress import progress_doc
 from moe_trainer import progress
 
 pytestmark = pytest.mark.cluster
@@ -31,7 +32,7 @@ def test_progress_patch_with_a_scoped_token(kube, namespace, control_plane, tmp_
     url = urlparse(control_plane.server)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", url.hostname)
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(url.port))
-    doc = progress.progress_doc(phase="Training", step=4, total_steps=10, loss=3.5, tokens_per_second=100.0,
+    doc = progress_doc(phase="Training", step=4, total_steps=10, loss=3.5, tokens_per_second=100.0,
                                 eta_seconds=6.0, checkpoint=None, moe={}, health=[])
     pub = progress.ConfigMapPublisher("job-progress", sa_dir=tmp_path)
     assert pub.publish(doc, force=True), "patch failed"

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from moe_contracts import env as E
 
 TAG_RE = re.compile(r"^step-(\d+)$")
 log = logging.getLogger("moe_trainer.checkpoint")
@@ -80,7 +81,7 @@ def _hold_for_test(step: int, ckpt_dir, rank: int) -> None:
     half-way through writing checkpoint n (its own files written, DeepSpeed's shards not yet),
     leave `checkpoint-write-started-step-<n>` in the checkpoint dir and wait there until it is
     signalled (a test deletes the pod), once per checkpoint dir."""
-    at = os.environ.get("MOE_FAULT_HOLD_CHECKPOINT_AT_STEP")
+    at = os.environ.get(E.FAULT_HOLD_CHECKPOINT_AT_STEP)
     if rank != 0 or not at or int(at) != step:
         return
     marker = Path(ckpt_dir) / f"checkpoint-write-started-step-{step}"
@@ -160,10 +161,10 @@ def fault_due(step: int, ckpt_dir: str | os.PathLike | None) -> int | None:
     """Fault injection for operator tests: with MOE_FAULT_EXIT_AT_STEP=n and MOE_FAULT_EXIT_CODE=c
     the trainer exits with c right after finishing step n, once per checkpoint dir (a marker file
     `fault-injected-step-<n>` records it, so the restarted attempt runs through)."""
-    at = os.environ.get("MOE_FAULT_EXIT_AT_STEP")
+    at = os.environ.get(E.FAULT_EXIT_AT_STEP)
     if not at or int(at) != step:
         return None
-    code = int(os.environ.get("MOE_FAULT_EXIT_CODE", "75"))
+    code = int(os.environ.get(E.FAULT_EXIT_CODE, "75"))
     if ckpt_dir:
         marker = Path(ckpt_dir) / f"fault-injected-step-{step}"
         if marker.exists():

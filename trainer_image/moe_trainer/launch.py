@@ -35,13 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from moe_contracts import env as E
+from moe_contracts.errors import DocumentError
+from moe_contracts.exit import TERMINATION_LIMIT, exit_doc, parse_trainer_exit
+
 from moe_trainer import gang
 
 log = logging.getLogger("moe_trainer.launch")
 
 TRAINER = (sys.executable, "-m", "moe_trainer.train")
 TERMINATION_LOG = "/dev/termination-log"
-TERMINATION_LIMIT = 4096            # bytes the kubelet keeps of a termination message
 EXIT_CONFIG = 78
 
 
@@ -58,8 +61,8 @@ def free_port() -> int:
 def rank_env(base: dict[str, str], *, rank: int, local_rank: int, local_world: int,
              world: int) -> dict[str, str]:
     """``base`` plus one rank's torchrun-style variables."""
-    return dict(base, RANK=str(rank), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world),
-                WORLD_SIZE=str(world), PYTHONUNBUFFERED="1")
+    return dict(base, **{E.RANK: str(rank), E.LOCAL_RANK: str(local_rank), E.LOCAL_WORLD_SIZE: str(local_world),
+                         E.WORLD_SIZE: str(world)}, PYTHONUNBUFFERED="1")
 
 
 # ---- local runs --------------------------------------------------------------------------------
@@ -69,8 +72,8 @@ def launch(nproc: int, trainer_args: list[str], env: dict | None = None, timeout
     codes by rank (128+N: killed by signal N). One failed rank stops the others. ``log_prefix``:
     each rank's output goes to ``<log_prefix>.rank<R>.log`` instead of this process's stdout."""
     base = dict(os.environ if env is None else env)
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    base.pop("NPROC_PER_NODE", None)
+    base.update({E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(free_port())})
+    base.pop(E.NPROC_PER_NODE, None)
     envs = [rank_env(base, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)]
     logs = [f"{log_prefix}.rank{r}.log" for r in range(nproc)] if log_prefix else None
     res = gang.Gang([[*TRAINER, *trainer_args]] * nproc, envs, log_paths=logs, timeout=timeout).run()
@@ -100,8 +103,8 @@ def _int(env: dict[str, str], name: str) -> int:
 def node_ranks(env: dict[str, str], plan_ranks: Sequence, plan_world_size: int) -> list[NodeRank]:
     """This node rank's ranks, by local rank, checked against the plan (``plan_ranks``: the
     trainer's ``RankSpec`` list, ordered by rank)."""
-    nproc, node_rank = _int(env, "NPROC_PER_NODE"), _int(env, "NODE_RANK")
-    nnodes, world = _int(env, "NNODES"), _int(env, "WORLD_SIZE")
+    nproc, node_rank = _int(env, E.NPROC_PER_NODE), _int(env, E.NODE_RANK)
+    nnodes, world = _int(env, E.NNODES), _int(env, E.WORLD_SIZE)
     if nproc < 1 or nnodes < 1:
         raise LaunchError(f"NPROC_PER_NODE={nproc} and NNODES={nnodes} must be >= 1")
     if world != nnodes * nproc:
@@ -131,7 +134,7 @@ def write_termination_message(doc: dict, path: str | None = None) -> None:
     """The pod's one termination message (the kubelet shows it in the container's status; the
     operator reads TrainerExit documents from it). Written only where the file exists: the kubelet
     creates it in a pod, a local run has none."""
-    path = path or os.environ.get("MOE_TERMINATION_LOG") or TERMINATION_LOG
+    path = path or os.environ.get(E.TERMINATION_LOG) or TERMINATION_LOG
     if not os.path.exists(path):
         return
     text = json.dumps(doc)
@@ -153,14 +156,11 @@ def failure_document(res: gang.Result, labels: Sequence[str], ranks: Sequence[No
     i = res.first_failure if res.first_failure is not None else 0
     summary = f"node rank {node_rank}: {res.describe(labels)}"
     try:
-        doc = json.loads(rank_docs[i]) if rank_docs[i].strip() else None
-    except ValueError:
-        doc = None
-    if not (isinstance(doc, dict) and doc.get("kind") == "TrainerExit"):
+        doc = parse_trainer_exit(rank_docs[i])
+    except DocumentError:
         code = res.exit_code
         tail = "\n".join(list(res.tails[i])[-5:]) if i < len(res.tails) else ""
-        doc = {"kind": "TrainerExit", "version": 1, "cause": "Signalled" if code > 128 else "Unexpected",
-               "exitCode": code, "rank": ranks[i].rank, "message": tail}
+        doc = exit_doc("Signalled" if code > 128 else "Unexpected", code, tail, rank=ranks[i].rank)
     return dict(doc, exitCode=res.exit_code, nodeRank=node_rank,
                 message=f"{summary}: {doc.get('message', '')}"[-3000:])
 
@@ -178,16 +178,15 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         ranks = node_ranks(env, plan.ranks, plan.world_size)
     except (PlanError, LaunchError) as exc:
         log.error("cannot start the ranks: %s", exc)
-        write_termination_message({"kind": "TrainerExit", "version": 1, "cause": "BadConfig",
-                                   "exitCode": EXIT_CONFIG, "message": f"launcher: {exc}"})
+        write_termination_message(exit_doc("BadConfig", EXIT_CONFIG, f"launcher: {exc}"))
         return EXIT_CONFIG
-    node_rank, nproc = int(env["NODE_RANK"]), len(ranks)
+    node_rank, nproc = int(env[E.NODE_RANK]), len(ranks)
     planned = plan.ranks[ranks[0].rank].node
-    if env.get("NODE_NAME") and planned and env["NODE_NAME"] != planned:
+    if env.get(E.NODE_NAME) and planned and env[E.NODE_NAME] != planned:
         log.warning("node rank %d runs on node %s, the plan made it for %s: its GPU indices and "
-                    "NVLink groups are that node's", node_rank, env["NODE_NAME"], planned)
+                    "NVLink groups are that node's", node_rank, env[E.NODE_NAME], planned)
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for name in (E.RANK, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE):
         env.pop(name, None)
     envs = [rank_env(env, rank=r.rank, local_rank=r.local_rank, local_world=nproc,
                      world=plan.world_size) for r in ranks]
@@ -201,7 +200,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     term_files = [term_dir / f"{label}.json" for label in labels]
     for f, e in zip(term_files, envs):
         f.touch()
-        e["MOE_TERMINATION_LOG"] = str(f)
+        e[E.TERMINATION_LOG] = str(f)
     try:
         res = gang.Gang([[*TRAINER, *argv]] * nproc, envs, labels=labels).run()
         rank_docs = [f.read_text(errors="replace") for f in term_files]
@@ -217,7 +216,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
 def is_pod_entry(env: dict[str, str] | None = None) -> bool:
     """``moe-train`` started by a worker pod (node launcher) rather than as one rank."""
     env = os.environ if env is None else env
-    return "NPROC_PER_NODE" in env and "RANK" not in env
+    return E.NPROC_PER_NODE in env and E.RANK not in env
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Progress reporting by rank 0: TrainerProgress v1 file, ConfigMap patch, Prometheus metrics.
 
 Channels (docs/trainer.md):
+The document is the contract's (``moe_contracts.progress.progress_doc``).
   file       $MOE_CHECKPOINT_DIR/progress.json, rewritten atomically every step;
   ConfigMap  when MOE_PROGRESS_CONFIGMAP names one and the pod has in-cluster credentials, a
              merge-patch of key `progress.json`, plain urllib (no kubernetes client), at most every
@@ -11,7 +12,6 @@ Channels (docs/trainer.md):
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -21,31 +21,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moe_contracts import env as E
+
 log = logging.getLogger("moe_trainer.progress")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-PHASES = ("Starting", "Training", "Checkpointing", "Finished", "Failed")
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def progress_doc(*, phase: str, step: int, total_steps: int, loss: float | None, tokens_per_second: float,
-                 eta_seconds: float | None, checkpoint: dict | None, moe: dict, health: list[dict]) -> dict:
-    if phase not in PHASES:
-        raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
-
-    def finite(x):
-        return x if x is None or (x == x and abs(x) != float("inf")) else None
-    return {
-        "kind": "TrainerProgress", "version": 1, "phase": phase, "step": int(step),
-        "totalSteps": int(total_steps), "loss": finite(loss), "tokensPerSecond": float(tokens_per_second),
-        "etaSeconds": finite(eta_seconds), "updatedAt": now_iso(), "checkpoint": checkpoint,
-        "moe": moe, "health": health,
-    }
-
-
 def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +64,7 @@ class ConfigMapPublisher:
         return (SA_DIR / "token").is_file() and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     @classmethod
-    def from_env(cls, var: str = "MOE_PROGRESS_CONFIGMAP", timeout_s: float = 5.0) -> ConfigMapPublisher | None:
+    def from_env(cls, var: str = E.PROGRESS_CONFIGMAP, timeout_s: float = 5.0) -> ConfigMapPublisher | None:
         name = os.environ.get(var)
         if not name:
             return None

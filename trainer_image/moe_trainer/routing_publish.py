@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import logging
 
-from moe_contracts import env
+from moe_contracts import env as E
 from moe_contracts.routing import LIMIT_BYTES, encode_configmap
 
 from moe_trainer.progress import ConfigMapPublisher
 
 log = logging.getLogger("moe_trainer.routing_publish")
 
-ENV = env.ROUTING_STATS_CONFIGMAP
+ENV = E.ROUTING_STATS_CONFIGMAP
 
 
 class RoutingStatsPublisher:

@@ -22,6 +22,8 @@ import os
 import sys
 import warnings
 
+from moe_contracts import env as E
+from moe_contracts.exit import TERMINATION_LIMIT, exit_doc
 from moe_contracts.plan import PlanError, load_plan, resolve_plan_path
 
 log = logging.getLogger("moe_trainer")
@@ -43,7 +45,6 @@ def is_comm_failure(exc: BaseException) -> bool:
 
 
 TERMINATION_LOG = "/dev/termination-log"
-MAX_TERMINATION_BYTES = 4096
 _NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -73,14 +74,13 @@ def classify(exc: BaseException, ckpt_dir: str | None) -> tuple[str, int]:
 
 def write_termination(cause: str, code: int, message: str, path: str | None = None) -> None:
     """The TrainerExit v1 document, into the kubelet's termination-message file when it exists."""
-    path = path or os.environ.get("MOE_TERMINATION_LOG") or TERMINATION_LOG
+    path = path or os.environ.get(E.TERMINATION_LOG) or TERMINATION_LOG
     if not os.path.exists(path):
         return
-    doc = {"kind": "TrainerExit", "version": 1, "cause": cause, "exitCode": code,
-           "rank": int(os.environ.get("RANK", "0") or 0), "message": message[:3000]}
+    doc = exit_doc(cause, code, message[:3000], rank=int(os.environ.get(E.RANK, "0") or 0))
     try:
         with open(path, "w") as f:
-            f.write(json.dumps(doc)[:MAX_TERMINATION_BYTES])
+            f.write(json.dumps(doc)[:TERMINATION_LIMIT])
     except OSError as exc:
         log.warning("termination message not written: %s", exc)
 
@@ -116,7 +116,7 @@ def run(argv=None) -> int:
     from moe_trainer.models import ModelError
     from moe_trainer.trainer import NonFiniteLoss, Trainer
 
-    ckpt_dir = args.checkpoint_dir or os.environ.get("MOE_CHECKPOINT_DIR") or plan.training.checkpoint_dir
+    ckpt_dir = args.checkpoint_dir or os.environ.get(E.CHECKPOINT_DIR) or plan.training.checkpoint_dir
     try:
         force_cpu = args.cpu or plan.raw.get("device") == "cpu"
         env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)

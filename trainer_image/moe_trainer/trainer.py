@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
+from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
 
 from moe_trainer import checkpoint as ckpt
@@ -28,7 +30,7 @@ from moe_trainer import models, perf, routing
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
-from moe_trainer.progress import ConfigMapPublisher, Metrics, progress_doc, write_json_atomic
+from moe_trainer.progress import ConfigMapPublisher, Metrics, write_json_atomic
 from moe_trainer.routing_publish import RoutingStatsPublisher
 from moe_trainer.token_samples import TokenSampler
 from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
@@ -163,7 +165,7 @@ class Trainer:
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
         self.routing_publisher = RoutingStatsPublisher.from_env() if self.is_rank0 else None
         self._routing_written_step: int | None = None
-        port = os.environ.get("MOE_METRICS_PORT")
+        port = os.environ.get(contract_env.METRICS_PORT)
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
 
     def rank_tiers(self) -> tuple[list[int], list[int]]:
@@ -233,7 +235,7 @@ class Trainer:
             else:
                 logits = self.engine(input_ids=batch[:, :-1]).logits
                 lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            if os.environ.get("MOE_FAULT_NAN_AT_STEP") == str(step + 1):   # test hook: poison this step's loss
+            if os.environ.get(contract_env.FAULT_NAN_AT_STEP) == str(step + 1):   # test hook: poison this step's loss
                 lm = lm * float("nan")
             if not self.probe.captured():
                 raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_contracts import env as E
+
 from .. import constants as C
 from ..spec import JobSpec
 from .common import (
@@ -102,26 +104,26 @@ def _env(job: JobRef, spec: JobSpec, node_rank: int, extra_env: dict[str, str]) 
     LOCAL_RANK``."""
     rendezvous, metrics_port = job_ports(job)
     env = {
-        "NODE_RANK": str(node_rank),
-        "NNODES": str(spec.nodes.count),
-        "NPROC_PER_NODE": str(spec.nodes.gpus_per_node),
-        "WORLD_SIZE": str(spec.nodes.world_size),
-        "MASTER_ADDR": master_addr(job),
-        "MASTER_PORT": str(rendezvous),   # per job: pods on one host network must not collide
+        E.NODE_RANK: str(node_rank),
+        E.NNODES: str(spec.nodes.count),
+        E.NPROC_PER_NODE: str(spec.nodes.gpus_per_node),
+        E.WORLD_SIZE: str(spec.nodes.world_size),
+        E.MASTER_ADDR: master_addr(job),
+        E.MASTER_PORT: str(rendezvous),   # per job: pods on one host network must not collide
         # NVLink SHARP multicast: off (needs fabric manager support we cannot assume).
-        "NCCL_NVLS_ENABLE": "0",
-        "MOE_PLAN": f"{C.PLAN_MOUNT_DIR}/{C.PLAN_KEY}",
-        "MOE_CHECKPOINT_DIR": checkpoint_dir(job, spec.checkpoint.path),
-        "MOE_PROGRESS_CONFIGMAP": progress_configmap_name(job),
-        "MOE_ROUTING_STATS_CONFIGMAP": routing_stats_configmap_name(job),
+        E.NCCL_NVLS_ENABLE: "0",
+        E.PLAN: E.DEFAULT_PLAN_PATH,
+        E.CHECKPOINT_DIR: checkpoint_dir(job, spec.checkpoint.path),
+        E.PROGRESS_CONFIGMAP: progress_configmap_name(job),
+        E.ROUTING_STATS_CONFIGMAP: routing_stats_configmap_name(job),
         # Prometheus endpoint (the trainer serves it on rank 0 only; every pod gets the same env
         # and port so that any pod can be rank 0 and the PodMonitor's `port: metrics` finds it)
-        "MOE_METRICS_PORT": str(metrics_port),
+        E.METRICS_PORT: str(metrics_port),
     }
     env.update(extra_env)
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
     # the launcher checks it against the plan's node for this node rank
-    out.append({"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    out.append({"name": E.NODE_NAME, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     return out
 
 

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import urllib3
 from kubernetes.client.rest import ApiException
+from moe_contracts.errors import DocumentError
+from moe_contracts.progress import parse_progress
 
 from .. import admission
 from .. import constants as C
@@ -630,12 +632,10 @@ def _progress(p: Pass) -> None:
         _no_progress_yet(p)
         return
     try:
-        doc = json.loads(raw)
-    except ValueError:
+        doc = parse_progress(raw)
+    except DocumentError:
         return
-    prog = machine.progress_status(doc)
-    if prog:
-        p.status["progress"] = prog
+    p.status["progress"] = machine.progress_status(doc)
     findings = machine.health_findings(doc)
     warnings = [f for f in findings if f["severity"] == "Warning"]
     old = {(f["type"], f["message"]) for f in p.status.get("health") or ()}

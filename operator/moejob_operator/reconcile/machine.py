@@ -5,9 +5,12 @@ when deadlines and TTLs fire, how trainer progress maps onto the status. No API 
 from __future__ import annotations
 
 import datetime as dt
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from moe_contracts.errors import DocumentError
+from moe_contracts.exit import parse_trainer_exit
+from moe_contracts.progress import TrainerProgress
 
 from .. import constants as C
 
@@ -73,12 +76,10 @@ def exit_cause(term: dict[str, Any]) -> tuple[str | None, str]:
     if term.get("reason") == "OOMKilled":
         return "OutOfMemory", "the container exceeded its memory limit (OOMKilled)"
     try:
-        doc = json.loads(term.get("message") or "")
-    except ValueError:
+        doc = parse_trainer_exit(term.get("message") or "")
+    except DocumentError:
         return None, ""
-    if isinstance(doc, dict) and doc.get("kind") == "TrainerExit" and isinstance(doc.get("cause"), str):
-        return doc["cause"][:64], " ".join(str(doc.get("message", "")).split())[-MESSAGE_TAIL:]
-    return None, ""
+    return doc["cause"][:64], " ".join(str(doc.get("message", "")).split())[-MESSAGE_TAIL:]
 
 
 def is_permanent(code: int | None) -> bool:
@@ -204,25 +205,19 @@ def seconds_left(start: dt.datetime | None, now: dt.datetime, limit: int | None)
 PROGRESS_FIELDS = ("step", "totalSteps", "loss", "tokensPerSecond", "etaSeconds", "phase", "updatedAt")
 
 
-def progress_status(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The ``status.progress`` block from a TrainerProgress v1 document (None if unusable)."""
-    if not isinstance(doc, dict) or doc.get("kind") != "TrainerProgress" or doc.get("version") != 1:
-        return None
+def progress_status(prog: TrainerProgress) -> dict[str, Any]:
+    """The ``status.progress`` block from a TrainerProgress v1 document."""
+    doc = prog.model_dump(by_alias=True)
     out = {k: doc[k] for k in PROGRESS_FIELDS if doc.get(k) is not None}
     for k in ("loss", "tokensPerSecond", "etaSeconds"):
         if isinstance(out.get(k), float):
             out[k] = round(out[k], 4)     # printer columns; full precision lives in the ConfigMap
-    ckpt = doc.get("checkpoint") or {}
-    if isinstance(ckpt, dict) and ckpt.get("step") is not None:
-        out["checkpointStep"] = ckpt["step"]
+    if prog.checkpoint is not None and prog.checkpoint.step is not None:
+        out["checkpointStep"] = prog.checkpoint.step
     return out
 
 
-def health_findings(doc: dict[str, Any] | None) -> list[dict[str, str]]:
+def health_findings(prog: TrainerProgress) -> list[dict[str, str]]:
     """Trainer health findings (``health`` of TrainerProgress), Warning severity first."""
-    if not isinstance(doc, dict):
-        return []
-    out = [{"type": str(f["type"]), "severity": str(f.get("severity", "Warning")),
-            "message": str(f.get("message", ""))[:512]}
-           for f in doc.get("health") or () if isinstance(f, dict) and f.get("type")]
+    out = [{"type": f.type, "severity": f.severity, "message": f.message[:512]} for f in prog.health]
     return sorted(out, key=lambda f: (f["severity"] != "Warning", f["type"]))

@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import hashlib
-import json
 import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
+from moe_contracts.progress import parse_progress
 from moe_contracts.routing import decode_configmap
 from moe_contracts.topology import TopologyReport
 
@@ -155,10 +155,10 @@ def _source_progress_note(client, namespace: str, source: str) -> str:
     """What the source trainer said about publishing (``routingStats.message`` of its progress)."""
     cm = client.get_configmap(namespace, f"{source}-progress") or {}
     try:
-        doc = json.loads((cm.get("data") or {}).get(C.PROGRESS_KEY) or "{}")
-    except ValueError:
+        prog = parse_progress((cm.get("data") or {}).get(C.PROGRESS_KEY) or "{}")
+    except DocumentError:
         return ""
-    msg = (doc.get("routingStats") or {}).get("message") if isinstance(doc, dict) else None
+    msg = (prog.routing_stats or {}).get("message")
     return f"; its trainer reported: {msg}" if msg else ""
 
 
