@@ -31,8 +31,10 @@ CHECKS = ("imports",) + CASE_CHECKS + ("resume", "fused_adam")
 
 def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
     """(check, case) of a passing SmokeVerdict v2 over ``cases``, in order."""
-    return ([("imports", None)] + [(c, n) for n in cases for c in CASE_CHECKS]
-            + [("resume", n) for n in cases] + [("fused_adam", None)])
+    out: list[tuple[str, str | None]] = [("imports", None)]
+    out += [(c, n) for n in cases for c in CASE_CHECKS]
+    out += [("resume", n) for n in cases]
+    return out + [("fused_adam", None)]
 
 
 # ---- SmokePlans v1 ------------------------------------------------------------------------------

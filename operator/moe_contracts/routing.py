@@ -215,7 +215,7 @@ class Encoded:
 def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
     """The merge-patch for the ConfigMap: the whole document when it fits, else the smallest cut
     of ``tokenSamples`` (halving: a prefix of a uniform sample is uniform) that fits."""
-    samples = (doc.get("tokenSamples") or {}).get("experts")
+    samples: list[Any] = (doc.get("tokenSamples") or {}).get("experts") or []
     n = len(samples[0]) if samples else 0
     while True:
         enc = _encode(doc, limit)
