@@ -37,13 +37,13 @@ DOCUMENTS: list[tuple[str, int, type[BaseModel]]] = [
 
 def section(kind: str) -> str:
     """From the ``## <kind> v<N>`` heading to the next ``## `` heading."""
-    m = re.search(rf"^## {kind} v(\d+)\b.*?(?=^## |\Z)", DOC, re.M | re.S)
+    m = re.search(rf"^## {kind} v(\d+)\b.*?(?=^## |\Z)", DOC, re.MULTILINE | re.DOTALL)
     assert m, f"docs/contracts.md has no '## {kind} v<N>' section"
     return m.group(0)
 
 
 def example(kind: str) -> str:
-    m = re.search(r"```json\n(.*?)```", section(kind), re.S)
+    m = re.search(r"```json\n(.*?)```", section(kind), re.DOTALL)
     assert m, f"the {kind} section has no JSON example"
     return m.group(1)
 
@@ -65,18 +65,26 @@ def _models(annotation: Any) -> list[type[BaseModel]]:
     return [m for arg in getattr(annotation, "__args__", ()) for m in _models(arg)]
 
 
-@pytest.mark.parametrize("kind,version,model", DOCUMENTS, ids=[d[0] for d in DOCUMENTS])
+@pytest.mark.parametrize(("kind", "version", "model"), DOCUMENTS, ids=[d[0] for d in DOCUMENTS])
 def test_document_sections_match_the_package(kind, version, model):
-    heading = re.search(rf"^## {kind} v(\d+)", DOC, re.M)
-    assert heading and int(heading.group(1)) == version, f"docs say {kind} v{heading and heading.group(1)}"
+    heading = re.search(rf"^## {kind} v(\d+)", DOC, re.MULTILINE)
+    assert heading and int(heading.group(1)) == version, (
+        f"docs say {kind} v{heading and heading.group(1)}"
+    )
     kind_field = model.model_fields.get("kind")
     assert kind_field is None or kind_field.default == kind
     ex = example(kind)
-    undocumented = [path for path, _ in fields(model)
-                    if not re.search(rf"[\"`.]{re.escape(path.rsplit('.', 1)[-1])}[\"`]", DOC)]
+    undocumented = [
+        path
+        for path, _ in fields(model)
+        if not re.search(rf"[\"`.]{re.escape(path.rsplit('.', 1)[-1])}[\"`]", DOC)
+    ]
     assert not undocumented, f"{kind} fields docs/contracts.md does not mention: {undocumented}"
-    missing = [path for path, required in fields(model) if required and "." not in path
-               and f'"{path}"' not in ex]
+    missing = [
+        path
+        for path, required in fields(model)
+        if required and "." not in path and f'"{path}"' not in ex
+    ]
     assert not missing, f"required {kind} fields missing from its JSON example: {missing}"
 
 
@@ -91,13 +99,18 @@ def test_routing_stats_arrays_and_configmap_keys_are_documented():
 
 def test_worker_environment_is_the_contracts_and_the_docs():
     raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
-    job = common.JobRef(namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11")
+    job = common.JobRef(
+        namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11"
+    )
     pod = workers.worker_pod(job, parse_spec(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
     written = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
-    m = re.search(r"Environment \(the pod's, shared by its ranks\):(.*?)The pod has no", DOC, re.S)
+    paragraph = r"Environment \(the pod's, shared by its ranks\):(.*?)The pod has no"
+    m = re.search(paragraph, DOC, re.DOTALL)
     assert m, "docs/contracts.md: the worker pods' Environment paragraph moved"
     documented = set(re.findall(r"`([A-Z][A-Z0-9_]+)", m.group(1)))
-    assert documented == written, (f"documented, not written: {sorted(documented - written)}; "
-                                   f"written, not documented: {sorted(written - documented)}")
+    assert documented == written, (
+        f"documented, not written: {sorted(documented - written)}; "
+        f"written, not documented: {sorted(written - documented)}"
+    )
     names = {v for k, v in vars(contract_env).items() if k.isupper() and isinstance(v, str)}
     assert written <= names, sorted(written - names)

@@ -1,4 +1,4 @@
-"""The pydantic base every contract model derives from: camelCase on the wire, frozen, strict types."""
+"""The pydantic base of every contract model: camelCase on the wire, frozen, strict types."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ class Doc(BaseModel):
     """Fields are snake_case in Python and camelCase in JSON; readers ignore fields they do not
     know (additions are backward compatible, docs/contracts.md)."""
 
-    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True,
-                              extra="ignore")
+    model_config = ConfigDict(
+        frozen=True, alias_generator=to_camel, populate_by_name=True, extra="ignore"
+    )
 
 
 M = TypeVar("M", bound=BaseModel)

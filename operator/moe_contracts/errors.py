@@ -64,7 +64,8 @@ def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)
     version = obj.get("version")
     if isinstance(version, bool) or version not in versions:
         raise DocumentError(
-            f"{document} version: {short(version)} is not a known version {list(versions)}")
+            f"{document} version: {short(version)} is not a known version {list(versions)}"
+        )
     return obj
 
 
@@ -76,7 +77,9 @@ def loads_document(document: str, text: str | bytes) -> Any:
         raise DocumentError(f"{document}: not JSON ({str(exc)[:80]})") from None
 
 
-def read_json_document(document: str, path: str | Path, *, what: str = "file", hint: str = "") -> Any:
+def read_json_document(
+    document: str, path: str | Path, *, what: str = "file", hint: str = ""
+) -> Any:
     """The decoded JSON of ``path``; a missing file or bad JSON raises ``DocumentError`` naming
     the document (``MoEPlan: no such file 'x.json'``)."""
     try:

@@ -1,4 +1,4 @@
-"""``TrainerExit`` v1 (docs/contracts.md): why a trainer rank failed, in the pod's termination message.
+"""``TrainerExit`` v1 (docs/contracts.md): why a trainer rank failed (termination message).
 
 A failing rank writes it to its own termination file (``$MOE_TERMINATION_LOG``); the pod's node
 launcher passes the first failing rank's document on as the pod's one message; the operator reads
@@ -15,11 +15,22 @@ from ._base import Doc, Int, Str, validate
 from .errors import check_kind_version, loads_document
 
 EXIT_KIND, EXIT_VERSION = "TrainerExit", 1
-TERMINATION_LIMIT = 4096          # bytes the kubelet keeps of a termination message
+TERMINATION_LIMIT = 4096  # bytes the kubelet keeps of a termination message
 # cause -> exit code (docs/contracts.md table); `Signalled` is 128 + N
-CAUSES = {"CheckpointNotWritable": 78, "CheckpointVolumeFull": 75, "DataNotFound": 78, "BadData": 78,
-          "OutOfMemory": 75, "BadConfig": 78, "NonFiniteLoss": 65, "RendezvousFailed": 75, "LostPeer": 75,
-          "IOError": 75, "Unexpected": 1, "Signalled": None}
+CAUSES = {
+    "CheckpointNotWritable": 78,
+    "CheckpointVolumeFull": 75,
+    "DataNotFound": 78,
+    "BadData": 78,
+    "OutOfMemory": 75,
+    "BadConfig": 78,
+    "NonFiniteLoss": 65,
+    "RendezvousFailed": 75,
+    "LostPeer": 75,
+    "IOError": 75,
+    "Unexpected": 1,
+    "Signalled": None,
+}
 
 
 class TrainerExit(Doc):
@@ -34,7 +45,12 @@ class TrainerExit(Doc):
 
 def exit_doc(cause: str, code: int, message: str, *, rank: int | None = None) -> dict[str, Any]:
     """The document a rank (or the launcher, ``rank`` None) writes."""
-    doc: dict[str, Any] = {"kind": EXIT_KIND, "version": EXIT_VERSION, "cause": cause, "exitCode": code}
+    doc: dict[str, Any] = {
+        "kind": EXIT_KIND,
+        "version": EXIT_VERSION,
+        "cause": cause,
+        "exitCode": code,
+    }
     if rank is not None:
         doc["rank"] = rank
     doc["message"] = message

@@ -26,7 +26,7 @@ VERDICT_KIND, VERDICT_VERSION = "GateVerdict", 1
 # Check kinds, in the order a passing run reports them: `imports`, per case the phase-1 checks,
 # per case `resume`, `fused_adam`.
 CASE_CHECKS = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
-CHECKS = ("imports",) + CASE_CHECKS + ("resume", "fused_adam")
+CHECKS = ("imports", *CASE_CHECKS, "resume", "fused_adam")
 
 
 def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
@@ -34,7 +34,7 @@ def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
     out: list[tuple[str, str | None]] = [("imports", None)]
     out += [(c, n) for n in cases for c in CASE_CHECKS]
     out += [("resume", n) for n in cases]
-    return out + [("fused_adam", None)]
+    return [*out, ("fused_adam", None)]
 
 
 # ---- SmokePlans v1 ------------------------------------------------------------------------------
@@ -60,9 +60,13 @@ def parse_smoke_plans(doc: Any) -> SmokePlans:
         try:
             worlds.add(parse_plan(case.plan).world_size)
         except PlanError as exc:
-            raise DocumentError(f"{SMOKE_PLANS_KIND} cases[{i}] ({case.name}).plan: {exc}") from None
+            raise DocumentError(
+                f"{SMOKE_PLANS_KIND} cases[{i}] ({case.name}).plan: {exc}"
+            ) from None
     if len(worlds) != 1:
-        raise DocumentError(f"{SMOKE_PLANS_KIND} cases: world sizes {sorted(worlds)}; one run needs one")
+        raise DocumentError(
+            f"{SMOKE_PLANS_KIND} cases: world sizes {sorted(worlds)}; one run needs one"
+        )
     return plans
 
 
@@ -79,11 +83,11 @@ class SmokeVerdict(Doc):
     kind: Literal["SmokeVerdict"] = "SmokeVerdict"
     version: Literal[2] = 2
     passed: Bool
-    failed_check: Str | None          # required, null when passed
+    failed_check: Str | None  # required, null when passed
     failed_case: Str | None = None
     cases: list[Any]
     checks: tuple[SmokeCheck, ...]
-    exception: Str | None             # required, null when passed
+    exception: Str | None  # required, null when passed
     versions: dict[str, Any]
     duration_seconds: Float
 
@@ -99,7 +103,7 @@ class SmokeVerdict(Doc):
 
 
 def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
-    """Check a SmokeVerdict v2 (JSON text or decoded); returns the document. Raises DocumentError."""
+    """Check a SmokeVerdict v2 (JSON text or decoded); returns it. Raises DocumentError."""
     doc = text if isinstance(text, dict) else loads_document(SMOKE_KIND, text)
     check_kind_version(SMOKE_KIND, doc, (SMOKE_VERSION,))
     validate(SMOKE_KIND, SmokeVerdict, doc)
@@ -109,7 +113,7 @@ def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
 # ---- GateVerdict v1 -----------------------------------------------------------------------------
 def parse_time(text: str) -> dt.datetime:
     """RFC 3339 (``2026-11-29T14:00:00Z``) -> an aware datetime; ValueError when it is not one."""
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    return dt.datetime.fromisoformat(text)
 
 
 class GateVerdict(Doc):
@@ -132,7 +136,7 @@ class GateVerdict(Doc):
 
 
 def parse_gate_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
-    """Check a GateVerdict v1 read back from the store; returns the document. Raises DocumentError."""
+    """Check a GateVerdict v1 read back from the store; returns it. Raises DocumentError."""
     doc = text if isinstance(text, dict) else loads_document(VERDICT_KIND, text)
     check_kind_version(VERDICT_KIND, doc, (VERDICT_VERSION,))
     validate(VERDICT_KIND, GateVerdict, doc)

@@ -27,8 +27,14 @@ BALANCE_MODES = ("per_layer_aux", "global_aux", "none")
 MOE_IMPLS = ("hf", "grouped")
 DATA_KINDS = ("text", "tokens", "synthetic", "corpus")
 DISPATCHERS = ("autoep", "dedup")
-PERF_KEYS = ("compileLayers", "fusedLoss", "fusedOptimizer", "zeroLeafModules", "lossChunkTokens",
-             "reasons")
+PERF_KEYS = (
+    "compileLayers",
+    "fusedLoss",
+    "fusedOptimizer",
+    "zeroLeafModules",
+    "lossChunkTokens",
+    "reasons",
+)
 
 
 class PlanError(DocumentError):
@@ -57,8 +63,8 @@ class RankSpec(Doc):
     node: Str = Field(min_length=1)
     node_rank: Int = Field(ge=0)
     local_rank: Int = Field(ge=0)
-    gpu: Int | None = Field(default=None, ge=0)      # null on CPU plans
-    group: Int | None = Field(default=None, ge=0)    # NVLink group (CPU: node); absent in older plans
+    gpu: Int | None = Field(default=None, ge=0)  # null on CPU plans
+    group: Int | None = Field(default=None, ge=0)  # NVLink group (CPU: node); absent in older plans
 
 
 class Placement(Doc):
@@ -66,7 +72,7 @@ class Placement(Doc):
     num_layers: Int = Field(ge=1)
     num_experts: Int = Field(ge=1)
     ep_size: Int = Field(ge=1)
-    permutation: tuple[tuple[Int, ...], ...]         # permutation[layer][slot] = original expert
+    permutation: tuple[tuple[Int, ...], ...]  # permutation[layer][slot] = original expert
     dispatcher: Literal["autoep", "dedup"] = "autoep"
 
     @property
@@ -76,7 +82,7 @@ class Placement(Doc):
     def experts_of_ep_rank(self, layer: int, ep_rank: int) -> tuple[int, ...]:
         """Original expert ids that EP rank ``ep_rank`` holds in ``layer``, in local order."""
         n = self.experts_per_rank
-        return self.permutation[layer][ep_rank * n:(ep_rank + 1) * n]
+        return self.permutation[layer][ep_rank * n : (ep_rank + 1) * n]
 
     def is_identity(self) -> bool:
         return all(list(row) == list(range(self.num_experts)) for row in self.permutation)
@@ -106,7 +112,7 @@ class BalanceSpec(Doc):
 class DataSpec(Doc):
     kind: Literal["text", "tokens", "synthetic", "corpus"] = "synthetic"
     path: Str | None = None
-    tokenizer: Str | None = None     # local HF tokenizer path; None = byte-level
+    tokenizer: Str | None = None  # local HF tokenizer path; None = byte-level
 
 
 class PerfSpec(Doc):
@@ -135,7 +141,12 @@ class PerfSpec(Doc):
 
     @property
     def any(self) -> bool:
-        return self.compile_layers or self.fused_loss or self.fused_optimizer or bool(self.zero_leaf_modules)
+        return (
+            self.compile_layers
+            or self.fused_loss
+            or self.fused_optimizer
+            or bool(self.zero_leaf_modules)
+        )
 
 
 class TrainingSpec(Doc):
@@ -160,7 +171,9 @@ class TrainingSpec(Doc):
     straggler_factor: Float = Field(default=2.0, ge=0)
     straggler_steps: Int = Field(default=5, ge=1)
     fragmentation_limit: Float = Field(default=0.3, ge=0)
-    routing_sample_tokens: Int = Field(default=65536, ge=0)   # token expert sets kept for RoutingStats
+    routing_sample_tokens: Int = Field(
+        default=65536, ge=0
+    )  # token expert sets kept for RoutingStats
     performance: PerfSpec = PerfSpec()
 
     _nulls = model_validator(mode="before")(_drop_nulls)
@@ -213,8 +226,10 @@ class MoEPlan(Doc):
             if "model_type" not in m.hf_config:
                 raise ValueError("model.hfConfig.model_type: required field is missing")
             if m.hf_config["model_type"] != m.family:
-                raise ValueError(f"model.hfConfig.model_type: {m.hf_config['model_type']!r} differs from "
-                                 f"model.family {m.family!r}")
+                raise ValueError(
+                    f"model.hfConfig.model_type: {m.hf_config['model_type']!r} differs from "
+                    f"model.family {m.family!r}"
+                )
         if world % ep:
             raise ValueError(f"epSize: {ep} must divide worldSize {world}")
         if self.ranks:
@@ -222,45 +237,82 @@ class MoEPlan(Doc):
         pl = self.placement
         if pl is not None:
             if pl.num_experts % pl.ep_size:
-                raise ValueError(f"placement.epSize: {pl.ep_size} does not divide numExperts={pl.num_experts}")
+                raise ValueError(
+                    f"placement.epSize: {pl.ep_size} does not divide numExperts={pl.num_experts}"
+                )
             if pl.ep_size != ep:
                 raise ValueError(f"placement.epSize: {pl.ep_size} differs from epSize {ep}")
             if len(pl.permutation) != pl.num_layers:
-                raise ValueError(f"placement.permutation: has {len(pl.permutation)} rows, numLayers is "
-                                 f"{pl.num_layers}")
+                raise ValueError(
+                    f"placement.permutation: has {len(pl.permutation)} rows, numLayers is "
+                    f"{pl.num_layers}"
+                )
             for layer, row in enumerate(pl.permutation):
                 if sorted(row) != list(range(pl.num_experts)):
-                    raise ValueError(f"placement.permutation[{layer}]: {list(row)!r} is not a permutation "
-                                     f"of 0..{pl.num_experts - 1}")
+                    raise ValueError(
+                        f"placement.permutation[{layer}]: {list(row)!r} is not a permutation "
+                        f"of 0..{pl.num_experts - 1}"
+                    )
         ep_cfg = self._ep_cfg()
         if ep_cfg.get("enabled") and ep_cfg.get("autoep_size", 1) != ep:
-            raise ValueError(f"deepspeed.expert_parallel.autoep_size: {ep_cfg.get('autoep_size')!r} "
-                             f"differs from epSize {ep}")
+            raise ValueError(
+                f"deepspeed.expert_parallel.autoep_size: {ep_cfg.get('autoep_size')!r} "
+                f"differs from epSize {ep}"
+            )
         if pl is not None and pl.dispatcher == "dedup" and ep > 1 and not ep_cfg.get("enabled"):
-            raise ValueError("placement.dispatcher: 'dedup' dispatches AutoEP layers; "
-                             "deepspeed.expert_parallel.enabled is false")
+            raise ValueError(
+                "placement.dispatcher: 'dedup' dispatches AutoEP layers; "
+                "deepspeed.expert_parallel.enabled is false"
+            )
         ds, tr = self.deepspeed, self.training
-        micro, accum = ds.get("train_micro_batch_size_per_gpu"), ds.get("gradient_accumulation_steps")
-        for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accum),
-                           ("train_batch_size", ds.get("train_batch_size"))):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        micro, accum = (
+            ds.get("train_micro_batch_size_per_gpu"),
+            ds.get("gradient_accumulation_steps"),
+        )
+        for key, value in (
+            ("train_micro_batch_size_per_gpu", micro),
+            ("gradient_accumulation_steps", accum),
+            ("train_batch_size", ds.get("train_batch_size")),
+        ):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"deepspeed.{key}: {value!r} is not an integer >= 1")
-        if micro is not None and accum is not None and ds.get("train_batch_size") is not None \
-                and ds["train_batch_size"] != micro * accum * world:
-            raise ValueError(f"deepspeed.train_batch_size: {ds['train_batch_size']} != {micro} x {accum} x "
-                             f"worldSize {world}")
-        if micro is not None and "micro_batch" in self.training.model_fields_set \
-                and tr.micro_batch != micro:
-            raise ValueError(f"training.microBatch: {tr.micro_batch} differs from deepspeed "
-                             f"train_micro_batch_size_per_gpu {micro}")
-        if accum is not None and "grad_accum" in self.training.model_fields_set and tr.grad_accum != accum:
-            raise ValueError(f"training.gradAccum: {tr.grad_accum} differs from deepspeed "
-                             f"gradient_accumulation_steps {accum}")
+        if (
+            micro is not None
+            and accum is not None
+            and ds.get("train_batch_size") is not None
+            and ds["train_batch_size"] != micro * accum * world
+        ):
+            raise ValueError(
+                f"deepspeed.train_batch_size: {ds['train_batch_size']} != {micro} x {accum} x "
+                f"worldSize {world}"
+            )
+        if (
+            micro is not None
+            and "micro_batch" in self.training.model_fields_set
+            and tr.micro_batch != micro
+        ):
+            raise ValueError(
+                f"training.microBatch: {tr.micro_batch} differs from deepspeed "
+                f"train_micro_batch_size_per_gpu {micro}"
+            )
+        if (
+            accum is not None
+            and "grad_accum" in self.training.model_fields_set
+            and tr.grad_accum != accum
+        ):
+            raise ValueError(
+                f"training.gradAccum: {tr.grad_accum} differs from deepspeed "
+                f"gradient_accumulation_steps {accum}"
+            )
         if tr.data.kind in ("text", "tokens") and not tr.data.path:
             raise ValueError(f"training.data.path: required when data.kind is {tr.data.kind!r}")
         if tr.moe_impl == "grouped" and ep_cfg.get("enabled"):
-            raise ValueError("training.moeImpl: 'grouped' replaces the MoE blocks AutoEP would replace; "
-                             "set deepspeed.expert_parallel.enabled=false or moeImpl='hf'")
+            raise ValueError(
+                "training.moeImpl: 'grouped' replaces the MoE blocks AutoEP would replace; "
+                "set deepspeed.expert_parallel.enabled=false or moeImpl='hf'"
+            )
         return self
 
 
@@ -275,22 +327,29 @@ def _check_ranks(ranks: tuple[RankSpec, ...], world: int, device: str) -> None:
         if r.rank != i:
             raise ValueError(f"{p}.rank: {r.rank} out of order (expected {i})")
         if node_rank.setdefault(r.node, r.node_rank) != r.node_rank:
-            raise ValueError(f"{p}.nodeRank: {r.node_rank} but node {r.node!r} has nodeRank "
-                             f"{node_rank[r.node]}")
+            raise ValueError(
+                f"{p}.nodeRank: {r.node_rank} but node {r.node!r} has nodeRank {node_rank[r.node]}"
+            )
         locals_.setdefault(r.node, []).append(r.local_rank)
         if r.gpu is None:
             continue
         if device == "cpu":
             raise ValueError(f"{p}.gpu: {r.gpu!r} on a CPU plan (must be null)")
         if (r.node, r.gpu) in seen_gpu:
-            raise ValueError(f"{p}.gpu: {r.node}:{r.gpu} is already used by rank {seen_gpu[r.node, r.gpu]} "
-                             "(ranks must map one-to-one onto GPUs)")
+            raise ValueError(
+                f"{p}.gpu: {r.node}:{r.gpu} is already used by rank {seen_gpu[r.node, r.gpu]} "
+                "(ranks must map one-to-one onto GPUs)"
+            )
         seen_gpu[r.node, r.gpu] = i
     if sorted(node_rank.values()) != list(range(len(node_rank))):
-        raise ValueError(f"ranks: nodeRanks {sorted(node_rank.values())} are not 0..{len(node_rank) - 1}")
+        raise ValueError(
+            f"ranks: nodeRanks {sorted(node_rank.values())} are not 0..{len(node_rank) - 1}"
+        )
     for node, lrs in locals_.items():
         if sorted(lrs) != list(range(len(lrs))):
-            raise ValueError(f"ranks: localRanks of node {node!r} are {sorted(lrs)}, not 0..{len(lrs) - 1}")
+            raise ValueError(
+                f"ranks: localRanks of node {node!r} are {sorted(lrs)}, not 0..{len(lrs) - 1}"
+            )
 
 
 def _check_complete(doc: dict[str, Any], plan: MoEPlan) -> None:
@@ -299,13 +358,17 @@ def _check_complete(doc: dict[str, Any], plan: MoEPlan) -> None:
         if not isinstance(doc.get(key), dict):
             raise PlanError(f"{PLAN_KIND} {key}: required object is missing")
     if len(plan.ranks) != plan.world_size:
-        raise PlanError(f"{PLAN_KIND} ranks: has {len(doc['ranks']) if isinstance(doc.get('ranks'), list) else None}"
-                        f" entries, worldSize is {plan.world_size}")
+        n = len(doc["ranks"]) if isinstance(doc.get("ranks"), list) else None
+        raise PlanError(f"{PLAN_KIND} ranks: has {n} entries, worldSize is {plan.world_size}")
     if plan.device == "cuda":
         for i, r in enumerate(plan.ranks):
             if r.gpu is None:
                 raise PlanError(f"{PLAN_KIND} ranks[{i}].gpu: None is not a GPU index")
-    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size"):
+    for key in (
+        "train_micro_batch_size_per_gpu",
+        "gradient_accumulation_steps",
+        "train_batch_size",
+    ):
         if key not in plan.deepspeed:
             raise PlanError(f"{PLAN_KIND} deepspeed.{key}: required field is missing")
     for key in ("steps", "seqLen", "microBatch", "gradAccum"):
@@ -334,9 +397,13 @@ def parse_perf(doc: Any) -> PerfSpec:
     if doc is None:
         return PerfSpec()
     if not isinstance(doc, dict):
-        raise PlanError(f"{PLAN_KIND} training.performance: expected an object, got {type(doc).__name__}")
+        raise PlanError(
+            f"{PLAN_KIND} training.performance: expected an object, got {type(doc).__name__}"
+        )
     try:
-        return validate(PLAN_KIND, _PerfOnly, {"training": {"performance": doc}}).training.performance
+        return validate(
+            PLAN_KIND, _PerfOnly, {"training": {"performance": doc}}
+        ).training.performance
     except DocumentError as exc:
         raise PlanError(str(exc)) from None
 
@@ -360,8 +427,9 @@ def load_plan(path: str | os.PathLike[str], *, complete: bool = False) -> MoEPla
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise PlanError(f"{PLAN_KIND}: plan file {str(path)!r} does not exist (set --plan or "
-                        f"{env.PLAN})") from None
+        raise PlanError(
+            f"{PLAN_KIND}: plan file {str(path)!r} does not exist (set --plan or {env.PLAN})"
+        ) from None
     except OSError as exc:
         raise PlanError(f"{PLAN_KIND}: plan file {str(path)!r} cannot be read: {exc}") from None
     try:

@@ -18,7 +18,13 @@ from .errors import check_kind_version, loads_document
 
 PROGRESS_KIND, PROGRESS_VERSION = "TrainerProgress", 1
 PHASES = ("Starting", "Training", "Checkpointing", "Finished", "Failed")
-HEALTH_TYPES = ("NonFiniteLoss", "RouterLogitsOutOfRange", "DeadExpert", "Straggler", "Fragmentation")
+HEALTH_TYPES = (
+    "NonFiniteLoss",
+    "RouterLogitsOutOfRange",
+    "DeadExpert",
+    "Straggler",
+    "Fragmentation",
+)
 
 
 class Checkpoint(Doc):
@@ -45,7 +51,7 @@ class TrainerProgress(Doc):
     checkpoint: Checkpoint | None = None
     moe: dict[str, Any] | None = None
     health: tuple[Health, ...] = ()
-    routing_stats: dict[str, Any] | None = None     # the last RoutingStats publish attempt
+    routing_stats: dict[str, Any] | None = None  # the last RoutingStats publish attempt
 
 
 def parse_progress(text: str | bytes | dict[str, Any]) -> TrainerProgress:
@@ -56,22 +62,39 @@ def parse_progress(text: str | bytes | dict[str, Any]) -> TrainerProgress:
 
 
 def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _finite(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
 
-def progress_doc(*, phase: str, step: int, total_steps: int, loss: float | None, tokens_per_second: float,
-                 eta_seconds: float | None, checkpoint: dict[str, Any] | None, moe: dict[str, Any],
-                 health: list[dict[str, Any]]) -> dict[str, Any]:
+def progress_doc(
+    *,
+    phase: str,
+    step: int,
+    total_steps: int,
+    loss: float | None,
+    tokens_per_second: float,
+    eta_seconds: float | None,
+    checkpoint: dict[str, Any] | None,
+    moe: dict[str, Any],
+    health: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The document the trainer writes; a non-finite loss or ETA becomes null (JSON has no NaN)."""
     if phase not in PHASES:
         raise ValueError(f"phase: {phase!r} is not one of {PHASES}")
     return {
-        "kind": PROGRESS_KIND, "version": PROGRESS_VERSION, "phase": phase, "step": int(step),
-        "totalSteps": int(total_steps), "loss": _finite(loss), "tokensPerSecond": float(tokens_per_second),
-        "etaSeconds": _finite(eta_seconds), "updatedAt": now_iso(), "checkpoint": checkpoint,
-        "moe": moe, "health": health,
+        "kind": PROGRESS_KIND,
+        "version": PROGRESS_VERSION,
+        "phase": phase,
+        "step": int(step),
+        "totalSteps": int(total_steps),
+        "loss": _finite(loss),
+        "tokensPerSecond": float(tokens_per_second),
+        "etaSeconds": _finite(eta_seconds),
+        "updatedAt": now_iso(),
+        "checkpoint": checkpoint,
+        "moe": moe,
+        "health": health,
     }

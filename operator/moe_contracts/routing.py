@@ -31,9 +31,11 @@ from .env import ROUTING_STATS_GZ_KEY, ROUTING_STATS_KEY
 from .errors import DocumentError, check_kind_version, read_json_document
 
 DOCUMENT = "RoutingStats"
-VERSIONS = (1, 2)               # v2 = v1 + optional tokenSamples
-LIMIT_BYTES = 1_000_000         # what the trainer stores in the ConfigMap (JSON text, or base64 of the gzip)
-MAX_JSON_BYTES = 256 * 2**20    # a reader refuses to inflate more than this (gzip bomb)
+VERSIONS = (1, 2)  # v2 = v1 + optional tokenSamples
+LIMIT_BYTES = (
+    1_000_000  # what the trainer stores in the ConfigMap (JSON text, or base64 of the gzip)
+)
+MAX_JSON_BYTES = 256 * 2**20  # a reader refuses to inflate more than this (gzip bomb)
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,9 +43,9 @@ class RoutingStats:
     num_layers: int
     num_experts: int
     top_k: int
-    tokens: int                     # tokens routed per layer over the recording window
-    load: np.ndarray                # load[num_layers, num_experts], int64
-    coact: np.ndarray               # coact[num_layers, num_experts, num_experts], int64
+    tokens: int  # tokens routed per layer over the recording window
+    load: np.ndarray  # load[num_layers, num_experts], int64
+    coact: np.ndarray  # coact[num_layers, num_experts, num_experts], int64
     steps: int = 1
     source: str = "synthetic"
     model: str = ""
@@ -51,23 +53,43 @@ class RoutingStats:
     planted_clusters: np.ndarray | None = field(default=None, repr=False)  # [L, E], synthetic only
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"kind": DOCUMENT, "version": 2, "source": self.source, "model": self.model,
-               "numLayers": self.num_layers, "numExperts": self.num_experts, "topK": self.top_k,
-               "tokens": self.tokens, "steps": self.steps,
-               "load": self.load.tolist(), "coactivation": self.coact.tolist()}
+        doc = {
+            "kind": DOCUMENT,
+            "version": 2,
+            "source": self.source,
+            "model": self.model,
+            "numLayers": self.num_layers,
+            "numExperts": self.num_experts,
+            "topK": self.top_k,
+            "tokens": self.tokens,
+            "steps": self.steps,
+            "load": self.load.tolist(),
+            "coactivation": self.coact.tolist(),
+        }
         if self.token_experts is not None:
             doc["tokenSamples"] = {"experts": self.token_experts.tolist()}
         return doc
 
     @property
     def exact(self) -> bool:
-        """Whether placements can be scored exactly: token samples, or top-k <= 2 (pairs suffice)."""
+        """Whether placements can be scored exactly: token samples, or top-k <= 2 (pairs do)."""
         return self.token_experts is not None or self.top_k <= 2
 
     def without_tokens(self) -> RoutingStats:
         """The same statistics as a recorded document would carry (matrices only)."""
-        return RoutingStats(self.num_layers, self.num_experts, self.top_k, self.tokens, self.load,
-                            self.coact, self.steps, self.source, self.model, None, self.planted_clusters)
+        return RoutingStats(
+            self.num_layers,
+            self.num_experts,
+            self.top_k,
+            self.tokens,
+            self.load,
+            self.coact,
+            self.steps,
+            self.source,
+            self.model,
+            None,
+            self.planted_clusters,
+        )
 
 
 class _Header(Doc):
@@ -96,8 +118,10 @@ def _array(obj: dict[str, Any], name: str, shape: tuple[int, ...]) -> np.ndarray
     except ValueError:
         raise _err(name, "...", "is a ragged array") from None
     if arr.shape != shape:
-        raise DocumentError(f"{DOCUMENT} {name}: shape {list(arr.shape)} does not match "
-                            f"numLayers/numExperts {list(shape)}")
+        raise DocumentError(
+            f"{DOCUMENT} {name}: shape {list(arr.shape)} does not match "
+            f"numLayers/numExperts {list(shape)}"
+        )
     if arr.size and (arr.dtype.kind not in "iu"):
         if arr.dtype.kind == "f" and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
             arr = arr.astype(np.int64)
@@ -113,8 +137,15 @@ def _array(obj: dict[str, Any], name: str, shape: tuple[int, ...]) -> np.ndarray
 def parse_routing_stats(obj: Any) -> RoutingStats:
     """Validate a decoded RoutingStats document (all invariants of docs/contracts.md)."""
     check_kind_version(DOCUMENT, obj, VERSIONS)
-    h = validate(DOCUMENT, _Header, {key: obj[key] for key in ("numLayers", "numExperts", "topK", "tokens",
-                                                               "steps", "source", "model") if key in obj})
+    h = validate(
+        DOCUMENT,
+        _Header,
+        {
+            key: obj[key]
+            for key in ("numLayers", "numExperts", "topK", "tokens", "steps", "source", "model")
+            if key in obj
+        },
+    )
     L, E, k, tokens, steps = h.num_layers, h.num_experts, h.top_k, h.tokens, h.steps
     if k > E:
         raise _err("topK", k, f"exceeds numExperts {E}")
@@ -123,21 +154,29 @@ def parse_routing_stats(obj: Any) -> RoutingStats:
     sums = load.sum(axis=1)
     for layer in range(L):
         if sums[layer] != tokens * k:
-            raise DocumentError(f"{DOCUMENT} load[{layer}]: sums to {int(sums[layer])}, "
-                                f"expected tokens*topK = {tokens * k}")
+            raise DocumentError(
+                f"{DOCUMENT} load[{layer}]: sums to {int(sums[layer])}, "
+                f"expected tokens*topK = {tokens * k}"
+            )
         c = coact[layer]
         if (c != c.T).any():
             i, j = (int(x) for x in np.argwhere(c != c.T)[0])
-            raise DocumentError(f"{DOCUMENT} coactivation[{layer}][{i}][{j}]: {int(c[i, j])} != "
-                                f"coactivation[{layer}][{j}][{i}] {int(c[j, i])} (not symmetric)")
+            raise DocumentError(
+                f"{DOCUMENT} coactivation[{layer}][{i}][{j}]: {int(c[i, j])} != "
+                f"coactivation[{layer}][{j}][{i}] {int(c[j, i])} (not symmetric)"
+            )
         if np.diagonal(c).any():
             i = int(np.flatnonzero(np.diagonal(c))[0])
-            raise _err(f"coactivation[{layer}][{i}][{i}]", int(c[i, i]), "is not 0 (diagonal must be zero)")
+            raise _err(
+                f"coactivation[{layer}][{i}][{i}]", int(c[i, i]), "is not 0 (diagonal must be zero)"
+            )
         rows, want = c.sum(axis=1), (k - 1) * load[layer]
         if (rows != want).any():
             i = int(np.flatnonzero(rows != want)[0])
-            raise DocumentError(f"{DOCUMENT} coactivation[{layer}][{i}]: row sums to {int(rows[i])}, "
-                                f"expected (topK-1)*load[{layer}][{i}] = {int(want[i])}")
+            raise DocumentError(
+                f"{DOCUMENT} coactivation[{layer}][{i}]: row sums to {int(rows[i])}, "
+                f"expected (topK-1)*load[{layer}][{i}] = {int(want[i])}"
+            )
     samples = _token_samples(obj, L, E, k, tokens) if obj["version"] >= 2 else None
     return RoutingStats(L, E, k, tokens, load, coact, steps, h.source, h.model, samples)
 
@@ -156,19 +195,27 @@ def _token_samples(obj: dict[str, Any], L: int, E: int, k: int, tokens: int) -> 
     if ex.size == 0:
         return None
     if ex.ndim != 3 or ex.shape[0] != L or ex.shape[2] != k or ex.dtype.kind not in "iu":
-        raise DocumentError(f"{DOCUMENT} tokenSamples.experts: shape {list(ex.shape)} ({ex.dtype}) is "
-                            f"not [numLayers={L}][samples][topK={k}] of integers")
+        raise DocumentError(
+            f"{DOCUMENT} tokenSamples.experts: shape {list(ex.shape)} ({ex.dtype}) is "
+            f"not [numLayers={L}][samples][topK={k}] of integers"
+        )
     if ex.shape[1] > tokens:
         raise _err("tokenSamples.experts", f"{ex.shape[1]} samples", f"exceed tokens {tokens}")
     if (ex < 0).any() or (ex >= E).any():
         idx = tuple(int(i) for i in np.argwhere((ex < 0) | (ex >= E))[0])
-        raise _err("tokenSamples.experts" + "".join(f"[{i}]" for i in idx), int(ex[idx]),
-                   f"is not an expert id in [0, {E})")
+        raise _err(
+            "tokenSamples.experts" + "".join(f"[{i}]" for i in idx),
+            int(ex[idx]),
+            f"is not an expert id in [0, {E})",
+        )
     srt = np.sort(ex, axis=-1)
     if k > 1 and (srt[..., 1:] == srt[..., :-1]).any():
         idx = tuple(int(i) for i in np.argwhere((srt[..., 1:] == srt[..., :-1]).any(-1))[0])
-        raise _err("tokenSamples.experts" + "".join(f"[{i}]" for i in idx), ex[idx].tolist(),
-                   "repeats an expert (a token's top-k are distinct)")
+        raise _err(
+            "tokenSamples.experts" + "".join(f"[{i}]" for i in idx),
+            ex[idx].tolist(),
+            "repeats an expert (a token's top-k are distinct)",
+        )
     return srt.astype(np.int64)
 
 
@@ -183,8 +230,16 @@ def write_routing_stats(stats: RoutingStats, path: str | Path) -> None:
     Path(path).write_text(json.dumps(stats.to_json(), separators=(",", ":")) + "\n")
 
 
-def routing_stats_doc(load: Any, coact: Any, tokens: int, steps: int, top_k: int, model: str,
-                      source: str = "trainer", samples: list[Any] | None = None) -> dict[str, Any]:
+def routing_stats_doc(
+    load: Any,
+    coact: Any,
+    tokens: int,
+    steps: int,
+    top_k: int,
+    model: str,
+    source: str = "trainer",
+    samples: list[Any] | None = None,
+) -> dict[str, Any]:
     """The RoutingStats v2 document the trainer writes: ``load[L, E]``, ``coact[L, E, E]`` in
     original expert ids; ``samples[L][S][k]`` (original ids) a uniform sample of the window's
     tokens' expert sets (left out when None or empty)."""
@@ -192,8 +247,17 @@ def routing_stats_doc(load: Any, coact: Any, tokens: int, steps: int, top_k: int
     coact = np.rint(np.asarray(coact)).astype(np.int64)
     num_layers, num_experts = load.shape
     has_samples = samples is not None and len(samples[0]) > 0
-    stats = RoutingStats(int(num_layers), int(num_experts), int(top_k), int(tokens), load, coact, int(steps),
-                         source, model)
+    stats = RoutingStats(
+        int(num_layers),
+        int(num_experts),
+        int(top_k),
+        int(tokens),
+        load,
+        coact,
+        int(steps),
+        source,
+        model,
+    )
     doc = stats.to_json()
     if has_samples:
         doc["tokenSamples"] = {"experts": samples}
@@ -206,10 +270,10 @@ class Encoded:
     """What would go into the ConfigMap: ``body`` is the merge-patch, None when too large."""
 
     body: dict[str, Any] | None
-    key: str | None           # ROUTING_STATS_KEY | ROUTING_STATS_GZ_KEY | None
-    json_bytes: int           # compact JSON size
-    stored_bytes: int         # size of the value stored (JSON text, or base64 of the gzip)
-    samples: int = 0          # tokenSamples kept per layer
+    key: str | None  # ROUTING_STATS_KEY | ROUTING_STATS_GZ_KEY | None
+    json_bytes: int  # compact JSON size
+    stored_bytes: int  # size of the value stored (JSON text, or base64 of the gzip)
+    samples: int = 0  # tokenSamples kept per layer
 
 
 def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
@@ -232,12 +296,20 @@ def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
 def _encode(doc: dict[str, Any], limit: int) -> Encoded:
     raw = json.dumps(doc, separators=(",", ":")).encode()
     if len(raw) <= limit:
-        return Encoded({"data": {ROUTING_STATS_KEY: raw.decode()}, "binaryData": {ROUTING_STATS_GZ_KEY: None}},
-                       ROUTING_STATS_KEY, len(raw), len(raw))
+        return Encoded(
+            {"data": {ROUTING_STATS_KEY: raw.decode()}, "binaryData": {ROUTING_STATS_GZ_KEY: None}},
+            ROUTING_STATS_KEY,
+            len(raw),
+            len(raw),
+        )
     b64 = base64.b64encode(gzip.compress(raw, compresslevel=9, mtime=0)).decode()
     if len(b64) <= limit:
-        return Encoded({"data": {ROUTING_STATS_KEY: None}, "binaryData": {ROUTING_STATS_GZ_KEY: b64}},
-                       ROUTING_STATS_GZ_KEY, len(raw), len(b64))
+        return Encoded(
+            {"data": {ROUTING_STATS_KEY: None}, "binaryData": {ROUTING_STATS_GZ_KEY: b64}},
+            ROUTING_STATS_GZ_KEY,
+            len(raw),
+            len(b64),
+        )
     return Encoded(None, None, len(raw), len(b64))
 
 
@@ -255,14 +327,18 @@ def configmap_text(cm: dict[str, Any] | None) -> str | None:
         with gzip.GzipFile(fileobj=io.BytesIO(base64.b64decode(packed, validate=True))) as f:
             text = f.read(MAX_JSON_BYTES + 1)
     except (binascii.Error, OSError, EOFError) as exc:
-        raise DocumentError(f"binaryData.{ROUTING_STATS_GZ_KEY} is not gzip+base64: {exc}") from None
+        raise DocumentError(
+            f"binaryData.{ROUTING_STATS_GZ_KEY} is not gzip+base64: {exc}"
+        ) from None
     if len(text) > MAX_JSON_BYTES:
-        raise DocumentError(f"binaryData.{ROUTING_STATS_GZ_KEY} inflates to more than {MAX_JSON_BYTES} bytes")
+        raise DocumentError(
+            f"binaryData.{ROUTING_STATS_GZ_KEY} inflates to more than {MAX_JSON_BYTES} bytes"
+        )
     return text.decode("utf-8", errors="replace")
 
 
 def decode_configmap(cm: dict[str, Any] | None) -> RoutingStats | None:
-    """The checked RoutingStats of a ConfigMap, None when it holds none yet; raises DocumentError."""
+    """The checked RoutingStats of a ConfigMap, None while it holds none; raises DocumentError."""
     text = configmap_text(cm)
     if not text:
         return None

@@ -32,14 +32,15 @@ def parse_pci_bus_id(text: str) -> tuple[int, int, int, int]:
 
 
 def normalize_pci_bus_id(text: str) -> str:
-    """Canonical form: 4-hex domain, lower case (``0000:18:00.0``); NVML's 8-hex form compares equal."""
+    """Canonical form: 4-hex domain, lower case (``0000:18:00.0``); NVML's 8-hex form is equal."""
     domain, bus, dev, fn = parse_pci_bus_id(text)
     return f"{domain:04x}:{bus:02x}:{dev:02x}.{fn:x}"
 
 
 class _Doc(BaseModel):
-    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True,
-                              extra="ignore")
+    model_config = ConfigDict(
+        frozen=True, alias_generator=to_camel, populate_by_name=True, extra="ignore"
+    )
 
 
 class NvLink(_Doc):
@@ -104,28 +105,43 @@ class TopologyReport(_Doc):
         n = len(self.gpus)
         for i, gpu in enumerate(self.gpus):
             if gpu.index != i:
-                raise ValueError(f"gpus[{i}].index: {gpu.index} != position {i} (GPUs must be listed in index order)")
+                raise ValueError(
+                    f"gpus[{i}].index: {gpu.index} != position {i} "
+                    "(GPUs must be listed in index order)"
+                )
         seen: dict[str, int] = {}
         for i, gpu in enumerate(self.gpus):
             if gpu.pci_bus_id in seen:
-                raise ValueError(f"gpus[{i}].pciBusId: {gpu.pci_bus_id!r} duplicates gpus[{seen[gpu.pci_bus_id]}]")
+                raise ValueError(
+                    f"gpus[{i}].pciBusId: {gpu.pci_bus_id!r} "
+                    f"duplicates gpus[{seen[gpu.pci_bus_id]}]"
+                )
             seen[gpu.pci_bus_id] = i
         for i, gpu in enumerate(self.gpus):
             links = [lk.link for lk in gpu.nvlinks]
             if len(set(links)) != len(links):
                 raise ValueError(f"gpus[{i}].nvlinks: link numbers repeat {links}")
             for j, lk in enumerate(gpu.nvlinks):
-                if lk.remote == "gpu" and (lk.remote_pci_bus_id not in seen or seen[lk.remote_pci_bus_id] == i):
-                    raise ValueError(f"gpus[{i}].nvlinks[{j}].remotePciBusId: {lk.remote_pci_bus_id!r} "
-                                     "is not another GPU of this report")
+                if lk.remote == "gpu" and (
+                    lk.remote_pci_bus_id not in seen or seen[lk.remote_pci_bus_id] == i
+                ):
+                    raise ValueError(
+                        f"gpus[{i}].nvlinks[{j}].remotePciBusId: {lk.remote_pci_bus_id!r} "
+                        "is not another GPU of this report"
+                    )
         for name, mat in (("p2pNvlink", self.p2p_nvlink), ("pcieLevel", self.pcie_level)):
             if len(mat) != n or any(len(row) != n for row in mat):
                 shape = f"{len(mat)}x{'/'.join(str(len(r)) for r in mat)}"
-                raise ValueError(f"{name}: matrix is {shape}, expected {n}x{n} (one row and column per GPU)")
+                raise ValueError(
+                    f"{name}: matrix is {shape}, expected {n}x{n} (one row and column per GPU)"
+                )
         for i in range(n):
             for j in range(n):
                 if self.pcie_level[i][j] != self.pcie_level[j][i]:
-                    raise ValueError(f"pcieLevel[{i}][{j}]: {self.pcie_level[i][j]} != pcieLevel[{j}][{i}] (not symmetric)")
+                    raise ValueError(
+                        f"pcieLevel[{i}][{j}]: {self.pcie_level[i][j]} != "
+                        f"pcieLevel[{j}][{i}] (not symmetric)"
+                    )
         return self
 
     def index_of_pci(self, pci_bus_id: str) -> int | None:
