@@ -121,8 +121,9 @@ def _third_party_imports(package: Path) -> set[str]:
                 names |= {a.name.split(".")[0] for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.add(node.module.split(".")[0])
-    # In-repo packages ship in the same wheel (setuptools finds both under operator/).
-    return {n for n in names if n not in stdlib and n not in {"moejob_operator", "moe_localkube"}}
+    # In-repo packages ship in the same wheel (setuptools finds them under operator/).
+    in_repo = {p.name for p in (ROOT / "operator").iterdir() if (p / "__init__.py").is_file()}
+    return {n for n in names if n not in stdlib and n not in in_repo}
 
 
 def test_operator_image_dependencies_cover_the_operator_package():
@@ -137,6 +138,18 @@ def test_operator_image_dependencies_cover_the_operator_package():
     assert "torch" not in used
     install = " ".join(rest for w, rest in instructions(DOCKERFILES["operator"]) if w == "RUN")
     assert "[operator]" in install
+
+
+def test_contracts_need_only_the_core_dependencies():
+    """moe_contracts, which both images import, needs nothing beyond the core dependencies (no
+    torch, kopf or kubernetes): pydantic and numpy; both images COPY it (operator/) and install it."""
+    core = {re.split(r"[=<>\[ ]", d)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
+    used = _third_party_imports(ROOT / "operator" / "moe_contracts")
+    assert used <= core, f"moe_contracts imports {sorted(used - core)}"
+    assert "moe_contracts" in {p.name for p in (ROOT / "operator").iterdir()}
+    for which in DOCKERFILES:
+        copied = [rest.split()[0] for w, rest in instructions(DOCKERFILES[which]) if w == "COPY"]
+        assert "operator/" in copied, f"the {which} image does not COPY operator/ (moe_contracts)"
 
 
 def test_exposed_ports_are_the_charts_defaults():

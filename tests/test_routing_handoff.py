@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from moe_contracts.progress import progress_doc
 from moejob_operator import constants as C
 from moejob_operator.builders.common import JobRef
 from moejob_operator.reconcile import planning
@@ -85,8 +86,9 @@ def test_failed_source_job_is_permanent_at_once():
 
 
 def test_succeeded_source_without_stats_quotes_its_trainer():
-    progress = {"kind": "TrainerProgress", "version": 1, "routingStats": {
-        "message": "routing statistics too large for ConfigMap a-routing-stats: 4749633 bytes"}}
+    progress = dict(progress_doc(phase="Finished", step=20, total_steps=20, loss=1.0, tokens_per_second=1.0,
+                                 eta_seconds=0.0, checkpoint=None, moe={}, health=[]), routingStats={
+        "message": "routing statistics too large for ConfigMap a-routing-stats: 4749633 bytes"})
     client = FakeClient(jobs={"b": body(10), "a": body(600, ("Succeeded", "True", "Finished", "done"),
                                                        completion_ago=3)},
                         configmaps={"a-progress": {"data": {C.PROGRESS_KEY: json.dumps(progress)}},
