@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate
+from moejob_operator.reconcile.outcome import NotYet
 from moejob_operator.spec import parse_spec
 
 NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
@@ -33,30 +35,30 @@ def body(status=None):
 
 
 def test_api_errors_leave_the_job_waiting_with_the_reason():
-    v = gate.check(ForbiddenClient(), body(), spec(), NOW, CFG)
-    assert (v.status, v.reason, v.retry_seconds) == ("Unknown", C.R_GATE_PENDING, 30.0)
-    assert "namespace moe-system: 403 Forbidden" in v.message
+    with pytest.raises(NotYet, match="namespace moe-system: 403 Forbidden") as exc:
+        gate.check(ForbiddenClient(), body(), spec(), NOW, CFG)
+    assert (exc.value.reason, exc.value.delay) == (C.R_GATE_PENDING, 30.0)
 
 
 def test_skip_and_disabled_need_no_store():
     s = spec(gate={"skip": True, "skipReason": "hotfix"})
     v = gate.check(ForbiddenClient(), body(), s, NOW, CFG)
-    assert (v.status, v.reason) == ("True", C.R_GATE_SKIPPED) and "hotfix" in v.message
+    assert v.reason == C.R_GATE_SKIPPED and "hotfix" in v.message
     off = gate.check(ForbiddenClient(), body(), spec(), NOW, G.GateConfig(enabled=False))
-    assert (off.status, off.reason) == ("True", C.R_GATE_NOT_CONFIGURED)
+    assert off.reason == C.R_GATE_NOT_CONFIGURED
 
 
 def test_a_launched_job_keeps_its_verdict():
     cond = {"type": C.COND_UPGRADE_VERIFIED, "status": "True", "reason": G.R_SMOKE_TEST_PASSED, "message": "m"}
     v = gate.check(ForbiddenClient(), body({"launchedSpec": {"image": "x"}, "conditions": [cond]}), spec(), NOW, CFG)
-    assert (v.status, v.reason, v.message) == ("True", G.R_SMOKE_TEST_PASSED, "m")
+    assert (v.reason, v.message) == (G.R_SMOKE_TEST_PASSED, "m")
 
 
 def test_bad_settings_are_reported_not_raised(monkeypatch):
     monkeypatch.setenv("MOE_GATE_PASS_TTL_SECONDS", "a week")
-    v = gate.check(ForbiddenClient(), body(), spec())
-    assert (v.status, v.reason) == ("Unknown", gate.R_GATE_MISCONFIGURED)
-    assert "MOE_GATE_PASS_TTL_SECONDS: 'a week'" in v.message
+    with pytest.raises(NotYet, match="MOE_GATE_PASS_TTL_SECONDS: 'a week'") as exc:
+        gate.check(ForbiddenClient(), body(), spec())
+    assert (exc.value.reason, exc.value.delay) == (gate.R_GATE_MISCONFIGURED, 60.0)
 
 
 
@@ -111,8 +113,8 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
     # the next gate check tests the pushed bits: the identity is pinned to that digest
     ident = gate.identity_of({"status": status}, s, None)
     assert ident.image == f"reg.io/trainer@{pushed}" and ident.key != gate.identity_of(job, s, None).key
-    v = gate.check(ForbiddenClient(), {**job, "status": status}, s, NOW, CFG)
-    assert v.status == "Unknown" and "403" in v.message        # not the launched job's old True
+    with pytest.raises(NotYet, match="403"):       # not the launched job's old True
+        gate.check(ForbiddenClient(), {**job, "status": status}, s, NOW, CFG)
     # pods on the verified digest: nothing happens
     same = dict(pod, status={"phase": "Running", "containerStatuses": [{"imageID": f"reg.io/trainer@{verified}"}]})
     quiet = GangClient([same])

@@ -7,8 +7,11 @@ import datetime as dt
 import json
 from pathlib import Path
 
+import pytest
+
 from moejob_operator import constants as C
 from moejob_operator.builders import discovery as D
+from moejob_operator.reconcile.outcome import NotYet
 from moejob_operator.reconcile.topology import ensure_reports
 from moejob_operator.spec import parse_spec
 
@@ -75,7 +78,7 @@ def test_a_succeeded_pod_whose_report_the_cache_has_not_seen_is_not_rerun():
     client = Client(cached={names[1]: fresh[names[1]]}, fresh=fresh, pods=[succeeded_pod("node-a")])
     body = job_body()
     found = ensure_reports(client, body, parse_spec(body["spec"]), NOW)
-    assert set(found.reports) == {"node-a", "node-b"} and not found.pending
+    assert set(found.reports) == {"node-a", "node-b"}
     assert client.deleted == []
     assert not [o for o in client.created if o["kind"] == "Pod"]
 
@@ -85,8 +88,9 @@ def test_a_succeeded_pod_without_any_report_is_rerun():
     fresh = {names[1]: report_cm("node-b")}
     client = Client(cached=dict(fresh), fresh=fresh, pods=[succeeded_pod("node-a")])
     body = job_body()
-    found = ensure_reports(client, body, parse_spec(body["spec"]), NOW)
-    assert found.pending and set(found.reports) == {"node-b"}
+    with pytest.raises(NotYet, match=r"discovery running on node-a") as exc:
+        ensure_reports(client, body, parse_spec(body["spec"]), NOW)
+    assert (exc.value.reason, exc.value.delay, exc.value.failed) == (C.R_DISCOVERY_PENDING, 1.0, False)
     assert client.deleted == [D.discovery_pod_name("node-a")]
 
 

@@ -62,7 +62,7 @@ def test_source_still_training_is_a_bounded_wait():
     client = FakeClient(jobs={"a": body(600), "b": body(100)})
     with pytest.raises(planning.NotYet, match=r"waiting for source job a \(phase Running\).*waited 100 s of 86400 s") as exc:
         read(client, jobName="a")
-    assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE and exc.value.retry_seconds == 30.0
+    assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE and exc.value.delay == 30.0
     client.jobs["b"] = body(planning.SOURCE_ACTIVE_WAIT_SECONDS + 5)
     with pytest.raises(planning.Refused, match=r"gave up after 86405 s \(limit 86400 s\)"):
         read(client, jobName="a")

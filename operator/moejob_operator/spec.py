@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from .core.errors import DocumentError, field_path
+from .core.errors import FieldError, field_path
 
 # Keys of the generated DeepSpeed config that the plan depends on: overriding them would make the
 # placement and the memory estimate lie, so deepspeedOverrides may not touch them.
@@ -43,12 +43,11 @@ _MAX_LR = Decimal(10)
 _MIN_LR = Decimal("1e-12")    # smaller rounds to nothing in a float32 optimizer (1e-400 is 0.0)
 
 
-class SpecError(DocumentError):
+class SpecError(FieldError):
     """The MoETrainingJob spec is invalid; ``field`` is its path (``spec.nodes.count``)."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
+        super().__init__(field, message)
 
 
 def _short(value: Any, limit: int = 60) -> str:

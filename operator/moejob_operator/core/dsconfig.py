@@ -12,7 +12,7 @@ Rules (docs/planning.md has the table):
   ZeRO-3 with experts as ordinary parameters.
 * User overrides are deep-merged last. Unsafe ones give a warning; combinations DeepSpeed 0.19.8
   rejects (engine ``_validate_zero3_moe_compatibility``, ``validate_folding_global``, removed
-  keys) are refused here with a :class:`DocumentError`, before any pod starts.
+  keys) are refused here with a :class:`FieldError`, before any pod starts.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DocumentError
+from .errors import FieldError
 from .models import MoEModelSpec
 
 # DeepSpeed 0.19.8 module_inject/auto_ep_presets/registry.py: PRESET_MODELS keys we can map to.
@@ -73,21 +73,19 @@ def batch_sizes(*, world_size: int, global_batch: int, micro_batch: int | None) 
     Without a micro batch, take the largest micro batch <= 16 that divides the per-rank batch
     (fewest accumulation steps at a size that usually fits)."""
     if world_size < 1:
-        raise DocumentError(f"worldSize: {world_size} must be >= 1")
+        raise FieldError("worldSize", f"{world_size} must be >= 1")
     if global_batch < 1:
-        raise DocumentError(f"globalBatch: {global_batch} must be >= 1")
+        raise FieldError("globalBatch", f"{global_batch} must be >= 1")
     if global_batch % world_size:
-        raise DocumentError(
-            f"globalBatch: {global_batch} is not divisible by the data-parallel size {world_size} "
+        raise FieldError("globalBatch", f"{global_batch} is not divisible by the data-parallel size {world_size} "
             f"(ZeRO shards over every rank); use a multiple of {world_size}")
     per_rank = global_batch // world_size
     if micro_batch is None:
         micro_batch = max(d for d in range(1, min(per_rank, 16) + 1) if per_rank % d == 0)
     if micro_batch < 1:
-        raise DocumentError(f"microBatch: {micro_batch} must be >= 1")
+        raise FieldError("microBatch", f"{micro_batch} must be >= 1")
     if per_rank % micro_batch:
-        raise DocumentError(
-            f"microBatch: {micro_batch} does not divide the per-rank batch {per_rank} "
+        raise FieldError("microBatch", f"{micro_batch} does not divide the per-rank batch {per_rank} "
             f"(globalBatch {global_batch} / {world_size} ranks); global = micro x accumulation x "
             f"{world_size}")
     return micro_batch, per_rank // micro_batch
@@ -103,7 +101,7 @@ def choose_ep_size(group_sizes: list[int], num_experts: int, world_size: int) ->
     no NVLink every group has size 1 and EP falls back to 1.
     """
     if sum(group_sizes) != world_size:
-        raise DocumentError(f"worldSize: {world_size} ranks but the NVLink groups hold "
+        raise FieldError("worldSize", f"{world_size} ranks but the NVLink groups hold "
                             f"{sum(group_sizes)}")
     return math.gcd(num_experts, *group_sizes)
 
@@ -166,9 +164,9 @@ def deepspeed_config(model: MoEModelSpec, *, world_size: int, ep_size: int, glob
     needed. The memory model's 12 B/param Adam states hold either way.
     """
     if ep_size < 1 or model.num_experts % ep_size:
-        raise DocumentError(f"epSize: {ep_size} does not divide numExperts {model.num_experts}")
+        raise FieldError("epSize", f"{ep_size} does not divide numExperts {model.num_experts}")
     if world_size % ep_size:
-        raise DocumentError(f"epSize: {ep_size} does not divide worldSize {world_size}")
+        raise FieldError("epSize", f"{ep_size} does not divide worldSize {world_size}")
     micro, accum = batch_sizes(world_size=world_size, global_batch=global_batch,
                                micro_batch=micro_batch)
     warnings: list[str] = []
@@ -187,7 +185,7 @@ def deepspeed_config(model: MoEModelSpec, *, world_size: int, ep_size: int, glob
             warnings.append("epSize 1: AutoEP replaces the MoE blocks but every rank holds all "
                             "experts (no all-to-all)")
     elif ep_size != 1 and not native_moe:
-        raise DocumentError(f"epSize: {ep_size} needs AutoEP; without it experts are ordinary "
+        raise FieldError("epSize", f"{ep_size} needs AutoEP; without it experts are ordinary "
                             "ZeRO-3 parameters and the EP size must be 1")
     if overrides:
         cfg = deep_merge(cfg, overrides)
@@ -204,7 +202,7 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     zero = cfg.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
-        raise DocumentError(f"deepspeed.zero_optimization.stage: {stage!r} is not 0, 1, 2 or 3")
+        raise FieldError("deepspeed.zero_optimization.stage", f"{stage!r} is not 0, 1, 2 or 3")
     ep_cfg = cfg.get("expert_parallel") or {}
     autoep = bool(ep_cfg.get("enabled", False))
 
@@ -213,42 +211,41 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     total = cfg.get("train_batch_size")
     if not (isinstance(micro, int) and isinstance(accum, int) and isinstance(total, int)
             and min(micro, accum, total) > 0 and total == micro * accum * world_size):
-        raise DocumentError(
-            f"deepspeed.train_batch_size: {total!r} != train_micro_batch_size_per_gpu {micro!r} x "
+        raise FieldError("deepspeed.train_batch_size", f"{total!r} != train_micro_batch_size_per_gpu {micro!r} x "
             f"gradient_accumulation_steps {accum!r} x data-parallel size {world_size}")
 
     for key in ("mics_shard_size", "mics_hierarchical_params_gather"):
         if key in zero:
-            raise DocumentError(f"deepspeed.zero_optimization.{key}: MiCS was removed in "
+            raise FieldError(f"deepspeed.zero_optimization.{key}", f"MiCS was removed in "
                                 "DeepSpeed 0.19.8 (and is unavailable with AutoEP + ZeRO-3)")
     if native_moe and stage == 3:
-        raise DocumentError("deepspeed.zero_optimization.stage: 3 rejects DeepSpeed's native MoE "
+        raise FieldError("deepspeed.zero_optimization.stage", "3 rejects DeepSpeed's native MoE "
                             "layer (deepspeed.moe.layer.MoE); use AutoEP or ZeRO stage 1/2")
     if autoep:
         if ep_cfg.get("autoep_size", 1) != ep_size:
-            raise DocumentError(f"deepspeed.expert_parallel.autoep_size: "
-                                f"{ep_cfg.get('autoep_size')!r} differs from the plan's epSize "
+            raise FieldError("deepspeed.expert_parallel.autoep_size",
+                             f"{ep_cfg.get('autoep_size')!r} differs from the plan's epSize "
                                 f"{ep_size} (the placement is computed for {ep_size})")
         preset = ep_cfg.get("preset_model")
         if preset is not None and preset not in ("mixtral", "qwen3_moe", "qwen3_5_moe",
                                                  "deepseek_v2", "deepseek_v3", "minimax_m3"):
-            raise DocumentError(f"deepspeed.expert_parallel.preset_model: {preset!r} is not a "
+            raise FieldError("deepspeed.expert_parallel.preset_model", f"{preset!r} is not a "
                                 "DeepSpeed 0.19.8 AutoEP preset")
         etp = ep_cfg.get("expert_tensor_parallel_size", 1)
         if etp != 1:
-            raise DocumentError(f"deepspeed.expert_parallel.expert_tensor_parallel_size: {etp} is "
+            raise FieldError("deepspeed.expert_parallel.expert_tensor_parallel_size", f"{etp} is "
                                 "not supported by AutoEP (must be 1)")
         if stage == 3:
             hpz = zero.get("zero_hpz_partition_size", 1)
             if hpz > 1:
-                raise DocumentError(f"deepspeed.zero_optimization.zero_hpz_partition_size: {hpz} "
+                raise FieldError("deepspeed.zero_optimization.zero_hpz_partition_size", f"{hpz} "
                                     "(ZeRO++ hpZ) is refused by AutoEP + ZeRO-3; leave it at 1")
             if zero.get("zero_quantized_gradients"):
-                raise DocumentError("deepspeed.zero_optimization.zero_quantized_gradients: "
-                                    "refused by AutoEP + ZeRO-3; set it to false")
+                raise FieldError("deepspeed.zero_optimization.zero_quantized_gradients",
+                                 "refused by AutoEP + ZeRO-3; set it to false")
             sp = cfg.get("sequence_parallel_size", 1)
             if sp != 1:
-                raise DocumentError(f"deepspeed.sequence_parallel_size: {sp}: sequence "
+                raise FieldError("deepspeed.sequence_parallel_size", f"{sp}: sequence "
                                     "parallelism is refused by AutoEP + ZeRO-3")
         else:
             warnings.append(f"ZeRO stage {stage} with AutoEP works, but the product is built and "
@@ -260,10 +257,10 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     bf16 = bool((cfg.get("bf16") or {}).get("enabled", False))
     fp16 = bool((cfg.get("fp16") or {}).get("enabled", False))
     if bf16 and fp16:
-        raise DocumentError("deepspeed.bf16.enabled and deepspeed.fp16.enabled: both true; "
+        raise FieldError("deepspeed.fp16.enabled", "true as well as deepspeed.bf16.enabled: both true; "
                             "pick one")
     if bf16 and not gpu.is_cpu and not gpu.supports_bf16:
-        raise DocumentError(f"deepspeed.bf16.enabled: {gpu.name} (compute capability "
+        raise FieldError("deepspeed.bf16.enabled", f"{gpu.name} (compute capability "
                             f"{gpu.compute_capability}) has no bf16; use fp16")
     if gpu.supports_bf16 and not bf16:
         warnings.append(f"bf16 is off on {gpu.name}, which supports it: "

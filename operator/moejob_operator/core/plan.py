@@ -25,7 +25,7 @@ from moe_contracts.topology import TopologyReport
 
 from . import cost, dispatch, perf as perf_mod, placement as placement_mod, router_groups
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
-from .errors import DocumentError
+from .errors import DoesNotFit, FieldError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
 from .models import FAMILIES, ResolvedModel, spec_from_hf_config
 from .routing import synthetic_trace
@@ -86,16 +86,16 @@ def select_gpus(topo: ClusterTopology, nodes: Sequence[str] | None,
     names = list(nodes) if nodes else list(topo.nodes)
     unknown = [n for n in names if n not in topo.nodes]
     if unknown:
-        raise DocumentError(f"nodes: {unknown} not discovered (topology has {list(topo.nodes)})")
+        raise FieldError("nodes", f"{unknown} not discovered (topology has {list(topo.nodes)})")
     if len(set(names)) != len(names):
-        raise DocumentError(f"nodes: {names} lists a node twice")
+        raise FieldError("nodes", f"{names} lists a node twice")
     picked: list[int] = []
     for name in names:
         n = topo.nodes.index(name)
         local = np.flatnonzero(topo.node_of == n)
         want = len(local) if gpus_per_node is None else gpus_per_node
         if want < 1 or want > len(local):
-            raise DocumentError(f"gpusPerNode: {want} requested but node {name!r} has "
+            raise FieldError("gpusPerNode", f"{want} requested but node {name!r} has "
                                 f"{len(local)} GPU(s) discovered")
         size = {g: int((topo.group_of == topo.group_of[g]).sum()) for g in local}
         order = sorted(local, key=lambda g: (-size[g], int(topo.group_of[g]), int(g)))
@@ -121,7 +121,7 @@ def subset(topo: ClusterTopology, gpus: Sequence[int]) -> ClusterTopology:
 def cpu_topology(nodes: Sequence[str], procs_per_node: int, memory_bytes: int) -> ClusterTopology:
     """CPU mode: each node is one shared-memory "group" of ``procs_per_node`` processes."""
     if not nodes or procs_per_node < 1:
-        raise DocumentError(f"nodes/procsPerNode: need at least one node and one process "
+        raise FieldError("nodes/procsPerNode", f"need at least one node and one process "
                             f"(got {list(nodes)}, {procs_per_node})")
     node_of = np.repeat(np.arange(len(nodes)), procs_per_node)
     return ClusterTopology(tuple(nodes), tuple((n, i) for n in nodes for i in range(procs_per_node)),
@@ -229,20 +229,20 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     stock configuration (HF blocks + AutoEP, HF's ZeRO-3 "auto" knobs, no performance block)."""
     spec = model.spec
     if strategy not in placement_mod.STRATEGIES:
-        raise DocumentError(f"strategy: {strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
+        raise FieldError("strategy", f"{strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
     cpu = device == "cpu"
     if device not in ("cpu", "cuda"):
-        raise DocumentError(f"device: {device!r} is not 'cuda' or 'cpu'")
+        raise FieldError("device", f"{device!r} is not 'cuda' or 'cpu'")
     if cpu:
         topo = cpu_topology(list(nodes or ["localhost"]), procs_per_node, cpu_memory_bytes)
         caps = CPU
     else:
         if topology is None:
-            raise DocumentError("topology: required on GPUs (no TopologyReport given)")
+            raise FieldError("topology", "required on GPUs (no TopologyReport given)")
         if isinstance(topology, ClusterTopology):
             full = topology
             if gpu is None:
-                raise DocumentError("gpu: GPU capabilities are required with a ClusterTopology "
+                raise FieldError("gpu", "GPU capabilities are required with a ClusterTopology "
                                     "(pass the TopologyReports instead)")
         else:
             full = ClusterTopology.from_reports(list(topology))
@@ -259,22 +259,22 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
                               "planned as without routing statistics")
         routing_stats = None
     if routing_stats is not None and (routing_stats.num_layers, routing_stats.num_experts) != (L, E):
-        raise DocumentError(f"routingStats: {routing_stats.num_layers} layers x "
+        raise FieldError("routingStats", f"{routing_stats.num_layers} layers x "
                             f"{routing_stats.num_experts} experts, the model has {L} MoE layers "
                             f"x {E} experts")
     order = topo.gpu_order() if strategy != "contiguous" else np.arange(world)
     auto_ep = choose_ep_size(_group_sizes(topo, order), E, world)
     ep = auto_ep if ep_size is None else ep_size
     if ep < 1 or E % ep:
-        raise DocumentError(f"epSize: {ep} does not divide the number of experts {E}")
+        raise FieldError("epSize", f"{ep} does not divide the number of experts {E}")
     if world % ep:
-        raise DocumentError(f"epSize: {ep} does not divide the world size {world}")
+        raise FieldError("epSize", f"{ep} does not divide the world size {world}")
     try:
         pl = router_groups.solve(strategy, topo, routing_stats, ep_size=ep, num_experts=E,
                                  num_layers=L, seed=training.seed,
                                  n_group=int((model.hf_config or {}).get("n_group") or 1))
     except ValueError as exc:
-        raise DocumentError(f"placement: {exc}") from None
+        raise FieldError("placement", str(exc)) from None
 
     overrides = dict(ds_overrides or {})
     choice = None
@@ -300,9 +300,9 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     if dispatcher is None:
         dispatcher = "dedup" if uses_autoep and ep > 1 else "autoep"
     if dispatcher not in dispatch.DISPATCHERS:
-        raise DocumentError(f"dispatcher: {dispatcher!r} is not one of {list(dispatch.DISPATCHERS)}")
+        raise FieldError("dispatcher", f"{dispatcher!r} is not one of {list(dispatch.DISPATCHERS)}")
     if dispatcher == "dedup" and not uses_autoep:
-        raise DocumentError("dispatcher: 'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
+        raise FieldError("dispatcher", "'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
     if ep_size is not None and ep_size > auto_ep:
         warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
                         f"is {auto_ep})")
@@ -351,8 +351,8 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
     fits = est.fits(mem_bytes, HEADROOM) if mem_bytes else True
     if not fits:
         limit = int(HEADROOM * mem_bytes)
-        raise DocumentError(
-            f"memory: the job needs {est.total / GiB:.1f} GiB per "
+        raise DoesNotFit(
+            f"the job needs {est.total / GiB:.1f} GiB per "
             f"{'process' if cpu else 'GPU'} but {limit / GiB:.1f} GiB are usable "
             f"({HEADROOM:.0%} of {mem_bytes / GiB:.1f} GiB) at micro-batch {micro}: short by "
             f"{est.shortfall(mem_bytes, HEADROOM) / GiB:.1f} GiB. Try "

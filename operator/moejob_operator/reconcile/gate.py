@@ -1,7 +1,9 @@
 """The DeepSpeed upgrade gate, as seen by the reconcile loop: read the verdict store and the
 smoke-test Job, decide (:func:`moejob_operator.core.gate.decide`), then create the Job or store
-the verdict. The reconcile loop calls :func:`check` before launching workers: ``UpgradeVerified``
-``Unknown`` means "not yet" (a temporary error with a delay), ``False`` blocks the launch.
+the verdict. The reconcile loop calls :func:`check` before launching workers: it returns
+:class:`Verified` (``UpgradeVerified=True``) or raises :class:`~.outcome.NotYet` (``Unknown``:
+a smoke test to wait for, with a delay) or :class:`~.outcome.Refused` (``False``: the launch is
+blocked).
 
 Concurrency: the Job name and the ConfigMap name derive from the identity, so two jobs asking at
 once create one Job ("already exists" = share it) and write the same verdict (create, or replace
@@ -30,6 +32,7 @@ from ..core import gate as G
 from ..core import smoke_plans as SP
 from ..core.dsconfig import GpuCaps
 from ..spec import JobSpec
+from .outcome import NotYet, Refused
 
 log = logging.getLogger("moejob_operator")
 
@@ -38,12 +41,15 @@ R_IMAGE_DIGEST_CHANGED = G.R_IMAGE_DIGEST_CHANGED
 _SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+DEFAULT_WAIT_SECONDS = 10.0     # a smoke test to wait for, when the decision names no delay
+
+
 @dataclass(frozen=True)
-class Verdict:
-    status: str        # "True" | "False" | "Unknown"
+class Verified:
+    """``UpgradeVerified=True``: the job may launch."""
+
     reason: str
     message: str
-    retry_seconds: float | None = None
     digest: str | None = None          # the digest the verdict's smoke pod ran (tag-only images)
 
 
@@ -74,33 +80,33 @@ def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None)
 
 
 def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = None,
-          config: G.GateConfig | None = None, plan: dict[str, Any] | None = None) -> Verdict:
-    """``plan``: the job's MoEPlan (its `hardware` keys GPU verdicts; a GPU smoke Job runs on
-    its first node)."""
+          config: G.GateConfig | None = None, plan: dict[str, Any] | None = None) -> Verified:
+    """The gate stage: :class:`Verified`, else raises :class:`NotYet` / :class:`Refused`.
+    ``plan``: the job's MoEPlan (its `hardware` keys GPU verdicts; a GPU smoke Job runs on its
+    first node)."""
     now = now or dt.datetime.now(dt.timezone.utc)
     prev = _previous(job)
     status = job.get("status") or {}
     if (status.get("launchedSpecHash") or status.get("launchedSpec")) and prev.get("status") == "True":
         # the gate guards launches: a running job keeps its verdict even when it expires meanwhile
-        return Verdict("True", prev.get("reason", ""), prev.get("message", ""),
-                       digest=status.get("verifiedDigest"))
+        return Verified(prev.get("reason", ""), prev.get("message", ""),
+                        digest=status.get("verifiedDigest"))
     identity = identity_of(job, spec, plan)
     if spec.gate.skip:
-        return Verdict("True", C.R_GATE_SKIPPED,
-                       G.skip_message(identity, spec.gate.skip_reason or "", G.skip_audit(job)))
+        return Verified(C.R_GATE_SKIPPED,
+                        G.skip_message(identity, spec.gate.skip_reason or "", G.skip_audit(job)))
     try:
         config = config or gate_config()
     except G.GateError as exc:
-        return Verdict("Unknown", R_GATE_MISCONFIGURED, f"upgrade gate settings are invalid: {exc}", 60.0)
+        raise NotYet(R_GATE_MISCONFIGURED, f"upgrade gate settings are invalid: {exc}", 60.0) from None
     if not config.enabled:
-        return Verdict("True", C.R_GATE_NOT_CONFIGURED,
-                       f"the upgrade gate is disabled (MOE_GATE_ENABLED); {identity.describe()} launches unverified")
+        return Verified(C.R_GATE_NOT_CONFIGURED, f"the upgrade gate is disabled (MOE_GATE_ENABLED); "
+                        f"{identity.describe()} launches unverified")
     try:
         return _decide_and_act(client, job, spec, identity, prev, now, config, plan)
     except ApiException as exc:
-        return Verdict("Unknown", C.R_GATE_PENDING,
-                       f"cannot use the verdict store / smoke Jobs in namespace {config.namespace}: "
-                       f"{exc.status} {exc.reason}", 30.0)
+        raise NotYet(C.R_GATE_PENDING, f"cannot use the verdict store / smoke Jobs in namespace "
+                     f"{config.namespace}: {exc.status} {exc.reason}", 30.0) from None
 
 
 def _smoke_plans(identity: G.Identity, plan: dict[str, Any] | None) -> dict[str, Any]:
@@ -116,7 +122,7 @@ def _case_names(identity: G.Identity) -> list[str]:
 
 
 def _decide_and_act(client, job, spec: JobSpec, identity: G.Identity, prev: dict[str, Any],
-                    now: dt.datetime, config: G.GateConfig, plan: dict[str, Any] | None = None) -> Verdict:
+                    now: dt.datetime, config: G.GateConfig, plan: dict[str, Any] | None = None) -> Verified:
     store = Store(client, config.namespace)
     stored = store.read(identity)
     obs = None
@@ -146,11 +152,12 @@ def _decide_and_act(client, job, spec: JobSpec, identity: G.Identity, prev: dict
     if d.action in ("record", "none") and (prev.get("status"), prev.get("reason")) != (d.status, d.reason):
         metrics.record_smoke_verdict(identity.image, "Passed" if d.status == "True" else "Failed",
                                      cached=d.reason == G.R_CACHED_VERDICT or d.action == "none")
-    digest = None
-    if d.status == "True":
-        rec = d.record or stored or {}
-        digest = identity.digest or rec.get("observedDigest")
-    return Verdict(d.status, d.reason, d.message, d.retry_seconds, digest=digest)
+    if d.status == "False":
+        raise Refused(d.reason, d.message)
+    if d.status != "True":
+        raise NotYet(d.reason, d.message, d.retry_seconds or DEFAULT_WAIT_SECONDS)
+    rec = d.record or stored or {}
+    return Verified(d.reason, d.message, digest=identity.digest or rec.get("observedDigest"))
 
 
 class Store:

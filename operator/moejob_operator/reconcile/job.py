@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import urllib3
@@ -32,6 +33,7 @@ from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, p
 from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
 from . import gate, machine, planning, topology
 from .client import Client, NotReady, Rejected, exceeded_quota, server_message
+from .outcome import NotYet, Refused
 
 log = logging.getLogger("moejob_operator")
 
@@ -219,33 +221,69 @@ def _pass_error(p: Pass, exc: Exception, delay: float) -> float:
     return delay
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A stage of the pass before launch, as its outcome shows on the job: ``condition`` is the
+    condition it reports on; ``waiting`` that condition's status while the stage raises
+    :class:`NotYet` (``False`` also when the NotYet says an attempt ``failed``);
+    ``refusal_event``: a :class:`Refused` also gets the condition's own Event, not only the
+    Failed one."""
+
+    condition: str
+    waiting: str
+    refusal_event: bool = False
+
+
+VALIDATE = Stage(C.COND_SPEC_ACCEPTED, FALSE)          # planning.accept: Refused only
+DISCOVER = Stage(C.COND_TOPOLOGY, UNKNOWN)             # topology.ensure_reports: NotYet only
+PLAN = Stage(C.COND_PLANNED, FALSE)                    # planning.make_plan
+GATE = Stage(C.COND_UPGRADE_VERIFIED, UNKNOWN, refusal_event=True)    # gate.check
+
+
 def _run(p: Pass) -> float | None:
     if p.finished and not _succeeded_claim_contradicted(p):
         return _finished(p)
-    spec = _accept_spec(p)
-    if spec is None:
-        return None
-
-    plan = _plan(p, spec)
-    if not isinstance(plan, dict):
-        return plan
-    metrics.observe_plan(p.job.namespace, p.job.name, plan)
+    stage = VALIDATE
     try:
+        spec = _accept_spec(p)
+        if spec is None:
+            return None
+        stage = DISCOVER
+        plan = _stored_plan(p, spec)
+        if plan is None:
+            reports = topology.ensure_reports(p.client, p.body, spec, p.now)
+            p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, reports.message)
+            stage = PLAN
+            plan = _new_plan(p, spec, reports.reports)
+        metrics.observe_plan(p.job.namespace, p.job.name, plan)
+        stage = GATE
         return _gate_launch_track(p, spec, plan)
+    except (NotYet, Refused) as exc:
+        return _settle(p, stage, exc)
     finally:
         _persist_plan(p)          # every path that did not launch still keeps the plan
 
 
+def _settle(p: Pass, stage: Stage, exc: NotYet | Refused) -> float | None:
+    """The one place a stage's outcome reaches the job: its condition (and Event), the job's
+    failure, the delay of the next pass."""
+    if isinstance(exc, NotYet):
+        p.cond(stage.condition, FALSE if exc.failed else stage.waiting, exc.reason, exc.message)
+        if exc.reason == C.R_NO_CANDIDATE_NODES:
+            # waiting for nodes, not for discovery: nothing can be planned either
+            p.cond(C.COND_PLANNED, FALSE, exc.reason, exc.message)
+        return exc.delay
+    # before launch the Failed Event carries the message; the stage's condition flips quietly
+    p.cond(stage.condition, FALSE, exc.reason, exc.message, quiet=not stage.refusal_event)
+    p.fail(exc.reason, exc.message)
+    return _finished(p)
+
+
 def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
-    verdict = gate.check(p.client, p.body, spec, plan=plan)
-    p.cond(C.COND_UPGRADE_VERIFIED, verdict.status, verdict.reason, verdict.message)
-    if verdict.status == TRUE and verdict.digest:
-        p.status["verifiedDigest"] = verdict.digest
-    if verdict.status == UNKNOWN:
-        return verdict.retry_seconds or 10.0
-    if verdict.status == FALSE:
-        p.fail(verdict.reason, verdict.message)
-        return _finished(p)
+    verified = gate.check(p.client, p.body, spec, plan=plan)
+    p.cond(C.COND_UPGRADE_VERIFIED, TRUE, verified.reason, verified.message)
+    if verified.digest:
+        p.status["verifiedDigest"] = verified.digest
 
     if spec.run_policy.suspend:
         return _suspend(p)
@@ -337,20 +375,18 @@ def _launched_spec(p: Pass, raw: Any) -> JobSpec | None:
 
 # ---- validate -----------------------------------------------------------------------------
 def _accept_spec(p: Pass) -> JobSpec | None:
+    """The validate stage; raises :class:`Refused` before launch. A launched job outlives a
+    refused spec: it keeps running (and being tracked) with the launched values until the user
+    fixes the spec, so then the refusal is only a condition (None: the launched values are gone)."""
     raw = p.body.get("spec")
     launched = _is_launched(p.status)
     try:
-        admission.check_job_name(p.job.name)
-        spec = parse_spec(raw)
-        admission.check(p.job.name, raw, spec)
-        planning.prevalidate(spec)
-    except SpecError as exc:
-        # before launch the Failed event carries the message; after launch this condition does
-        p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=not launched)
-        if launched:               # keep the running gang, and keep tracking it: with the
-            return _launched_spec(p, raw)       # launched values until the user fixes the spec
-        p.fail(C.R_INVALID_SPEC, str(exc))
-        return None
+        spec = planning.accept(p.job.name, raw)
+    except Refused as exc:
+        if not launched:
+            raise
+        p.cond(C.COND_SPEC_ACCEPTED, FALSE, exc.reason, exc.message)
+        return _launched_spec(p, raw)
     if launched:
         changed = _changed_since_launch(p, spec)
         if changed:
@@ -365,59 +401,39 @@ def _accept_spec(p: Pass) -> JobSpec | None:
 
 
 # ---- discover + plan ----------------------------------------------------------------------
-def _plan(p: Pass, spec: JobSpec) -> dict[str, Any] | float | None:
-    """The job's plan (from its ConfigMap, or made now); else the requeue delay."""
+def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
+    """The job's plan from its ConfigMap (None: none, or one of an edited spec, deleted here)."""
     name = common.plan_configmap_name(p.job)
-    spec_hash = spec.immutable_hash()
     # A job that never recorded a plan has none unless an operator crashed between creating it
     # and writing status: skip the read (writing the new one answers "already exists" then).
     fresh = not p.status.get("plan") and not _is_launched(p.status)
     cm = None if fresh else p.client.get_configmap(p.job.namespace, name)
-    if cm is not None:
-        if _spec_hash_of(cm) == spec_hash or _is_launched(p.status):
-            plan = json.loads(cm["data"][C.PLAN_KEY])
-            summary = planning.summary(plan)
-            p.status["plan"] = summary
-            # level-based: the plan's existence is the truth, whatever the status says
-            if p.cond_status(C.COND_TOPOLOGY) != TRUE:
-                p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED,
-                       f"topology reports used for the plan: {', '.join(summary.get('nodes', []))}")
-            if p.cond_status(C.COND_PLANNED) != TRUE:
-                p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
-            return plan
-        # spec edited before launch: plan again
-        p.client.delete_configmap(p.job.namespace, name)
-
-    found = topology.ensure_reports(p.client, p.body, spec, p.now)
-    if found.pending:
-        if len(found.candidates) < spec.nodes.count:
-            # nothing to discover yet: waiting for nodes, not for discovery
-            p.cond(C.COND_TOPOLOGY, UNKNOWN, C.R_NO_CANDIDATE_NODES, found.message)
-            p.cond(C.COND_PLANNED, FALSE, C.R_NO_CANDIDATE_NODES, found.message)
-            return found.retry_seconds
-        p.cond(C.COND_TOPOLOGY, UNKNOWN if not found.failed else FALSE,
-               C.R_DISCOVERY_FAILED if found.failed else C.R_DISCOVERY_PENDING, found.message)
-        return found.retry_seconds
-    p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, found.message)
-
-    try:
-        cpu_memory = 0 if spec.device != "CPU" else planning.cpu_memory_per_process(
-            spec, p.client.list_nodes(), list(found.reports)[: spec.nodes.count])
-        plan = planning.make_plan(p.client, p.job, spec, found.reports, cpu_memory_bytes=cpu_memory)
-    except SpecError as exc:
-        p.cond(C.COND_PLANNED, FALSE, C.R_INVALID_SPEC, str(exc), quiet=True)
-        p.fail(C.R_INVALID_SPEC, str(exc))
+    if cm is None:
         return None
-    except planning.NotYet as exc:
-        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc))
-        return exc.retry_seconds
-    except planning.Refused as exc:
-        p.cond(C.COND_PLANNED, FALSE, exc.reason, str(exc), quiet=True)
-        p.fail(exc.reason, str(exc))
-        return None
+    if _spec_hash_of(cm) == spec.immutable_hash() or _is_launched(p.status):
+        plan: dict[str, Any] = json.loads(cm["data"][C.PLAN_KEY])
+        summary = planning.summary(plan)
+        p.status["plan"] = summary
+        # level-based: the plan's existence is the truth, whatever the status says
+        if p.cond_status(C.COND_TOPOLOGY) != TRUE:
+            p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED,
+                   f"topology reports used for the plan: {', '.join(summary.get('nodes', []))}")
+        if p.cond_status(C.COND_PLANNED) != TRUE:
+            p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
+        return plan
+    # spec edited before launch: plan again
+    p.client.delete_configmap(p.job.namespace, name)
+    return None
+
+
+def _new_plan(p: Pass, spec: JobSpec, reports: dict[str, Any]) -> dict[str, Any]:
+    """The plan stage (raises NotYet / Refused); the ConfigMap is written later in this pass."""
+    cpu_memory = 0 if spec.device != "CPU" else planning.cpu_memory_per_process(
+        spec, p.client.list_nodes(), list(reports)[: spec.nodes.count])
+    plan = planning.make_plan(p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory)
     # Written later in this pass: with the launch batch (one round trip fewer on the way to the
     # workers), else before the pass returns (_persist_plan).
-    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec_hash,
+    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec.immutable_hash(),
                                               launched_spec=spec.immutable_view())
     summary = planning.summary(plan)
     p.status["plan"] = summary

@@ -1,7 +1,10 @@
 """The plan stage: from the parsed spec and the nodes' TopologyReports to a MoEPlan v1 document,
-through ``core.plan.build_plan``. Core errors become :class:`SpecError` (the user's input is
-wrong: ``InvalidSpec``), :class:`Refused` (the job cannot run as asked, e.g. does not fit in
-memory) or :class:`NotYet` (routing statistics of an earlier job not there yet).
+through ``core.plan.build_plan``. It returns the document or raises (:mod:`.outcome`)
+:class:`~.outcome.Refused` (``InvalidSpec`` naming the spec field a person has to change;
+``InsufficientMemory``, ``PlanTooLarge``, ``PlanFailed``, ``RoutingStatsUnavailable``: the job
+cannot run as asked) or :class:`~.outcome.NotYet` (too few nodes discovered, routing statistics
+of an earlier job not there yet). Core errors carry their field (``core.errors.FieldError``);
+:data:`SPEC_FIELD` maps it to the spec.
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import hashlib
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -18,13 +20,15 @@ from moe_contracts.progress import parse_progress
 from moe_contracts.routing import decode_configmap
 from moe_contracts.topology import TopologyReport
 
+from .. import admission
 from .. import constants as C
 from ..builders.common import JobRef
 from ..builders.configmaps import plan_json
-from ..core.errors import DocumentError
+from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import TrainingOptions, build_plan
-from ..spec import JobSpec, SpecError
+from ..spec import JobSpec, SpecError, parse_spec
+from .outcome import NotYet, Refused
 
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
 MAX_PLAN_BYTES = 800 * 1024
@@ -33,40 +37,18 @@ STRATEGY = {"Contiguous": "contiguous", "RoundRobin": "round_robin", "Balanced":
             "TopologyAware": "topology_aware"}
 DISPATCHER = {"AutoEP": "autoep", "Dedup": "dedup", None: None}
 
-# core error prefix -> the spec field a person has to change
-_FIELD_OF = {
+# the core's field (core.errors.FieldError.field) -> the spec field a person has to change;
+# a core field not here (worldSize, deepspeed.*, nodes) is the plan's fault: PlanFailed
+SPEC_FIELD = {
     "epSize": "spec.placement.expertParallelSize",
     "gpusPerNode": "spec.nodes.gpusPerNode",
     "routingStats": "spec.placement.routingStatsFrom",
-    "hfConfig": "spec.model.hfConfig",
-    "global_batch": "spec.training.globalBatch",
     "globalBatch": "spec.training.globalBatch",
-    "micro_batch": "spec.training.microBatch",
     "microBatch": "spec.training.microBatch",
-    "overrides": "spec.deepspeedOverrides",
-    "deepspeedOverrides": "spec.deepspeedOverrides",
     "strategy": "spec.placement.strategy",
     "dispatcher": "spec.placement.dispatcher",
     "placement": "spec.placement",
-    "seqLen": "spec.training.seqLen",
 }
-
-
-class Refused(Exception):
-    """The job cannot run as specified (permanent); ``reason`` is the condition reason."""
-
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-class NotYet(Exception):
-    """A precondition is missing but may appear (temporary)."""
-
-    def __init__(self, reason: str, message: str, retry_seconds: float = 15.0):
-        super().__init__(message)
-        self.reason = reason
-        self.retry_seconds = retry_seconds
 
 
 def resolve_model(spec: JobSpec) -> ResolvedModel:
@@ -103,15 +85,28 @@ def prevalidate(spec: JobSpec) -> ResolvedModel:
     return model
 
 
-def _to_spec_error(exc: DocumentError) -> Exception:
-    text = str(exc)
-    if text.startswith("memory:"):
-        return Refused(C.R_INSUFFICIENT_MEMORY, text)
-    head = re.split(r"[:\s\[.]", text, maxsplit=1)[0]
-    field = _FIELD_OF.get(head)
-    if field is not None:
-        return SpecError(field, text.split(":", 1)[1].strip() if ":" in text else text)
-    return Refused(C.R_PLAN_FAILED, text)
+def accept(name: str, raw: Any) -> JobSpec:
+    """The validate stage: the job's name and spec, as admission checks them, and
+    :func:`prevalidate`. Raises ``Refused(InvalidSpec, field=...)``."""
+    try:
+        admission.check_job_name(name)
+        spec = parse_spec(raw)
+        admission.check(name, raw, spec)
+        prevalidate(spec)
+    except SpecError as exc:
+        raise Refused.invalid_spec(exc) from None
+    return spec
+
+
+def refusal(exc: DocumentError) -> Refused:
+    """A core error of ``build_plan`` as the plan stage's refusal: ``InsufficientMemory`` when
+    the job does not fit, ``InvalidSpec`` when its field is the user's (:data:`SPEC_FIELD`),
+    else ``PlanFailed``."""
+    if isinstance(exc, DoesNotFit):
+        return Refused(C.R_INSUFFICIENT_MEMORY, str(exc))
+    if isinstance(exc, FieldError) and exc.field in SPEC_FIELD:
+        return Refused.invalid_spec(SpecError(SPEC_FIELD[exc.field], exc.detail))
+    return Refused(C.R_PLAN_FAILED, str(exc))
 
 
 # Routing statistics of an earlier job (docs/trainer.md, "Routing statistics hand-off"); the
@@ -259,7 +254,16 @@ def cpu_memory_per_process(spec: JobSpec, nodes: list[dict[str, Any]], names: li
 
 def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
               cpu_memory_bytes: int = 0) -> dict[str, Any]:
-    """The MoEPlan v1 document for ``spec`` on the first ``nodes.count`` discovered nodes."""
+    """The plan stage: the MoEPlan v1 document for ``spec`` on the first ``nodes.count``
+    discovered nodes. Raises :class:`NotYet` or :class:`Refused` (module docstring)."""
+    try:
+        return _plan_document(client, job, spec, reports, cpu_memory_bytes)
+    except SpecError as exc:
+        raise Refused.invalid_spec(exc) from None
+
+
+def _plan_document(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
+                   cpu_memory_bytes: int) -> dict[str, Any]:
     nodes = list(reports)[: spec.nodes.count]
     if len(nodes) < spec.nodes.count:
         raise NotYet(C.R_NO_CANDIDATE_NODES, f"{len(nodes)} node(s) discovered, "
@@ -305,7 +309,7 @@ def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, 
             training=opts, ds_overrides=spec.deepspeed_overrides,
             dispatcher=DISPATCHER[spec.placement.dispatcher])
     except DocumentError as exc:
-        raise _to_spec_error(exc) from None
+        raise refusal(exc) from None
     except (TypeError, AttributeError, ValueError) as exc:
         if not spec.deepspeed_overrides:
             raise

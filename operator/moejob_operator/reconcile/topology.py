@@ -1,5 +1,9 @@
 """The discovery stage: a fresh TopologyReport for every candidate node, from the namespace's
 ``moe-topology-<node>`` cache or by running a discovery pod there.
+
+:func:`ensure_reports` returns :class:`Discovered` or raises :class:`~.outcome.NotYet`:
+``InsufficientNodes`` (fewer ready nodes match than ``spec.nodes.count``), ``DiscoveryPending``
+(discovery pods running) or ``DiscoveryFailed`` (``failed``: a pod failed and runs again).
 """
 
 from __future__ import annotations
@@ -7,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from moe_contracts.topology import TopologyReport, parse_topology
@@ -18,19 +22,20 @@ from ..builders.common import JobRef, owner_reference
 from ..core.errors import DocumentError
 from ..spec import JobSpec
 from . import machine
+from .outcome import NotYet
 
 MAX_CANDIDATES = 64
 MESSAGE_TAIL = 200   # characters of a failed discovery pod's termination message in the condition
 
 
-@dataclass
-class Found:
-    reports: dict[str, TopologyReport] = field(default_factory=dict)   # node -> report, node order
-    candidates: list[str] = field(default_factory=list)
-    pending: bool = False
-    failed: bool = False
-    message: str = ""
-    retry_seconds: float = 2.0
+@dataclass(frozen=True)
+class Discovered:
+    reports: dict[str, TopologyReport]    # node -> report, in candidate order
+    message: str                          # for the TopologyDiscovered condition
+
+
+def _discovered(reports: dict[str, TopologyReport]) -> Discovered:
+    return Discovered(reports, f"fresh topology reports for {len(reports)} node(s): {', '.join(reports)}")
 
 
 _parsed: dict[tuple[str, str], TopologyReport | None] = {}
@@ -75,36 +80,30 @@ def _termination_message(pod: dict[str, Any]) -> str:
     return ""
 
 
-def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime) -> Found:
+def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime) -> Discovered:
     job = JobRef.from_body(body)
     nodes = {n["metadata"]["name"]: n for n in client.list_nodes()}
     candidates = machine.candidate_nodes(
         list(nodes.values()), node_names=spec.nodes.node_names,
         selectors=[spec.nodes.node_selector, spec.scheduling.node_selector])[:MAX_CANDIDATES]
-    found = Found(candidates=candidates)
     if len(candidates) < spec.nodes.count:
-        found.pending = True
-        found.retry_seconds = 15.0
-        found.message = (f"{len(candidates)} ready node(s) match the job, spec.nodes.count is "
-                         f"{spec.nodes.count}")
-        return found
+        raise NotYet(C.R_NO_CANDIDATE_NODES, f"{len(candidates)} ready node(s) match the job, "
+                     f"spec.nodes.count is {spec.nodes.count}", 15.0)
+    reports: dict[str, TopologyReport] = {}
     missing = []
     for node in candidates:
         cm = client.get_configmap_cached(job.namespace, D.topology_configmap_name(node))
         report = _fresh(cm, nodes[node], now)
         if report is not None:
-            found.reports[node] = report
+            reports[node] = report
         else:
             missing.append(node)
     # enough fresh reports: no need to probe the rest
-    if len(found.reports) >= spec.nodes.count or not missing:
-        if len(found.reports) < spec.nodes.count:
-            found.pending, found.failed = True, True
-            found.message = f"only {len(found.reports)} node(s) have a topology report"
-            return found
-        found.message = (f"fresh topology reports for {len(found.reports)} node(s): "
-                         f"{', '.join(found.reports)}")
-        return found
+    if len(reports) >= spec.nodes.count or not missing:
+        if len(reports) < spec.nodes.count:
+            raise NotYet(C.R_DISCOVERY_FAILED, f"only {len(reports)} node(s) have a topology "
+                         "report", 2.0, failed=True)
+        return _discovered(reports)
 
     # ServiceAccount, Role (may update every candidate's report), RoleBinding; pods below
     owner = owner_reference(job)
@@ -136,7 +135,7 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
             report = _fresh(client.get_configmap(job.namespace, D.topology_configmap_name(node)),
                             nodes[node], now)
             if report is not None:
-                found.reports[node] = report
+                reports[node] = report
                 continue
         # finished without a (current) report: show why and run a new pod
         view = machine.PodView.from_pod(pod)
@@ -146,13 +145,10 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         else:
             rerun.append(node)      # an earlier run's pod: its report has aged out since
         client.delete_pod(job.namespace, name, uid=view.uid)
-    if all(node in found.reports for node in missing):     # every pod had published after all
-        found.message = (f"fresh topology reports for {len(found.reports)} node(s): "
-                         f"{', '.join(found.reports)}")
-        return found
-    found.pending = True
-    found.failed = bool(failed)
-    found.message = (f"discovery failed on {', '.join(failed)}; retrying" if failed else
-                     f"discovery running on {', '.join(missing)}")
-    found.retry_seconds = 10.0 if failed else 1.0 if rerun else 2.0
-    return found
+    if all(node in reports for node in missing):     # every pod had published after all
+        return _discovered(reports)
+    if failed:
+        raise NotYet(C.R_DISCOVERY_FAILED, f"discovery failed on {', '.join(failed)}; retrying",
+                     10.0, failed=True)
+    raise NotYet(C.R_DISCOVERY_PENDING, f"discovery running on {', '.join(missing)}",
+                 1.0 if rerun else 2.0)
