@@ -175,7 +175,7 @@ def _note_sync(syncs: dict) -> None:
 def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> dict:
     """The plan the product's planner writes for this size (the `moectl plan` path)."""
     from moejob_operator.core import models as core_models
-    from moejob_operator.core.plan import TrainingOptions, build_plan
+    from moejob_operator.core.plan import PlanRequest, TrainingOptions, build_plan
     from moejob_operator.core.topology import load_topology
     preset, seq, micro = SIZES[size]
     tiny = size == "tiny"
@@ -184,13 +184,13 @@ def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> d
                                seed=1234, data=data or {"kind": "synthetic"})
     stock = variant.startswith("stock")
     if tiny:   # CPU: gloo, fp32; the performance options are forced below to test their code paths
-        plan = build_plan("mfu", "default", model, None, device="cpu", procs_per_node=1,
+        plan = build_plan(PlanRequest("mfu", "default", model, None, device="cpu", procs_per_node=1,
                           cpu_memory_bytes=8 << 30, global_batch=micro, micro_batch=micro,
-                          seq_len=seq, training=training, performance=not stock)
+                          seq_len=seq, training=training, performance=not stock))
     else:
         topo = load_topology(str(ROOT / "tests/fixtures/topology/h200-vm-1gpu.json"))
-        plan = build_plan("mfu", "default", model, [topo], global_batch=micro, micro_batch=micro,
-                          seq_len=seq, training=training, performance=not stock)
+        plan = build_plan(PlanRequest("mfu", "default", model, [topo], global_batch=micro, micro_batch=micro,
+                          seq_len=seq, training=training, performance=not stock))
     doc = json.loads(json.dumps(plan.document))
     tr = doc["training"]
     if variant == "stock_levers":

@@ -75,10 +75,10 @@ def make_plan(path: Path, model_path: Path, topo_path: Path, gpus: int, strategy
     training = plan_mod.TrainingOptions(steps=a.steps, lr=3e-4, warmup_steps=5, seed=1234,
                                         checkpoint_every_steps=a.steps, grad_clip=1.0,
                                         data={"kind": "corpus"})
-    result = plan_mod.build_plan(f"mgpu-{strategy}-{gpus}", "bench", models.resolve_model(str(model_path)),
+    result = plan_mod.build_plan(plan_mod.PlanRequest(f"mgpu-{strategy}-{gpus}", "bench", models.resolve_model(str(model_path)),
                                  [report], gpus_per_node=gpus, strategy=strategy, routing_stats=stats,
                                  global_batch=micro * gpus, micro_batch=micro,
-                                 seq_len=a.seq_len, ep_size=gpus, training=training)
+                                 seq_len=a.seq_len, ep_size=gpus, training=training))
     plan_mod.write_plan(result, str(path))
     return json.loads(path.read_text())
 

@@ -26,16 +26,16 @@ def _tiny_plan(**kw):
     args = dict(global_batch=8, seq_len=64)
     args.update(kw)
     topo = args.pop("topo", _reports("pcie-bridged-pairs-4"))
-    return plan.build_plan("tiny", "default", models.resolve_model(args.pop("model", "tiny-mixtral")),
-                           topo, **args)
+    return plan.build_plan(plan.PlanRequest("tiny", "default", models.resolve_model(args.pop("model", "tiny-mixtral")),
+                           topo, **args))
 
 
 @pytest.fixture(scope="module")
 def two_h200_nodes():
-    return plan.build_plan(
+    return plan.build_plan(plan.PlanRequest(
         "mixtral", "ml", models.resolve_model("mixtral-8x7b"),
         _reports("nvswitch-h200-8", "gpu-a", "gpu-b"), global_batch=64, micro_batch=1,
-        seq_len=4096, training=plan.TrainingOptions(activation_checkpointing=True, steps=100))
+        seq_len=4096, training=plan.TrainingOptions(activation_checkpointing=True, steps=100)))
 
 
 def test_two_nvswitch_nodes(two_h200_nodes):
@@ -110,9 +110,9 @@ def test_quality_bytes_are_per_step_of_this_job():
 
 
 def test_cpu_mode():
-    p = plan.build_plan("demo", "default", models.resolve_model("tiny-qwen3-moe"), None,
+    p = plan.build_plan(plan.PlanRequest("demo", "default", models.resolve_model("tiny-qwen3-moe"), None,
                         device="cpu", nodes=["node-a", "node-b"], procs_per_node=2,
-                        cpu_memory_bytes=4 << 30, global_batch=8, seq_len=64)
+                        cpu_memory_bytes=4 << 30, global_batch=8, seq_len=64))
     doc = p.document
     assert (doc["device"], doc["distBackend"], doc["worldSize"], doc["epSize"]) == ("cpu", "gloo", 4, 2)
     assert all(r["gpu"] is None for r in doc["ranks"])
@@ -140,17 +140,17 @@ def test_refuses_a_job_that_does_not_fit():
     with pytest.raises(DocumentError, match=r"memory: the job needs [\d.]+ GiB per GPU but 126\.4 "
                                             r"GiB are usable .* short by [\d.]+ GiB\. Try "
                                             r"activation checkpointing: [\d.]+ GiB"):
-        plan.build_plan("big", "default", models.resolve_model("deepseek-v3"),
-                        _reports("nvswitch-h200-8"), global_batch=8, micro_batch=1, seq_len=4096)
+        plan.build_plan(plan.PlanRequest("big", "default", models.resolve_model("deepseek-v3"),
+                        _reports("nvswitch-h200-8"), global_batch=8, micro_batch=1, seq_len=4096))
 
 
 def test_cluster_topology_input_needs_gpu_caps():
     topo = topology.ClusterTopology.synthetic(nodes=2, gpus_per_node=4, group_size=4)
     with pytest.raises(DocumentError, match=r"gpu: GPU capabilities are required"):
-        plan.build_plan("x", "default", models.resolve_model("tiny-mixtral"), topo,
-                        global_batch=8, seq_len=64)
-    p = plan.build_plan("x", "default", models.resolve_model("tiny-mixtral"), topo,
-                        gpu=GpuCaps("NVIDIA H100", 85899345920, "9.0"), global_batch=8, seq_len=64)
+        plan.build_plan(plan.PlanRequest("x", "default", models.resolve_model("tiny-mixtral"), topo,
+                        global_batch=8, seq_len=64))
+    p = plan.build_plan(plan.PlanRequest("x", "default", models.resolve_model("tiny-mixtral"), topo,
+                        gpu=GpuCaps("NVIDIA H100", 85899345920, "9.0"), global_batch=8, seq_len=64))
     assert p.document["epSize"] == 4 and p.document["deepspeed"]["bf16"]["enabled"]
 
 

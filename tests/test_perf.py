@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from moejob_operator.core import models as core_models
 from moejob_operator.core.errors import DocumentError  # noqa: F401  (import check: core stays importable)
-from moejob_operator.core.plan import build_plan
+from moejob_operator.core.plan import PlanRequest, build_plan
 from moejob_operator.core.topology import load_topology
 from moe_trainer import perf
 from moe_contracts.plan import PerfSpec, PlanError, parse_perf
@@ -79,8 +79,8 @@ def test_zero_leaf_modules_must_exist():
 def _plan(topologies, performance=True, **kw):
     model = core_models.resolve_model(kw.pop("model", "bench-mixtral-3b"))
     reports = [load_topology(str(TOPO / t)) for t in topologies]
-    return build_plan("j", "default", model, reports, global_batch=kw.pop("global_batch", 8),
-                      seq_len=2048, performance=performance, **kw)
+    return build_plan(PlanRequest("j", "default", model, reports, global_batch=kw.pop("global_batch", 8),
+                      seq_len=2048, performance=performance, **kw))
 
 
 def test_planner_picks_the_fast_path_on_one_h200():
@@ -134,8 +134,8 @@ def test_user_overrides_win():
 
 def test_cpu_plans_have_no_performance_block():
     model = core_models.resolve_model("tiny-mixtral")
-    doc = build_plan("j", "default", model, None, device="cpu", procs_per_node=2,
-                     cpu_memory_bytes=8 << 30, global_batch=4, seq_len=64).document
+    doc = build_plan(PlanRequest("j", "default", model, None, device="cpu", procs_per_node=2,
+                     cpu_memory_bytes=8 << 30, global_batch=4, seq_len=64)).document
     assert "performance" not in doc["training"]
 
 

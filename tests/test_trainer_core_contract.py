@@ -23,10 +23,10 @@ def cpu_plan(steps=4):
     """Core plan for 2 CPU processes, with clustered routing stats so the permutation is not the identity."""
     stats = core_routing.synthetic_trace(4, 8, 2, 4096, zipf_s=0.6, num_clusters=2, cluster_affinity=0.9,
                                          seed=3).without_tokens()
-    return core_plan.build_plan(
+    return core_plan.build_plan(core_plan.PlanRequest(
         "demo", "default", core_models.resolve_model("tiny-mixtral"), None, device="cpu", nodes=["node-a"],
         procs_per_node=2, cpu_memory_bytes=4 << 30, global_batch=4, seq_len=64, routing_stats=stats,
-        training=core_plan.TrainingOptions(steps=steps, checkpoint_every_steps=2, data={"kind": "corpus"}))
+        training=core_plan.TrainingOptions(steps=steps, checkpoint_every_steps=2, data={"kind": "corpus"})))
 
 
 def test_trainer_reads_a_core_plan():

@@ -73,29 +73,23 @@ def _run_plan(args: argparse.Namespace) -> int:
         checkpoint_every_steps=args.checkpoint_every, grad_clip=args.grad_clip,
         activation_checkpointing=args.activation_checkpointing,
         data=_json_arg(args.data, "--data") if args.data else {"kind": "synthetic"})
+    procs, memory, reports = 1, 0, None
     if args.cpu:
         procs = args.procs_per_node
         memory = int(args.cpu_memory_gib * 2**30) if args.cpu_memory_gib else \
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs
-        result = plan.build_plan(args.job, args.namespace, model, None, device="cpu",
-                                 nodes=nodes, procs_per_node=procs, cpu_memory_bytes=memory,
-                                 strategy=args.strategy, routing_stats=stats,
-                                 global_batch=args.global_batch, micro_batch=args.micro_batch,
-                                 seq_len=args.seq_len, ep_size=args.ep_size, training=training,
-                                 autoep=not args.no_autoep, ds_overrides=overrides,
-                                 performance=not args.no_performance,
-                                 dispatcher=args.dispatcher)
+    elif not args.topology:
+        raise UsageError("moectl plan: error: --topology is required (or --cpu)")
     else:
-        if not args.topology:
-            raise UsageError("moectl plan: error: --topology is required (or --cpu)")
-        result = plan.build_plan(args.job, args.namespace, model, _load_reports(args.topology),
-                                 nodes=nodes, gpus_per_node=args.gpus_per_node,
-                                 strategy=args.strategy, routing_stats=stats,
-                                 global_batch=args.global_batch, micro_batch=args.micro_batch,
-                                 seq_len=args.seq_len, ep_size=args.ep_size, training=training,
-                                 autoep=not args.no_autoep, ds_overrides=overrides,
-                                 performance=not args.no_performance,
-                                 dispatcher=args.dispatcher)
+        reports = _load_reports(args.topology)
+    request = plan.PlanRequest(
+        args.job, args.namespace, model, reports, nodes=nodes, device="cpu" if args.cpu else "cuda",
+        gpus_per_node=None if args.cpu else args.gpus_per_node, procs_per_node=procs,
+        cpu_memory_bytes=memory, strategy=args.strategy, routing_stats=stats,
+        global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
+        ep_size=args.ep_size, training=training, autoep=not args.no_autoep,
+        ds_overrides=overrides, performance=not args.no_performance, dispatcher=args.dispatcher)
+    result = plan.build_plan(request)
     print(result.summary())
     if args.output:
         plan.write_plan(result, args.output)

@@ -13,8 +13,8 @@ The document's one reader is :mod:`moe_contracts.plan` (the trainer reads plans 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from . import cost, dispatch, perf as perf_mod, placement as placement_mod, rout
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DoesNotFit, FieldError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
-from .models import FAMILIES, ResolvedModel, spec_from_hf_config
+from .models import FAMILIES, MoEModelSpec, ResolvedModel, spec_from_hf_config
 from .routing import synthetic_trace
 from .topology import ClusterTopology
 
@@ -97,8 +97,8 @@ def select_gpus(topo: ClusterTopology, nodes: Sequence[str] | None,
         if want < 1 or want > len(local):
             raise FieldError("gpusPerNode", f"{want} requested but node {name!r} has "
                                 f"{len(local)} GPU(s) discovered")
-        size = {g: int((topo.group_of == topo.group_of[g]).sum()) for g in local}
-        order = sorted(local, key=lambda g: (-size[g], int(topo.group_of[g]), int(g)))
+        size = {int(g): int((topo.group_of == topo.group_of[g]).sum()) for g in local}
+        order = sorted((int(g) for g in local), key=lambda g: (-size[g], int(topo.group_of[g]), g))
         picked += sorted(order[:want])
     return subset(topo, picked)
 
@@ -149,7 +149,9 @@ def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[
     visible: dict[str, list[int]] = {}
     for node, local in topo.gpus:
         visible.setdefault(node, []).append(int(local))
-    out, node_rank, first = [], {}, {}
+    out: list[dict[str, Any]] = []
+    node_rank: dict[str, int] = {}
+    first: dict[str, int] = {}
     for r, g in enumerate(rank2gpu.tolist()):
         node, local = topo.gpus[g]
         node_rank.setdefault(node, len(node_rank))
@@ -161,7 +163,8 @@ def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[
     return out
 
 
-def _dispatch(pl, topo, trace: RoutingStats, spec, job_tokens_per_step: int, p: int, chosen: str) -> dict:
+def _dispatch(pl: placement_mod.Placement, topo: ClusterTopology, trace: RoutingStats,
+              spec: MoEModelSpec, job_tokens_per_step: int, p: int, chosen: str) -> dict[str, Any]:
     """``placement.quality.dispatch``: bytes per step by tier, forward + backward, for the chosen
     dispatcher and for AutoEP's, exact on the trace's sampled tokens (core.dispatch)."""
     if trace.token_experts is None:
@@ -172,7 +175,8 @@ def _dispatch(pl, topo, trace: RoutingStats, spec, job_tokens_per_step: int, p: 
     return {"dispatcher": chosen, "basis": f"{te.shape[1]} sampled tokens", **dispatch.per_step(got, scale)}
 
 
-def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
+def _score(pl: placement_mod.Placement, topo: ClusterTopology, trace: RoutingStats,
+           spec: MoEModelSpec, job_tokens_per_step: int, p: int) -> tuple[cost.Score, dict[str, Any]]:
     """Score ``pl`` and contiguous on ``trace``; bytes rescaled to this job's tokens per step."""
     contiguous = placement_mod.solve("contiguous", topo, None, ep_size=pl.ep_size,
                                      num_experts=pl.num_experts, num_layers=pl.num_layers)
@@ -189,7 +193,7 @@ def _score(pl, topo, trace, spec, job_tokens_per_step: int, p: int):
 
 
 def _fit_advice(est: MemoryEstimate, micro: int, limit: int, checkpointing: bool,
-                estimate) -> str:
+                estimate: Callable[..., MemoryEstimate]) -> str:
     """What to try when the job does not fit, each with its re-estimated peak."""
     options = []
     if not checkpointing:
@@ -202,7 +206,8 @@ def _fit_advice(est: MemoryEstimate, micro: int, limit: int, checkpointing: bool
     return "; ".join(tips) or "a smaller model or sequence length"
 
 
-def _hardware(caps: GpuCaps, topo: ClusterTopology, reports) -> dict[str, Any]:
+def _hardware(caps: GpuCaps, topo: ClusterTopology,
+              reports: Sequence[TopologyReport] | None) -> dict[str, Any]:
     """What the job's kernels depend on (the upgrade gate keys GPU verdicts by it): GPU model,
     compute capability, driver and its CUDA version (of the first node; None when unknown)."""
     if caps.is_cpu:
@@ -213,136 +218,264 @@ def _hardware(caps: GpuCaps, topo: ClusterTopology, reports) -> dict[str, Any]:
             "cudaDriverVersion": first.cuda_driver_version if first else None}
 
 
-def build_plan(job_name: str, namespace: str, model: ResolvedModel,
-               topology: ClusterTopology | Sequence[TopologyReport] | None, *,
-               nodes: Sequence[str] | None = None, gpus_per_node: int | None = None,
-               strategy: str = "topology_aware", routing_stats: RoutingStats | None = None,
-               global_batch: int, micro_batch: int | None = None, seq_len: int,
-               ep_size: int | None = None, gpu: GpuCaps | None = None, device: str = "cuda",
-               procs_per_node: int = 1, cpu_memory_bytes: int = 0,
-               training: TrainingOptions = TrainingOptions(), autoep: bool = True,
-               ds_overrides: dict[str, Any] | None = None, performance: bool = True,
-               dispatcher: str | None = None) -> Plan:
-    """Build (and validate) the MoEPlan v1 document; raise ``DocumentError`` naming the field.
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything :func:`build_plan` reads: the job, the model, where it runs and how it trains.
 
+    ``topology``: the nodes' TopologyReports (or a ClusterTopology with ``gpu``); None on CPU.
+    ``nodes``: the nodes to use (default all in ``topology``; CPU: ``["localhost"]``), with
+    ``gpus_per_node`` GPUs each (default all). ``device``: ``"cuda"`` or ``"cpu"`` (then
+    ``procs_per_node`` processes per node sharing ``cpu_memory_bytes`` each, 0: unchecked).
     ``performance``: let the planner pick the fast settings (:mod:`.perf`); False gives the
-    stock configuration (HF blocks + AutoEP, HF's ZeRO-3 "auto" knobs, no performance block)."""
-    spec = model.spec
-    if strategy not in placement_mod.STRATEGIES:
-        raise FieldError("strategy", f"{strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
-    cpu = device == "cpu"
-    if device not in ("cpu", "cuda"):
-        raise FieldError("device", f"{device!r} is not 'cuda' or 'cpu'")
-    if cpu:
-        topo = cpu_topology(list(nodes or ["localhost"]), procs_per_node, cpu_memory_bytes)
-        caps = CPU
-    else:
-        if topology is None:
-            raise FieldError("topology", "required on GPUs (no TopologyReport given)")
-        if isinstance(topology, ClusterTopology):
-            full = topology
-            if gpu is None:
-                raise FieldError("gpu", "GPU capabilities are required with a ClusterTopology "
-                                    "(pass the TopologyReports instead)")
-        else:
-            full = ClusterTopology.from_reports(list(topology))
-        topo = select_gpus(full, nodes, gpus_per_node)
-        caps = gpu or gpu_caps([r for r in topology if r.node in topo.nodes])
-        caps = GpuCaps(caps.name, min(topo.memory_bytes or (caps.memory_bytes,)),
-                       caps.compute_capability)
-    world = topo.num_gpus
-    L, E = spec.num_moe_layers, spec.num_experts
+    stock configuration (HF blocks + AutoEP, HF's ZeRO-3 "auto" knobs, no performance block).
+    ``dispatcher``: ``"autoep"`` or ``"dedup"`` (default: dedup when AutoEP runs with EP > 1)."""
 
-    stats_warnings: list[str] = []
-    if routing_stats is not None and routing_stats.tokens == 0:
-        stats_warnings.append("routingStats: the document records 0 tokens (an empty run?); "
-                              "planned as without routing statistics")
-        routing_stats = None
-    if routing_stats is not None and (routing_stats.num_layers, routing_stats.num_experts) != (L, E):
-        raise FieldError("routingStats", f"{routing_stats.num_layers} layers x "
-                            f"{routing_stats.num_experts} experts, the model has {L} MoE layers "
-                            f"x {E} experts")
-    order = topo.gpu_order() if strategy != "contiguous" else np.arange(world)
+    job_name: str
+    namespace: str
+    model: ResolvedModel
+    topology: ClusterTopology | Sequence[TopologyReport] | None
+    _: KW_ONLY
+    global_batch: int
+    seq_len: int
+    nodes: Sequence[str] | None = None
+    gpus_per_node: int | None = None
+    strategy: str = "topology_aware"
+    routing_stats: RoutingStats | None = None
+    micro_batch: int | None = None
+    ep_size: int | None = None
+    gpu: GpuCaps | None = None
+    device: str = "cuda"
+    procs_per_node: int = 1
+    cpu_memory_bytes: int = 0
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    autoep: bool = True
+    ds_overrides: Mapping[str, Any] | None = None
+    performance: bool = True
+    dispatcher: str | None = None
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def build_plan(request: PlanRequest) -> Plan:
+    """Build (and validate) the MoEPlan v1 document; raises ``FieldError`` naming the input
+    (``DoesNotFit`` when the job does not fit in memory). The steps, in order: the GPUs
+    (:func:`_cluster`), the usable routing statistics, the EP size, the expert placement, the
+    DeepSpeed config, the dispatcher, the placement's score, the memory check (largest
+    micro-batch that fits), the document."""
+    req = request
+    if req.strategy not in placement_mod.STRATEGIES:
+        raise FieldError("strategy", f"{req.strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
+    if req.device not in ("cpu", "cuda"):
+        raise FieldError("device", f"{req.device!r} is not 'cuda' or 'cpu'")
+    topo, caps = _cluster(req)
+    stats, stats_warnings = _usable_stats(req)
+    ep, auto_ep = _ep_size(req, topo)
+    pl = _place(req, topo, stats, ep)
+    ds = _deepspeed(req, topo.num_gpus, ep, caps)
+    dispatcher = _dispatcher(req, ds.config, ep)
+
+    warnings = list(ds.warnings)
+    if req.ep_size is not None and req.ep_size > auto_ep:
+        warnings.append(f"epSize {req.ep_size} spans NVLink groups (the largest that stays inside "
+                        f"is {auto_ep})")
+    warnings += list(pl.notes) + stats_warnings
+    E = req.model.spec.num_experts
+    if stats is not None and stats.tokens < MIN_TOKENS_PER_EXPERT * E:
+        warnings.append(f"routingStats: only {stats.tokens} tokens for {E} experts "
+                        f"(< {MIN_TOKENS_PER_EXPERT} per expert): placement and load figures are unreliable")
+    scored = _score_placement(req, pl, topo, stats, ds.config, caps, dispatcher)
+    warnings += scored.warnings
+    mem = _fit_memory(req, topo, ep, ds, scored.capacity)
+    warnings += mem.warnings
+    doc = _document(req, topo, caps, pl, ep, dispatcher, scored.quality, mem, ds.perf, warnings)
+    check_plan(doc)   # the document we hand out must pass the reader
+    return Plan(doc, topo, pl, mem.estimate, tuple(warnings), caps)
+
+
+def _cluster(req: PlanRequest) -> tuple[ClusterTopology, GpuCaps]:
+    """The sub-cluster the job runs on and its weakest GPU (CPU: one group per node)."""
+    if req.cpu:
+        return cpu_topology(list(req.nodes or ["localhost"]), req.procs_per_node,
+                            req.cpu_memory_bytes), CPU
+    if req.topology is None:
+        raise FieldError("topology", "required on GPUs (no TopologyReport given)")
+    if isinstance(req.topology, ClusterTopology):
+        if req.gpu is None:
+            raise FieldError("gpu", "GPU capabilities are required with a ClusterTopology "
+                             "(pass the TopologyReports instead)")
+        topo = select_gpus(req.topology, req.nodes, req.gpus_per_node)
+        caps = req.gpu
+    else:
+        reports = list(req.topology)
+        topo = select_gpus(ClusterTopology.from_reports(reports), req.nodes, req.gpus_per_node)
+        caps = req.gpu or gpu_caps([r for r in reports if r.node in topo.nodes])
+    return topo, GpuCaps(caps.name, min(topo.memory_bytes or (caps.memory_bytes,)),
+                         caps.compute_capability)
+
+
+def _usable_stats(req: PlanRequest) -> tuple[RoutingStats | None, list[str]]:
+    """The routing statistics to plan with (None: plan without), and what to say about them."""
+    stats, spec = req.routing_stats, req.model.spec
+    if stats is not None and stats.tokens == 0:
+        return None, ["routingStats: the document records 0 tokens (an empty run?); "
+                      "planned as without routing statistics"]
+    if stats is not None and (stats.num_layers, stats.num_experts) != (spec.num_moe_layers, spec.num_experts):
+        raise FieldError("routingStats", f"{stats.num_layers} layers x {stats.num_experts} experts, "
+                         f"the model has {spec.num_moe_layers} MoE layers x {spec.num_experts} experts")
+    return stats, []
+
+
+def _ep_size(req: PlanRequest, topo: ClusterTopology) -> tuple[int, int]:
+    """``(ep, auto_ep)``: the EP size to use (asked for, else ``auto_ep``) and the largest one
+    that keeps EP groups inside NVLink groups."""
+    E, world = req.model.spec.num_experts, topo.num_gpus
+    order = topo.gpu_order() if req.strategy != "contiguous" else np.arange(world)
     auto_ep = choose_ep_size(_group_sizes(topo, order), E, world)
-    ep = auto_ep if ep_size is None else ep_size
+    ep = auto_ep if req.ep_size is None else req.ep_size
     if ep < 1 or E % ep:
         raise FieldError("epSize", f"{ep} does not divide the number of experts {E}")
     if world % ep:
         raise FieldError("epSize", f"{ep} does not divide the world size {world}")
+    return ep, auto_ep
+
+
+def _place(req: PlanRequest, topo: ClusterTopology, stats: RoutingStats | None,
+           ep: int) -> placement_mod.Placement:
+    """The expert placement (router groups kept whole)."""
+    spec = req.model.spec
     try:
-        pl = router_groups.solve(strategy, topo, routing_stats, ep_size=ep, num_experts=E,
-                                 num_layers=L, seed=training.seed,
-                                 n_group=int((model.hf_config or {}).get("n_group") or 1))
+        return router_groups.solve(req.strategy, topo, stats, ep_size=ep, num_experts=spec.num_experts,
+                                   num_layers=spec.num_moe_layers, seed=req.training.seed,
+                                   n_group=int((req.model.hf_config or {}).get("n_group") or 1))
     except ValueError as exc:
         raise FieldError("placement", str(exc)) from None
 
-    overrides = dict(ds_overrides or {})
-    choice = None
-    if performance:
+
+@dataclass(frozen=True)
+class _DeepSpeed:
+    """The DeepSpeed config at the requested micro-batch and how to render it at another."""
+
+    config: dict[str, Any]
+    warnings: list[str]
+    perf: perf_mod.PerfChoice | None
+    req: PlanRequest
+    world: int
+    ep: int
+    gpu: GpuCaps
+    autoep: bool
+
+    def render(self, micro_batch: int | None) -> tuple[dict[str, Any], list[str]]:
+        t = self.req.training
+        cfg, warnings = deepspeed_config(
+            self.req.model.spec, micro_batch=micro_batch, world_size=self.world, ep_size=self.ep,
+            global_batch=self.req.global_batch, gpu=self.gpu, autoep=self.autoep,
+            overrides=dict(self.req.ds_overrides or {}) or None, gradient_clipping=t.grad_clip,
+            lr=t.lr, warmup_steps=t.warmup_steps)
+        if self.perf is not None and self.perf.zero_overrides:
+            cfg["zero_optimization"].update(self.perf.zero_overrides)
+        return cfg, warnings
+
+
+def _deepspeed(req: PlanRequest, world: int, ep: int, caps: GpuCaps) -> _DeepSpeed:
+    """The planner's performance choice (:mod:`.perf`) and the DeepSpeed config."""
+    overrides = dict(req.ds_overrides or {})
+    choice, autoep = None, req.autoep
+    if req.performance:
         user_zero = overrides.get("zero_optimization") or {}
-        choice = perf_mod.choose(spec, world_size=world, ep_size=ep, gpu=caps, autoep=autoep,
+        choice = perf_mod.choose(req.model.spec, world_size=world, ep_size=ep, gpu=caps, autoep=autoep,
                                  has_optimizer="optimizer" in overrides,
                                  zero_stage=user_zero.get("stage", 3),
-                                 user_perf=training.extra.get("performance"), user_zero=user_zero)
+                                 user_perf=req.training.extra.get("performance"), user_zero=user_zero)
         autoep = choice.autoep
-    ds_args = dict(world_size=world, ep_size=ep, global_batch=global_batch, gpu=caps,
-                   autoep=autoep, overrides=overrides or None, gradient_clipping=training.grad_clip,
-                   lr=training.lr, warmup_steps=training.warmup_steps)
-    ds, warnings = deepspeed_config(spec, micro_batch=micro_batch, **ds_args)
+    ds = _DeepSpeed({}, [], choice, req, world, ep, caps, autoep)
+    config, warnings = ds.render(req.micro_batch)
+    return _DeepSpeed(config, warnings, choice, req, world, ep, caps, autoep)
 
-    def with_perf_zero(cfg):
-        if choice is not None and choice.zero_overrides:
-            cfg["zero_optimization"].update(choice.zero_overrides)
-        return cfg
-    ds = with_perf_zero(ds)
-    perf_doc = dict(choice.performance) if choice and choice.performance else {}
+
+def _dispatcher(req: PlanRequest, ds: dict[str, Any], ep: int) -> str:
     uses_autoep = bool((ds.get("expert_parallel") or {}).get("enabled"))
+    dispatcher = req.dispatcher
     if dispatcher is None:
         dispatcher = "dedup" if uses_autoep and ep > 1 else "autoep"
     if dispatcher not in dispatch.DISPATCHERS:
         raise FieldError("dispatcher", f"{dispatcher!r} is not one of {list(dispatch.DISPATCHERS)}")
     if dispatcher == "dedup" and not uses_autoep:
         raise FieldError("dispatcher", "'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
-    if ep_size is not None and ep_size > auto_ep:
-        warnings.append(f"epSize {ep_size} spans NVLink groups (the largest that stays inside "
-                        f"is {auto_ep})")
-    warnings += list(pl.notes) + stats_warnings
-    if routing_stats is not None and routing_stats.tokens < MIN_TOKENS_PER_EXPERT * E:
-        warnings.append(f"routingStats: only {routing_stats.tokens} tokens for {E} experts "
-                        f"(< {MIN_TOKENS_PER_EXPERT} per expert): placement and load figures are unreliable")
+    return dispatcher
+
+
+@dataclass(frozen=True)
+class _Scored:
+    quality: dict[str, Any]       # placement.quality of the document
+    capacity: float               # the MoE dispatch buffer's capacity factor
+    warnings: list[str]
+
+
+def _score_placement(req: PlanRequest, pl: placement_mod.Placement, topo: ClusterTopology,
+                     stats: RoutingStats | None, ds: dict[str, Any], caps: GpuCaps,
+                     dispatcher: str) -> _Scored:
+    """The placement against contiguous on the routing statistics (else a uniform trace)."""
+    spec = req.model.spec
     p = 2 if caps.supports_bf16 or (ds.get("fp16") or {}).get("enabled") else 4
-    trace = routing_stats or synthetic_trace(L, E, spec.top_k, UNIFORM_TRACE_TOKENS, zipf_s=0.0,
-                                             cluster_affinity=0.0, seed=0)
-    ours, quality = _score(pl, topo, trace, spec, global_batch * seq_len, p)
-    quality["basis"] = "routingStats" if routing_stats is not None else "uniform"
-    quality["dispatch"] = _dispatch(pl, topo, trace, spec, global_batch * seq_len, p, dispatcher)
+    trace = stats or synthetic_trace(spec.num_moe_layers, spec.num_experts, spec.top_k,
+                                     UNIFORM_TRACE_TOKENS, zipf_s=0.0, cluster_affinity=0.0, seed=0)
+    ours, quality = _score(pl, topo, trace, spec, req.tokens_per_step, p)
+    quality["basis"] = "routingStats" if stats is not None else "uniform"
+    quality["dispatch"] = _dispatch(pl, topo, trace, spec, req.tokens_per_step, p, dispatcher)
     quality["estimate"] = "exact" if trace.exact else "lowerBound"
+    warnings = []
     if not trace.exact:
         warnings.append(f"placement.quality: top-{trace.top_k} scored from pair counts (the routing "
                         "statistics carry no tokenSamples): bytes are lower bounds, the ratio an estimate")
     capacity = max(1.0, ours.worst_layer_max_mean_load * (1 + CAPACITY_MARGIN)) \
-        if routing_stats is not None else DEFAULT_CAPACITY_FACTOR
+        if stats is not None else DEFAULT_CAPACITY_FACTOR
+    return _Scored(quality, capacity, warnings)
 
-    def estimate(micro: int, *, activation_checkpointing=training.activation_checkpointing,
-                 world_scale=1):
-        return estimate_memory(spec, ds, world_size=world * world_scale, ep_size=ep,
-                               seq_len=seq_len, micro_batch=micro,
+
+@dataclass(frozen=True)
+class _Memory:
+    estimate: MemoryEstimate
+    micro_batch: int
+    deepspeed: dict[str, Any]     # rendered at ``micro_batch``
+    memory_bytes: int             # per GPU (per process on CPU); 0: unknown, unchecked
+    fits: bool
+    warnings: list[str]
+
+
+def _fit_memory(req: PlanRequest, topo: ClusterTopology, ep: int, ds: _DeepSpeed,
+                capacity: float) -> _Memory:
+    """The peak memory estimate; without a requested micro-batch, the largest one (fewest
+    accumulation steps) that fits. Raises ``DoesNotFit`` with what to try instead."""
+    spec, t, world = req.model.spec, req.training, topo.num_gpus
+    perf_doc = dict(ds.perf.performance) if ds.perf and ds.perf.performance else {}
+    config = ds.config
+
+    def estimate(micro: int, *, activation_checkpointing: bool = t.activation_checkpointing,
+                 world_scale: int = 1) -> MemoryEstimate:
+        return estimate_memory(spec, config, world_size=world * world_scale, ep_size=ep,
+                               seq_len=req.seq_len, micro_batch=micro,
                                activation_checkpointing=activation_checkpointing,
-                               capacity_factor=capacity, device="cpu" if cpu else "gpu",
+                               capacity_factor=capacity, device="cpu" if req.cpu else "gpu",
                                fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
                                if perf_doc.get("fusedLoss") else None)
 
+    warnings = []
     mem_bytes = min(topo.memory_bytes) if topo.memory_bytes else 0
-    micro = ds["train_micro_batch_size_per_gpu"]
+    micro = int(config["train_micro_batch_size_per_gpu"])
     est = estimate(micro)
-    if micro_batch is None and mem_bytes:
-        # no micro-batch asked for: the largest one (fewest accumulation steps) that fits
-        per_rank = global_batch // world
+    if req.micro_batch is None and mem_bytes:
+        per_rank = req.global_batch // world
         for m in sorted((d for d in range(1, micro + 1) if per_rank % d == 0), reverse=True):
             est = estimate(m)
             if est.fits(mem_bytes, HEADROOM):
                 if m != micro:
-                    ds = with_perf_zero(deepspeed_config(spec, micro_batch=m, **ds_args)[0])
+                    config = ds.render(m)[0]
                     warnings.append(f"microBatch {m}: the largest that fits ({micro} does not)")
                     micro = m
                 break
@@ -353,42 +486,49 @@ def build_plan(job_name: str, namespace: str, model: ResolvedModel,
         limit = int(HEADROOM * mem_bytes)
         raise DoesNotFit(
             f"the job needs {est.total / GiB:.1f} GiB per "
-            f"{'process' if cpu else 'GPU'} but {limit / GiB:.1f} GiB are usable "
+            f"{'process' if req.cpu else 'GPU'} but {limit / GiB:.1f} GiB are usable "
             f"({HEADROOM:.0%} of {mem_bytes / GiB:.1f} GiB) at micro-batch {micro}: short by "
             f"{est.shortfall(mem_bytes, HEADROOM) / GiB:.1f} GiB. Try "
-            + _fit_advice(est, micro, limit, training.activation_checkpointing, estimate))
+            + _fit_advice(est, micro, limit, t.activation_checkpointing, estimate))
+    return _Memory(est, micro, config, int(mem_bytes), fits, warnings)
 
+
+def _document(req: PlanRequest, topo: ClusterTopology, caps: GpuCaps, pl: placement_mod.Placement,
+              ep: int, dispatcher: str, quality: dict[str, Any], mem: _Memory,
+              choice: perf_mod.PerfChoice | None, warnings: list[str]) -> dict[str, Any]:
+    """The MoEPlan v1 document."""
+    spec, model, t, ds = req.model.spec, req.model, req.training, mem.deepspeed
     doc: dict[str, Any] = {
         "kind": PLAN_KIND, "version": PLAN_VERSION,
-        "job": {"namespace": namespace, "name": job_name},
-        "device": "cpu" if cpu else "cuda",
-        "distBackend": "gloo" if cpu else "nccl",
+        "job": {"namespace": req.namespace, "name": req.job_name},
+        "device": "cpu" if req.cpu else "cuda",
+        "distBackend": "gloo" if req.cpu else "nccl",
         "model": {"family": spec.family, "preset": model.preset, "path": model.path,
                   "hfConfig": model.hf_config},
-        "worldSize": world, "epSize": ep,
-        "ranks": _ranks(topo, pl.rank2gpu, cpu),
+        "worldSize": topo.num_gpus, "epSize": ep,
+        "ranks": _ranks(topo, pl.rank2gpu, req.cpu),
         "placement": {**pl.to_json(), "dispatcher": dispatcher, "quality": quality},
         "deepspeed": ds,
-        "memory": {"gpuMemoryBytes": int(mem_bytes), "estimatedPeakBytes": est.total,
-                   "fits": fits, "breakdown": est.breakdown},
+        "memory": {"gpuMemoryBytes": mem.memory_bytes, "estimatedPeakBytes": mem.estimate.total,
+                   "fits": mem.fits, "breakdown": mem.estimate.breakdown},
         "training": {
-            "steps": training.steps, "seqLen": seq_len, "microBatch": micro,
-            "gradAccum": ds["gradient_accumulation_steps"], "lr": training.lr,
-            "warmupSteps": training.warmup_steps,
-            "checkpointEverySteps": training.checkpoint_every_steps, "seed": training.seed,
-            "gradClip": training.grad_clip,
-            "activationCheckpointing": training.activation_checkpointing,
-            "balance": {"mode": training.balance_mode, "coef": training.balance_coef},
-            "data": dict(training.data), **training.extra},
+            "steps": t.steps, "seqLen": req.seq_len, "microBatch": mem.micro_batch,
+            "gradAccum": ds["gradient_accumulation_steps"], "lr": t.lr,
+            "warmupSteps": t.warmup_steps,
+            "checkpointEverySteps": t.checkpoint_every_steps, "seed": t.seed,
+            "gradClip": t.grad_clip,
+            "activationCheckpointing": t.activation_checkpointing,
+            "balance": {"mode": t.balance_mode, "coef": t.balance_coef},
+            "data": dict(t.data), **t.extra},
         "warnings": list(warnings),
-        "hardware": _hardware(caps, topo, None if cpu or isinstance(topology, ClusterTopology) else topology),
+        "hardware": _hardware(caps, topo, None if req.cpu or isinstance(req.topology, ClusterTopology)
+                              else req.topology),
     }
     if choice is not None:
-        doc["training"]["moeImpl"] = training.extra.get("moeImpl", choice.moe_impl)
-        if perf_doc:
-            doc["training"]["performance"] = perf_doc
-    check_plan(doc)   # the document we hand out must pass the reader
-    return Plan(doc, topo, pl, est, tuple(warnings), caps)
+        doc["training"]["moeImpl"] = t.extra.get("moeImpl", choice.moe_impl)
+        if choice.performance:
+            doc["training"]["performance"] = dict(choice.performance)
+    return doc
 
 
 def check_plan(doc: dict[str, Any]) -> MoEPlan:
@@ -431,20 +571,20 @@ def _count(n: int, noun: str) -> str:
 
 def _strategy_line(plan: Plan) -> str:
     """The layout the plan has: a strategy that needed routing statistics and had none says so."""
-    asked = plan.document["placement"]["strategy"]
+    asked = str(plan.document["placement"]["strategy"])
     if plan.placement.fell_back:
         return f"contiguous ({asked} without routing statistics: pass --stats)"
     return asked
 
 
-def _dispatch_line(pl: dict) -> str:
+def _dispatch_line(pl: dict[str, Any]) -> str:
     """``dispatch   dedup; MiB/step fwd+bwd (..): dedup .. | AutoEP ..`` (core.dispatch)."""
     q = pl["quality"].get("dispatch") or {}
     chosen = pl.get("dispatcher", "autoep")
     if "dedup" not in q:
         return f"dispatch   {chosen} (bytes by tier: {q.get('basis', 'n/a')})"
 
-    def fmt(d: dict) -> str:
+    def fmt(d: dict[str, Any]) -> str:
         return (f"cross-group {d['crossGroupBytesPerStep'] / 2**20:.1f}, intra-group "
                 f"{d['intraGroupBytesPerStep'] / 2**20:.1f}, cross-node {d['crossNodeBytesPerStep'] / 2**20:.1f}")
     return (f"dispatch   {chosen}; MiB/step fwd+bwd ({q['basis']}): dedup {fmt(q['dedup'])} | "

@@ -33,7 +33,7 @@ from typing import Any
 from .dsconfig import CPU, GpuCaps
 from .errors import DocumentError
 from .models import FAMILIES, ResolvedModel, spec_from_hf_config
-from .plan import TrainingOptions, build_plan
+from .plan import PlanRequest, TrainingOptions, build_plan
 from .topology import ClusterTopology
 
 SMOKE_PLANS_KIND, SMOKE_PLANS_VERSION = "SmokePlans", 1
@@ -115,16 +115,18 @@ def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, step
     training = smoke_training(steps, case.activation_checkpointing)
     if device == "cpu":
         world = CPU_WORLD
-        plan = build_plan(SMOKE_JOB, SMOKE_NAMESPACE, model, None, device="cpu", nodes=["localhost"],
-                          procs_per_node=world, strategy="round_robin", ep_size=case.ep_size,
-                          global_batch=MICRO_BATCH * GRAD_ACCUM * world, micro_batch=MICRO_BATCH,
-                          seq_len=SEQ_LEN, training=training)
+        plan = build_plan(PlanRequest(
+            SMOKE_JOB, SMOKE_NAMESPACE, model, None, device="cpu", nodes=["localhost"],
+            procs_per_node=world, strategy="round_robin", ep_size=case.ep_size,
+            global_batch=MICRO_BATCH * GRAD_ACCUM * world, micro_batch=MICRO_BATCH,
+            seq_len=SEQ_LEN, training=training))
     elif device == "cuda":
         caps = gpu or GpuCaps("gpu", 0, "8.0")
-        plan = build_plan(SMOKE_JOB, SMOKE_NAMESPACE, model, _gpu_topology(caps), gpu=caps,
-                          strategy="round_robin", ep_size=case.ep_size, global_batch=MICRO_BATCH * GRAD_ACCUM,
-                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training,
-                          performance=case.performance)
+        plan = build_plan(PlanRequest(
+            SMOKE_JOB, SMOKE_NAMESPACE, model, _gpu_topology(caps), gpu=caps,
+            strategy="round_robin", ep_size=case.ep_size, global_batch=MICRO_BATCH * GRAD_ACCUM,
+            micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training,
+            performance=case.performance))
     else:
         raise DocumentError(f"device: {device!r} is not 'cpu' or 'cuda'")
     return plan.document

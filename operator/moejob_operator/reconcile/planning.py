@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Any
 
 from moe_contracts.progress import parse_progress
-from moe_contracts.routing import decode_configmap
+from moe_contracts.routing import RoutingStats, decode_configmap
 from moe_contracts.topology import TopologyReport
 
 from .. import admission
@@ -26,7 +26,7 @@ from ..builders.common import JobRef
 from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
-from ..core.plan import TrainingOptions, build_plan
+from ..core.plan import PlanRequest, TrainingOptions, build_plan
 from ..spec import JobSpec, SpecError, parse_spec
 from .outcome import NotYet, Refused
 
@@ -290,24 +290,32 @@ def _plan_document(client, job: JobRef, spec: JobSpec, reports: dict[str, Topolo
     return doc
 
 
-def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
-               stats, cpu_memory_bytes: int) -> dict[str, Any]:
+def plan_request(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
+                 stats: RoutingStats | None, cpu_memory_bytes: int) -> PlanRequest:
+    """The core's request for ``spec`` on ``nodes``: where spec fields become planner inputs
+    (:data:`SPEC_FIELD` maps the planner's errors back)."""
     model = resolve_model(spec)
     t = spec.training
     opts = TrainingOptions(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps,
                            checkpoint_every_steps=spec.checkpoint.every_steps, seed=t.seed,
                            data={"kind": spec.data.kind.lower(), "path": spec.data.path})
     cpu = spec.device == "CPU"
+    return PlanRequest(
+        job.name, job.namespace, model, None if cpu else [reports[n] for n in nodes],
+        nodes=nodes, gpus_per_node=None if cpu else spec.nodes.gpus_per_node,
+        strategy=STRATEGY[spec.placement.strategy], routing_stats=stats,
+        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
+        ep_size=spec.placement.expert_parallel_size, device="cpu" if cpu else "cuda",
+        procs_per_node=spec.nodes.gpus_per_node, cpu_memory_bytes=cpu_memory_bytes,
+        training=opts, ds_overrides=spec.deepspeed_overrides,
+        dispatcher=DISPATCHER[spec.placement.dispatcher])
+
+
+def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
+               stats: RoutingStats | None, cpu_memory_bytes: int) -> dict[str, Any]:
+    request = plan_request(job, spec, nodes, reports, stats, cpu_memory_bytes)
     try:
-        plan = build_plan(
-            job.name, job.namespace, model, None if cpu else [reports[n] for n in nodes],
-            nodes=nodes, gpus_per_node=None if cpu else spec.nodes.gpus_per_node,
-            strategy=STRATEGY[spec.placement.strategy], routing_stats=stats,
-            global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
-            ep_size=spec.placement.expert_parallel_size, device="cpu" if cpu else "cuda",
-            procs_per_node=spec.nodes.gpus_per_node, cpu_memory_bytes=cpu_memory_bytes,
-            training=opts, ds_overrides=spec.deepspeed_overrides,
-            dispatcher=DISPATCHER[spec.placement.dispatcher])
+        plan = build_plan(request)
     except DocumentError as exc:
         raise refusal(exc) from None
     except (TypeError, AttributeError, ValueError) as exc:
