@@ -77,15 +77,17 @@ def batch_sizes(*, world_size: int, global_batch: int, micro_batch: int | None) 
     if global_batch < 1:
         raise FieldError("globalBatch", f"{global_batch} must be >= 1")
     if global_batch % world_size:
-        raise FieldError("globalBatch", f"{global_batch} is not divisible by the data-parallel size {world_size} "
-            f"(ZeRO shards over every rank); use a multiple of {world_size}")
+        raise FieldError(
+            "globalBatch", f"{global_batch} is not divisible by the data-parallel size "
+            f"{world_size} (ZeRO shards over every rank); use a multiple of {world_size}")
     per_rank = global_batch // world_size
     if micro_batch is None:
         micro_batch = max(d for d in range(1, min(per_rank, 16) + 1) if per_rank % d == 0)
     if micro_batch < 1:
         raise FieldError("microBatch", f"{micro_batch} must be >= 1")
     if per_rank % micro_batch:
-        raise FieldError("microBatch", f"{micro_batch} does not divide the per-rank batch {per_rank} "
+        raise FieldError(
+            "microBatch", f"{micro_batch} does not divide the per-rank batch {per_rank} "
             f"(globalBatch {global_batch} / {world_size} ranks); global = micro x accumulation x "
             f"{world_size}")
     return micro_batch, per_rank // micro_batch
@@ -211,13 +213,14 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     total = cfg.get("train_batch_size")
     if not (isinstance(micro, int) and isinstance(accum, int) and isinstance(total, int)
             and min(micro, accum, total) > 0 and total == micro * accum * world_size):
-        raise FieldError("deepspeed.train_batch_size", f"{total!r} != train_micro_batch_size_per_gpu {micro!r} x "
-            f"gradient_accumulation_steps {accum!r} x data-parallel size {world_size}")
+        raise FieldError(
+            "deepspeed.train_batch_size", f"{total!r} != train_micro_batch_size_per_gpu "
+            f"{micro!r} x gradient_accumulation_steps {accum!r} x data-parallel size {world_size}")
 
     for key in ("mics_shard_size", "mics_hierarchical_params_gather"):
         if key in zero:
-            raise FieldError(f"deepspeed.zero_optimization.{key}", f"MiCS was removed in "
-                                "DeepSpeed 0.19.8 (and is unavailable with AutoEP + ZeRO-3)")
+            raise FieldError(f"deepspeed.zero_optimization.{key}", "MiCS was removed in "
+                             "DeepSpeed 0.19.8 (and is unavailable with AutoEP + ZeRO-3)")
     if native_moe and stage == 3:
         raise FieldError("deepspeed.zero_optimization.stage", "3 rejects DeepSpeed's native MoE "
                             "layer (deepspeed.moe.layer.MoE); use AutoEP or ZeRO stage 1/2")
@@ -257,8 +260,8 @@ def check_config(cfg: dict[str, Any], *, model: MoEModelSpec, world_size: int, e
     bf16 = bool((cfg.get("bf16") or {}).get("enabled", False))
     fp16 = bool((cfg.get("fp16") or {}).get("enabled", False))
     if bf16 and fp16:
-        raise FieldError("deepspeed.fp16.enabled", "true as well as deepspeed.bf16.enabled: both true; "
-                            "pick one")
+        raise FieldError("deepspeed.fp16.enabled",
+                         "true as well as deepspeed.bf16.enabled: both true; pick one")
     if bf16 and not gpu.is_cpu and not gpu.supports_bf16:
         raise FieldError("deepspeed.bf16.enabled", f"{gpu.name} (compute capability "
                             f"{gpu.compute_capability}) has no bf16; use fp16")

@@ -270,7 +270,8 @@ def build_plan(request: PlanRequest) -> Plan:
     micro-batch that fits), the document."""
     req = request
     if req.strategy not in placement_mod.STRATEGIES:
-        raise FieldError("strategy", f"{req.strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
+        raise FieldError("strategy",
+                         f"{req.strategy!r} is not one of {list(placement_mod.STRATEGIES)}")
     if req.device not in ("cpu", "cuda"):
         raise FieldError("device", f"{req.device!r} is not 'cuda' or 'cpu'")
     topo, caps = _cluster(req)
@@ -288,7 +289,8 @@ def build_plan(request: PlanRequest) -> Plan:
     E = req.model.spec.num_experts
     if stats is not None and stats.tokens < MIN_TOKENS_PER_EXPERT * E:
         warnings.append(f"routingStats: only {stats.tokens} tokens for {E} experts "
-                        f"(< {MIN_TOKENS_PER_EXPERT} per expert): placement and load figures are unreliable")
+                        f"(< {MIN_TOKENS_PER_EXPERT} per expert): placement and load figures are "
+                        "unreliable")
     scored = _score_placement(req, pl, topo, stats, ds.config, caps, dispatcher)
     warnings += scored.warnings
     mem = _fit_memory(req, topo, ep, ds, scored.capacity)
@@ -323,11 +325,12 @@ def _usable_stats(req: PlanRequest) -> tuple[RoutingStats | None, list[str]]:
     """The routing statistics to plan with (None: plan without), and what to say about them."""
     stats, spec = req.routing_stats, req.model.spec
     if stats is not None and stats.tokens == 0:
-        return None, ["routingStats: the document records 0 tokens (an empty run?); "
-                      "planned as without routing statistics"]
-    if stats is not None and (stats.num_layers, stats.num_experts) != (spec.num_moe_layers, spec.num_experts):
-        raise FieldError("routingStats", f"{stats.num_layers} layers x {stats.num_experts} experts, "
-                         f"the model has {spec.num_moe_layers} MoE layers x {spec.num_experts} experts")
+        return None, [("routingStats: the document records 0 tokens (an empty run?); "
+                       "planned as without routing statistics")]
+    shape = (spec.num_moe_layers, spec.num_experts)
+    if stats is not None and (stats.num_layers, stats.num_experts) != shape:
+        raise FieldError("routingStats", f"{stats.num_layers} layers x {stats.num_experts} "
+                         f"experts, the model has {shape[0]} MoE layers x {shape[1]} experts")
     return stats, []
 
 
@@ -350,9 +353,10 @@ def _place(req: PlanRequest, topo: ClusterTopology, stats: RoutingStats | None,
     """The expert placement (router groups kept whole)."""
     spec = req.model.spec
     try:
-        return router_groups.solve(req.strategy, topo, stats, ep_size=ep, num_experts=spec.num_experts,
-                                   num_layers=spec.num_moe_layers, seed=req.training.seed,
-                                   n_group=int((req.model.hf_config or {}).get("n_group") or 1))
+        return router_groups.solve(
+            req.strategy, topo, stats, ep_size=ep, num_experts=spec.num_experts,
+            num_layers=spec.num_moe_layers, seed=req.training.seed,
+            n_group=int((req.model.hf_config or {}).get("n_group") or 1))
     except ValueError as exc:
         raise FieldError("placement", str(exc)) from None
 
@@ -388,10 +392,10 @@ def _deepspeed(req: PlanRequest, world: int, ep: int, caps: GpuCaps) -> _DeepSpe
     choice, autoep = None, req.autoep
     if req.performance:
         user_zero = overrides.get("zero_optimization") or {}
-        choice = perf_mod.choose(req.model.spec, world_size=world, ep_size=ep, gpu=caps, autoep=autoep,
-                                 has_optimizer="optimizer" in overrides,
-                                 zero_stage=user_zero.get("stage", 3),
-                                 user_perf=req.training.extra.get("performance"), user_zero=user_zero)
+        choice = perf_mod.choose(
+            req.model.spec, world_size=world, ep_size=ep, gpu=caps, autoep=autoep,
+            has_optimizer="optimizer" in overrides, zero_stage=user_zero.get("stage", 3),
+            user_perf=req.training.extra.get("performance"), user_zero=user_zero)
         autoep = choice.autoep
     ds = _DeepSpeed({}, [], choice, req, world, ep, caps, autoep)
     config, warnings = ds.render(req.micro_batch)
@@ -406,7 +410,8 @@ def _dispatcher(req: PlanRequest, ds: dict[str, Any], ep: int) -> str:
     if dispatcher not in dispatch.DISPATCHERS:
         raise FieldError("dispatcher", f"{dispatcher!r} is not one of {list(dispatch.DISPATCHERS)}")
     if dispatcher == "dedup" and not uses_autoep:
-        raise FieldError("dispatcher", "'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
+        raise FieldError("dispatcher",
+                         "'dedup' dispatches AutoEP layers, and this plan has no AutoEP")
     return dispatcher
 
 
@@ -431,8 +436,9 @@ def _score_placement(req: PlanRequest, pl: placement_mod.Placement, topo: Cluste
     quality["estimate"] = "exact" if trace.exact else "lowerBound"
     warnings = []
     if not trace.exact:
-        warnings.append(f"placement.quality: top-{trace.top_k} scored from pair counts (the routing "
-                        "statistics carry no tokenSamples): bytes are lower bounds, the ratio an estimate")
+        warnings.append(f"placement.quality: top-{trace.top_k} scored from pair counts (the "
+                        "routing statistics carry no tokenSamples): bytes are lower bounds, the "
+                        "ratio an estimate")
     capacity = max(1.0, ours.worst_layer_max_mean_load * (1 + CAPACITY_MARGIN)) \
         if stats is not None else DEFAULT_CAPACITY_FACTOR
     return _Scored(quality, capacity, warnings)
@@ -498,6 +504,7 @@ def _document(req: PlanRequest, topo: ClusterTopology, caps: GpuCaps, pl: placem
               choice: perf_mod.PerfChoice | None, warnings: list[str]) -> dict[str, Any]:
     """The MoEPlan v1 document."""
     spec, model, t, ds = req.model.spec, req.model, req.training, mem.deepspeed
+    reports = None if req.cpu or isinstance(req.topology, ClusterTopology) else req.topology
     doc: dict[str, Any] = {
         "kind": PLAN_KIND, "version": PLAN_VERSION,
         "job": {"namespace": req.namespace, "name": req.job_name},
@@ -521,8 +528,7 @@ def _document(req: PlanRequest, topo: ClusterTopology, caps: GpuCaps, pl: placem
             "balance": {"mode": t.balance_mode, "coef": t.balance_coef},
             "data": dict(t.data), **t.extra},
         "warnings": list(warnings),
-        "hardware": _hardware(caps, topo, None if req.cpu or isinstance(req.topology, ClusterTopology)
-                              else req.topology),
+        "hardware": _hardware(caps, topo, reports),
     }
     if choice is not None:
         doc["training"]["moeImpl"] = t.extra.get("moeImpl", choice.moe_impl)

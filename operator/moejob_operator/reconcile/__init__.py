@@ -2,5 +2,6 @@
 
 :mod:`.machine` holds the pure decisions (tested without a cluster), :mod:`.job` runs one
 level-based pass over a MoETrainingJob, :mod:`.topology`, :mod:`.planning` and :mod:`.gate`
-are its stages.
+are its stages; a stage that cannot hand on a result raises :class:`.outcome.NotYet` or
+:class:`.outcome.Refused`.
 """

@@ -35,7 +35,8 @@ class Discovered:
 
 
 def _discovered(reports: dict[str, TopologyReport]) -> Discovered:
-    return Discovered(reports, f"fresh topology reports for {len(reports)} node(s): {', '.join(reports)}")
+    return Discovered(reports, f"fresh topology reports for {len(reports)} node(s): "
+                               f"{', '.join(reports)}")
 
 
 _parsed: dict[tuple[str, str], TopologyReport | None] = {}
