@@ -10,7 +10,9 @@ ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
-COPY operator/ operator/
+# The product packages only: the dev package (operator/dev: local cluster, demo, fake NVML,
+# fault injection) stays out of the image.
+COPY operator/moejob_operator/ operator/moejob_operator/
 COPY trainer_image/moe_trainer/ trainer_image/moe_trainer/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

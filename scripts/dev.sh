@@ -6,7 +6,9 @@
 #   scripts/dev.sh test           set everything up and run the whole test suite (what .ci/run calls;
 #                                 tests/test_lint.py in it runs the lint below)
 #   scripts/dev.sh lint           ruff check, ruff format --check and mypy (config in pyproject.toml)
-#   scripts/dev.sh setup          only install (Debian packages, .venv, Python packages)
+#   scripts/dev.sh setup          only install (Debian packages, .venv, Python packages: the product
+#                                 and, apart from it, the dev package operator/dev: local cluster,
+#                                 demo, fake NVML, fault injection; the images install only the product)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -39,7 +41,7 @@ apt_setup() {
 
 py_setup() {
   local stamp="$venv/.moe-stamp" want t0=$SECONDS t
-  want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+  want=$(cat pyproject.toml operator/dev/pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
   say "installing Python packages into .venv, pinned in constraints.txt (once, and again when"
   say "pyproject.toml or constraints.txt change; the first time downloads ~1 GB and takes minutes)"
@@ -51,8 +53,8 @@ py_setup() {
   t=$SECONDS; say "  2/3 torch, CPU build (the largest download)"
   "$venv/bin/pip" install -q -c constraints.txt torch
   say "      done in $(took $t)"
-  t=$SECONDS; say "  3/3 this project (editable) with DeepSpeed, transformers, kopf, kubernetes, pytest, ruff, mypy, ..."
-  DS_BUILD_OPS=0 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e ".[operator,trainer,test,lint]"
+  t=$SECONDS; say "  3/3 this project and its dev package (editable) with DeepSpeed, transformers, kopf, kubernetes, pytest, ruff, mypy, ..."
+  DS_BUILD_OPS=0 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e ".[operator,trainer,test,lint]" -e operator/dev
   say "      done in $(took $t)"
   echo "$want" > "$stamp"
   say "Python packages ready in $(took $t0)"
@@ -64,9 +66,9 @@ cmd=${1:-}
 shift || true
 case "$cmd" in
   setup) setup ;;
-  demo) setup; exec "$venv/bin/moectl" demo "$@" ;;
-  up) setup; exec "$venv/bin/moectl" demo --stay "$@" ;;
-  down) exec "$venv/bin/moectl" demo --stop "$@" ;;
+  demo) setup; exec "$venv/bin/moe-demo" "$@" ;;
+  up) setup; exec "$venv/bin/moe-demo" --stay "$@" ;;
+  down) exec "$venv/bin/moe-demo" --stop "$@" ;;
   lint)
     setup
     rc=0

@@ -3,6 +3,7 @@ subprocess so a test can kill it at any point), apply jobs, read conditions."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from moe_localkube import procs
+from moe_localkube.testing import create_namespace, delete_namespace, unique_name
 from moejob_operator import constants as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +137,29 @@ def children(kube, namespace: str, name: str) -> list[str]:
     out += [f"svc/{s.metadata.name}" for s in kube.core.list_namespaced_service(namespace, label_selector=sel).items]
     out += [f"sa/{s.metadata.name}" for s in kube.core.list_namespaced_service_account(namespace, label_selector=sel).items]
     return sorted(out)
+
+
+def module_namespace(prefix: str):
+    """A module-scoped namespace fixture (``name = module_namespace("moe-x")`` in the test module):
+    a fresh namespace named ``prefix-<random>``, deleted after the module."""
+    @pytest.fixture(scope="module")
+    def namespace(kube):
+        ns = create_namespace(kube, unique_name(prefix))
+        yield ns
+        delete_namespace(kube, ns)
+    return namespace
+
+
+def gate_operator(control_plane, kube, namespace: str, work: Path, stand_in: str) -> Operator:
+    """A started operator (the CRD installed) with the upgrade gate on, in ``namespace``, whose
+    smoke pods run ``stand_in`` (Python source, written to ``work/smoke_stand_in.py``) instead of
+    ``moe-smoke`` (``MOE_GATE_SMOKE_COMMAND``)."""
+    install_crd(kube)
+    script = Path(work) / "smoke_stand_in.py"
+    script.write_text(stand_in)
+    return Operator(control_plane, work).start(
+        MOE_OPERATOR_NAMESPACE=namespace, MOE_GATE_ENABLED="true",
+        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
 
 
 def module_operator(dirname: str = "operator"):

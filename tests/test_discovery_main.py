@@ -4,6 +4,7 @@ plain HTTP (a tiny in-process API stand-in that answers like the API server does
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -52,6 +53,18 @@ def test_unknown_fixture_exit_78(monkeypatch, capsys, term_log):
     assert err.startswith("moe-discover: error: fake NVML: no fake-NVML recording 'no-such-box'")
     assert len(err.strip().splitlines()) == 1
     assert term_log.read_text().startswith("error: fake NVML")
+
+
+def test_fake_fixture_without_the_dev_package_exit_78(monkeypatch, capsys, term_log):
+    """The images have no fake NVML (dev package): a fixture asked for there is a config error
+    that says so, never a silent fall-through to the driver."""
+    monkeypatch.setitem(sys.modules, "moe_fake_nvml", None)      # `import moe_fake_nvml` fails
+    monkeypatch.setenv("MOE_FAKE_NVML_FIXTURE", "single-h200")
+    assert discover.main([]) == nvml_probe.EXIT_CONFIG == 78
+    err = capsys.readouterr().err
+    assert err.startswith("moe-discover: error: fake NVML asked for (--fake-nvml or "
+                          "$MOE_FAKE_NVML_FIXTURE) but the dev package's moe_fake_nvml is not installed")
+    assert len(err.strip().splitlines()) == 1 and term_log.read_text().startswith("error: fake NVML")
 
 
 def test_no_driver_exit_69_one_line(tmp_path, monkeypatch, capsys, term_log):

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pynvml
 import pytest
 
-from moe_trainer.discovery import fake_nvml, nvml_probe
-from moe_trainer.discovery.fake_nvml import FakeNvml, load_recording
+import moe_fake_nvml as fake_nvml
+from moe_fake_nvml import FakeNvml, load_recording
+from moe_trainer.discovery import nvml_probe
 from moe_trainer.discovery.nvml_probe import DiscoveryError, parse_bus_id, pci_address, probe
 from moejob_operator.core.errors import DocumentError
 from moe_contracts.topology import parse_topology

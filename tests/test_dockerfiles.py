@@ -112,18 +112,50 @@ def test_commands_the_operator_puts_in_pods_are_installed_in_the_trainer_image()
     assert '".[trainer]"' in trainer_install
 
 
+# The dev package (operator/dev, moe-operator-dev: not in the images) and the one place in the
+# product that may import each of its top-level names (a function that returns None without it).
+DEV_PACKAGES = {"moe_localkube", "moe_fake_nvml", "moe_faults"}
+PRODUCT_PACKAGES = {"moejob_operator", "moe_contracts", "moe_trainer"}
+DEV_HOOKS = {("operator/moejob_operator/admission.py", "test_faults", "moe_faults"),
+             ("trainer_image/moe_trainer/checkpoint.py", "test_faults", "moe_faults"),
+             ("trainer_image/moe_trainer/discovery/main.py", "_fake_nvml", "moe_fake_nvml")}
+
+
+def _imports(package: Path) -> list[tuple[str, str, str]]:
+    """(file relative to the repository, enclosing top-level function or "", top-level module)."""
+    out = []
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for top in tree.body:
+            where = top.name if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef)) else ""
+            for node in ast.walk(top):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                out += [(str(path.relative_to(ROOT)), where, n.split(".")[0]) for n in names]
+    return out
+
+
 def _third_party_imports(package: Path) -> set[str]:
     stdlib = set(sys.stdlib_module_names)
-    names = set()
-    for path in package.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names.add(node.module.split(".")[0])
-    # In-repo packages ship in the same wheel (setuptools finds them under operator/).
-    in_repo = {p.name for p in (ROOT / "operator").iterdir() if (p / "__init__.py").is_file()}
-    return {n for n in names if n not in stdlib and n not in in_repo}
+    # In-repo product packages ship in the same wheel; the dev package only through DEV_HOOKS
+    # (test_product_reaches_the_dev_package_only_through_its_hooks).
+    return {n for _, _, n in _imports(package)
+            if n not in stdlib and n not in PRODUCT_PACKAGES | DEV_PACKAGES}
+
+
+def test_product_reaches_the_dev_package_only_through_its_hooks():
+    """The product's wheel has none of the dev package (pyproject's package list), and product
+    code imports it only inside the hook functions, which work without it."""
+    found = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    assert set(found["include"]) == {f"{n}{s}" for n in PRODUCT_PACKAGES for s in ("", ".*")}
+    product = [ROOT / "operator" / n for n in PRODUCT_PACKAGES if (ROOT / "operator" / n).is_dir()]
+    dev = {(f, where, n) for package in [*product, ROOT / "trainer_image" / "moe_trainer"]
+           for f, where, n in _imports(package) if n in DEV_PACKAGES}
+    assert dev == DEV_HOOKS
 
 
 def test_operator_image_dependencies_cover_the_operator_package():
@@ -142,14 +174,14 @@ def test_operator_image_dependencies_cover_the_operator_package():
 
 def test_contracts_need_only_the_core_dependencies():
     """moe_contracts, which both images import, needs nothing beyond the core dependencies (no
-    torch, kopf or kubernetes): pydantic and numpy; both images COPY it (operator/) and install it."""
+    torch, kopf or kubernetes): pydantic and numpy; both images COPY it and install it."""
     core = {re.split(r"[=<>\[ ]", d)[0].lower() for d in PYPROJECT["project"]["dependencies"]}
     used = _third_party_imports(ROOT / "operator" / "moe_contracts")
     assert used <= core, f"moe_contracts imports {sorted(used - core)}"
     assert "moe_contracts" in {p.name for p in (ROOT / "operator").iterdir()}
     for which in DOCKERFILES:
         copied = [rest.split()[0] for w, rest in instructions(DOCKERFILES[which]) if w == "COPY"]
-        assert "operator/" in copied, f"the {which} image does not COPY operator/ (moe_contracts)"
+        assert "operator/moe_contracts/" in copied, f"the {which} image does not COPY moe_contracts"
 
 
 def test_exposed_ports_are_the_charts_defaults():

@@ -14,13 +14,12 @@ and hold the smoke test open for as long as they need, however slow the machine)
 from __future__ import annotations
 
 import json
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from moe_localkube.testing import create_namespace, delete_namespace, unique_name
+from moe_localkube.testing import unique_name
 from moe_trainer import smoke
 from moejob_operator import constants as C
 from moe_contracts.gate import parse_gate_verdict
@@ -28,13 +27,13 @@ from moe_contracts import gate as contract_gate
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
 from operator_harness import (
-    Operator,
     apply_job,
     condition,
     events_for,
     example,
+    gate_operator,
     get_job,
-    install_crd,
+    module_namespace,
 )
 
 pytestmark = pytest.mark.cluster
@@ -67,22 +66,13 @@ print(json.dumps(v))
 '''.replace("FAULTS", repr(str(FAULTS))).replace("TRAINER", repr(str(Path(smoke.__file__).parents[1])))
 
 
-@pytest.fixture(scope="module")
-def gate_ns(kube):
-    ns = create_namespace(kube, unique_name("moe-gate-system"))
-    yield ns
-    delete_namespace(kube, ns)
+gate_ns = module_namespace("moe-gate-system")
 
 
 @pytest.fixture(scope="module")
 def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
-    install_crd(kube)
     d = tmp_path_factory.mktemp("gate-operator")
-    script = d / "smoke_stand_in.py"
-    script.write_text(STAND_IN.replace("RELEASE", repr(str(d / "release"))))
-    op = Operator(control_plane, d).start(
-        MOE_OPERATOR_NAMESPACE=gate_ns, MOE_GATE_ENABLED="true",
-        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
+    op = gate_operator(control_plane, kube, gate_ns, d, STAND_IN.replace("RELEASE", repr(str(d / "release"))))
     op.release_file = d / "release"
     yield op
     op.stop()

@@ -10,22 +10,19 @@ that passes at once (as in test_gate_cluster) so that the job goes on to its wor
 
 from __future__ import annotations
 
-import json
-import sys
-
 import pytest
 
-from moe_localkube.testing import WaitTimeout, create_namespace, delete_namespace, unique_name
+from moe_localkube.testing import WaitTimeout, unique_name
 from moejob_operator import constants as C
 from moejob_operator.builders import discovery as D
 from moejob_operator.reconcile.client import Client
 from operator_harness import (
-    Operator,
     apply_job,
     condition,
     example,
+    gate_operator,
     get_job,
-    install_crd,
+    module_namespace,
     seed_topology,
 )
 
@@ -48,22 +45,12 @@ open("/dev/termination-log", "w").write(json.dumps(v))
 NO_SCHEDULER = "moe-test-no-such-scheduler"     # keeps the GPU worker pods Pending
 
 
-@pytest.fixture(scope="module")
-def gate_ns(kube):
-    ns = create_namespace(kube, unique_name("moe-gpu-gate"))
-    yield ns
-    delete_namespace(kube, ns)
+gate_ns = module_namespace("moe-gpu-gate")
 
 
 @pytest.fixture(scope="module")
 def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
-    install_crd(kube)
-    d = tmp_path_factory.mktemp("gpu-operator")
-    script = d / "smoke_stand_in.py"
-    script.write_text(STAND_IN)
-    op = Operator(control_plane, d).start(
-        MOE_OPERATOR_NAMESPACE=gate_ns, MOE_GATE_ENABLED="true",
-        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
+    op = gate_operator(control_plane, kube, gate_ns, tmp_path_factory.mktemp("gpu-operator"), STAND_IN)
     yield op
     op.stop()
 

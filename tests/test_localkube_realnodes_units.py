@@ -84,7 +84,11 @@ def test_image_keys_follow_what_the_dockerfile_copies(tmp_path):
 def test_repository_dockerfiles_pins_and_sources():
     assert "torch==2.13.0" in images.dockerfile_pins()
     for name, path in images.DOCKERFILES.items():
-        assert "operator/" in images.copied_sources(path), name
+        sources = images.copied_sources(path)
+        assert "operator/moejob_operator/" in sources, name
+        # the product only: the dev package (local cluster, demo, fake NVML, faults) stays out
+        assert not any(s.rstrip("/") in ("operator", "operator/dev") or s.startswith("operator/dev/")
+                       for s in sources), (name, sources)
 
 
 def test_image_reference_normalisation():

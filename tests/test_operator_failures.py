@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from moe_faults import FAULT_ANNOTATIONS
 from moejob_operator import constants as C
-from moejob_operator.reconcile.job import FAULT_ANNOTATIONS
 from operator_harness import (apply_job, condition, events_for, example, get_job, module_operator,
                               seed_topology)
 

@@ -10,7 +10,7 @@ a create that can never succeed.
 The policy comes from the operator's environment (the chart sets it):
 ``MOE_ALLOWED_HOST_PATH_PREFIXES`` lists the host directories jobs may mount (comma-separated;
 empty, the default: no ``hostPath`` at all). ``MOE_OPERATOR_TEST_MODE=1`` turns on the test-only
-hooks (fault-injection annotations, ``MOE_OPERATOR_CRASH_AT``).
+hooks (fault-injection annotations, ``MOE_OPERATOR_CRASH_AT``: :func:`test_faults`).
 """
 
 from __future__ import annotations
@@ -99,6 +99,18 @@ class Policy:
 def test_mode() -> bool:
     """Test-only hooks are honoured (``MOE_OPERATOR_TEST_MODE``)."""
     return Policy.from_env().test_mode
+
+
+def test_faults():
+    """The fault-injection hooks in test mode, else None: the dev package's ``moe_faults``
+    (operator/dev; the images do not install it). The only way product code reaches them."""
+    if not test_mode():
+        return None
+    try:
+        import moe_faults
+    except ImportError:
+        return None
+    return moe_faults
 
 
 # ---- names --------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from pathlib import Path
 from .core.errors import DocumentError
 from .run import add_operator
 from .smoke_cli import add_smoke
-from .demo import add_demo
 
 EXIT_USAGE = 2
 
@@ -142,7 +141,7 @@ def add_plan(sub) -> None:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke, add_demo]
+COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""Checkpoints: DeepSpeed engine state + the trainer's own state, and the fault-injection hook.
+"""Checkpoints: DeepSpeed engine state + the trainer's own state, and the way to the test faults.
 
 Layout under the checkpoint dir ($MOE_CHECKPOINT_DIR, else the plan's training.checkpointDir):
   ds/latest                      DeepSpeed's pointer to the newest tag ("step-<n>")
@@ -17,22 +17,20 @@ so a deleted pod leaves the checkpoint it was writing complete (`install_signal_
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from moe_contracts import env as E
 
 TAG_RE = re.compile(r"^step-(\d+)$")
 log = logging.getLogger("moe_trainer.checkpoint")
-HOLD_LIMIT_SECONDS = 600.0
 
 _writing = 0                     # > 0 while this process is inside save()
 _pending_signal: int | None = None
@@ -76,22 +74,16 @@ def _write_guard(step: int):
         _exit_on(_pending_signal)
 
 
-def _hold_for_test(step: int, ckpt_dir, rank: int) -> None:
-    """Fault injection for operator tests: MOE_FAULT_HOLD_CHECKPOINT_AT_STEP=n makes rank 0 stop
-    half-way through writing checkpoint n (its own files written, DeepSpeed's shards not yet),
-    leave `checkpoint-write-started-step-<n>` in the checkpoint dir and wait there until it is
-    signalled (a test deletes the pod), once per checkpoint dir."""
-    at = os.environ.get(E.FAULT_HOLD_CHECKPOINT_AT_STEP)
-    if rank != 0 or not at or int(at) != step:
-        return
-    marker = Path(ckpt_dir) / f"checkpoint-write-started-step-{step}"
-    if marker.exists():
-        return
-    marker.write_text(f"{step}\n")
-    log.warning("fault injection: holding checkpoint step-%d half-written until signalled", step)
-    deadline = time.monotonic() + HOLD_LIMIT_SECONDS
-    while _pending_signal is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+@functools.cache
+def test_faults():
+    """The fault-injection hooks (docs/contracts.md, "Trainer fault injection"): the dev
+    package's ``moe_faults`` where it is installed (a developer's venv), else None: the images do
+    not install it. The only way the trainer reaches them."""
+    try:
+        import moe_faults
+    except ImportError:
+        return None
+    return moe_faults
 
 
 def tag_for(step: int) -> str:
@@ -138,7 +130,9 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, rank: int, trainer_stat
         torch.save(rng_state(), tag_dir / f"rng_rank{rank}.pt")
         if rank == 0:
             torch.save(trainer_state, tag_dir / "trainer_state.pt")
-        _hold_for_test(step, ckpt_dir, rank)
+        faults = test_faults()
+        if faults is not None:
+            faults.hold_checkpoint(step, ckpt_dir, rank, signalled=lambda: _pending_signal is not None)
         dist.barrier()
         engine.save_checkpoint(str(ds_dir(ckpt_dir)), tag=tag, client_state={"step": step})
     return tag_dir
@@ -155,24 +149,3 @@ def load(engine, ckpt_dir: str | os.PathLike, step: int, rank: int) -> dict:
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=False))
     return torch.load(tag_dir / "trainer_state.pt", weights_only=False)
-
-
-def fault_due(step: int, ckpt_dir: str | os.PathLike | None) -> int | None:
-    """Fault injection for operator tests: with MOE_FAULT_EXIT_AT_STEP=n and MOE_FAULT_EXIT_CODE=c
-    the trainer exits with c right after finishing step n, once per checkpoint dir (a marker file
-    `fault-injected-step-<n>` records it, so the restarted attempt runs through)."""
-    at = os.environ.get(E.FAULT_EXIT_AT_STEP)
-    if not at or int(at) != step:
-        return None
-    code = int(os.environ.get(E.FAULT_EXIT_CODE, "75"))
-    if ckpt_dir:
-        marker = Path(ckpt_dir) / f"fault-injected-step-{step}"
-        if marker.exists():
-            return None
-    return code
-
-
-def mark_fault(step: int, ckpt_dir: str | os.PathLike | None, rank: int) -> None:
-    if ckpt_dir and rank == 0:
-        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        (Path(ckpt_dir) / f"fault-injected-step-{step}").write_text(f"{step}\n")

@@ -221,6 +221,7 @@ class Trainer:
     # ---- one step ----------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
         t, env = self.t, self.env
+        faults = ckpt.test_faults()
         L, E = len(self.blocks), self.num_experts
         load = torch.zeros(L, E, dtype=torch.float64, device=env.device)
         coact = torch.zeros(L, E, E, dtype=torch.float64, device=env.device)
@@ -235,7 +236,7 @@ class Trainer:
             else:
                 logits = self.engine(input_ids=batch[:, :-1]).logits
                 lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            if os.environ.get(contract_env.FAULT_NAN_AT_STEP) == str(step + 1):   # test hook: poison this step's loss
+            if faults is not None and faults.nan_due(step + 1):   # test hook: poison this step's loss
                 lm = lm * float("nan")
             if not self.probe.captured():
                 raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")
@@ -330,6 +331,7 @@ class Trainer:
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
         t, env = self.t, self.env
+        faults = ckpt.test_faults()
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * env.world_size
         step = self.start_step
         self.publish(progress_doc(phase="Starting" if step == 0 else "Training", step=step, total_steps=t.steps,
@@ -412,10 +414,10 @@ class Trainer:
             self.publish(doc, tokens_per_step, force=step == t.steps)
             if self.on_step is not None:
                 self.on_step(step)
-            code = ckpt.fault_due(step, self.ckpt_dir)
+            code = faults.exit_due(step, self.ckpt_dir) if faults is not None else None
             if code is not None:
                 dist.barrier()
-                ckpt.mark_fault(step, self.ckpt_dir, env.rank)
+                faults.mark_exit(step, self.ckpt_dir, env.rank)
                 log.warning("fault injection: exiting with %d after step %d", code, step)
                 return code
         log.info("rank %d trained steps %d..%d of %d", env.rank, self.start_step + 1, step, t.steps)

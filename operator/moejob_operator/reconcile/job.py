@@ -16,7 +16,6 @@ import copy
 import datetime as dt
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,26 +36,11 @@ from .outcome import NotYet, Refused
 
 log = logging.getLogger("moejob_operator")
 
-# Test hook: MOE_OPERATOR_CRASH_AT=<point> makes the operator process exit right there, so the
-# tests can kill it mid-launch at a chosen point and check that a restarted one converges.
-# Honoured only in test mode ($MOE_OPERATOR_TEST_MODE, admission.Policy).
-CRASH_POINTS = ("after-plan", "after-rbac", "after-first-worker", "after-restart-status")
-
-
-def _crash_at() -> str | None:
-    return os.environ.get("MOE_OPERATOR_CRASH_AT") if admission.test_mode() else None
-
-
 def _crashpoint(point: str) -> None:
-    if _crash_at() == point:
-        log.warning("MOE_OPERATOR_CRASH_AT=%s: exiting now", point)
-        os._exit(3)
-
-
-# Annotations on the job that pass fault-injection env to the trainer (test mode only):
-FAULT_ANNOTATIONS = {f"{C.GROUP}/fault-exit-at-step": "MOE_FAULT_EXIT_AT_STEP",
-                     f"{C.GROUP}/fault-exit-code": "MOE_FAULT_EXIT_CODE",
-                     f"{C.GROUP}/fault-hold-checkpoint-at-step": "MOE_FAULT_HOLD_CHECKPOINT_AT_STEP"}
+    """Test hook (``moe_faults.crashpoint``, test mode only): the operator process may exit here."""
+    faults = admission.test_faults()
+    if faults is not None:
+        faults.crashpoint(point)
 
 
 class Pass:
@@ -518,10 +502,9 @@ def _complete_launch(p: Pass) -> None:
 
 
 def _fault_env(p: Pass) -> dict[str, str]:
-    if not admission.test_mode():
-        return {}
-    ann = p.body["metadata"].get("annotations") or {}
-    return {env: str(ann[key]) for key, env in FAULT_ANNOTATIONS.items() if key in ann}
+    """Test hook (``moe_faults.trainer_env``, test mode only): fault annotations -> trainer env."""
+    faults = admission.test_faults()
+    return faults.trainer_env(p.body["metadata"].get("annotations")) if faults is not None else {}
 
 
 def _regate(p: Pass, spec: JobSpec, pods: list, digest: str) -> float:
@@ -610,7 +593,8 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
         h = spec.immutable_hash()
         pods_to_create = workers.worker_pods(p.job, spec, rank2node, attempt=attempt, spec_hash=h,
                                              extra_env=extra_env, node_ranks=list(d.create_ranks))
-        if _crash_at() == "after-first-worker":
+        faults = admission.test_faults()
+        if faults is not None and faults.crash_at() == "after-first-worker":
             pods_to_create = pods_to_create[:1]        # the crash test wants a partial gang
         try:
             p.client.create_all(pods_to_create)    # the gang at once: one round trip, not one per rank

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import fake_nvml, nvml_probe, publish
+from . import nvml_probe, nvml_record, publish
 from .nvml_probe import DiscoveryError
 
 
@@ -32,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node", help="node name (default: $NODE_NAME, else the hostname)")
     p.add_argument("--fake-nvml", metavar="NAME|PATH",
                    help=f"replay a recorded NVML fixture instead of the driver "
-                        f"(also ${fake_nvml.FIXTURE_ENV}); never on a real node")
+                        f"(also ${nvml_record.FIXTURE_ENV}); dev/test only: needs the dev package's "
+                        f"moe_fake_nvml, which the images do not install")
     p.add_argument("--record", metavar="FILE",
                    help="also write what real NVML answered, as a fake-NVML recording")
     p.add_argument("--verbose", "-v", action="store_true", help="list NVML calls that failed")
@@ -50,22 +51,36 @@ def _pod_namespace() -> str | None:
         return None
 
 
+def _fake_nvml():
+    """The one way into the fake NVML (dev tooling, docs/discovery.md): the dev package's
+    `moe_fake_nvml`, which a developer's venv has and the local cluster's GPU-like nodes provide
+    to their containers; the images do not install it."""
+    try:
+        import moe_fake_nvml
+    except ImportError as err:
+        raise DiscoveryError(f"fake NVML asked for (--fake-nvml or ${nvml_record.FIXTURE_ENV}) but "
+                             f"the dev package's moe_fake_nvml is not installed here ({err}); "
+                             "on a real node, unset it", nvml_probe.EXIT_CONFIG) from err
+    return moe_fake_nvml
+
+
 def _nvml(args: argparse.Namespace) -> tuple[Any, str, str | None]:
     """(nvml module-like object, source, fixture name)."""
-    fixture = args.fake_nvml or fake_nvml.fixture_from_env()
+    fixture = args.fake_nvml or os.environ.get(nvml_record.FIXTURE_ENV) or None
     if fixture:
+        fake = _fake_nvml()
         try:
-            recording, name = fake_nvml.load_recording(fixture)
-        except fake_nvml.RecordingError as err:
+            recording, name = fake.load_recording(fixture)
+        except fake.RecordingError as err:
             raise DiscoveryError(f"fake NVML: {err}", nvml_probe.EXIT_CONFIG) from err
         print(f"moe-discover: WARNING: FAKE NVML: replaying recorded fixture {name!r}; "
               "this report describes no real hardware", file=sys.stderr)
-        return fake_nvml.FakeNvml(recording), "fake-nvml", name
+        return fake.FakeNvml(recording), "fake-nvml", name
     import pynvml   # only here: a fake run must not need the bindings' library
 
     if args.record:
         name = Path(args.record).name.removesuffix(".json").removesuffix(".recording")
-        return fake_nvml.RecordingNvml(pynvml, fixture=name), "nvml", None
+        return nvml_record.RecordingNvml(pynvml, fixture=name), "nvml", None
     return pynvml, "nvml", None
 
 
@@ -79,7 +94,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         for line in failed:
             print(f"moe-discover: NVML: {line}", file=sys.stderr)
-    if isinstance(nvml, fake_nvml.RecordingNvml):
+    if isinstance(nvml, nvml_record.RecordingNvml):
         nvml.recording["description"] = (f"recorded by moe-discover on node {node!r}, driver "
                                           f"{report['driverVersion']}")
         Path(args.record).write_text(json.dumps(nvml.recording, indent=1) + "\n")

@@ -1,5 +1,5 @@
 """Fake GPU Node objects, shaped like what the kubelet, the NVIDIA device plugin and GPU Feature
-Discovery would publish for a recorded machine (a ``moe_trainer`` NVML recording)."""
+Discovery would publish for a recorded machine (an NVML recording of ``moe_fake_nvml``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .binaries import REPO_ROOT
+import moe_fake_nvml
 
-RECORDINGS_DIR = REPO_ROOT / "trainer_image" / "moe_trainer" / "discovery" / "recordings"
+RECORDINGS_DIR = moe_fake_nvml.recordings_dir()
 FAKE_TOPOLOGY_ANNOTATION = "moe-operator.io/fake-topology"
-FAKE_NVML_ENV = "MOE_FAKE_NVML_FIXTURE"
+FAKE_NVML_ENV = moe_fake_nvml.FIXTURE_ENV
 GPU_RESOURCE = "nvidia.com/gpu"
 MIB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""``moectl demo``: a whole MoETrainingJob on this machine, end to end.
+"""``moe-demo`` (``scripts/dev.sh demo``): a whole MoETrainingJob on this machine, end to end.
 
 Starts the local control plane (kube-apiserver v1.20.2 + etcd + controller manager + scheduler),
 the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (``kopf run``);
@@ -6,8 +6,10 @@ the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (`
 AutoEP); waits for ``Succeeded``; prints ``kubectl get moejob`` and ``kubectl describe``, and
 where the expert-load heatmap and routing statistics are. Logs, checkpoints and the heatmap stay
 in --dir (default runs/demo). With --stay the cluster keeps running after the job, for kubectl
-and helm through DIR/env.sh, until Ctrl-C or ``moectl demo --stop`` (``scripts/dev.sh down``).
-This is what ``scripts/dev.sh demo`` runs.
+and helm through DIR/env.sh, until Ctrl-C or ``moe-demo --stop`` (``scripts/dev.sh down``).
+
+Dev tooling (the dev package, operator/dev), not product: the operator image has no demo and
+``moectl`` no ``demo`` command.
 """
 
 from __future__ import annotations
@@ -20,22 +22,22 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-from . import constants as C
+from moejob_operator import constants as C
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 DEFAULT_DIR = ROOT / "runs" / "demo"
 MARKER = ".moe-demo"           # a folder with this file is a demo's: a new demo may empty it
 PID_FILE = "demo.pid"
 
 
-def add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="run a tiny MoE training job on a local control plane",
-                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moe-demo", description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--manifest", default=str(EXAMPLE), help="job manifest (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for Succeeded")
     p.add_argument("--dir", "--keep", dest="dir", metavar="DIR", default=str(DEFAULT_DIR),
@@ -44,7 +46,11 @@ def add_demo(sub) -> None:
     p.add_argument("--stay", action="store_true",
                    help="keep the cluster running after the job (until Ctrl-C or --stop)")
     p.add_argument("--stop", action="store_true", help="stop the demo that --stay left running in --dir")
-    p.set_defaults(func=run_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_demo(build_parser().parse_args(argv))
 
 
 def _say(text: str) -> None:
@@ -83,13 +89,13 @@ def _prepare(work: Path) -> None:
     """An empty ``work``: a folder an earlier demo left is emptied; anything else is refused."""
     if _running_pid(work) is not None:
         raise SystemExit(f"a demo is still running in {work} (pid {_running_pid(work)}): "
-                         f"stop it with `scripts/dev.sh down` (moectl demo --stop --dir {work})")
+                         f"stop it with `scripts/dev.sh down` (moe-demo --stop --dir {work})")
     if work.exists() and any(work.iterdir()):
         if not (work / MARKER).exists():
             raise SystemExit(f"{work} is not empty and not an earlier demo's folder: choose another --dir")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    (work / MARKER).write_text("written by moectl demo; the next demo empties this folder\n")
+    (work / MARKER).write_text("written by moe-demo; the next demo empties this folder\n")
 
 
 def _on_sigterm(signum, frame):
@@ -123,7 +129,7 @@ def _write_env(work: Path, kubeconfig: Path) -> Path:
         link.unlink(missing_ok=True)
         link.symlink_to(tool)
     env = work / "env.sh"
-    env.write_text(f"# source this file: the demo cluster in {work} (while `moectl demo --stay` runs)\n"
+    env.write_text(f"# source this file: the demo cluster in {work} (while `moe-demo --stay` runs)\n"
                    f"export KUBECONFIG='{kubeconfig}'\n"
                    f"export PATH='{bindir}':\"$PATH\"\n")
     return env
@@ -247,3 +253,7 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
             agent.stop()
         cp.stop()
         (work / "env.sh").unlink(missing_ok=True)    # it would point at a stopped cluster
+
+
+if __name__ == "__main__":
+    sys.exit(main())

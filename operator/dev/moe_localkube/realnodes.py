@@ -20,9 +20,10 @@ Layout (docs/localkube.md, "Real nodes"):
   names on the gateway.
 - **GPU-like nodes**: ``RealNodeSpec.fixture`` (an NVML recording, as for the node agent) gives
   the node the GPU Feature Discovery labels, an ``nvidia.com/gpu`` capacity (extended resource,
-  patched into the node status) and a containerd base runtime spec that sets
-  ``MOE_FAKE_NVML_FIXTURE`` in every container: the part of the NVIDIA container runtime that
-  discovery needs, so ``moe-discover`` reports the recorded topology. ``fixture=None`` gives a
+  patched into the node status) and a containerd base runtime spec that gives every container
+  the fake driver, as the NVIDIA container runtime injects the real one: the dev package's
+  ``moe_fake_nvml`` (not in the images) mounted read-only and on ``PYTHONPATH``, and
+  ``MOE_FAKE_NVML_FIXTURE``, so ``moe-discover`` reports the recorded topology. ``fixture=None`` gives a
   plain CPU node.
 - **Host state** changed on start and restored on stop: the bridge, the iptables rules (each
   tagged with a comment naming this cluster), the cgroup roots, the sysctls the kubelet sets at
@@ -50,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+import moe_fake_nvml
 
 from . import binaries, procs
 from .controlplane import ControlPlane, free_ports
@@ -377,8 +380,16 @@ class RealNodes:
             return None
         fixture_gpus(node.spec.fixture)          # unknown fixture: fail here, not in a pod
         spec = json.loads(_run("ctr", "oci", "spec").stdout)
-        env = [e for e in spec["process"].get("env", []) if not e.startswith(FAKE_NVML_ENV + "=")]
-        spec["process"]["env"] = [*env, f"{FAKE_NVML_ENV}={node.spec.fixture}"]
+        # The fake driver, as the NVIDIA container runtime injects the real one: the dev package's
+        # moe_fake_nvml (the images do not have it), read-only, on PYTHONPATH, and the fixture.
+        driver = moe_fake_nvml.runtime_mount(node.dir / "fake-nvml")
+        spec.setdefault("mounts", []).append({
+            "destination": moe_fake_nvml.CONTAINER_DIR, "type": "bind", "source": str(driver),
+            "options": ["rbind", "ro", "nosuid", "nodev"]})
+        ours = (FAKE_NVML_ENV + "=", "PYTHONPATH=")
+        env = [e for e in spec["process"].get("env", []) if not e.startswith(ours)]
+        spec["process"]["env"] = [*env, f"{FAKE_NVML_ENV}={node.spec.fixture}",
+                                  f"PYTHONPATH={moe_fake_nvml.CONTAINER_DIR}"]
         path = node.dir / "base-spec.json"
         path.write_text(json.dumps(spec))
         return path

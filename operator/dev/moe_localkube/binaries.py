@@ -41,7 +41,7 @@ SUMS_FILE = "SHA256SUMS"
 KUBECTL_LAYER_VERSION = "2.2.2"
 ENV_BIN_DIR = "MOE_KUBE_BIN_DIR"
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = Path(__file__).resolve().with_name("build_kube.sh")
 
 

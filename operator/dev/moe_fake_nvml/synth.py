@@ -6,7 +6,7 @@ legacy 4-hex field, CUDA version as an integer, remote device type codes, P2P st
 links a GPU has but does not use (state 0) and links it does not have (`InvalidArgument`).
 Running the probe on the result must give back the report (tests check this for every recording).
 
-    python -m moe_trainer.discovery.synth REPORT.json [--fixture NAME] > recording.json
+    python -m moe_fake_nvml.synth REPORT.json [--fixture NAME] > recording.json
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from .fake_nvml import RECORDING_KIND, RECORDING_VERSION
-from .nvml_probe import parse_bus_id
+from moe_trainer.discovery.nvml_record import RECORDING_KIND, RECORDING_VERSION
+from moe_trainer.discovery.nvml_probe import parse_bus_id
 
 _P2P_OK, _P2P_NOT_SUPPORTED = 0, 5
 _REMOTE_TYPE = {"gpu": 0, "switch": 2, "other": 255}
@@ -120,7 +120,7 @@ def with_mig(rec: dict, gpu_indices: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_trainer.discovery.synth",
+    p = argparse.ArgumentParser(prog="python -m moe_fake_nvml.synth",
                                 description=__doc__.split("\n")[0])
     p.add_argument("report")
     p.add_argument("--fixture")

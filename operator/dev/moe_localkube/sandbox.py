@@ -127,7 +127,9 @@ def _under_other(target: str, mounts: list[Mount]) -> bool:
 
 # The packages whose source folders are part of the "image" under the node agent (an editable
 # install points the venv at them).
-IMAGE_PACKAGES = ("moejob_operator", "moe_trainer", "moe_localkube")
+# The product, and the dev package (pods here run from the venv, which has it: the fake NVML,
+# the fault hooks).
+IMAGE_PACKAGES = ("moejob_operator", "moe_trainer", "moe_localkube", "moe_fake_nvml", "moe_faults")
 
 
 def image_paths() -> list[str]:
@@ -139,6 +141,8 @@ def image_paths() -> list[str]:
         spec = importlib.util.find_spec(name)
         for loc in (spec.submodule_search_locations or []) if spec else []:
             paths.add(str(Path(loc).parent))
+        if spec and spec.origin and not spec.submodule_search_locations:     # a plain module
+            paths.add(str(Path(spec.origin).parent))
     return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
 
 
