@@ -109,6 +109,29 @@ def test_quality_bytes_are_per_step_of_this_job():
     assert qa > 0 and qb == pytest.approx(2 * qa, rel=1e-3)
 
 
+def test_a_fallback_plan_says_the_layout_it_has():
+    """topology_aware without routing statistics falls back to contiguous: the document says so
+    (placement.fellBackTo) and so do status.plan and the PlanReady message, which named the asked
+    strategy before."""
+    from moejob_operator.reconcile import planning
+
+    fell = _tiny_plan(ep_size=4)
+    pl = fell.document["placement"]
+    assert (pl["strategy"], pl["fellBackTo"]) == ("topology_aware", "contiguous")
+    assert parse_plan(fell.document)                     # the reader accepts the field
+    s = planning.summary(fell.document)
+    assert (s["strategy"], s["requestedStrategy"]) == ("contiguous", "topology_aware")
+    assert planning.describe(s).startswith(
+        "contiguous placement (topology_aware asked, no routing statistics) on ")
+    assert "placement  contiguous (topology_aware without routing statistics" in plan.summarize(fell)
+    stats = routing.synthetic_trace(4, 8, 2, 2048, seed=1).without_tokens()
+    used = _tiny_plan(ep_size=4, routing_stats=stats)
+    assert "fellBackTo" not in used.document["placement"]
+    s = planning.summary(used.document)
+    assert s["strategy"] == "topology_aware" and "requestedStrategy" not in s
+    assert planning.describe(s).startswith("topology_aware placement on ")
+
+
 def test_cpu_mode():
     p = plan.build_plan(plan.PlanRequest("demo", "default", models.resolve_model("tiny-qwen3-moe"), None,
                         device="cpu", nodes=["node-a", "node-b"], procs_per_node=2,

@@ -19,6 +19,7 @@ from moejob_operator.reconcile.client import Client
 from operator_harness import (
     apply_job,
     condition,
+    events_for,
     example,
     gate_operator,
     get_job,
@@ -107,6 +108,13 @@ def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(kube, namespace, ope
     wait_for(lambda: condition(get_job(kube, namespace, "gpu-ints"), C.COND_UPGRADE_VERIFIED).get("status") == "True",
              timeout=60, message="UpgradeVerified=True")
     assert status["plan"]["worldSize"] == 4
+    # TopologyAware without routing statistics falls back to contiguous: status.plan and the
+    # PlanReady Event say the layout the plan has, and what the spec asked for
+    assert (status["plan"]["strategy"], status["plan"]["requestedStrategy"]) == \
+        ("contiguous", "topology_aware")
+    ready = wait_for(lambda: [e.message for e in events_for(kube, namespace, "gpu-ints")
+                              if e.reason == C.R_PLAN_READY], timeout=10, message="PlanReady Event")
+    assert ready[0].startswith("contiguous placement (topology_aware asked, no routing statistics) on "), ready
     assert "ValidationError" not in logs()
 
 

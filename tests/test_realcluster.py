@@ -156,6 +156,28 @@ def _check_security(facts: dict, promised: dict, what: str) -> None:
         assert facts["seccomp"] == 2, (what, facts)   # SECCOMP_MODE_FILTER
 
 
+# What the dev package (operator/dev) and the old in-product test tooling would put in an image.
+DEV_PATHS = ("site-packages/moe_localkube/", "site-packages/moe_fake_nvml/", "site-packages/moe_faults.py",
+             "site-packages/moejob_operator/demo.py", "site-packages/moe_trainer/discovery/fake_nvml.py",
+             "site-packages/moe_trainer/discovery/synth.py", "site-packages/moe_trainer/discovery/recordings/",
+             "site-packages/moe_operator_dev")
+
+
+def test_images_hold_the_product_only(images):
+    """The images built from the Dockerfiles have the product and none of the dev tooling (local
+    cluster, demo, fake NVML and its recordings, fault hooks): read from the image archives."""
+    from moe_localkube.images import archive_paths
+
+    for name, img in images.items():
+        paths = archive_paths(img.tar)
+        site = [p for p in paths if "site-packages/" in p]
+        assert any(p.endswith("site-packages/moejob_operator/handlers.py") for p in site), name
+        assert any(p.endswith("site-packages/moe_trainer/discovery/main.py") for p in site), name
+        assert any(p.endswith("site-packages/moe_trainer/discovery/nvml_record.py") for p in site), name
+        dev = sorted(p for p in site if any(d in p for d in DEV_PATHS))
+        assert not dev, (name, dev[:20])
+
+
 def test_users_path_on_real_nodes(cluster, images, tmp_path):
     cp, _nodes = cluster
     kube = Kube.from_api_client(cp.api_client())
@@ -237,6 +259,8 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
             cm = kube.core.read_namespaced_config_map(f"moe-topology-{node}", ns)
             report = json.loads(cm.data[C.TOPOLOGY_KEY])
             assert len(report["gpus"]) == 8, report          # moe-discover read the node's (recorded) NVML
+            # ... through the fake driver the node mounted (the image has no fake NVML)
+            assert (report["source"], report["fixture"]) == ("fake-nvml", "nvswitch-h100-8"), report
         smoke = [j for j in kube.batch.list_namespaced_job(RELEASE_NS).items
                  if (j.metadata.labels or {}).get(C.LABEL_COMPONENT) == "smoke"]
         assert smoke and smoke[0].status.succeeded == 1, [j.status for j in smoke]

@@ -22,12 +22,31 @@ from typing import Any
 
 import pynvml  # pure ctypes bindings; importing them needs no driver
 
-from moe_trainer.discovery.nvml_record import (CONSTANTS, FIXTURE_ENV, PCI_FIELDS, RECORDING_KIND,
-                                               RECORDING_VERSION, RecordingNvml, error_name)
+from moe_trainer.discovery.nvml_record import (
+    CONSTANTS,
+    FIXTURE_ENV,
+    PCI_FIELDS,
+    RECORDING_KIND,
+    RECORDING_VERSION,
+    RecordingNvml,
+    error_name,
+)
 
-__all__ = ["FakeNvml", "RecordingNvml", "RecordingError", "FIXTURE_ENV", "RECORDING_KIND",
-           "RECORDING_VERSION", "available_fixtures", "error_name", "fixture_from_env",
-           "load_recording", "nvml_error", "recordings_dir", "runtime_mount"]
+__all__ = [
+    "FIXTURE_ENV",
+    "RECORDING_KIND",
+    "RECORDING_VERSION",
+    "FakeNvml",
+    "RecordingError",
+    "RecordingNvml",
+    "available_fixtures",
+    "error_name",
+    "fixture_from_env",
+    "load_recording",
+    "nvml_error",
+    "recordings_dir",
+    "runtime_mount",
+]
 
 # Where a container of a GPU-like real node finds this package (moe_localkube.realnodes).
 CONTAINER_DIR = "/opt/moe-fake-nvml"
@@ -229,7 +248,7 @@ def runtime_mount(dst: Path) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     shutil.copytree(Path(__file__).parent, target,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    for root, dirs, files in os.walk(dst):
+    for root, _dirs, files in os.walk(dst):
         os.chmod(root, 0o755)
         for f in files:
             os.chmod(os.path.join(root, f), 0o644)

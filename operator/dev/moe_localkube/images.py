@@ -338,6 +338,19 @@ def pause_image_tar(dst: Path, pause_binary: Path, ref: str = PAUSE_IMAGE) -> Pa
     return dst
 
 
+def archive_paths(tar: Path) -> set[str]:
+    """Every file path in the image a ``docker save`` archive holds (the union of its layers'
+    members, whiteouts not applied: a path any layer added counts), read without docker."""
+    out: set[str] = set()
+    with tarfile.open(tar) as outer:
+        manifest = json.load(outer.extractfile("manifest.json"))
+        for image in manifest:
+            for layer in image["Layers"]:
+                with tarfile.open(fileobj=outer.extractfile(layer), mode="r|*") as inner:
+                    out.update(m.name for m in inner if not m.isdir())
+    return out
+
+
 def _write_atomic(dst: Path, data: bytes) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")

@@ -85,9 +85,14 @@ class Placement:
         return self
 
     def to_json(self) -> dict[str, Any]:
-        """``MoEPlan.placement`` without ``quality`` (docs/contracts.md)."""
-        return {"strategy": self.strategy, "numLayers": self.num_layers, "numExperts": self.num_experts,
-                "epSize": self.ep_size, "permutation": self.permutation.tolist()}
+        """``MoEPlan.placement`` without ``quality`` (docs/contracts.md); ``fellBackTo`` names the
+        layout actually used when ``strategy`` needed routing statistics and had none."""
+        out: dict[str, Any] = {"strategy": self.strategy, "numLayers": self.num_layers,
+                               "numExperts": self.num_experts, "epSize": self.ep_size,
+                               "permutation": self.permutation.tolist()}
+        if self.fell_back:
+            out["fellBackTo"] = "contiguous"
+        return out
 
 
 # ---------------------------------------------------------------- building blocks

@@ -579,7 +579,7 @@ def _strategy_line(plan: Plan) -> str:
     """The layout the plan has: a strategy that needed routing statistics and had none says so."""
     asked = str(plan.document["placement"]["strategy"])
     if plan.placement.fell_back:
-        return f"contiguous ({asked} without routing statistics: pass --stats)"
+        return f"{plan.document['placement']['fellBackTo']} ({asked} without routing statistics: pass --stats)"
     return asked
 
 

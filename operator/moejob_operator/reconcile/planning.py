@@ -341,10 +341,14 @@ def rank2node(plan: dict[str, Any]) -> list[str]:
 
 def summary(plan: dict[str, Any]) -> dict[str, Any]:
     """``status.plan``: what a person wants to see about the plan (integers and strings)."""
-    q = (plan.get("placement") or {}).get("quality") or {}
+    pl = plan.get("placement") or {}
+    q = pl.get("quality") or {}
     mem = plan.get("memory") or {}
+    # strategy: the layout the plan has (a strategy that needed routing statistics and had none
+    # fell back to contiguous: requestedStrategy then says what the spec asked for)
     out = {"worldSize": plan.get("worldSize"), "epSize": plan.get("epSize"),
-           "nodes": rank2node(plan), "strategy": (plan.get("placement") or {}).get("strategy"),
+           "nodes": rank2node(plan), "strategy": pl.get("fellBackTo") or pl.get("strategy"),
+           "requestedStrategy": pl.get("strategy") if pl.get("fellBackTo") else None,
            "device": plan.get("device"),
            "estimatedPeakBytesPerGpu": mem.get("estimatedPeakBytes"),
            "gpuMemoryBytes": mem.get("gpuMemoryBytes"), "fits": mem.get("fits")}
@@ -360,7 +364,9 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
 
 def describe(s: dict[str, Any]) -> str:
     gib = (s.get("estimatedPeakBytesPerGpu") or 0) / 2**30
-    return (f"{s.get('strategy')} placement on {', '.join(s.get('nodes', []))}: world size "
+    asked = (f" ({s['requestedStrategy']} asked, no routing statistics)"
+             if s.get("requestedStrategy") else "")
+    return (f"{s.get('strategy')} placement{asked} on {', '.join(s.get('nodes', []))}: world size "
             f"{s.get('worldSize')}, EP size {s.get('epSize')}, cross-group traffic "
             f"{s.get('crossGroupVsContiguous', '?')}x contiguous, est. peak {gib:.2f} GiB per "
             f"{'process' if s.get('device') == 'cpu' else 'GPU'}")
