@@ -10,8 +10,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from moe_trainer.discovery import main as discover, nvml_probe, publish
 from moe_contracts.topology import parse_topology
+from moe_trainer.discovery import main as discover
+from moe_trainer.discovery import nvml_probe, publish
 
 
 @pytest.fixture

@@ -8,8 +8,15 @@ import pytest
 
 from moe_faults import FAULT_ANNOTATIONS
 from moejob_operator import constants as C
-from operator_harness import (apply_job, condition, events_for, example, get_job, module_operator,
-                              seed_topology)
+from operator_harness import (
+    apply_job,
+    condition,
+    events_for,
+    example,
+    get_job,
+    module_operator,
+    seed_topology,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 AT_STEP, CODE = list(FAULT_ANNOTATIONS)[:2]

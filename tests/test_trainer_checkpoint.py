@@ -2,10 +2,10 @@
 
 import random
 
-import moe_faults
 import numpy as np
 import torch
 
+import moe_faults
 from moe_trainer import checkpoint as ckpt
 
 

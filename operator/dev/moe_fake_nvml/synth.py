@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from moe_trainer.discovery.nvml_record import RECORDING_KIND, RECORDING_VERSION
 from moe_trainer.discovery.nvml_probe import parse_bus_id
+from moe_trainer.discovery.nvml_record import RECORDING_KIND, RECORDING_VERSION
 
 _P2P_OK, _P2P_NOT_SUPPORTED = 0, 5
 _REMOTE_TYPE = {"gpu": 0, "switch": 2, "other": 255}

@@ -76,7 +76,7 @@ def _nvml(args: argparse.Namespace) -> tuple[Any, str, str | None]:
         print(f"moe-discover: WARNING: FAKE NVML: replaying recorded fixture {name!r}; "
               "this report describes no real hardware", file=sys.stderr)
         return fake.FakeNvml(recording), "fake-nvml", name
-    import pynvml   # only here: a fake run must not need the bindings' library
+    import pynvml  # only here: a fake run must not need the bindings' library
 
     if args.record:
         name = Path(args.record).name.removesuffix(".json").removesuffix(".recording")
