@@ -90,7 +90,9 @@ def _mentions(path: Path) -> list[int]:
 
 def _setup_done() -> bool:
     stamp = ROOT / ".venv" / ".moe-stamp"
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "constraints.txt").read_bytes()).hexdigest()
+    # what scripts/dev.sh hashes: the product's and the dev package's pyproject, the constraints
+    want = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in (
+        "pyproject.toml", "operator/dev/pyproject.toml", "constraints.txt"))).hexdigest()
     return stamp.exists() and stamp.read_text().strip() == want
 
 
