@@ -13,6 +13,7 @@ COPY pyproject.toml constraints.txt README.md ./
 # The product packages only: the dev package (operator/dev: local cluster, demo, fake NVML,
 # fault injection) stays out of the image.
 COPY operator/moejob_operator/ operator/moejob_operator/
+COPY operator/moe_contracts/ operator/moe_contracts/
 COPY trainer_image/moe_trainer/ trainer_image/moe_trainer/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

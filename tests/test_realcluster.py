@@ -174,6 +174,7 @@ def test_images_hold_the_product_only(images):
         assert any(p.endswith("site-packages/moejob_operator/handlers.py") for p in site), name
         assert any(p.endswith("site-packages/moe_trainer/discovery/main.py") for p in site), name
         assert any(p.endswith("site-packages/moe_trainer/discovery/nvml_record.py") for p in site), name
+        assert any(p.endswith("site-packages/moe_contracts/plan.py") for p in site), name
         dev = sorted(p for p in site if any(d in p for d in DEV_PATHS))
         assert not dev, (name, dev[:20])
 
