@@ -148,7 +148,7 @@ def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_pr
     plan = json.loads(kube.core.read_namespaced_config_map("stats-b-plan", namespace).data[C.PLAN_KEY])
     placement = plan["placement"]
     assert placement["routingStatsFrom"]["job"] == "stats-a"
-    assert placement["routingStatsFrom"]["tokens"] == stats["tokens"]
+    assert placement["routingStatsFrom"]["tokens"] == stats.tokens
     assert placement["quality"]["basis"] == "routingStats"
     contiguous = [list(range(8)) for _ in range(placement["numLayers"])]
     assert placement["permutation"] != contiguous
