@@ -41,7 +41,8 @@ def install_crd(kube) -> None:
 
 
 class Operator:
-    """``kopf run -A -m moejob_operator.handlers`` against the test control plane."""
+    """``moectl operator -A --no-leader-election`` (the chart's entrypoint, one replica) against
+    the test control plane."""
 
     def __init__(self, control_plane, log_dir: Path):
         self.cp = control_plane
@@ -54,8 +55,9 @@ class Operator:
         full = dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig), **env)
         full.pop("MOE_OPERATOR_CRASH_AT", None) if "MOE_OPERATOR_CRASH_AT" not in env else None
         self.log = self.log_dir / f"operator-{self.starts}.log"
-        self.proc = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A",
-                                 "-m", "moejob_operator.handlers"], self.log, env=full)
+        self.proc = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-A",
+                                 "--no-leader-election", "--health-port=0", "--metrics-port=0"],
+                                self.log, env=full)
         return self
 
     def stop(self) -> None:

@@ -17,8 +17,9 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from moejob_operator import constants as C
-from moejob_operator import handlers, metrics
 from moe_contracts.topology import report_to_json
+from moejob_operator import metrics
+from moejob_operator.controller import Controller, ControllerConfig
 from moejob_operator.core.topology import load_topology
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Client
@@ -229,23 +230,23 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
     assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
 
 
-# ---- handlers: one pending remainder per job, run before its next pass --------------------------------
-def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once(monkeypatch):
+# ---- the controller: one pending remainder per job, run before its next pass --------------------------
+def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
     order = []
 
     def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
         order.append(f"pass {name}")
         defer(lambda: order.append(f"rest {name}"))
         return None
-    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
-    monkeypatch.setattr(handlers, "_client", MemoryClient())
-    monkeypatch.setattr(handlers, "_finisher", None)
-    monkeypatch.setattr(handlers, "FINISH_QUIET_SECONDS", 30.0)   # the finisher waits: the next pass runs it
-    handlers.run_pass("ns", "a")
-    handlers.run_pass("ns", "a")       # within the quiet time: the first pass's rest comes first
+    # the finisher waits 30 s for quiet: the next pass runs the remainder
+    ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),
+                     reconcile=fake_reconcile)
+    ctl.run_pass("ns", "a")
+    ctl.run_pass("ns", "a")       # within the quiet time: the first pass's rest comes first
     assert order == ["pass a", "rest a", "pass a"]
-    assert handlers.drain_deferred(60.0)
+    assert ctl.drain_deferred(60.0)
     assert order == ["pass a", "rest a", "pass a", "rest a"]
+    assert ctl.lock_count() == 0      # no pass holds or waits for a lock: none is kept
 
 
 def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
@@ -256,13 +257,55 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
             raise ApiException(status=403, reason="Forbidden")
         defer(rest)
         return None
-    monkeypatch.setattr(handlers, "reconcile", fake_reconcile)
-    monkeypatch.setattr(handlers, "_client", MemoryClient())
-    monkeypatch.setattr(handlers, "_finisher", None)
-    monkeypatch.setattr(handlers.requeue, "after", lambda key, delay: retried.append((key, delay)))
-    handlers.run_pass("ns", "b")
-    assert handlers.drain_deferred(60.0)
+    ctl = Controller(client=MemoryClient(), reconcile=fake_reconcile)
+    monkeypatch.setattr(ctl.requeue, "after", lambda key, delay: retried.append((key, delay)))
+    ctl.run_pass("ns", "b")
+    assert ctl.drain_deferred(60.0)
     assert retried and retried[0][0] == ("ns", "b") and retried[0][1] >= 0.5
+
+
+def test_a_deleted_jobs_state_goes_with_it():
+    """Locks, pending remainder, pod cache, queue entry and error count of a deleted job are
+    dropped: a long-running operator does not grow with every job it ever saw."""
+    bodies = []
+
+    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
+        bodies.append(body)
+        defer(lambda: None)
+        return 600.0
+    ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),
+                     reconcile=fake_reconcile)
+    pod = {"metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "c"}},
+           "status": {"phase": "Running"}}
+    ctl.job_seen("ns", "c", body={"metadata": {"name": "c"}})     # queue not started: no pass yet
+    ctl.run_pass("ns", "c")                 # the first pass works on the ADDED body...
+    ctl.run_pass("ns", "c")                 # ...later ones read the job
+    assert bodies == [{"metadata": {"name": "c"}}, None]
+    ctl.on_child_pod("MODIFIED", pod)
+    ctl.job_seen("ns", "c", body={"metadata": {"name": "c"}})
+    assert ctl.requeue.known == {("ns", "c")} and ctl._pending and ctl._pod_seen and ctl._bodies
+    ctl.job_deleted("ns", "c")
+    assert not ctl.requeue.known and not ctl._pending and not ctl._pod_seen and not ctl._bodies
+    assert ctl.lock_count() == 0
+
+
+def test_child_pod_events_queue_a_pass_only_when_the_pod_changed():
+    ctl = Controller(client=MemoryClient(), reconcile=lambda *a, **k: None)
+    queued = []
+    ctl.requeue.after = lambda key, delay: queued.append(key)
+    pod = {"metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "j"}},
+           "status": {"phase": "Pending"}}
+    ctl.on_child_pod("ADDED", pod)                 # the operator's own create
+    ctl.on_child_pod("MODIFIED", pod)              # nothing a pass looks at changed
+    assert queued == []
+    running = {**pod, "status": {"phase": "Running"}}
+    ctl.on_child_pod("MODIFIED", running)
+    ctl.on_child_pod("MODIFIED", running)
+    assert queued == [("ns", "j")]
+    ctl.on_child_pod("DELETED", running)
+    assert queued == [("ns", "j")] * 2 and not ctl._pod_seen
+    ctl.on_child_pod("MODIFIED", {"metadata": {"uid": "u2", "namespace": "ns", "labels": {}}})
+    assert len(queued) == 2                        # not one of a job's pods
 
 
 # ---- the client's token refresh ------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The handlers' own requeue (no kopf state on the job): delayed passes, one pending entry per
+"""The controller's work queue (no kopf state on the job): delayed passes, one pending entry per
 job (the earliest wins), no second pass queued while one waits, the resync of known jobs, and
 error backoff."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from moejob_operator.handlers import ERROR_RETRY_SECONDS, Requeue
+from moejob_operator.workqueue import ERROR_RETRY_SECONDS, Requeue
 
 
 class Recorder:

@@ -1,6 +1,8 @@
 """``moectl operator``: run the operator process (the container's entrypoint).
 
-One process = leader election + kopf + two small HTTP servers:
+One process = leader election + kopf + two small HTTP servers, and one
+:class:`~moejob_operator.controller.Controller` made from the flags (the handlers reach it
+through kopf's ``memo``; nothing is passed through the environment):
 
 - **Leader election** on a ``coordination.k8s.io`` Lease (the Kubernetes controller pattern,
   client-go semantics). kopf runs ``--standalone`` (no kopf peering, so no peering CRDs): a
@@ -221,18 +223,26 @@ def _renew_loop(elector: LeaseElector, args, stop: threading.Event, lost: thread
             return
 
 
-async def _run_kopf(args, lost: threading.Event, health: Health) -> None:
-    """kopf until a signal (kopf's own handlers) or until the Lease is lost.
+def controller_config(args: argparse.Namespace) -> Any:
+    """The controller's settings from the flags."""
+    from .controller import ControllerConfig
+
+    return ControllerConfig(namespaces=tuple(args.namespace), workers=args.workers)
+
+
+async def _run_kopf(args: argparse.Namespace, controller: Any, lost: threading.Event,
+                    health: Health) -> None:
+    """kopf until a signal (kopf's own handlers) or until the Lease is lost; the handlers reach
+    ``controller`` through kopf's memo.
 
     The stop flag is an asyncio.Event set from the renew thread through the loop: a
     threading.Event would leave kopf's waiter thread blocked and hang interpreter shutdown.
     """
     import kopf
 
-    loop = asyncio.get_running_loop()
     stop_flag = asyncio.Event()
 
-    async def heartbeat():
+    async def heartbeat() -> None:
         while True:
             health.touch()
             if lost.is_set():
@@ -240,20 +250,19 @@ async def _run_kopf(args, lost: threading.Event, health: Health) -> None:
             await asyncio.sleep(1)
 
     settings = kopf.OperatorSettings()     # handlers.configure() adjusts it at startup
-    # the handlers' own child watches (moejob_operator.childwatch) follow the same scope
-    os.environ["MOE_WATCH_NAMESPACES"] = ",".join(args.namespace)
     if args.namespace:
         # Watched namespaces are exact names: kopf need not list/watch namespaces (which would
         # need a cluster-wide grant and retries ~20 s on 403 before falling back).
         settings.scanning.disabled = True
-    beat = loop.create_task(heartbeat())
+    memo = kopf.Memo(controller=controller)
+    beat = asyncio.get_running_loop().create_task(heartbeat())
     try:
         if args.namespace:
             await kopf.operator(standalone=True, namespaces=args.namespace, stop_flag=stop_flag,
-                                settings=settings)
+                                settings=settings, memo=memo)
         else:
             await kopf.operator(standalone=True, clusterwide=True, stop_flag=stop_flag,
-                                settings=settings)
+                                settings=settings, memo=memo)
     finally:
         beat.cancel()
 
@@ -272,6 +281,8 @@ def run_operator(args: argparse.Namespace) -> int:
     if args.health_port:
         servers.append(start_health_server(health, args.health_port, args.bind_address))
     importlib.import_module(HANDLERS_MODULE)           # registers the @kopf handlers
+    from .controller import Controller
+    controller = Controller(controller_config(args))
 
     stopping = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -292,7 +303,7 @@ def run_operator(args: argparse.Namespace) -> int:
                              args=(elector, args, done, lost, health)).start()
         log.info("starting kopf (%s)", f"namespaces {', '.join(args.namespace)}"
                  if args.namespace else "all namespaces")
-        asyncio.run(_run_kopf(args, lost, health))
+        asyncio.run(_run_kopf(args, controller, lost, health))
         done.set()
         if lost.is_set():
             return EXIT_LOST_LEASE
@@ -338,6 +349,16 @@ def _default_identity() -> str:
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_operator(sub) -> None:
     p = sub.add_parser("operator", help="run the operator (the container entrypoint)",
                        description="Run the moe-operator controller: leader election on a Lease, "
@@ -359,6 +380,10 @@ def add_operator(sub) -> None:
     p.add_argument("--retry-period", type=float, default=2.0, help="seconds")
     p.add_argument("--identity", default=_default_identity(),
                    help="holder identity (default: $POD_NAME, else hostname_random)")
+    p.add_argument("--workers", type=_positive_int, default=8,
+                   help="threads for new jobs' first reconcile passes (default 8: best on a "
+                        "small machine that also runs the API server; more when passes wait on "
+                        "a remote one)")
     p.add_argument("--log-format", choices=("plain", "json"), default="plain")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=run_operator)

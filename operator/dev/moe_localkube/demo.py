@@ -189,11 +189,12 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         agent = NodeAgent(cp.api_client(), [NodeSpec("node-a"), NodeSpec("node-b")],
                           run_dir=work / "nodeagent", api_server=cp.server)
         agent.start()
-        _say("starting the operator (kopf run -A -m moejob_operator.handlers)")
+        _say("starting the operator (moectl operator -A --no-leader-election)")
         # the demo's checkpoints are a hostPath under its work dir: the one host path it allows
         env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt))
-        operator = procs.spawn([sys.executable, "-m", "kopf", "run", "--standalone", "-A", "-m",
-                                "moejob_operator.handlers"], work / "operator.log", env=env)
+        operator = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-A",
+                                "--no-leader-election", "--health-port=0", "--metrics-port=0"],
+                               work / "operator.log", env=env)
         for _ in range(100):   # the default ServiceAccount needs its token before pods are admitted
             try:
                 if kube.core.read_namespaced_service_account("default", "default").secrets:
