@@ -267,25 +267,18 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
 def test_a_deleted_jobs_state_goes_with_it():
     """Locks, pending remainder, pod cache, queue entry and error count of a deleted job are
     dropped: a long-running operator does not grow with every job it ever saw."""
-    bodies = []
-
     def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
-        bodies.append(body)
         defer(lambda: None)
         return 600.0
     ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),
                      reconcile=fake_reconcile)
     pod = {"metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "c"}},
            "status": {"phase": "Running"}}
-    ctl.job_seen("ns", "c", body={"metadata": {"name": "c"}})     # queue not started: no pass yet
-    ctl.run_pass("ns", "c")                 # the first pass works on the ADDED body...
-    ctl.run_pass("ns", "c")                 # ...later ones read the job
-    assert bodies == [{"metadata": {"name": "c"}}, None]
+    ctl.job_seen("ns", "c")
     ctl.on_child_pod("MODIFIED", pod)
-    ctl.job_seen("ns", "c", body={"metadata": {"name": "c"}})
-    assert ctl.requeue.known == {("ns", "c")} and ctl._pending and ctl._pod_seen and ctl._bodies
+    assert ctl.requeue.known == {("ns", "c")} and ctl._pending and ctl._pod_seen
     ctl.job_deleted("ns", "c")
-    assert not ctl.requeue.known and not ctl._pending and not ctl._pod_seen and not ctl._bodies
+    assert not ctl.requeue.known and not ctl._pending and not ctl._pod_seen
     assert ctl.lock_count() == 0
 
 

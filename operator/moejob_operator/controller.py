@@ -53,11 +53,12 @@ class ControllerConfig:
     """What ``moectl operator``'s flags decide about the loop."""
 
     namespaces: tuple[str, ...] = ()      # watched namespaces; empty: all
-    # Threads that run passes. Where a burst is CPU-bound (API server and operator on one small
-    # machine) fewer threads keep passes closer to first-in first-out; with a remote API server
-    # a pass mostly waits on round trips and more help.
+    # kopf's threads for sync handlers (new jobs' first passes). Where a burst is CPU-bound (API
+    # server and operator on one small machine) fewer threads keep passes closer to first-in
+    # first-out; with a remote API server a pass mostly waits on round trips and more help.
     workers: int = 8
     resync_seconds: float = RESYNC_SECONDS
+    requeue_threads: int = 8
     # a launching pass's remainder runs once no pass has started for this long, at most this
     # late, in this many threads
     finish_quiet_seconds: float = 0.1
@@ -85,7 +86,7 @@ class Controller:
         self._client = client
         self._client_guard = threading.Lock()
         self._reconcile = reconcile
-        self.requeue = Requeue(self.run_pass, threads=self.config.workers,
+        self.requeue = Requeue(self.run_pass, threads=self.config.requeue_threads,
                                resync_seconds=self.config.resync_seconds)
         self._locks: dict[Key, _JobLock] = {}
         self._locks_guard = threading.Lock()
@@ -94,8 +95,6 @@ class Controller:
         self._finisher: YieldingQueue | None = None
         self._pod_seen: dict[Key, dict[str, tuple[Any, ...]]] = {}   # job -> pod uid -> signature
         self._pod_seen_guard = threading.Lock()
-        self._bodies: dict[Key, dict[str, Any]] = {}      # new jobs' ADDED bodies, for 1st pass
-        self._bodies_guard = threading.Lock()
         self._watches: list[ChildWatch] = []
         self._sweeper_stop = threading.Event()
 
@@ -145,21 +144,14 @@ class Controller:
 
     # ---- triggers ------------------------------------------------------------------------
     def job_seen(self, namespace: str, name: str, body: dict[str, Any] | None = None) -> None:
-        """A job was listed, created or had its spec changed: queue a pass now (returns at once:
-        kopf's event loop calls this). ``body``: a new job as its watch event delivered it, for
-        that pass (one GET fewer on the way to its workers)."""
-        key = (namespace, name)
-        if body is not None:
-            with self._bodies_guard:
-                self._bodies[key] = body
-        self.requeue.remember(key)
-        self.requeue.after(key, 0.0)
+        """A job was listed, created or had its spec changed: a pass now (in the caller's
+        thread). ``body``: a new job as its watch event delivered it (one GET fewer)."""
+        self.requeue.remember((namespace, name))
+        self.run_pass(namespace, name, body=body)
 
     def job_deleted(self, namespace: str, name: str) -> None:
         key = (namespace, name)
         self.requeue.forget(key)
-        with self._bodies_guard:
-            self._bodies.pop(key, None)
         with self._pod_seen_guard:
             self._pod_seen.pop(key, None)
         with self._pending_guard:
@@ -212,12 +204,8 @@ class Controller:
     def run_pass(self, namespace: str, name: str,
                  body: dict[str, Any] | None = None) -> float | None:
         """One serialised pass (after the remainder of the job's previous pass, if one is still
-        deferred); schedules the next one it asks for (or a retry after an error). ``body``:
-        the job as read just now; else a new job's first pass takes its ADDED body."""
+        deferred); schedules the next one it asks for (or a retry after an error)."""
         key = (namespace, name)
-        if body is None:
-            with self._bodies_guard:
-                body = self._bodies.pop(key, None)
         errored: list[bool] = []
 
         def backoff() -> float:

@@ -22,7 +22,6 @@ Run: ``moectl operator`` (``--no-leader-election`` for a single local process).
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -48,6 +47,7 @@ def controller(memo: Any) -> Controller:
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     ctl = controller(memo)
     settings.posting.enabled = False               # the reconciler posts its own Events
+    settings.execution.max_workers = ctl.config.workers     # sync handlers: new jobs' first passes
     # kopf waits this long after an object's event for more events to batch (default 0.1 s):
     # on every pass's path, and the reconciler re-reads the job anyway.
     settings.batching.batch_window = 0.02
@@ -77,17 +77,15 @@ def _job_event_wanted(type: str | None, body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL, when=_job_event_wanted)
-async def on_job(type: str, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo,
-                 **_: Any) -> None:
-    """Queues a pass and returns (async: no hop through kopf's thread pool; the passes run in
-    the controller's work queue)."""
+def on_job(type: str, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo,
+           **_: Any) -> None:
     ctl, namespace = controller(memo), namespace or ""    # a namespaced resource: always set
     if type == "DELETED":
         ctl.job_deleted(namespace, name)
         return
     # a new job's first pass works on the body the watch delivered (one GET fewer on the way to
-    # its workers; a copy: the pass runs in another thread); every other pass reads the job fresh
-    ctl.job_seen(namespace, name, body=copy.deepcopy(dict(body)) if type == "ADDED" else None)
+    # its workers); every other pass reads the job fresh
+    ctl.job_seen(namespace, name, body=dict(body) if type == "ADDED" else None)
 
 
 @kopf.on.event("v1", "nodes", when=lambda type, **_: type == "DELETED")

@@ -1,5 +1,4 @@
-"""The controller's work queue: every reconcile pass runs from here, in a small pool, one at a
-time per job (a pass wanted now, a pass wanted later, the resync).
+"""The controller's work queue: passes wanted later, run in a small pool, one at a time per job.
 
 Like client-go's workqueue: a job has at most one pending entry (the earliest due time wins), at
 most one pass waiting in the pool, and a request that arrives while its pass runs gets exactly
@@ -10,7 +9,6 @@ missed events), and a job whose passes fail backs off (``failed``).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import heapq
 import logging
 import threading
@@ -65,18 +63,9 @@ class Requeue:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def after(self, key: Key, seconds: float) -> None:
-        """A pass in ``seconds``; 0 or less: now, straight to the pool (the earliest wins, so a
-        later entry of the job is dropped: the pass asks for its own next one)."""
         due = time.monotonic() + max(0.0, seconds)
         with self._cv:
-            if self._stopped:
-                return
-            if seconds <= 0:
-                self._due.pop(key, None)      # its heap entry is skipped when it comes up
-                with contextlib.suppress(RuntimeError):   # the pool refuses work: exiting
-                    self._submit(key)
-                return
-            if self._due.get(key, float("inf")) <= due:
+            if self._stopped or self._due.get(key, float("inf")) <= due:
                 return
             self._due[key] = due
             heapq.heappush(self._heap, (due, key))
