@@ -1,7 +1,7 @@
 """``moe-demo`` (``scripts/dev.sh demo``): a whole MoETrainingJob on this machine, end to end.
 
 Starts the local control plane (kube-apiserver v1.20.2 + etcd + controller manager + scheduler),
-the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (``kopf run``);
+the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (``moectl operator``);
 ``kubectl apply -f examples/tiny-cpu.yaml`` (tiny Mixtral, CPU, 2 node ranks, DeepSpeed ZeRO-3 +
 AutoEP); waits for ``Succeeded``; prints ``kubectl get moejob`` and ``kubectl describe``, and
 where the expert-load heatmap and routing statistics are. Logs, checkpoints and the heatmap stay
