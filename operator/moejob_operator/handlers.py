@@ -30,8 +30,6 @@ import kopf
 from . import constants as C
 from .controller import Controller
 
-log = logging.getLogger("moejob_operator")
-
 
 def controller(memo: Any) -> Controller:
     """The controller ``moectl operator`` put in kopf's memo."""
