@@ -10,7 +10,7 @@ handler must be quick (handlers.py queues a pass, it does not run one).
 
 A watch lists once (limit 1) for a resourceVersion, then streams from it with bookmarks, resuming
 from the last version it saw; "410 Gone" (too old) starts over from a fresh list. Events missed
-in between are covered by the job resync (handlers.RESYNC_SECONDS).
+in between are covered by the job resync (workqueue.RESYNC_SECONDS).
 """
 
 from __future__ import annotations
