@@ -1,5 +1,7 @@
 """One place for the names the operator, its children and its tests agree on."""
 
+from moe_contracts import env as E
+
 GROUP = "moe-operator.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -25,14 +27,14 @@ GFD_COUNT = "nvidia.com/gpu.count"
 GFD_MEMORY = "nvidia.com/gpu.memory"      # MiB
 GFD_CLIQUE = "nvidia.com/gpu.clique"
 
-# Documents (docs/contracts.md)
+# Documents (docs/contracts.md): the names are the contracts package's (moe_contracts.env)
 TOPOLOGY_CONFIGMAP_PREFIX = "moe-topology-"
-TOPOLOGY_KEY = "topology.json"
-PLAN_KEY = "plan.json"
+TOPOLOGY_KEY = E.TOPOLOGY_KEY
+PLAN_KEY = E.PLAN_KEY
 LAUNCHED_SPEC_KEY = "spec.json"     # in the plan ConfigMap: the immutable spec the plan was made from
-PROGRESS_KEY = "progress.json"
-ROUTING_STATS_KEY = "routing_stats.json"
-PLAN_MOUNT_DIR = "/etc/moe"
+PROGRESS_KEY = E.PROGRESS_KEY
+ROUTING_STATS_KEY = E.ROUTING_STATS_KEY
+PLAN_MOUNT_DIR = E.PLAN_MOUNT_DIR
 
 # Trainer exit codes (docs/contracts.md)
 EXIT_OK = 0

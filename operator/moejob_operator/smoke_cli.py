@@ -20,13 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from moe_contracts import env as E
 from moe_contracts.gate import parse_smoke_verdict
 
 from .core.dsconfig import GpuCaps
 from .core.errors import DocumentError
 from .core.smoke_plans import smoke_plans
 
-IMAGE_PLANS = "/etc/moe-smoke/plans.json"
+IMAGE_PLANS = E.SMOKE_PLANS_PATH
 
 
 def _gpu_visible() -> bool:

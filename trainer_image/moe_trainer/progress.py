@@ -87,7 +87,7 @@ class ConfigMapPublisher:
             "Accept": "application/json"})
 
     def request(self, doc: dict) -> urllib.request.Request:
-        return self.patch_request({"data": {"progress.json": json.dumps(doc)}})
+        return self.patch_request({"data": {E.PROGRESS_KEY: json.dumps(doc)}})
 
     def send(self, body: dict) -> bool:
         """One merge-patch; failures are logged and counted, never raised."""
@@ -118,7 +118,7 @@ class ConfigMapPublisher:
         if not force and now - self._last < self.interval_s:
             return False
         self._last = now
-        body = {"data": {"progress.json": json.dumps(doc)}}
+        body = {"data": {E.PROGRESS_KEY: json.dumps(doc)}}
         ok = self.send(body)
         for delay in self.FINAL_RETRY_SECONDS if force else ():
             if ok or not self.last_retryable:

@@ -275,7 +275,7 @@ class Trainer:
         doc = self.routing_doc(merged)
         path = None
         if self.ckpt_dir:
-            path = str(Path(self.ckpt_dir) / "routing_stats.json")
+            path = str(Path(self.ckpt_dir) / contract_env.ROUTING_STATS_KEY)
             write_json_atomic(path, doc)
         if self.routing_publisher:
             self.routing_publisher.publish(doc, self.acc.steps, path)
@@ -298,7 +298,7 @@ class Trainer:
         if not self.is_rank0:
             return
         if self.ckpt_dir:
-            write_json_atomic(Path(self.ckpt_dir) / "progress.json", doc)
+            write_json_atomic(Path(self.ckpt_dir) / contract_env.PROGRESS_KEY, doc)
         if self.publisher:
             self.publisher.publish(doc, force=force)
         if self.metrics:
@@ -402,7 +402,8 @@ class Trainer:
                 raise NonFiniteLoss(f"loss is {loss} at step {step}")
             if step % t.checkpoint_every_steps == 0 or step == t.steps:
                 if self.is_rank0 and self.ckpt_dir:
-                    write_json_atomic(Path(self.ckpt_dir) / "progress.json", dict(doc, phase="Checkpointing"))
+                    write_json_atomic(Path(self.ckpt_dir) / contract_env.PROGRESS_KEY,
+                                      dict(doc, phase="Checkpointing"))
                 self.save(step)
                 doc["checkpoint"] = self.last_ckpt
             if step == t.steps:

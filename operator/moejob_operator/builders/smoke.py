@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_contracts import env as E
+
 from .. import constants as C
 from ..core import gate as G
 from .common import resources
@@ -17,8 +19,8 @@ from .workers import RUN_AS_USER
 
 SMOKE_COMMAND = ("moe-smoke",)
 SCRATCH = "/var/tmp/moe-smoke"            # emptyDir: checkpoints of the smoke run, JIT builds
-PLANS_DIR = "/etc/moe-smoke"              # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
-PLANS_KEY = "plans.json"
+PLANS_DIR = E.SMOKE_PLANS_PATH.rsplit("/", 1)[0]   # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
+PLANS_KEY = E.SMOKE_PLANS_KEY
 
 
 def _labels(component: str, identity: G.Identity) -> dict[str, str]:

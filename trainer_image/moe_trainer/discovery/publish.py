@@ -17,9 +17,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from moe_contracts import env as E
+
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TERMINATION_LOG = Path("/dev/termination-log")
-TOPOLOGY_KEY = "topology.json"             # docs/contracts.md; mirrors operator constants
+TOPOLOGY_KEY = E.TOPOLOGY_KEY               # docs/contracts.md (moe_contracts.env)
 LABEL_COMPONENT = "moe-operator.io/component"
 LABEL_NODE = "moe-operator.io/node"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
