@@ -47,7 +47,8 @@ def topology():
 
 
 def split(spec: str) -> tuple[str, str]:
-    """``FIT[:TEST]``: placements solved on FIT, tokens routed from TEST (held out when different)."""
+    """``FIT[:TEST]``: placements solved on FIT, tokens routed from TEST (held out when
+    different)."""
     fit, _, test = spec.partition(":")
     return fit, test or fit
 
@@ -72,9 +73,9 @@ def worker() -> None:
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
     from transformers import MixtralConfig, MixtralForCausalLM
 
+    from moe_contracts.routing import read_routing_stats
     from moe_trainer import dedup_ep
     from moe_trainer.commtime import CommTimer
-    from moe_contracts.routing import read_routing_stats
 
     job = json.loads(os.environ["DISPATCH_JOB"])
     deepspeed.init_distributed(dist_backend="gloo")
@@ -217,8 +218,8 @@ def netns_down() -> None:
 
 
 def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
-    from moejob_operator.core import dispatch
     from moe_contracts.routing import read_routing_stats
+    from moejob_operator.core import dispatch
     topo = topology()
     rows = []
     for i, res in enumerate(ranks[0]):
@@ -242,9 +243,9 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
         rs = [r for r in rows if r["stats"] == stats]
         base = next(r for r in rs if r["dispatcher"] == "autoep" and r["strategy"] == "contiguous")
         dc = next(r for r in rs if r["dispatcher"] == "dedup" and r["strategy"] == "contiguous")
-        out += [(f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} layers, "
+        out += [(f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} " "layers, "
                 f"{rs[0]['tokens']} recorded tokens, 2 groups x 2 ranks"), "",
-                ("| variant | cross-group bytes measured | predicted | measured/predicted | vs AutoEP | "
+                ("| variant | cross-group bytes measured | predicted | measured/predicted | vs " "AutoEP | "
                 "vs dedup+contiguous | intra-group bytes measured |"),
                 "|---|---|---|---|---|---|---|"]
         variants = [base] + [r for r in rs if r["dispatcher"] == "dedup"]
@@ -252,12 +253,12 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
             name = "AutoEP (contiguous)" if r is base else f"dedup + {r['strategy']}"
             m, p = r["measured"]["crossGroup"], r["predicted"]["crossGroup"]
             out.append(f"| {name} | {m:,.0f} | {p:,.0f} | {m / p if p else 1:.4f} | "
-                       f"{m / base['measured']['crossGroup']:.3f} | {m / dc['measured']['crossGroup']:.3f} | "
+                       f"{m / base['measured']['crossGroup']:.3f} | " f"{m / dc['measured']['crossGroup']:.3f} | "
                        f"{r['measured']['intraGroup']:,.0f} |")
         others = [r for r in rs if r["dispatcher"] == "autoep" and r is not base]
         out.append("")
         out.append("AutoEP under the other placements (cross-group measured / predicted): " + ", ".join(
-            f"{r['strategy']} {r['measured']['crossGroup']:,.0f} / {r['predicted']['crossGroup']:,.0f}"
+            f"{r['strategy']} {r['measured']['crossGroup']:,.0f} / " f"{r['predicted']['crossGroup']:,.0f}"
             for r in others))
         out.append("")
     return "\n".join(out)
@@ -269,7 +270,8 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stats", action="append", required=True, metavar="FIT[:TEST]",
-                    help="RoutingStats with token samples; FIT:TEST solves placements on FIT and routes TEST's tokens")
+                    help="RoutingStats with token samples; FIT:TEST solves placements on FIT and "
+                         "routes TEST's tokens")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=0, help="use the first N recorded tokens (0: all)")
@@ -311,7 +313,7 @@ def main() -> None:
 
 
 def time_table(rows: list[dict]) -> str:
-    out = [(f"## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to {RATE_MBIT} "
+    out = [("## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to " f"{RATE_MBIT} "
            "Mbit/s (tc tbf), loopback inside a node; one machine, not a cluster"), ""]
     for stats in dict.fromkeys(r["stats"] for r in rows):
         out += [f"### {stats}", "", ("| variant | step s (shaped) | predicted s | step s (unshaped) | "
@@ -320,7 +322,7 @@ def time_table(rows: list[dict]) -> str:
             if r["stats"] != stats or (r["dispatcher"] == "autoep" and r["strategy"] != "contiguous"):
                 continue
             name = "AutoEP (contiguous)" if r["dispatcher"] == "autoep" else f"dedup + {r['strategy']}"
-            out.append(f"| {name} | {r['seconds']:.3f} | {r['secondsPredicted']:.3f} | {r['secondsUnshaped']:.3f} | "
+            out.append(f"| {name} | {r['seconds']:.3f} | {r['secondsPredicted']:.3f} | " f"{r['secondsUnshaped']:.3f} | "
                        f"{r['measured']['crossNode']:,.0f} |")
         out.append("")
     return "\n".join(out)

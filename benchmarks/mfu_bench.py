@@ -59,7 +59,8 @@ BF16_MASTER = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": T
 # ---- FLOPs -------------------------------------------------------------------------------------
 
 def flops_per_token(spec, seq: int) -> dict:
-    """Model FLOPs per trained token (forward + backward), by the formula in the module docstring."""
+    """Model FLOPs per trained token (forward + backward), by the formula in the module
+    docstring."""
     h, L = spec.hidden_size, spec.num_layers
     q_out, kv_out = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     attn = L * (h * q_out + 2 * h * kv_out + q_out * h)
@@ -233,8 +234,8 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
                    data: dict | None = None) -> dict:
     import torch
     _env_single(_free_port())
-    from moe_trainer import distenv
     from moe_contracts.plan import parse_plan
+    from moe_trainer import distenv
     from moe_trainer.trainer import Trainer
     total = warmup + steps + (2 if profile else 0)   # + one profiled step + one sync-debug step
     doc = plan_doc(size, variant, total, data)
@@ -256,7 +257,8 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
             torch.cuda.synchronize()
         marks[step] = time.perf_counter()
         if profile and step == warmup + steps:       # profile the next (last) step
-            from torch.profiler import ProfilerActivity, profile as tprof
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as tprof
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
             prof_box["p"] = tprof(activities=acts)
             prof_box["p"].__enter__()
@@ -303,6 +305,7 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
 def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool) -> dict:
     import torch
     import torch.nn.functional as F
+
     from moe_trainer import models, perf
     from moejob_operator.core import models as core_models
     preset, seq, micro = SIZES[size]
@@ -336,8 +339,7 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
     def sync():
         if cuda:
             torch.cuda.synchronize()
-    for i in range(warmup):
-        losses.append(float(step(i)))
+    losses.extend(float(step(i)) for i in range(warmup))
     sync()
     t0 = time.perf_counter()
     for i in range(steps):
@@ -349,7 +351,8 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
            "tokensPerSecond": micro * seq / timed, "tokensPerStep": micro * seq, "losses": losses,
            "peakTflops": peak, "memory": gpu_memory(torch), "params": sum(p.numel() for p in model.parameters())}
     if profile:
-        from torch.profiler import ProfilerActivity, profile as tprof
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as tprof
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         sync()
         with tprof(activities=acts) as prof:
@@ -418,7 +421,7 @@ def run_all(args) -> dict:
             res = json.loads(res_path.read_text())
             res_path.unlink()
             res["run"], res["wallSeconds"] = run, wall
-            print(f"   {res.get('tokensPerSecond', 0):,.0f} tok/s  step {res.get('stepMs', 0):.1f} ms  "
+            print(f"   {res.get('tokensPerSecond', 0):,.0f} tok/s  step {res.get('stepMs', 0):.1f} " "ms  "
                   f"({wall:.0f} s)", flush=True)
         else:
             res = {"run": run, "error": f"exit {rc}", "logTail": log[-4000:], "wallSeconds": wall}
@@ -469,15 +472,15 @@ def compare_losses(ref: list[float], fast: list[float]) -> dict:
     return {"steps": n, "first": [ref[0], fast[0]], "last10Mean": [ma(ref, n - 1), ma(fast, n - 1)],
             "maxRelDiffMovingAvg10": max(rel) if rel else None, "tolerance": LOSS_TOLERANCE,
             "within": bool(rel) and max(rel) <= LOSS_TOLERANCE,
-            "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n]))}
+            "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n], strict=True))}
 
 
 def render(results: dict) -> str:
     lines = [f"# MFU benchmark ({results.get('device')}, torch {results.get('torch')})", "",
-             "FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
-             "+ 6 x L x s x h (causal attention scores); no recompute counted.", "",
-             "| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) | MFU (989 TF) "
-             "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |",
+             ("FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
+             "+ 6 x L x s x h (causal attention scores); no recompute counted."), "",
+             ("| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) " "| MFU (989 TF) "
+             "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         if r.get("kind") == "loss":
@@ -492,14 +495,15 @@ def render(results: dict) -> str:
         lines.append(
             f"| {r['size']} | {r['variant']} | {r['tokensPerSecond']:,.0f} | {r['stepMs']:.1f} | "
             f"{r['flops']['flopsPerToken'] / 1e9:.2f} | {r['achievedTflops']:.0f} | "
-            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | {fmt(r.get('vs_stock'))} | "
+            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | " f"{fmt(r.get('vs_stock'))} | "
             f"{fmt(r.get('vs_plain_compiled'))} | {fmt(meas and meas / 2**30, '{:.1f}')} | "
-            f"{fmt(est and est / 2**30, '{:.1f}')} | {fmt(est / meas if est and meas else None, '{:.2f}')} |")
+            f"{fmt(est and est / 2**30, '{:.1f}')} | " f"{fmt(est / meas if est and meas else None, '{:.2f}')} |")
     peaks = [r["peakTflops"] for r in results["runs"] if r.get("peakTflops")]
     if peaks:
-        lines += ["", f"Measured bf16 matmul peak (8192^3, random data): {min(peaks):.0f}-{max(peaks):.0f} TFLOP/s."]
+        lo, hi = min(peaks), max(peaks)
+        lines += ["", f"Measured bf16 matmul peak (8192^3, random data): {lo:.0f}-{hi:.0f} TFLOP/s."]
     lines += ["", "## Where the step goes (one profiled step per variant)", "",
-              "| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel time) |",
+              ("| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel " "time) |"),
               "|---|---|---|---|---|---|"]
     for r in results["runs"]:
         p = r.get("profile")
@@ -513,12 +517,12 @@ def render(results: dict) -> str:
     if every:
         lines += ["", "## Loss curves (real text, same seed, against stock)", ""]
     for v, lc in every.items():
-        lines += [f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
+        lines += [(f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
                   f"{lc['first'][1]:.4f}; "
                   f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
-                  f"max relative difference of the 10-step moving average {lc['maxRelDiffMovingAvg10']:.3%} "
+                  "max relative difference of the 10-step moving average " f"{lc['maxRelDiffMovingAvg10']:.3%} "
                   f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
-                  f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}."]
+                  f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}.")]
     return "\n".join(lines) + "\n"
 
 
@@ -529,10 +533,10 @@ def write_profiles(results: dict, path: Path) -> None:
         if not p:
             continue
         parts.append(f"===== {r['run']}: wall {p['wallMs']:.1f} ms, GPU busy {p['gpuBusyMs']:.1f} ms, "
-                     f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} kernels")
+                     f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} " "kernels")
         parts += [f"  {k['ms']:8.2f} ms {k['calls']:5d}x {k['share']:6.1%}  {k['name']}" for k in p["topKernels"]]
         if p.get("hostSyncs"):
-            parts.append("  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are not listed):")
+            parts.append("  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are " "not listed):")
             parts += [f"  {n:4d}x  {k}" for k, n in p["hostSyncs"]]
         parts.append("  longest host ops:")
         parts += [f"  {h['ms']:8.2f} ms  {h['name']}" for h in p["longestHostOps"]]

@@ -111,7 +111,8 @@ def train(plan_path: Path, nproc: int, work: Path, tag: str, env: dict, timeout:
 
 
 def measured_gpu_load(plan: dict, stats_path: str) -> float:
-    """Mean over layers of max/mean tokens received per GPU, this run's routing under its placement."""
+    """Mean over layers of max/mean tokens received per GPU, this run's routing under its
+    placement."""
     st = read_routing_stats(stats_path)
     pl = plan["placement"]
     world = plan["worldSize"]
@@ -142,24 +143,24 @@ def markdown(r: dict) -> str:
         peak = max(ms["peakReservedBytesByRank"] or [0])
         rows.append(
             f"| {name} | {ms['tokensPerSecond']:,} | {ms.get('vsContiguous', '')} | "
-            f"{ms['allToAllSecondsPerStep'] * 1e3:.1f} / {pr['allToAllSecondsPerStep'] * 1e3:.1f} | "
+            f"{ms['allToAllSecondsPerStep'] * 1e3:.1f} / {pr['allToAllSecondsPerStep'] * 1e3:.1f} " "| "
             f"{mb / 2**20:.0f} / {pr['maxGpuAllToAllBytesPerStep'] / 2**20:.0f} | "
             f"{ms['maxMeanLoad']:.3f} / {pr['maxMeanLoad']:.3f} | "
-            f"{peak / GiB:.2f} / {pr['peakBytes'] / GiB:.2f} ({(pr['peakBytes'] / peak - 1) * 100:+.0f}%) | "
+            f"{peak / GiB:.2f} / {pr['peakBytes'] / GiB:.2f} " f"({(pr['peakBytes'] / peak - 1) * 100:+.0f}%) | "
             f"{ms['finalLoss']:.3f} |")
     gpus = r["gpus"]
     return "\n".join([
         f"# Multi-GPU validation: AutoEP + ZeRO-3 on {gpus} x {r['gpuName']} (one host)",
         "",
-        (f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, same seed and "
-        "data; measured / predicted side by side (predicted = the planning core, from the recorded "
-        "statistics of the first run: in-sample). Bytes = what the busiest GPU sent in all-to-alls per "
-        "step (forward + backward); a2a time is host-side time in the collective (includes waiting "
-        "for the slower rank). Memory = peak reserved (caching allocator) vs the memory model."),
+        (f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, " "same seed and "
+        "data; measured / predicted side by side (predicted = the planning core, from the " "recorded "
+        "statistics of the first run: in-sample). Bytes = what the busiest GPU sent in " "all-to-alls per "
+        "step (forward + backward); a2a time is host-side time in the collective " "(includes waiting "
+        "for the slower rank). Memory = peak reserved (caching allocator) vs the memory " "model."),
         "",
         f"Topology (discovered): {r['topologyNote']}",
         "",
-        ("| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step busiest GPU meas / pred | "
+        ("| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step " "busiest GPU meas / pred | "
         "max/mean GPU load meas / pred | peak GiB/GPU meas / model | final loss |"),
         "|---|---|---|---|---|---|---|---|",
         *rows,
@@ -192,8 +193,10 @@ def main() -> None:
     model_path = work / "config.json"
     model_path.write_text(json.dumps(MODEL))
     result = {"gpus": gpus, "gpuName": torch.cuda.get_device_name(0), "steps": a.steps,
-              "command": "PYTHONPATH=operator:trainer_image python3 benchmarks/multigpu_bench.py --out DIR",
-              "modelNote": "Mixtral-style, hidden 1024, 64 experts x width 1024, top-8, 4 layers, byte vocab, "
+              "command": "PYTHONPATH=operator:trainer_image python3 benchmarks/multigpu_bench.py "
+                         "--out DIR",
+              "modelNote": "Mixtral-style, hidden 1024, 64 experts x width 1024, top-8, 4 layers, "
+                           "byte vocab, "
                            f"seq {a.seq_len}, micro-batch {a.micro_batch}/GPU, bf16, real text",
               "runs": {}}
 

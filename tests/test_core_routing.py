@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from moejob_operator.core.errors import DocumentError
 from moe_contracts.routing import read_routing_stats, write_routing_stats
+from moejob_operator.core.errors import DocumentError
 from moejob_operator.core.routing import count_routing, synthetic_trace
 
 
@@ -82,7 +82,7 @@ def _bad(mutate, match, trace):
         read_routing_stats(doc)
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(("mutate", "match"), [
     (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
     (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
     (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),

@@ -1,4 +1,4 @@
-"""Pure tests of the upgrade gate: identity, verdict documents, expiry, decisions, the Job builder."""
+"""Pure tests of the upgrade gate: identity, verdict documents, expiry, decisions, Job builder."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from moejob_operator import constants as C
-from moejob_operator.builders import smoke as B
+from moe_contracts import gate as contract_gate
 from moe_contracts.errors import DocumentError
 from moe_contracts.gate import parse_gate_verdict, parse_smoke_verdict
-from moe_contracts import gate as contract_gate
+from moejob_operator import constants as C
+from moejob_operator.builders import smoke as B
 from moejob_operator.core import gate as G
 
 NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)

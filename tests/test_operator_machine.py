@@ -1,4 +1,4 @@
-"""Pure reconcile decisions: gang policy, node choice, deadlines, progress and health, conditions."""
+"""Pure reconcile decisions: gang policy, node choice, deadlines, progress, health, conditions."""
 
 from __future__ import annotations
 
@@ -159,7 +159,8 @@ def test_failure_message_carries_the_launchers_termination_message():
     failed first) reaches the Restarting condition."""
     import json
     doc = {"kind": "TrainerExit", "version": 1, "cause": "Signalled", "exitCode": 137, "rank": 3, "nodeRank": 1,
-           "message": "node rank 1: rank3 exited with code 137 first; exit codes {'rank2': 143, 'rank3': 137}: "}
+           "message": "node rank 1: rank3 exited with code 137 first; "
+                      "exit codes {'rank2': 143, 'rank3': 137}: "}
     pod = {"metadata": {"name": "j-worker-1", "uid": "u", "labels": {C.LABEL_NODE_RANK: "1", C.LABEL_ATTEMPT: "0"}},
            "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
                "exitCode": 137, "message": json.dumps(doc)}}}]}}

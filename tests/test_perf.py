@@ -1,4 +1,4 @@
-"""The planner's speed choices (core/perf.py) and the trainer's performance options (moe_trainer.perf):
+"""The planner's speed choices (core/perf.py), the trainer's performance options (moe_trainer.perf):
 fused LM head + cross-entropy against the reference, plan validation, what the planner picks on
 one H200 / two H200s / CPU, and `moe-train` with every option on against the stock path."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moe_contracts.plan import PerfSpec, PlanError, parse_perf
+from moe_trainer import perf
 from moejob_operator.core import models as core_models
 from moejob_operator.core.errors import DocumentError  # noqa: F401  (import check: core stays importable)
 from moejob_operator.core.plan import PlanRequest, build_plan
 from moejob_operator.core.topology import load_topology
-from moe_trainer import perf
-from moe_contracts.plan import PerfSpec, PlanError, parse_perf
 
 ROOT = Path(__file__).resolve().parents[1]
 TOPO = ROOT / "tests" / "fixtures" / "topology"
@@ -60,7 +60,7 @@ def test_parse_perf_rejects_bad_documents():
     assert spec.fused_loss and spec.zero_leaf_modules == ("MixtralDecoderLayer",) and not spec.compile_layers
     for bad, msg in [({"fusedLos": True}, "unknown keys ['fusedLos']"),
                      ({"compileLayers": "yes"},
-                      "training.performance.compileLayers: 'yes' is invalid (Input should be a valid boolean)"),
+                      ("training.performance.compileLayers: 'yes' is invalid (Input should be a valid " "boolean)")),
                      ({"zeroLeafModules": "MixtralDecoderLayer"}, "is not a list of class names"),
                      ({"lossChunkTokens": 0}, "lossChunkTokens: 0 is invalid (Input should be greater than or equal to 1)"),
                      ([], "expected an object")]:
@@ -162,7 +162,7 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
     assert "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + " \
            "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
     assert len(losses["fast"]) == 3
-    for a, b in zip(losses["stock"], losses["fast"]):
+    for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
 
 
@@ -170,13 +170,13 @@ def test_moectl_plan_shows_the_choices_and_can_turn_them_off(capsys, tmp_path):
     from moejob_operator import cli
     args = ["plan", "--topology", str(TOPO / "h200-vm-1gpu.json"), "--model", "bench-mixtral-3b",
             "--global-batch", "8", "--seq-len", "2048"]
-    assert cli.main(args + ["-o", str(tmp_path / "fast.json")]) == 0
+    assert cli.main([*args, "-o", str(tmp_path / "fast.json")]) == 0
     out = capsys.readouterr().out
     assert "MoE impl   grouped; performance options (planner's choice, why):" in out
     assert "  - compileLayers: torch.compile of each decoder layer" in out
     assert "  - reduce_bucket_size 3453257728 (all parameters)" in out
     assert "  - fp32 master weights kept: DeepSpeed's bf16 master weights" in out
-    assert cli.main(args + ["--no-performance", "-o", str(tmp_path / "stock.json")]) == 0
+    assert cli.main([*args, "--no-performance", "-o", str(tmp_path / "stock.json")]) == 0
     assert "MoE impl   hf; performance options off (stock configuration)" in capsys.readouterr().out
     fast, stock = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("fast", "stock"))
     assert fast["training"]["performance"]["fusedLoss"] and "performance" not in stock["training"]
@@ -199,5 +199,5 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
         assert codes == [0, 0], (tmp_path / f"log.{name}.rank0.log").read_text()[-3000:]
         losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["losses"]
     assert len(losses["fast"]) == 3
-    for a, b in zip(losses["stock"], losses["fast"]):
+    for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses

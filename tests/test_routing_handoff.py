@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from moejob_operator.reconcile import planning
 from moejob_operator.spec import parse_spec
 from operator_harness import module_operator
 
-NOW = dt.datetime(2026, 11, 29, 14, 0, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 29, 14, 0, 0, tzinfo=dt.UTC)
 
 
 def iso(seconds_ago: float) -> str:
@@ -70,16 +71,16 @@ def test_source_still_training_is_a_bounded_wait():
 
 def test_missing_source_job_waits_less():
     client = FakeClient(jobs={"b": body(60)})
-    with pytest.raises(planning.NotYet, match="source job nope .* does not exist"):
+    with pytest.raises(planning.NotYet, match=r"source job nope .* does not exist"):
         read(client, jobName="nope")
     client.jobs["b"] = body(planning.SOURCE_MISSING_WAIT_SECONDS + 1)
-    with pytest.raises(planning.Refused, match="does not exist .*gave up"):
+    with pytest.raises(planning.Refused, match=r"does not exist .*gave up"):
         read(client, jobName="nope")
 
 
 def test_failed_source_job_is_permanent_at_once():
     client = FakeClient(jobs={"b": body(10), "a": body(600, ("Failed", "True", "BackoffLimitExceeded", "3 restarts"))})
-    with pytest.raises(planning.Refused, match="source job a failed .BackoffLimitExceeded: 3 restarts. and will "
+    with pytest.raises(planning.Refused, match=r"source job a failed .BackoffLimitExceeded: 3 restarts. and will "
                                                "never publish") as exc:
         read(client, jobName="a")
     assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE
@@ -96,7 +97,7 @@ def test_succeeded_source_without_stats_quotes_its_trainer():
     with pytest.raises(planning.NotYet, match="succeeded; waiting"):       # grace: publish precedes exit
         read(client, jobName="a")
     client.jobs["a"] = body(600, ("Succeeded", "True", "Finished", "done"), completion_ago=120)
-    with pytest.raises(planning.Refused, match="succeeded but .* no routing statistics; its trainer reported: "
+    with pytest.raises(planning.Refused, match=r"succeeded but .* no routing statistics; its trainer reported: "
                                                "routing statistics too large"):
         read(client, jobName="a")
 
@@ -106,10 +107,10 @@ def test_config_map_name_source_and_bad_payloads():
     with pytest.raises(planning.SpecError, match=r"ConfigMap ns/mine: binaryData.routing_stats.json.gz is not gzip"):
         read(client, configMapName="mine")
     client.configmaps["mine"] = {"data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 3}'}}
-    with pytest.raises(planning.SpecError, match="ns/mine: .*version"):
+    with pytest.raises(planning.SpecError, match=r"ns/mine: .*version"):
         read(client, configMapName="mine")
     del client.configmaps["mine"]
-    with pytest.raises(planning.NotYet, match="ConfigMap ns/mine has no routing_stats.json yet"):
+    with pytest.raises(planning.NotYet, match=r"ConfigMap ns/mine has no routing_stats.json yet"):
         read(client, configMapName="mine")
 
 
@@ -120,9 +121,8 @@ operator_proc = module_operator()
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):
-    from operator_harness import apply_job, condition, example, get_job
-
     from moe_contracts.routing import decode_configmap
+    from operator_harness import apply_job, condition, example, get_job
     a = example("tiny-cpu.yaml", checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}})
     a["metadata"]["name"] = "stats-a"
     a["spec"]["training"]["steps"] = 2
@@ -165,9 +165,10 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
     import base64
     from urllib.parse import urlparse
 
-    from moe_trainer import progress
-    from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY, ROUTING_STATS_KEY as KEY
+    from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY
+    from moe_contracts.env import ROUTING_STATS_KEY as KEY
     from moe_contracts.routing import configmap_text
+    from moe_trainer import progress
     from moe_trainer.routing_publish import RoutingStatsPublisher
     from test_trainer_routing_publish import stats_doc
     name = "a-routing-stats"
@@ -183,7 +184,7 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
     (tmp_path / "token").write_text(base64.b64decode(
         kube.core.read_namespaced_secret(secret, namespace).data["token"]).decode())
     (tmp_path / "namespace").write_text(namespace)
-    (tmp_path / "ca.crt").write_bytes(open(control_plane.ca_path, "rb").read())
+    (tmp_path / "ca.crt").write_bytes(Path(control_plane.ca_path).read_bytes())
     url = urlparse(control_plane.server)
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", url.hostname)
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(url.port))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_trainer import gang, launch
 from moe_contracts.plan import parse_plan
+from moe_trainer import gang, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "plans"
@@ -43,9 +43,9 @@ class _Stats:
 
 
 def _h200_plan_and_pods():
+    from moe_contracts.topology import parse_topology, report_to_json
     from moejob_operator.builders import common, workers
     from moejob_operator.core import routing
-    from moe_contracts.topology import parse_topology, report_to_json
     from moejob_operator.core.topology import load_topology
     from moejob_operator.reconcile import planning
     from moejob_operator.spec import parse_spec
@@ -69,7 +69,7 @@ def _pod_env(pod) -> dict[str, str]:
 def test_gpu_h200_example_every_pods_ranks_match_the_plan():
     """examples/gpu-h200.yaml (2 nodes x 8 GPUs): planned as the operator plans it, rendered as the
     operator renders it; every pod's launcher derives exactly the plan's ranks for its node."""
-    spec, plan, pods = _h200_plan_and_pods()
+    _spec, plan, pods = _h200_plan_and_pods()
     trainer_plan = parse_plan(plan)
     assert plan["worldSize"] == 16 and len(pods) == 2
     seen = []
@@ -94,7 +94,7 @@ def test_gpu_h200_example_every_pods_ranks_match_the_plan():
     assert sorted(seen) == list(range(16))
 
 
-@pytest.mark.parametrize("env, plan_world, match", [
+@pytest.mark.parametrize(("env", "plan_world", "match"), [
     ({"NPROC_PER_NODE": "2", "NODE_RANK": "0", "NNODES": "2", "WORLD_SIZE": "3"}, 3,
      "WORLD_SIZE=3 is not NNODES x NPROC_PER_NODE = 2 x 2"),
     ({"NPROC_PER_NODE": "2", "NODE_RANK": "2", "NNODES": "2", "WORLD_SIZE": "4"}, 4,
@@ -135,18 +135,20 @@ def test_pod_termination_message_is_the_first_failing_ranks_document(tmp_path):
                "rank": int(os.environ["RANK"]), "message": "data.path /data does not exist"}
         open(os.environ["MOE_TERMINATION_LOG"], "w").write(json.dumps(doc))
         sys.exit(78)""")
-    envs = [dict(os.environ, RANK=str(r.rank), MOE_TERMINATION_LOG=str(f)) for r, f in zip(ranks, files)]
+    envs = [dict(os.environ, RANK=str(r.rank), MOE_TERMINATION_LOG=str(f)) for r, f in zip(ranks, files, strict=True)]
     for f in files:
         f.touch()
-    res = gang.Gang([_py("import time; time.sleep(600)"), writer], envs, labels=["rank2", "rank3"],
-                    stop_seconds=2, out=open(tmp_path / "out", "w")).run()
+    with open(tmp_path / "out", "w") as out:
+        res = gang.Gang([_py("import time; time.sleep(600)"), writer], envs, labels=["rank2", "rank3"],
+                        stop_seconds=2, out=out).run()
     doc = launch.failure_document(res, ["rank2", "rank3"], ranks, 1, [f.read_text() for f in files])
     assert (doc["cause"], doc["exitCode"], doc["rank"], doc["nodeRank"]) == ("DataNotFound", 78, 3, 1)
     assert doc["message"].startswith("node rank 1: rank3 exited with code 78 first")
     assert doc["message"].endswith("data.path /data does not exist")
 
-    killed = gang.Gang([_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")], envs[:1],
-                       out=open(tmp_path / "out2", "w")).run()
+    with open(tmp_path / "out2", "w") as out:
+        killed = gang.Gang([_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")], envs[:1],
+                           out=out).run()
     doc = launch.failure_document(killed, ["rank2"], ranks[:1], 1, [""])
     assert (doc["cause"], doc["exitCode"], doc["rank"]) == ("Signalled", 137, 2)
     term = tmp_path / "termination-log"
@@ -167,12 +169,13 @@ def test_first_failure_stops_the_others_and_is_the_exit_code(code, tmp_path):
                    "print('working', flush=True); time.sleep(600)")
     fail = _py(f"import sys, time; time.sleep(0.5); print('failing', flush=True); sys.exit({code})")
     t0 = time.monotonic()
-    res = gang.Gang([slow, fail, stubborn], _envs(3), stop_seconds=2.0, out=open(tmp_path / "out", "w")).run()
+    with open(tmp_path / "out", "w") as out:
+        res = gang.Gang([slow, fail, stubborn], _envs(3), stop_seconds=2.0, out=out).run()
     took = time.monotonic() - t0
     assert res.first_failure == 1 and res.exit_code == code
     assert res.codes == [128 + signal.SIGTERM, code, 128 + signal.SIGKILL]
     assert took < 2.0 + 10, took
-    assert "rank1 exited with code %d first" % code in res.describe()
+    assert f"rank1 exited with code {code} first" in res.describe()
 
 
 def test_output_is_prefixed_per_rank(tmp_path):
@@ -189,8 +192,8 @@ DRIVER = """
 import sys
 from moe_trainer import gang
 child = sys.argv[1]
-res = gang.Gang([[sys.executable, "-c", child]] * 2, [dict(__import__("os").environ, RANK=str(r)) for r in range(2)],
-                grace_seconds=float(sys.argv[2])).run()
+envs = [dict(__import__("os").environ, RANK=str(r)) for r in range(2)]
+res = gang.Gang([[sys.executable, "-c", child]] * 2, envs, grace_seconds=float(sys.argv[2])).run()
 print("codes", res.codes, flush=True)
 sys.exit(res.exit_code)
 """

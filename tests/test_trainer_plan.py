@@ -28,7 +28,7 @@ def test_fixture_parses(doc):
     assert not plan.placement.is_identity()
 
 
-@pytest.mark.parametrize("mutate, match", [
+@pytest.mark.parametrize(("mutate", "match"), [
     (lambda d: d.update(kind="TopologyReport"), r"kind: 'TopologyReport' is not 'MoEPlan'"),
     (lambda d: d.update(version=2), r"version: 2 is not a known version"),
     (lambda d: d.pop("worldSize"), r"worldSize: required field is missing"),
@@ -42,7 +42,7 @@ def test_fixture_parses(doc):
     (lambda d: d["model"].update(hfConfig=None), r"model.hfConfig: required when model.path is null"),
     (lambda d: d["model"]["hfConfig"].pop("model_type"), r"model.hfConfig.model_type: required"),
     (lambda d: d["ranks"][1].update(rank=5), r"ranks\[1\].rank: 5 out of order"),
-    (lambda d: d["training"]["balance"].update(mode="magic"), r"training.balance.mode: 'magic' is invalid \(Input should be 'per_layer_aux', 'global_aux' or 'none'\)"),
+    (lambda d: d["training"]["balance"].update(mode="magic"), (r"training.balance.mode: 'magic' is invalid \(Input should be 'per_layer_aux', " r"'global_aux' or 'none'\)")),
     (lambda d: d["training"].update(moeImpl="fast"), r"training.moeImpl: 'fast' is invalid \(Input should be 'hf' or 'grouped'\)"),
     (lambda d: d["training"].update(steps=0), r"training.steps: 0 is invalid \(Input should be greater than or equal to 1\)"),
     (lambda d: d["training"]["data"].update(kind="text"), r"training.data.path: required when data.kind is 'text'"),

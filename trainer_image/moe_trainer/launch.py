@@ -31,14 +31,13 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from moe_contracts import env as E
 from moe_contracts.errors import DocumentError
 from moe_contracts.exit import TERMINATION_LIMIT, exit_doc, parse_trainer_exit
-
 from moe_trainer import gang
 
 log = logging.getLogger("moe_trainer.launch")
@@ -198,7 +197,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     # each rank reports its TrainerExit into a file of its own; the pod gets one message
     term_dir = Path(tempfile.mkdtemp(prefix="moe-launch-"))
     term_files = [term_dir / f"{label}.json" for label in labels]
-    for f, e in zip(term_files, envs):
+    for f, e in zip(term_files, envs, strict=True):
         f.touch()
         e[E.TERMINATION_LOG] = str(f)
     try:

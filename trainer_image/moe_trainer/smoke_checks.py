@@ -14,7 +14,8 @@ is what a job with such a plan runs. Phase 1 (``train``) runs, per case:
                computes what the plain, unpermuted model computes
   numerics     the first optimizer step vs the plain-PyTorch reference (`smoke_reference`), per
                parameter group: gradients and updates
-  train        the remaining steps: loss finite and falling, router hooks fire, balancing loss finite
+  train        the remaining steps: loss finite and falling, router hooks fire, balancing loss
+               finite
   checkpoint   Trainer.save(); the weights and the loss of the next step are written for phase 2
 
 Phase 2 (``resume``), in new processes: per case, a fresh Trainer loads the checkpoint
@@ -25,6 +26,7 @@ phase 1 starts, so it overlaps the cases).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -127,6 +129,7 @@ class CaseRun:
     # ---- setup --------------------------------------------------------------------------------
     def build(self) -> None:
         import numpy as np
+
         from moe_trainer.data import BatchSource, ByteTokenizer
         from moe_trainer.trainer import Trainer
         self.trainer = tr = Trainer(self.plan, self.env, str(self.dir / "ckpt"))
@@ -184,7 +187,7 @@ class CaseRun:
             raise CheckFailed(f"after initialize the MoE blocks are {kinds} x {len(blocks)}, expected "
                               f"{n_layers} {want}")
         ds = self.plan.deepspeed
-        return (f"{self.plan.model.family}: ZeRO-3 + {'AutoEP' if self.plan.autoep_enabled else 'no EP'} "
+        return (f"{self.plan.model.family}: ZeRO-3 + " f"{'AutoEP' if self.plan.autoep_enabled else 'no EP'} "
                 f"(EP size {self.plan.ep_size} of world {self.env.world_size}, grad accum "
                 f"{ds.get('gradient_accumulation_steps')}, activation checkpointing "
                 f"{'on' if self.plan.raw['training'].get('activationCheckpointing') else 'off'}): "
@@ -228,9 +231,9 @@ class CaseRun:
 
     def permutation(self) -> str:
         import torch
+
         from moe_trainer import models
         from moe_trainer.placement import verify_placement
-        p = self.plan
         # the plain model as the plan describes it, before the permutation
         ref = self.trainer.initial_model().to(self.env.device).eval()
         originals = [{k: v.to(self.env.device) for k, v in layer.items()}
@@ -271,6 +274,7 @@ class CaseRun:
     def numerics(self) -> str:
         import torch
         from deepspeed.utils import safe_get_full_grad
+
         from moe_trainer import models
         from moe_trainer import smoke_reference as R
         from moe_trainer.trainer import lr_lambda
@@ -331,7 +335,7 @@ class CaseRun:
                               + "; ".join(g_bad + u_bad))
         worst = max(max(abs(r["ratio"] - 1), 1 - r["cos"]) for r in g_rows + u_rows)
         return (f"first step matches plain PyTorch for {', '.join(r['group'] for r in u_rows)} "
-                f"(gradients and updates; worst deviation {worst:.2g}; lm loss {lm:.3f}, balance loss {aux:.3f})")
+                f"(gradients and updates; worst deviation {worst:.2g}; lm loss {lm:.3f}, balance loss " f"{aux:.3f})")
 
     def train(self) -> str:
         tr, t = self.trainer, self.plan.training
@@ -346,7 +350,8 @@ class CaseRun:
         self.losses = losses
         if not losses[-1] < losses[0]:
             raise CheckFailed(f"loss did not fall over {len(losses)} steps: {_fmt(losses)}")
-        return f"{len(losses)} steps, loss {_fmt(losses)} (balance mode {t.balance.mode}, coef {t.balance.coef:g})"
+        return (f"{len(losses)} steps, loss {_fmt(losses)} "
+                f"(balance mode {t.balance.mode}, coef {t.balance.coef:g})")
 
     def checkpoint(self) -> str:
         import torch
@@ -361,7 +366,8 @@ class CaseRun:
         if all(torch.equal(saved[n], moved[n]) for n in saved):
             raise CheckFailed("an optimizer step after the save changed no weight (nothing to restore)")
         (self.dir / f"continue_rank{self.env.rank}.json").write_text(json.dumps({"step": step, "loss": lm}))
-        return f"saved step {step} ({len(saved)} tensors); next step's loss {lm:.5f} recorded for the resume"
+        return (f"saved step {step} ({len(saved)} tensors); "
+                f"next step's loss {lm:.5f} recorded for the resume")
 
     # ---- phase 2 ------------------------------------------------------------------------------
     def resume(self) -> str:
@@ -474,15 +480,16 @@ def _run_cases(phase, plans, workdir, rec, state, cpu, imports, only_case) -> bo
             continue
         run = None
 
-        def make():
+        def make(case=case):
             nonlocal run
             run = CaseRun(case["name"], case["plan"], workdir, state["env"], cpu)
             return run
 
         try:
             if phase == "train":
-                checks = [("initialize", lambda: make().initialize())] + \
-                         [(n, (lambda n=n: getattr(run, n)())) for n in PHASE1_CHECKS[1:]]
+                checks = [("initialize", lambda: make().initialize())]
+                # `run` is late-bound on purpose: each check runs in this iteration, after make()
+                checks += [(n, (lambda n=n: getattr(run, n)())) for n in PHASE1_CHECKS[1:]]  # noqa: B023
             else:
                 checks = [("resume", lambda: make().resume())]
             for name, fn in checks:
@@ -490,10 +497,8 @@ def _run_cases(phase, plans, workdir, rec, state, cpu, imports, only_case) -> bo
                     return False
         finally:
             if run is not None:
-                try:
+                with contextlib.suppress(Exception):   # a failed case may leave no engine to close
                     run.close()
-                except Exception:   # noqa: BLE001 - a failed case may leave no engine to close
-                    pass
     if phase == "resume":
         return rec.run("fused_adam", None, lambda: fused_adam(state["env"]))
     return True

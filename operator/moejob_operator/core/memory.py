@@ -85,7 +85,7 @@ class MemoryEstimate:
 
     def explain(self, gpu_memory_bytes: int | None = None, headroom: float = 0.9) -> str:
         rows = [(k.removesuffix("Bytes"), v) for k, v in self.breakdown.items()]
-        width = max(len(k) for k, _ in rows + [("total (peak)", 0)])
+        width = max(len(k) for k, _ in [*rows, ("total (peak)", 0)])
         lines = [f"{'term':<{width}}  {'GiB':>9}  {'share':>6}"]
         for key, value in rows:
             lines.append(f"{key:<{width}}  {value / GiB:9.3f}  {value / max(self.total, 1):6.1%}")
@@ -291,7 +291,8 @@ def benchmark_estimate(*, device: str = "gpu", autoep: bool = True,
                        activation_checkpointing: bool = False, preset: str = "bench-mixtral",
                        seq_len: int = 1024, micro_batch: int = 16) -> MemoryEstimate:
     """The estimate for the trainer benchmark's run (one H200, bf16, seq 1024, micro-batch 16,
-    world 1; benchmarks/memory_model.py) so a measured peak (``torch.cuda.max_memory_reserved``) can be set beside it.
+    world 1; benchmarks/memory_model.py) so a measured peak (``torch.cuda.max_memory_reserved``) can
+    be set beside it.
     ``device='cpu'``: the same model in fp32 on one CPU process."""
     from .dsconfig import CPU, GpuCaps, deepspeed_config
     from .models import resolve_model

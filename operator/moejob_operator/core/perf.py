@@ -112,8 +112,7 @@ def choose(spec: MoEModelSpec, *, world_size: int, ep_size: int, gpu: GpuCaps, a
                 zero_overrides.pop(key)
                 notes.append(f"{key}: the user's override is kept")
     if user_perf:
-        for key in user_perf:
-            notes.append(f"performance.{key}: set by the user ({user_perf[key]!r})")
+        notes.extend(f"performance.{key}: set by the user ({user_perf[key]!r})" for key in user_perf)
         perf.update(copy.deepcopy(user_perf))
     perf["reasons"] = list(notes)
     return PerfChoice(perf, moe_impl, use_autoep, zero_overrides, tuple(notes))

@@ -12,6 +12,7 @@ an older attempt under its resourceVersion; a conflict means someone else just w
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -22,6 +23,7 @@ from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
+
 from moe_contracts.errors import DocumentError
 from moe_contracts.gate import parse_gate_verdict
 
@@ -56,10 +58,8 @@ class Verified:
 def gate_config(env: dict[str, str] | None = None) -> G.GateConfig:
     """Settings from the operator's env; the namespace defaults to the one it runs in."""
     default_ns = "default"
-    try:
+    with contextlib.suppress(OSError):
         default_ns = _SA_NAMESPACE.read_text().strip() or default_ns
-    except OSError:
-        pass
     return G.GateConfig.from_env(os.environ if env is None else env, default_namespace=default_ns)
 
 
@@ -84,7 +84,7 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
     """The gate stage: :class:`Verified`, else raises :class:`NotYet` / :class:`Refused`.
     ``plan``: the job's MoEPlan (its `hardware` keys GPU verdicts; a GPU smoke Job runs on its
     first node)."""
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     prev = _previous(job)
     status = job.get("status") or {}
     if (status.get("launchedSpecHash") or status.get("launchedSpec")) and prev.get("status") == "True":
@@ -110,7 +110,8 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
 
 
 def _smoke_plans(identity: G.Identity, plan: dict[str, Any] | None) -> dict[str, Any]:
-    """The SmokePlans for ``identity``: CPU, or the identity's GPU (bf16 from compute capability 8.0)."""
+    """The SmokePlans for ``identity``: CPU, or the identity's GPU (bf16 from compute capability
+    8.0)."""
     if identity.device == "CPU":
         return SP.smoke_plans("cpu")
     mem = int(((plan or {}).get("memory") or {}).get("gpuMemoryBytes") or 0)
@@ -181,7 +182,8 @@ class Store:
         return doc
 
     def write(self, record: dict[str, Any]) -> None:
-        """Create, or replace a verdict of an older attempt; a newer/equal one already there wins."""
+        """Create, or replace a verdict of an older attempt; a newer/equal one already there
+        wins."""
         if self.client.create(B.verdict_configmap(record, self.namespace)):
             return
         name = f"{G.STORE_PREFIX}{record['identity']['key']}"
@@ -212,7 +214,8 @@ class Store:
 
     def create_plans(self, identity: G.Identity, attempt: int, config: G.GateConfig,
                      plans: dict[str, Any]) -> None:
-        """Before the Job: its pod mounts them ("already exists": another job made the same ones)."""
+        """Before the Job: its pod mounts them ("already exists": another job made the same
+        ones)."""
         self.client.create(B.smoke_plans_configmap(identity, attempt, config, plans))
 
     def create_job(self, job: dict[str, Any]) -> bool:
@@ -266,7 +269,7 @@ def _finished_at(job: dict[str, Any]) -> dt.datetime | None:
     for c in status.get("conditions") or ():
         if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
             stamp = status.get("completionTime") or c.get("lastTransitionTime")
-            return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00")) if stamp else None
+            return dt.datetime.fromisoformat(stamp) if stamp else None
     return None
 
 
@@ -280,7 +283,7 @@ def sweep_smoke_jobs(client, now: dt.datetime | None = None, *, keep_seconds: fl
         return []
     if not config.enabled:
         return []
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     keep = SMOKE_JOB_KEEP_SECONDS if keep_seconds is None else keep_seconds
     store = Store(client, config.namespace)
     if batch is not None:
