@@ -162,3 +162,14 @@ def test_plan_shows_dedup_and_autoep_bytes_side_by_side(capsys, tmp_path):
     assert 0 < q["dedup"]["crossGroupBytesPerStep"] < q["autoep"]["crossGroupBytesPerStep"]
     code, out, err = _run(capsys, *args, "--dispatcher", "autoep", "-o", str(tmp_path / "p2.json"))
     assert code == 0 and read_plan(tmp_path / "p2.json")["placement"]["dispatcher"] == "autoep"
+
+
+def test_plan_reports_a_held_out_estimate_above_the_fitted_ratio(capsys, tmp_path):
+    from moejob_operator.core.placement import HELDOUT_OPTIMISM
+    stats = routing.synthetic_trace(4, 8, 2, 2048, num_clusters=2, cluster_affinity=1.0, zipf_s=0.0, seed=2)
+    out, doc = _plan_with(capsys, tmp_path, stats.to_json(), top_k=2)
+    q = doc["placement"]["quality"]
+    assert q["crossGroupVsContiguous"] < 0.95
+    assert q["crossGroupVsContiguousHeldOut"] == pytest.approx(
+        min(1.0, q["crossGroupVsContiguous"] * (1 + HELDOUT_OPTIMISM)), abs=1e-4)
+    assert f"~{q['crossGroupVsContiguousHeldOut']:.2f}x expected on new tokens" in out

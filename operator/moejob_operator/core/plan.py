@@ -183,6 +183,9 @@ def _score(pl: placement_mod.Placement, topo: ClusterTopology, trace: RoutingSta
     ours = cost.score(pl, topo, trace, hidden_size=spec.hidden_size, bytes_per_elem=p)
     base = cost.score(contiguous, topo, trace, hidden_size=spec.hidden_size, bytes_per_elem=p)
     quality = ours.quality(base)
+    if "crossGroupVsContiguous" in quality:
+        quality["crossGroupVsContiguousHeldOut"] = round(
+            placement_mod.heldout_estimate(pl, quality["crossGroupVsContiguous"]), 4)
     scale = job_tokens_per_step / max(trace.tokens / max(trace.steps, 1), 1)
     for key in ("crossGroupBytesPerStep", "crossNodeBytesPerStep"):
         quality[key] = int(round(quality[key] * scale))
@@ -612,7 +615,11 @@ def summarize(plan: Plan) -> str:
         f"EP size    {d['epSize']} ({_count(d['placement']['numExperts'] // d['epSize'], 'expert')} per "
         f"rank), AutoEP {'on' if d['deepspeed'].get('expert_parallel') else 'off'}",
         f"placement  {_strategy_line(plan)}: cross-group {q['crossGroupBytesPerStep'] / 2**20:.1f}"
-        f" MiB/step ({q.get('crossGroupVsContiguous', 1.0):.2f}x contiguous), cross-node "
+        f" MiB/step ({q.get('crossGroupVsContiguous', 1.0):.2f}x contiguous"
+        + (f", ~{q['crossGroupVsContiguousHeldOut']:.2f}x expected on new tokens"
+           if q.get("crossGroupVsContiguousHeldOut", q.get("crossGroupVsContiguous"))
+           != q.get("crossGroupVsContiguous") else "")
+        + "), cross-node "
         f"{q['crossNodeBytesPerStep'] / 2**20:.1f} MiB/step, max/mean load "
         f"{q['maxMeanLoad']:.2f} ({q['basis']} routing"
         + (", LOWER BOUND: top-k > 2 scored without token samples)" if q.get("estimate") == "lowerBound"
