@@ -213,7 +213,7 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
         flat = placement._lpt(load, np.full(32, 2))
         limit = 1.02 * np.bincount(flat, weights=load, minlength=32).max()
         values = []
-        for starts in (1, None):
+        for starts in (1, placement.MAX_STARTS):
             e2r = placement._topology_aware_layer(load, coact, rank_node, rank_group, 2, 0.02,
                                                   np.random.default_rng(0), starts=starts)
             assert np.bincount(e2r, minlength=32).tolist() == [2] * 32

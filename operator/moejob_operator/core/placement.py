@@ -42,9 +42,10 @@ BRUTE_FORCE_LIMIT = 200_000    # candidate assignments per layer
 # calibration on those two recordings, not a per-plan measurement.
 HELDOUT_OPTIMISM = 0.032
 # topology_aware refines from several starts (the flat EPLB packing, then random packings under
-# the load limit) and keeps the best: up to 16 starts at 64 experts, fewer for more experts so the
-# work per layer stays about that of 64 experts (one start from 256 experts on)
-MULTI_START_WORK = 16 * 64 * 64
+# the load limit) and keeps the best: MULTI_START_WORK // (layers x experts) starts, 1..16. A start
+# costs about layers x experts, so a model as large as 64 layers x 256 experts gets the one start
+# the 1 s solve budget allows, 64 x 64 gets 4, a 4-layer 64-expert model 16.
+MULTI_START_WORK = 64 * 256
 MAX_STARTS = 16
 FITTED_STRATEGIES = ("topology_aware", "brute_force")
 
@@ -295,6 +296,7 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
     rank_node, rank_group = _levels(topo, rank2gpu[:P])
     perm = np.empty((L, E), dtype=np.int64)
     assert stats is not None    # without statistics every other strategy fell back above
+    starts = max(1, min(MAX_STARTS, MULTI_START_WORK // (L * E)))
     for layer in range(L):
         load = stats.load[layer].astype(float)
         coact = stats.coact[layer].astype(float) / max(stats.tokens, 1)
@@ -304,29 +306,27 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
             e2r = _hierarchical(load, rank_node, rank_group, n)
         else:
             e2r = _topology_aware_layer(load, coact, rank_node, rank_group, n, tol,
-                                        np.random.default_rng([seed, layer]))
+                                        np.random.default_rng([seed, layer]), starts)
         perm[layer] = _permutation_from_ranks(e2r, P)
     return Placement(strategy, perm, rank2gpu, P, tuple(notes)).validate(topo)
 
 
 def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.ndarray,
                           rank_group: np.ndarray, n: int, tol: float,
-                          rng: np.random.Generator | None = None, starts: int | None = None) -> np.ndarray:
+                          rng: np.random.Generator | None = None, starts: int = 1) -> np.ndarray:
     """Co-activation partitioning under a per-GPU load limit of ``(1 + tol)`` x the flat EPLB
     packing's heaviest GPU. Seeded with that packing (under the limit by construction) and
     improved only by moves that stay under it (``_refine``): the load never needs repairing
     afterwards, so no co-activation is traded away for load. The descent ends in a local optimum
     that depends on its start, so it also starts from ``starts - 1`` random packings under the
     limit (``_random_packing``) and keeps the best objective (ties: the earliest start)."""
-    P, E = len(rank_node), len(load)
+    P = len(rank_node)
     flat = _lpt(load, np.full(P, n))
     limit = (1 + tol) * max(np.bincount(flat, weights=load, minlength=P).max(), load.sum() / P)
     if len(np.unique(rank_group)) == 1:
         return flat
     A = ((rank_node[:, None] == rank_node[None, :]).astype(float)
          + (rank_group[:, None] == rank_group[None, :]))
-    if starts is None:
-        starts = max(1, min(MAX_STARTS, MULTI_START_WORK // (E * E)))
     rng = rng if rng is not None else np.random.default_rng(0)
     best, best_value = None, 0.0
     for i in range(starts):
