@@ -6,11 +6,12 @@ import json
 import numpy as np
 import pytest
 
+from moe_contracts.plan import load_plan
 from moejob_operator.core import models, plan, routing, topology
 from moejob_operator.core.dsconfig import GpuCaps
 from moejob_operator.core.errors import DocumentError
-from moejob_operator.core.plan import check_plan as parse_plan, write_plan
-from moe_contracts.plan import load_plan
+from moejob_operator.core.plan import check_plan as parse_plan
+from moejob_operator.core.plan import write_plan
 
 
 def read_plan(path):
@@ -145,7 +146,7 @@ def test_cpu_mode():
     assert doc["memory"]["gpuMemoryBytes"] == 4 << 30 and doc["memory"]["fits"]
 
 
-@pytest.mark.parametrize("kwargs,match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"ep_size": 3}, r"epSize: 3 does not divide the number of experts 8"),
     ({"strategy": "greedy"}, r"strategy: 'greedy' is not one of"),
     ({"gpus_per_node": 8}, r"gpusPerNode: 8 requested but node 'ws-a6000' has 4 GPU\(s\)"),
@@ -191,7 +192,7 @@ def _mutated(doc, path, value):
     return out
 
 
-@pytest.mark.parametrize("path,value,match", [
+@pytest.mark.parametrize(("path", "value", "match"), [
     (("kind",), "Plan", r"MoEPlan kind: 'Plan' is not 'MoEPlan'"),
     (("version",), 2, r"MoEPlan version: 2 is not a known version"),
     (("ranks", 1, "gpu"), 0, r"ranks\[1\]\.gpu: ws-a6000:0 is already used by rank 0"),

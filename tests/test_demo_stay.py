@@ -1,5 +1,5 @@
-"""``scripts/dev.sh demo --stay`` as a newcomer uses it: the demo job succeeds, the cluster stays up,
-the README's "second shell" lines work through the env script the demo wrote, the paths it
+"""``scripts/dev.sh demo --stay`` as a newcomer uses it: the demo job succeeds, the cluster stays
+up, the README's "second shell" lines work through the env script the demo wrote, the paths it
 printed exist, and ``scripts/dev.sh down`` stops it with nothing left running.
 
 The README block between ``<!-- demo-stay -->`` and the end of its code fence is what runs here,
@@ -42,7 +42,8 @@ def readme_lines() -> tuple[list[str], str]:
 
 
 def _descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every process below ``pid`` (the start time tells a reused pid apart)."""
+    """pid -> start time of every process below ``pid`` (the start time tells a reused pid
+    apart)."""
     children: dict[int, list[int]] = {}
     starts: dict[int, str] = {}
     for entry in os.scandir("/proc"):

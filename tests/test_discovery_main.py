@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -105,8 +106,8 @@ def test_configmap_without_namespace_outside_pod_is_usage_error(monkeypatch, cap
 class _FakeApi(BaseHTTPRequestHandler):
     """Answers POST configmaps with 201 or 409 (exists) and PUT with 200; records requests."""
 
-    existing: set[str] = set()
-    requests: list[tuple[str, str, dict, str | None]] = []
+    existing: ClassVar[set[str]] = set()
+    requests: ClassVar[list[tuple[str, str, dict, str | None]]] = []
     fail_with: int | None = None
     drop: int = 0   # close this many connections without an answer (as a refusing server may)
 
@@ -123,7 +124,7 @@ class _FakeApi(BaseHTTPRequestHandler):
         if type(self).drop:
             type(self).drop -= 1
             self.close_connection = True
-            return
+            return None
         type(self).requests.append((self.command, self.path, body,
                                     self.headers.get("Authorization")))
         if type(self).fail_with:
@@ -138,7 +139,7 @@ class _FakeApi(BaseHTTPRequestHandler):
             return self._reply(201, body)
         return self._reply(200, body)
 
-    do_POST = do_PUT = _handle
+    do_POST = do_PUT = _handle  # noqa: N815 - http.server's handler names
 
     def log_message(self, *args) -> None:   # keep test output clean
         pass

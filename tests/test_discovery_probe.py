@@ -13,11 +13,11 @@ import pynvml
 import pytest
 
 import moe_fake_nvml as fake_nvml
+from moe_contracts.topology import parse_topology
 from moe_fake_nvml import FakeNvml, load_recording
 from moe_trainer.discovery import nvml_probe
 from moe_trainer.discovery.nvml_probe import DiscoveryError, parse_bus_id, pci_address, probe
 from moejob_operator.core.errors import DocumentError
-from moe_contracts.topology import parse_topology
 from moejob_operator.core.topology import FIXTURE_DIR, nvlink_groups
 
 REAL_DIR = Path(__file__).parent / "fixtures" / "topology"
@@ -30,7 +30,7 @@ GROUPS = {
     "pcie-bridged-pairs-4": [[0, 1], [2, 3]], "pcie-only-4": [[0], [1], [2], [3]],
     "single-h200": [[0]],
 }
-NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
 
 
 def run_probe(recording: dict, fixture: str = "test") -> dict:
@@ -76,7 +76,7 @@ def test_old_driver_without_remote_type_tells_switch_from_gpu_by_pci_id():
     # NVSwitch box: remote PCI ids are no GPU of this node -> switch.
     recording, _ = load_recording("nvswitch-a100-8")
     for gpu in recording["gpus"]:
-        for key, link in gpu["nvlinks"].items():
+        for link in gpu["nvlinks"].values():
             if isinstance(link, dict):
                 link["nvmlDeviceGetNvLinkRemoteDeviceType"] = {"error": "FunctionNotFound"}
     assert without_node_time(run_probe(recording, "nvswitch-a100-8")) == \
@@ -224,7 +224,7 @@ def test_fake_raises_real_pynvml_error_classes():
 
 
 def test_bad_recordings_are_refused_with_the_reason(tmp_path):
-    with pytest.raises(fake_nvml.RecordingError, match="no fake-NVML recording 'nope'; known fixtures: .*single-h200"):
+    with pytest.raises(fake_nvml.RecordingError, match=r"no fake-NVML recording 'nope'; known fixtures: .*single-h200"):
         load_recording("nope")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kind": "TopologyReport", "version": 1, "gpus": []}))

@@ -7,7 +7,8 @@ release would be (tests/smoke_faults: its ZeRO config no longer accepts `stage3_
 a key the planner emits); for `real-smoke` the real passing `moe-smoke --cpu`; otherwise it waits
 until the test creates a release file, then prints a passing SmokeVerdict we control for the
 mounted plans' cases (the concurrency and caching tests are about the gate, not about DeepSpeed,
-and hold the smoke test open for as long as they need, however slow the machine). The jobs are created with
+and hold the smoke test open for as long as they need, however slow the machine). The jobs are
+created with
 `runPolicy.suspend: true`, so passing the gate launches no trainer processes.
 """
 
@@ -19,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from moe_contracts import gate as contract_gate
+from moe_contracts.gate import parse_gate_verdict
 from moe_localkube.testing import unique_name
 from moe_trainer import smoke
 from moejob_operator import constants as C
-from moe_contracts.gate import parse_gate_verdict
-from moe_contracts import gate as contract_gate
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
 from operator_harness import (
@@ -44,7 +45,8 @@ import json, os, subprocess, sys, time
 image = os.environ.get("MOE_GATE_IMAGE", "")
 plans = "/etc/moe-smoke/plans.json"
 real = ["moe-smoke", "--cpu", "--plans", plans, "--workdir", "/var/tmp/moe-smoke/work"]
-env = dict(os.environ, PYTHONPATH=TRAINER)       # the trainer code under test (pods get no PYTHONPATH)
+# the trainer code under test (pods get no PYTHONPATH)
+env = dict(os.environ, PYTHONPATH=TRAINER)
 if "broken-ds" in image:
     env.update(SMOKE_FAULT="drop-planner-key", PYTHONPATH=os.pathsep.join([FAULTS, TRAINER]))
     sys.exit(subprocess.call(real, env=env))
@@ -54,9 +56,11 @@ deadline = time.monotonic() + 600    # passes once the test says so (the release
 while not os.path.exists(RELEASE) and time.monotonic() < deadline:
     time.sleep(0.2)
 cases = [c["name"] for c in json.load(open(plans))["cases"]]
-pairs = ([("imports", None)] + [(n, c) for c in cases for n in ("initialize", "partition", "permutation",
-         "numerics", "train", "checkpoint")] + [("resume", c) for c in cases] + [("fused_adam", None)])
-checks = [{"name": n, "case": c, "passed": True, "seconds": 0.1, "message": "stand-in"} for n, c in pairs]
+phase1 = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
+pairs = ([("imports", None)] + [(n, c) for c in cases for n in phase1]
+         + [("resume", c) for c in cases] + [("fused_adam", None)])
+checks = [{"name": n, "case": c, "passed": True, "seconds": 0.1, "message": "stand-in"}
+          for n, c in pairs]
 v = {"kind": "SmokeVerdict", "version": 2, "passed": True, "failedCheck": None, "failedCase": None,
      "cases": cases, "checks": checks, "exception": None,
      "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0", "cuda": None},
@@ -86,7 +90,8 @@ def gate_job(name: str, image: str, tmp_path) -> dict:
 
 def smoke_jobs(kube, ns: str, key: str | None = None) -> list:
     """Smoke Jobs in the gate namespace; with ``key`` only that identity's (this operator also
-    reconciles jobs left in other tests' namespaces while those terminate, and gates their images)."""
+    reconciles jobs left in other tests' namespaces while those terminate, and gates their
+    images)."""
     jobs = kube.batch.list_namespaced_job(ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
     return [j for j in jobs if key is None or j.metadata.name.startswith(f"moe-smoke-{key}-")]
 

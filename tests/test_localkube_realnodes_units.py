@@ -26,7 +26,7 @@ class _FakeDNS(clusterdns.ClusterDNS):
 
 
 def _answers(reply: bytes) -> tuple[int, list[str]]:
-    qid, flags, _qd, an, _ns, _ar = struct.unpack("!HHHHHH", reply[:12])
+    _qid, flags, _qd, an, _ns, _ar = struct.unpack("!HHHHHH", reply[:12])
     ips = [socket.inet_ntoa(reply[i + 12:i + 16]) for i in range(len(reply) - 16 * an, len(reply), 16)] if an else []
     return flags & 0xF, ips
 
@@ -60,9 +60,9 @@ def test_pause_image_archive(tmp_path):
         assert manifest["RepoTags"] == ["localhost/p:1"]
         config = json.loads(tar.extractfile(manifest["Config"]).read())
         assert config["config"]["Entrypoint"] == ["/pause"] and config["config"]["User"] == "65535:65535"
-        layer = tarfile.open(fileobj=io.BytesIO(tar.extractfile(manifest["Layers"][0]).read()))
-        member = layer.getmember("pause")
-        assert member.mode == 0o755 and layer.extractfile(member).read() == b"\x7fELF fake pause"
+        with tarfile.open(fileobj=io.BytesIO(tar.extractfile(manifest["Layers"][0]).read())) as layer:
+            member = layer.getmember("pause")
+            assert member.mode == 0o755 and layer.extractfile(member).read() == b"\x7fELF fake pause"
 
 
 def test_image_keys_follow_what_the_dockerfile_copies(tmp_path):

@@ -46,7 +46,8 @@ try:
 except OSError as exc:
     ro = exc.errno == 30     # EROFS
 print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "readOnlyRoot": ro,
-                  "noNewPrivs": int(st["NoNewPrivs"].strip()), "capEff": int(st["CapEff"].strip(), 16),
+                  "noNewPrivs": int(st["NoNewPrivs"].strip()),
+                  "capEff": int(st["CapEff"].strip(), 16),
                   "seccomp": int(st["Seccomp"].strip())}))
 """
 
@@ -121,7 +122,8 @@ class Cli:
 
 
 def _security_facts(cli: Cli, ns: str, pod: str, container: str) -> dict:
-    """Run PROBE inside the running container (kubectl exec: API server -> kubelet -> containerd)."""
+    """Run PROBE inside the running container (kubectl exec: API server -> kubelet ->
+    containerd)."""
     out = cli.run("kubectl", "exec", "-n", ns, pod, "-c", container, "--", "python3", "-c", PROBE,
                   timeout=60).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Checkpoint bookkeeping: latest step, fault-injection hook (once per checkpoint dir), RNG state."""
+"""Checkpoint bookkeeping: latest step, fault-injection hook (once per checkpoint dir), RNG."""
 
 import random
 

@@ -120,7 +120,7 @@ class ChildWatch:
                 if etype in ("ADDED", "MODIFIED", "DELETED"):
                     try:
                         self.handler(etype, obj)
-                    except Exception:
+                    except Exception:  # one bad event must not end the watch
                         log.exception("watch %s: handler failed on %s", self.kind, etype)
             return version
         finally:

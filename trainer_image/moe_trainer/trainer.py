@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
-
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
 from moe_trainer import models, perf, routing
@@ -57,7 +57,8 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 def deepspeed_config(plan: MoEPlan) -> dict:
-    """The plan's DeepSpeed config, with batch sizes and clipping filled in where it leaves them out."""
+    """The plan's DeepSpeed config, with batch sizes and clipping filled in where it leaves them
+    out."""
     cfg = dict(plan.deepspeed)
     t = plan.training
     cfg.setdefault("train_micro_batch_size_per_gpu", t.micro_batch)
@@ -106,7 +107,7 @@ class Trainer:
         if p.placement is not None:
             if (p.placement.num_layers, p.placement.num_experts) != (n_layers, self.num_experts):
                 raise models.ModelError(
-                    f"placement: plan says {p.placement.num_layers} layers x {p.placement.num_experts} experts, "
+                    f"placement: plan says {p.placement.num_layers} layers x " f"{p.placement.num_experts} experts, "
                     f"the model has {n_layers} x {self.num_experts}")
             models.permute_experts(model, p.placement.permutation)
             self.permutation = [list(r) for r in p.placement.permutation]
@@ -256,7 +257,8 @@ class Trainer:
 
     # ---- reports -----------------------------------------------------------------------------
     def routing_doc(self, merged: dict | None = None) -> dict:
-        """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token sample."""
+        """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token
+        sample."""
         load, coact = routing.to_original_ids(self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(),
                                               self.permutation)
         samples = None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
@@ -264,7 +266,8 @@ class Trainer:
                                          self.model_name, samples=samples)
 
     def write_routing(self, merged: dict | None = None) -> None:
-        """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next plan.
+        """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next
+        plan.
         Collective (every rank calls it: the token sample is merged over ranks)."""
         if self._routing_written_step == self.acc.steps:
             return
@@ -281,7 +284,8 @@ class Trainer:
             self.routing_publisher.publish(doc, self.acc.steps, path)
 
     def routing_status(self) -> dict | None:
-        """The progress document's `routingStats` section (None without a ConfigMap to publish to)."""
+        """The progress document's `routingStats` section (None without a ConfigMap to publish
+        to)."""
         return None if self.routing_publisher is None else self.routing_publisher.status
 
     def save(self, step: int) -> None:
@@ -345,7 +349,8 @@ class Trainer:
             lm, aux, load, coact, maxlog = self.train_step(step)
             dt = time.perf_counter() - t0
             comm = self.timer.take()
-            # One all-reduce for counts + loss, one for the logit max, one all-gather for step times.
+            # One all-reduce for counts + loss, one for the logit max, one all-gather for step
+            # times.
             flat = torch.cat([load.reshape(-1), coact.reshape(-1),
                               torch.tensor([lm], dtype=torch.float64, device=env.device)])
             dist.all_reduce(flat)
@@ -433,7 +438,7 @@ class Trainer:
         try:
             from moe_trainer.heatmap import save_heatmap
             save_heatmap(self.routing_doc(), Path(self.ckpt_dir) / "expert_load.png")
-        except Exception as exc:   # a missing plot never fails a finished run
+        except Exception as exc:  # noqa: BLE001 - a missing plot never fails a finished run
             log.warning("heatmap not written: %s", exc)
 
     def close(self) -> None:

@@ -180,7 +180,7 @@ class BuildReport:
 # ---------------------------------------------------------------- wheelhouse server
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
+    def log_message(self, *args):  # silence per-request logging
         pass
 
 

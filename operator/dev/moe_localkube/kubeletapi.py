@@ -35,7 +35,7 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:  # quiet
         pass
 
-    def do_GET(self) -> None:
+    def do_GET(self) -> None:  # http.server's naming
         url = urlparse(self.path)
         parts = [unquote(p) for p in url.path.strip("/").split("/")]
         if parts == ["healthz"]:

@@ -243,7 +243,7 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-        except Exception as exc:
+        except Exception as exc:  # the pod shows it; the agent keeps going
             log.exception("pod %s/%s: node agent error", self.ns, self.pod_name)
             self._kill_all(1.0)
             self.phase, self.reason, self.message = "Failed", "NodeAgentError", str(exc)[:MAX_MESSAGE]

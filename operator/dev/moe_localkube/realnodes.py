@@ -23,8 +23,8 @@ Layout (docs/localkube.md, "Real nodes"):
   patched into the node status) and a containerd base runtime spec that gives every container
   the fake driver, as the NVIDIA container runtime injects the real one: the dev package's
   ``moe_fake_nvml`` (not in the images) mounted read-only and on ``PYTHONPATH``, and
-  ``MOE_FAKE_NVML_FIXTURE``, so ``moe-discover`` reports the recorded topology. ``fixture=None`` gives a
-  plain CPU node.
+  ``MOE_FAKE_NVML_FIXTURE``, so ``moe-discover`` reports the recorded topology.
+  ``fixture=None`` gives a plain CPU node.
 - **Host state** changed on start and restored on stop: the bridge, the iptables rules (each
   tagged with a comment naming this cluster), the cgroup roots, the sysctls the kubelet sets at
   start (``vm.overcommit_memory``, ``kernel.panic``, ...: saved by the first cluster of this

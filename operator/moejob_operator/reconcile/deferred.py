@@ -75,7 +75,7 @@ class YieldingQueue:
                         break
                     time.sleep(min(wait, 0.05))
                 self._run(item)
-            except Exception:
+            except Exception:  # one item must not stop the queue
                 log.exception("%s: deferred work failed", self.name)
             finally:
                 self._q.task_done()

@@ -16,20 +16,30 @@ import copy
 import datetime as dt
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import urllib3
 from kubernetes.client.rest import ApiException
+
 from moe_contracts.errors import DocumentError
 from moe_contracts.progress import parse_progress
 
-from .. import admission
+from .. import admission, metrics
 from .. import constants as C
-from .. import metrics
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
-from ..status import TRUE, FALSE, UNKNOWN, event_type_for, now_iso, parse_time, phase_of, set_condition
+from ..status import (
+    FALSE,
+    TRUE,
+    UNKNOWN,
+    event_type_for,
+    now_iso,
+    parse_time,
+    phase_of,
+    set_condition,
+)
 from . import gate, machine, planning, topology
 from .client import Client, NotReady, Rejected, exceeded_quota, server_message
 from .outcome import NotYet, Refused
@@ -153,14 +163,14 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.forget_job(namespace, name)
             return None
-        p = Pass(client, body, now or dt.datetime.now(dt.timezone.utc))
+        p = Pass(client, body, now or dt.datetime.now(dt.UTC))
         done = False
         try:
             try:
                 delay = _run(p)
             except Rejected as exc:
                 delay = _rejected(p, exc)
-            except Exception as exc:  # noqa: BLE001 - reported on the job, retried with backoff
+            except Exception as exc:  # reported on the job, retried with backoff
                 if backoff is None:
                     raise
                 delay = _pass_error(p, exc, backoff())
@@ -454,7 +464,7 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
     pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
     follows the pods (_complete_launch)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
-    created = p.client.create_all(plan_cm + [rbac.service_account(p.job)])
+    created = p.client.create_all([*plan_cm, rbac.service_account(p.job)])
     if plan_cm:
         _plan_written(p, created[0])
     # a hash, not a copy: status stays small whatever the spec holds (the plan ConfigMap keeps

@@ -127,7 +127,7 @@ def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | No
     except DocumentError as exc:
         raise SpecError("spec.placement.routingStatsFrom", f"ConfigMap {where}: {exc}") from None
     if stats is None:
-        raise _no_stats_yet(client, job, src, now or dt.datetime.now(dt.timezone.utc))
+        raise _no_stats_yet(client, job, src, now or dt.datetime.now(dt.UTC))
     return stats
 
 
@@ -142,7 +142,7 @@ def _cond(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
 def _age(stamp: str | None, now: dt.datetime) -> float:
     if not stamp:
         return 0.0
-    t = dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    t = dt.datetime.fromisoformat(stamp)
     return (now - t).total_seconds()
 
 
@@ -199,7 +199,8 @@ def _no_stats_yet(client, job: JobRef, src, now: dt.datetime) -> Exception:
 
 
 def stats_source(spec: JobSpec, stats) -> dict[str, Any] | None:
-    """``placement.routingStatsFrom`` of the plan: where the statistics came from (a note for people)."""
+    """``placement.routingStatsFrom`` of the plan: where the statistics came from (a note for
+    people)."""
     src = spec.placement.routing_stats_from
     if src is None or stats is None:
         return None
