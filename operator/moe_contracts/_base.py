@@ -7,7 +7,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Strict, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .errors import from_validation_error
+from .errors import check_kind_version, from_validation_error, loads_document
 
 # Strict scalars: a JSON bool is not a number, a string is not a number (pydantic's lax mode would
 # take "2" and true); a float field still takes an integer (JSON writes 1.0 as 1 at times).
@@ -35,3 +35,13 @@ def validate(document: str, model: type[M], obj: Any) -> M:
         return model.model_validate(obj)
     except ValidationError as exc:
         raise from_validation_error(document, exc) from None
+
+
+def read_document(
+    kind: str, versions: tuple[int, ...], model: type[M], text: str | bytes | dict[str, Any]
+) -> tuple[dict[str, Any], M]:
+    """JSON text (or an already decoded object) of document ``kind`` -> (the document, its model):
+    kind and version checked first, then the model; raises DocumentError naming the field."""
+    doc = text if isinstance(text, dict) else loads_document(kind, text)
+    check_kind_version(kind, doc, versions)
+    return doc, validate(kind, model, doc)

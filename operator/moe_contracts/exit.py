@@ -11,8 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ._base import Doc, Int, Str, validate
-from .errors import check_kind_version, loads_document
+from ._base import Doc, Int, Str, read_document
 
 EXIT_KIND, EXIT_VERSION = "TrainerExit", 1
 TERMINATION_LIMIT = 4096  # bytes the kubelet keeps of a termination message
@@ -59,7 +58,4 @@ def exit_doc(cause: str, code: int, message: str, *, rank: int | None = None) ->
 
 def parse_trainer_exit(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """A TrainerExit v1 (JSON text or decoded); returns the document, raises DocumentError."""
-    doc = text if isinstance(text, dict) else loads_document(EXIT_KIND, text)
-    check_kind_version(EXIT_KIND, doc, (EXIT_VERSION,))
-    validate(EXIT_KIND, TrainerExit, doc)
-    return doc
+    return read_document(EXIT_KIND, (EXIT_VERSION,), TrainerExit, text)[0]

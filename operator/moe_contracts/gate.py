@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ._base import Bool, Doc, Float, Int, Str, validate
-from .errors import DocumentError, check_kind_version, loads_document
+from ._base import Bool, Doc, Float, Int, Str, read_document, validate
+from .errors import DocumentError, check_kind_version
 from .plan import PlanError, parse_plan
 
 SMOKE_PLANS_KIND, SMOKE_PLANS_VERSION = "SmokePlans", 1
@@ -104,10 +104,7 @@ class SmokeVerdict(Doc):
 
 def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """Check a SmokeVerdict v2 (JSON text or decoded); returns it. Raises DocumentError."""
-    doc = text if isinstance(text, dict) else loads_document(SMOKE_KIND, text)
-    check_kind_version(SMOKE_KIND, doc, (SMOKE_VERSION,))
-    validate(SMOKE_KIND, SmokeVerdict, doc)
-    return doc
+    return read_document(SMOKE_KIND, (SMOKE_VERSION,), SmokeVerdict, text)[0]
 
 
 # ---- GateVerdict v1 -----------------------------------------------------------------------------
@@ -137,7 +134,4 @@ class GateVerdict(Doc):
 
 def parse_gate_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """Check a GateVerdict v1 read back from the store; returns it. Raises DocumentError."""
-    doc = text if isinstance(text, dict) else loads_document(VERDICT_KIND, text)
-    check_kind_version(VERDICT_KIND, doc, (VERDICT_VERSION,))
-    validate(VERDICT_KIND, GateVerdict, doc)
-    return doc
+    return read_document(VERDICT_KIND, (VERDICT_VERSION,), GateVerdict, text)[0]

@@ -288,24 +288,16 @@ class MoEPlan(Doc):
                 f"deepspeed.train_batch_size: {ds['train_batch_size']} != {micro} x {accum} x "
                 f"worldSize {world}"
             )
-        if (
-            micro is not None
-            and "micro_batch" in self.training.model_fields_set
-            and tr.micro_batch != micro
+        # training's batch fields, when given, must agree with what DeepSpeed runs
+        for name, field, ds_key, ds_value in (
+            ("microBatch", "micro_batch", "train_micro_batch_size_per_gpu", micro),
+            ("gradAccum", "grad_accum", "gradient_accumulation_steps", accum),
         ):
-            raise ValueError(
-                f"training.microBatch: {tr.micro_batch} differs from deepspeed "
-                f"train_micro_batch_size_per_gpu {micro}"
-            )
-        if (
-            accum is not None
-            and "grad_accum" in self.training.model_fields_set
-            and tr.grad_accum != accum
-        ):
-            raise ValueError(
-                f"training.gradAccum: {tr.grad_accum} differs from deepspeed "
-                f"gradient_accumulation_steps {accum}"
-            )
+            ours = getattr(tr, field)
+            if ds_value is not None and field in tr.model_fields_set and ours != ds_value:
+                raise ValueError(
+                    f"training.{name}: {ours} differs from deepspeed {ds_key} {ds_value}"
+                )
         if tr.data.kind in ("text", "tokens") and not tr.data.path:
             raise ValueError(f"training.data.path: required when data.kind is {tr.data.kind!r}")
         if tr.moe_impl == "grouped" and ep_cfg.get("enabled"):

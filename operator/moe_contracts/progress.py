@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ._base import Doc, Float, Int, Str, validate
-from .errors import check_kind_version, loads_document
+from ._base import Doc, Float, Int, Str, read_document
 
 PROGRESS_KIND, PROGRESS_VERSION = "TrainerProgress", 1
 PHASES = ("Starting", "Training", "Checkpointing", "Finished", "Failed")
@@ -56,9 +55,7 @@ class TrainerProgress(Doc):
 
 def parse_progress(text: str | bytes | dict[str, Any]) -> TrainerProgress:
     """A TrainerProgress v1 (JSON text or decoded); raises DocumentError naming the field."""
-    doc = text if isinstance(text, dict) else loads_document(PROGRESS_KIND, text)
-    check_kind_version(PROGRESS_KIND, doc, (PROGRESS_VERSION,))
-    return validate(PROGRESS_KIND, TrainerProgress, doc)
+    return read_document(PROGRESS_KIND, (PROGRESS_VERSION,), TrainerProgress, text)[1]
 
 
 def now_iso() -> str:
