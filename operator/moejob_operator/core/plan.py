@@ -14,7 +14,7 @@ The document's one reader is :mod:`moe_contracts.plan` (the trainer reads plans 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -400,9 +400,9 @@ def _deepspeed(req: PlanRequest, world: int, ep: int, caps: GpuCaps) -> _DeepSpe
             has_optimizer="optimizer" in overrides, zero_stage=user_zero.get("stage", 3),
             user_perf=req.training.extra.get("performance"), user_zero=user_zero)
         autoep = choice.autoep
-    ds = _DeepSpeed({}, [], choice, req, world, ep, caps, autoep)
-    config, warnings = ds.render(req.micro_batch)
-    return _DeepSpeed(config, warnings, choice, req, world, ep, caps, autoep)
+    unrendered = _DeepSpeed({}, [], choice, req, world, ep, caps, autoep)
+    config, warnings = unrendered.render(req.micro_batch)
+    return replace(unrendered, config=config, warnings=warnings)
 
 
 def _dispatcher(req: PlanRequest, ds: dict[str, Any], ep: int) -> str:
