@@ -1,13 +1,14 @@
 """How far can *any* placement go? A proven lower bound on cross-group sends vs ``contiguous``.
 
+    R=benchmarks/results/routing_stats_real_text_e64
     .venv/bin/python benchmarks/placement_bound.py \
-        benchmarks/results/routing_stats_real_text_e64_top8_fit.json:benchmarks/results/routing_stats_real_text_e64_top8_test.json \
-        benchmarks/results/routing_stats_real_text_e64_top2_fit.json:benchmarks/results/routing_stats_real_text_e64_top2_test.json
+        ${R}_top8_fit.json:${R}_top8_test.json ${R}_top2_fit.json:${R}_top2_test.json
 
 Cost model (the held-out evaluation's, docs/placement.md): EP spans all GPUs, a token is sent once
 to every *remote* NVLink group holding one of its experts. With tokens starting evenly on the
 ``G`` groups of the EP group, a token whose experts lie in ``lam`` distinct groups costs
-``lam (G - 1) / G`` sends on average, so the ratio to ``contiguous`` is ``sum lam / sum lam_contiguous``
+``lam (G - 1) / G`` sends on average, so the ratio to ``contiguous`` is ``sum lam / sum
+lam_contiguous``
 over the sampled tokens of every layer (the benchmark's fixed ``t % W`` origins differ from this
 average only by sampling noise; both figures are written).
 
@@ -18,7 +19,8 @@ programme of the partitioning polytope: ``0 <= y <= 1``, ``sum_b y_ab = m - 1`` 
 experts), the triangle inequalities ``y_ab + y_bc - y_ac <= 1`` and, for two groups,
 ``y_ab + y_bc + y_ac >= 1`` (two of any three experts share a group). Triangles are added as cuts
 (the most violated, until none is). Every placement is a feasible point, and every LP solved on the
-way (with a subset of the cuts) is a relaxation, so ``max sum c`` of the LP bounds what any placement
+way (with a subset of the cuts) is a relaxation, so ``max sum c`` of the LP bounds what any
+placement
 keeps together: ``sum lam >= sum (2 - c*)``, a lower bound on the ratio, **with no load limit at
 all** (a load limit only raises the optimum). Solved per layer with HiGHS (scipy.optimize.linprog).
 
@@ -34,19 +36,19 @@ import os
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
-import scipy.sparse as sp  # noqa: E402
-from scipy.optimize import linprog  # noqa: E402
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linprog
 
-from moejob_operator.core.cost import score  # noqa: E402
-from moejob_operator.core.placement import solve  # noqa: E402
-from moe_contracts.routing import read_routing_stats  # noqa: E402
-from moejob_operator.core.topology import ClusterTopology  # noqa: E402
+from moe_contracts.routing import read_routing_stats
+from moejob_operator.core.cost import score
+from moejob_operator.core.placement import solve
+from moejob_operator.core.topology import ClusterTopology
 
 # the held-out evaluation's cases whose goal (<= 0.70x contiguous) was missed; (name, topology, EP)
 CASES = (("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
@@ -105,7 +107,7 @@ def together_bound(token_experts: np.ndarray, num_experts: int, group_experts: i
     t0 = time.process_time()
     best = float(total)
     rounds, converged = 0, False
-    for rounds in range(1, max_rounds + 1):
+    for rounds in range(1, max_rounds + 1):  # noqa: B007 - the count is reported after the loop
         if cuts:
             ids = np.array([c[0] for c in cuts])
             co = np.array([c[1] for c in cuts])
@@ -204,13 +206,13 @@ def bound_case(stats, name: str, topo_kw: dict, ep: int, label: str) -> dict:
 
 def markdown(result: dict) -> str:
     out = ["# Lower bound on cross-group sends vs contiguous (any placement, no load limit)", "",
-           "| window | top-k | case | lower bound (any placement) | topology_aware (same window) "
-           "| topology_aware, t % W origins | LP converged | goal <= 0.70 reachable |",
+           ("| window | top-k | case | lower bound (any placement) | topology_aware (same window) "
+           "| topology_aware, t % W origins | LP converged | goal <= 0.70 reachable |"),
            "|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        out.append(f"| {r['window']} | {r['topK']} | {r['case']} | {r['lowerBoundVsContiguous']:.3f} | "
-                   f"{r['topologyAwareVsContiguous']:.3f} | {r['topologyAwareVsContiguousExactOrigins']:.3f} | "
-                   f"{'yes' if r['converged'] else 'no'} | {'yes' if r['goalReachable'] else 'NO'} |")
+    out.extend(f"| {r['window']} | {r['topK']} | {r['case']} | {r['lowerBoundVsContiguous']:.3f} | "
+               f"{r['topologyAwareVsContiguous']:.3f} | {r['topologyAwareVsContiguousExactOrigins']:.3f} " "| "
+               f"{'yes' if r['converged'] else 'no'} | {'yes' if r['goalReachable'] else 'NO'} |"
+               for r in result["rows"])
     return "\n".join(out) + "\n"
 
 
@@ -221,7 +223,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for pair in args.pairs:
-        for label, path in zip(("fit", "test"), pair.split(":")):
+        for label, path in zip(("fit", "test"), pair.split(":"), strict=True):
             stats = read_routing_stats(path)
             if stats.token_experts is None:
                 raise SystemExit(f"{path}: needs tokenSamples (RoutingStats v2)")

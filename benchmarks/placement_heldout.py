@@ -1,8 +1,8 @@
 """Held-out placement evaluation on routing the trainer recorded on real text.
 
+    R=benchmarks/results/routing_stats_real_text_e64
     .venv/bin/python benchmarks/placement_heldout.py \
-        benchmarks/results/routing_stats_real_text_e64_top8_fit.json:benchmarks/results/routing_stats_real_text_e64_top8_test.json \
-        benchmarks/results/routing_stats_real_text_e64_top2_fit.json:benchmarks/results/routing_stats_real_text_e64_top2_test.json
+        ${R}_top8_fit.json:${R}_top8_test.json ${R}_top2_fit.json:${R}_top2_test.json
 
 Each pair is two disjoint windows of one training run (``moe_trainer.record_routing --test-out``).
 Every solver places on the *fit* window; placements are scored on the *test* window's token
@@ -91,15 +91,15 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
 
 def markdown(result: dict) -> str:
     out = ["# Held-out placement evaluation (fit on one window, scored on the next)", "",
-           ("| routing (fit -> test) | case | strategy | measured vs contiguous | in sample | predicted "
+           ("| routing (fit -> test) | case | strategy | measured vs contiguous | in sample | " "predicted "
             "| error | pair bound | load vs balanced | worst-layer load fit -> test | solve s |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        out.append(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
-                   f"{r['inSampleVsContiguous']:.3f} | {r['predictedVsContiguous']:.3f} | "
-                   f"{r['predictionError']:+.1%} | "
-                   f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
-                   f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} | {r['solveSeconds']:.2f} |")
+    out.extend(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
+               f"{r['inSampleVsContiguous']:.3f} | {r['predictedVsContiguous']:.3f} | "
+               f"{r['predictionError']:+.1%} | "
+               f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
+               f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} | {r['solveSeconds']:.2f} |"
+               for r in result["rows"])
     out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
     out += [f"- {v}" for v in result["verdicts"]]
     return "\n".join(out) + "\n"
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
                         f"({'ok' if ok[2] else 'MISS'})")
     fitted = [r for r in rows if r["strategy"] in FITTED_STRATEGIES]
     optimism = sum(r["optimism"] for r in fitted) / len(fitted)
-    verdicts.append(f"fitted strategies: in sample / held out optimism {min(r['optimism'] for r in fitted):+.1%} "
+    verdicts.append("fitted strategies: in sample / held out optimism " f"{min(r['optimism'] for r in fitted):+.1%} "
                     f"to {max(r['optimism'] for r in fitted):+.1%}, mean {optimism:+.1%} "
                     f"(placement.HELDOUT_OPTIMISM must match it)")
     cross = []

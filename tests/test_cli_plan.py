@@ -5,10 +5,10 @@ import re
 
 import pytest
 
-from moejob_operator import cli
-from moejob_operator.core import models, routing
 from moe_contracts.plan import load_plan
 from moe_contracts.routing import write_routing_stats
+from moejob_operator import cli
+from moejob_operator.core import models, routing
 
 
 def read_plan(path):
@@ -65,7 +65,7 @@ def test_plan_cpu_mode(capsys, tmp_path):
     assert doc["device"] == "cpu" and doc["distBackend"] == "gloo" and doc["worldSize"] == 2
 
 
-@pytest.mark.parametrize("argv,match", [
+@pytest.mark.parametrize(("argv", "match"), [
     (["plan", "--topology", "nvswitch-h200-8", "--model", "mixtral-9x9b"], r"neither a known preset \(mixtral-8x7b"),
     (["plan", "--topology", "no-such-machine", "--model", "tiny-mixtral"], "no such file or fixture"),
     (["plan", "--model", "tiny-mixtral"], "--topology is required"),

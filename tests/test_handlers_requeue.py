@@ -13,7 +13,8 @@ from moejob_operator.workqueue import ERROR_RETRY_SECONDS, Requeue
 
 
 class Recorder:
-    """Records each pass (seconds since it was made, key); ``hold``: an Event every pass waits for."""
+    """Records each pass (seconds since it was made, key); ``hold``: an Event every pass waits
+    for."""
 
     def __init__(self, hold: threading.Event | None = None):
         self.calls: list[tuple[float, tuple[str, str]]] = []
@@ -61,7 +62,7 @@ def test_delay_is_honoured_and_earliest_entry_wins(rq):
     r.after(("ns", "a"), 5.0)          # later: ignored, the 0.3 s entry stays
     r.after(("ns", "b"), 0.0)
     assert wait(lambda: len(rec.calls) == 2)
-    (tb, kb), (ta, ka) = rec.calls
+    (_tb, kb), (ta, ka) = rec.calls
     assert (kb, ka) == (("ns", "b"), ("ns", "a"))
     assert ta >= t_a + 0.3              # not before its delay (how much later depends on the load)
     time.sleep(0.3)
@@ -144,4 +145,4 @@ def test_jobs_remembered_while_the_resync_iterates(rq):
     finally:
         sys.setswitchinterval(old_interval)
     r.after(("ns", "late"), 0.0)
-    assert wait(lambda: ("ns", "late") in rec.keys())
+    assert wait(lambda: ("ns", "late") in rec.keys())  # noqa: SIM118 - Recorder is no mapping

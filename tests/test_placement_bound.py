@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from placement_bound import connectivity, together_bound  # noqa: E402
+from placement_bound import connectivity, together_bound
 
 
 def _partitions(E, m):
@@ -25,7 +25,7 @@ def _partitions(E, m):
     yield from rec(list(range(E)), 0, np.zeros(E, dtype=np.int64))
 
 
-@pytest.mark.parametrize("top_k, m, seed", [(2, 2, 0), (2, 4, 1), (3, 4, 2), (4, 4, 3)])
+@pytest.mark.parametrize(("top_k", "m", "seed"), [(2, 2, 0), (2, 4, 1), (3, 4, 2), (4, 4, 3)])
 def test_bound_holds_against_every_placement(top_k, m, seed):
     E, G = 8, 8 // m
     rng = np.random.default_rng(seed)

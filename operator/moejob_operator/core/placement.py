@@ -328,19 +328,21 @@ def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.nda
     A = ((rank_node[:, None] == rank_node[None, :]).astype(float)
          + (rank_group[:, None] == rank_group[None, :]))
     rng = rng if rng is not None else np.random.default_rng(0)
-    best, best_value = None, 0.0
-    for i in range(starts):
-        start = flat if i == 0 else _random_packing(load, P, n, limit, rng)
+    best = _refine(coact, load, flat, A, rank_group, n, limit)
+    best_value = float((coact * A[best][:, best]).sum())
+    for _ in range(starts - 1):
+        start = _random_packing(load, P, n, limit, rng)
         if start is None:
             continue
         e2r = _refine(coact, load, start, A, rank_group, n, limit)
         value = float((coact * A[e2r][:, e2r]).sum())
-        if best is None or value > best_value * (1 + 1e-9):
+        if value > best_value * (1 + 1e-9):
             best, best_value = e2r, value
     return best
 
 
-def _random_packing(load, P: int, n: int, limit: float, rng) -> np.ndarray | None:
+def _random_packing(load: np.ndarray, P: int, n: int, limit: float,
+                    rng: np.random.Generator) -> np.ndarray | None:
     """Heaviest expert first onto a random rank with a free slot that stays under ``limit``;
     None when an expert finds no such rank."""
     e2r = np.empty(len(load), dtype=np.int64)

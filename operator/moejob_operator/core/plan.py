@@ -13,6 +13,7 @@ The document's one reader is :mod:`moe_contracts.plan` (the trainer reads plans 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
@@ -23,7 +24,9 @@ from moe_contracts.plan import PLAN_KIND, PLAN_VERSION, MoEPlan, PlanError, pars
 from moe_contracts.routing import RoutingStats
 from moe_contracts.topology import TopologyReport
 
-from . import cost, dispatch, perf as perf_mod, placement as placement_mod, router_groups
+from . import cost, dispatch, router_groups
+from . import perf as perf_mod
+from . import placement as placement_mod
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DoesNotFit, FieldError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
@@ -133,13 +136,13 @@ def _group_sizes(topo: ClusterTopology, rank2gpu: np.ndarray) -> list[int]:
     """Sizes of the runs of consecutive ranks that share an NVLink group (CPU: a node)."""
     groups = topo.group_of[rank2gpu]
     sizes, run = [], 1
-    for a, b in zip(groups[:-1], groups[1:]):
+    for a, b in itertools.pairwise(groups):
         if a == b:
             run += 1
         else:
             sizes.append(run)
             run = 1
-    return sizes + [run]
+    return [*sizes, run]
 
 
 def _ranks(topo: ClusterTopology, rank2gpu: np.ndarray, cpu: bool) -> list[dict[str, Any]]:
@@ -188,10 +191,10 @@ def _score(pl: placement_mod.Placement, topo: ClusterTopology, trace: RoutingSta
             placement_mod.heldout_estimate(pl, quality["crossGroupVsContiguous"]), 4)
     scale = job_tokens_per_step / max(trace.tokens / max(trace.steps, 1), 1)
     for key in ("crossGroupBytesPerStep", "crossNodeBytesPerStep"):
-        quality[key] = int(round(quality[key] * scale))
+        quality[key] = round(quality[key] * scale)
     quality["allToAllSecondsPerStep"] = quality["allToAllSecondsPerStep"] * scale
-    quality["contiguousCrossGroupBytesPerStep"] = int(round(base.cross_group_bytes_per_step * scale))
-    quality["autoEpMaxGpuBytesPerStep"] = int(round(quality["autoEpMaxGpuBytesPerStep"] * scale))
+    quality["contiguousCrossGroupBytesPerStep"] = round(base.cross_group_bytes_per_step * scale)
+    quality["autoEpMaxGpuBytesPerStep"] = round(quality["autoEpMaxGpuBytesPerStep"] * scale)
     return ours, quality
 
 
@@ -582,7 +585,8 @@ def _strategy_line(plan: Plan) -> str:
     """The layout the plan has: a strategy that needed routing statistics and had none says so."""
     asked = str(plan.document["placement"]["strategy"])
     if plan.placement.fell_back:
-        return f"{plan.document['placement']['fellBackTo']} ({asked} without routing statistics: pass --stats)"
+        return (f"{plan.document['placement']['fellBackTo']} "
+                f"({asked} without routing statistics: pass --stats)")
     return asked
 
 
@@ -595,7 +599,7 @@ def _dispatch_line(pl: dict[str, Any]) -> str:
 
     def fmt(d: dict[str, Any]) -> str:
         return (f"cross-group {d['crossGroupBytesPerStep'] / 2**20:.1f}, intra-group "
-                f"{d['intraGroupBytesPerStep'] / 2**20:.1f}, cross-node {d['crossNodeBytesPerStep'] / 2**20:.1f}")
+                f"{d['intraGroupBytesPerStep'] / 2**20:.1f}, cross-node " f"{d['crossNodeBytesPerStep'] / 2**20:.1f}")
     return (f"dispatch   {chosen}; MiB/step fwd+bwd ({q['basis']}): dedup {fmt(q['dedup'])} | "
             f"AutoEP {fmt(q['autoep'])}")
 
@@ -606,14 +610,14 @@ def summarize(plan: Plan) -> str:
     q = d["placement"]["quality"]
     groups = [_group_label(topo, grp) for grp in topo.groups()]
     lines = [
-        f"job        {d['job']['namespace']}/{d['job']['name']}  "
-        f"model {d['model']['preset'] or d['model']['path']} ({d['model']['family']})",
-        f"device     {d['device']} ({plan.gpu.name}), world size {d['worldSize']}, "
-        f"nodes {', '.join(topo.nodes)}",
+        (f"job        {d['job']['namespace']}/{d['job']['name']}  "
+        f"model {d['model']['preset'] or d['model']['path']} ({d['model']['family']})"),
+        (f"device     {d['device']} ({plan.gpu.name}), world size {d['worldSize']}, "
+        f"nodes {', '.join(topo.nodes)}"),
         "NVLink     " + (" ".join(groups)
                          if d["device"] == "cuda" else "n/a (CPU: one shared-memory group per node)"),
-        f"EP size    {d['epSize']} ({_count(d['placement']['numExperts'] // d['epSize'], 'expert')} per "
-        f"rank), AutoEP {'on' if d['deepspeed'].get('expert_parallel') else 'off'}",
+        (f"EP size    {d['epSize']} " f"({_count(d['placement']['numExperts'] // d['epSize'], 'expert')} per "
+        f"rank), AutoEP {'on' if d['deepspeed'].get('expert_parallel') else 'off'}"),
         f"placement  {_strategy_line(plan)}: cross-group {q['crossGroupBytesPerStep'] / 2**20:.1f}"
         f" MiB/step ({q.get('crossGroupVsContiguous', 1.0):.2f}x contiguous"
         + (f", ~{q['crossGroupVsContiguousHeldOut']:.2f}x expected on new tokens"
@@ -625,9 +629,9 @@ def summarize(plan: Plan) -> str:
         + (", LOWER BOUND: top-k > 2 scored without token samples)" if q.get("estimate") == "lowerBound"
            else ")"),
         _dispatch_line(d["placement"]),
-        f"batch      global {d['deepspeed']['train_batch_size']} = micro "
+        (f"batch      global {d['deepspeed']['train_batch_size']} = micro "
         f"{d['training']['microBatch']} x accum {d['training']['gradAccum']} x {d['worldSize']}"
-        f", seq {d['training']['seqLen']}",
+        f", seq {d['training']['seqLen']}"),
         "memory per " + ("process" if d["device"] == "cpu" else "GPU") + ":",
         plan.memory.explain(d["memory"]["gpuMemoryBytes"] or None, HEADROOM),
     ]
