@@ -91,7 +91,7 @@ def timing_run(shape, layers=64, experts=256, tokens=8192, seed=0):
 def markdown(result) -> str:
     out = [f"# Placement benchmark ({result['input']})", "",
            f"Synthetic trace parameters: {result['synthetic']}", "",
-           ("| case | strategy | cross-group vs contiguous | vs balanced | cross-node vs contiguous "
+           ("| case | strategy | cross-group vs contiguous | vs balanced | cross-node vs " "contiguous "
            "| vs balanced | max/mean load | load vs balanced | all-to-all ms/step | solve s |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     out.extend(f"| {r['case']} | {r['strategy']} | {r['crossGroupVsContiguous']:.3f} | "
@@ -100,8 +100,8 @@ def markdown(result) -> str:
                f"{r['allToAllSecondsPerStep'] * 1e3:.3f} | {r['solveSeconds']:.3f} |"
                for r in result["rows"])
     for t in result.get("timings", []):
-        out += ["", (f"topology_aware, {t['experts']} experts x {t['gpus']} GPUs ({t['shape']}) x {t['layers']} "
-                    f"layers, 1 thread: **{t['seconds']:.2f} s CPU** ({t['wallSeconds']:.2f} s wall on a shared "
+        out += ["", (f"topology_aware, {t['experts']} experts x {t['gpus']} GPUs ({t['shape']}) x " f"{t['layers']} "
+                    f"layers, 1 thread: **{t['seconds']:.2f} s CPU** ({t['wallSeconds']:.2f} s wall " "on a shared "
                     f"machine; target <= {TARGETS['time_s']} s)")]
     out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
     for line in result.get("verdicts", []):
@@ -148,8 +148,8 @@ def main(argv=None):
                           ta["loadVsBalanced"] <= TARGETS["load_vs_balanced"])
                     pl = next(r for r in case_rows if r["strategy"].startswith("planted"))
                     verdicts.append(f"{case}: vs contiguous {ta['crossGroupVsContiguous']:.3f} "
-                                    f"({'ok' if ok[0] else 'MISS'}; planted reference {pl['crossGroupVsContiguous']:.3f}), "
-                                    f"vs balanced {ta['crossGroupVsBalanced']:.3f} ({'ok' if ok[1] else 'MISS'}), "
+                                    f"({'ok' if ok[0] else 'MISS'}; planted reference " f"{pl['crossGroupVsContiguous']:.3f}), "
+                                    f"vs balanced {ta['crossGroupVsBalanced']:.3f} " f"({'ok' if ok[1] else 'MISS'}), "
                                     f"load vs balanced {ta['loadVsBalanced']:.3f} ({'ok' if ok[2] else 'MISS'})")
     result["rows"] = rows
     if not args.no_timing:

@@ -96,7 +96,8 @@ def test_workers_rendezvous_and_pinning():
 
 
 def test_worker_env_has_only_variables_something_reads():
-    """Every env name of a worker pod is read by the trainer image (launcher, trainer, publisher)."""
+    """Every env name of a worker pod is read by the trainer image (launcher, trainer,
+    publisher)."""
     import re
     pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
     from moe_contracts import env as contract_env

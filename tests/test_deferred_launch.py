@@ -134,7 +134,8 @@ def test_a_full_queue_refuses():
 
 # ---- reconcile(defer=...) against an in-memory client --------------------------------------------
 class MemoryClient(Client):
-    """The API calls of a new job's passes, in memory. ``fail_kind``: creating that kind raises 500."""
+    """The API calls of a new job's passes, in memory. ``fail_kind``: creating that kind raises
+    500."""
 
     def __init__(self, fail_kind: str | None = None):
         super().__init__(k8s.ApiClient())         # never used to send: every call below is overridden
@@ -230,7 +231,8 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
     assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
 
 
-# ---- the controller: one pending remainder per job, run before its next pass --------------------------
+# ---- the controller: one pending remainder per job, run before its next pass
+# --------------------------
 def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
     order = []
 

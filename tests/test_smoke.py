@@ -83,7 +83,7 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     assert len(term.encode()) <= smoke.TERMINATION_LIMIT and short["passed"]
     assert [(c["name"], c["case"]) for c in short["checks"]] == contract_gate.expected_checks(CASES)
     assert 0 < v["durationSeconds"] <= wall + 1      # how long it takes is the benchmark's business
-    print(f"\nmoe-smoke --cpu: {v['durationSeconds']}s (wall {wall:.1f}s, load {os.getloadavg()[0]:.1f})")
+    print(f"\nmoe-smoke --cpu: {v['durationSeconds']}s (wall {wall:.1f}s, load " f"{os.getloadavg()[0]:.1f})")
 
 
 # One simulated broken upgrade per gap the old gate had (issue 18); each must fail the named check

@@ -124,7 +124,8 @@ def test_routing_stats_progress_and_heatmap(runs):
 
 @pytest.mark.parametrize(("preset", "family"), [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
 def test_other_families_train_under_autoep(tmp_path, preset, family):
-    """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3 steps."""
+    """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3
+    steps."""
     from moe_trainer.models import TINY_HF_CONFIGS
     doc = json.loads(PLAN.read_text())
     doc["model"] = {"family": family, "preset": preset, "path": None, "hfConfig": TINY_HF_CONFIGS[preset]}

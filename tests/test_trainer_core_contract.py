@@ -20,7 +20,8 @@ RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 
 
 def cpu_plan(steps=4):
-    """Core plan for 2 CPU processes, with clustered routing stats so the permutation is not the identity."""
+    """Core plan for 2 CPU processes, with clustered routing stats so the permutation is not the
+    identity."""
     stats = core_routing.synthetic_trace(4, 8, 2, 4096, zipf_s=0.6, num_clusters=2, cluster_affinity=0.9,
                                          seed=3).without_tokens()
     return core_plan.build_plan(core_plan.PlanRequest(

@@ -42,7 +42,7 @@ def test_nan_loss_exits_65_with_progress_on_grouped_zero3(tmp_path):
     assert [h["type"] for h in prog["health"]] == ["NonFiniteLoss"]
     log = (tmp_path / "log.rank0.log").read_text()
     assert "step 1/3 loss" in log
-    assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False, dispatcher=autoep)" in log
+    assert "MoE blocks after initialize: 2 x GroupedMoeBlock (moeImpl=grouped, AutoEP=False, " "dispatcher=autoep)" in log
 
 
 def test_comm_failure_classification():
@@ -54,7 +54,8 @@ def test_comm_failure_classification():
 
 @pytest.mark.slow
 def test_lost_peer_exits_75(tmp_path):
-    """SIGKILL one rank mid-run: the survivor sees the broken connection and exits 75 (retryable)."""
+    """SIGKILL one rank mid-run: the survivor sees the broken connection and exits 75
+    (retryable)."""
     import subprocess
     import sys
     import time

@@ -1,5 +1,6 @@
 """Rank 0's RoutingStats -> ConfigMap encoding: JSON when small, gzip+base64 binaryData when large,
-refused (and said so) when even that exceeds the ConfigMap limit; the operator's reader accepts both."""
+refused (and said so) when even that exceeds the ConfigMap limit; the operator's reader accepts
+both."""
 
 import json
 

@@ -33,7 +33,8 @@ class _Parser(argparse.ArgumentParser):
 # ---- moectl plan ---------------------------------------------------------------------------
 
 def _load_reports(refs: Sequence[str]):
-    """``FILE``, ``FIXTURE`` or ``FILE|FIXTURE@NODE`` (renames the node: one fixture, many nodes)."""
+    """``FILE``, ``FIXTURE`` or ``FILE|FIXTURE@NODE`` (renames the node: one fixture, many
+    nodes)."""
     from .core.topology import load_topology
 
     reports = []

@@ -42,7 +42,8 @@ def plan_doc(a) -> dict:
                      "lr": a.lr, "warmupSteps": max(1, a.steps // 20), "checkpointEverySteps": a.window, "seed": a.seed, "moeImpl": a.impl,
                      "balance": {"mode": a.balance, "coef": a.coef},
                      "data": {"kind": "corpus"}, "deadExpertSteps": 50,
-                     # enough that each window keeps about --samples tokens (a uniform run-wide sample)
+                     # enough that each window keeps about --samples tokens (a uniform run-wide
+                     # sample)
                      "routingSampleTokens": a.samples * max(1, a.steps // a.window)},
     }
 

@@ -49,7 +49,7 @@ class RoutingStatsPublisher:
                   "file": file_path, "message": ""}
         if enc.body is None:
             status["message"] = (
-                f"routing statistics too large for ConfigMap {self.publisher.name}: {enc.json_bytes} bytes "
+                f"routing statistics too large for ConfigMap {self.publisher.name}: " f"{enc.json_bytes} bytes "
                 f"of JSON, {enc.stored_bytes} gzip+base64 > limit {self.limit} "
                 f"({doc['numLayers']} layers x {doc['numExperts']}^2 co-activation); "
                 f"not published, kept in {file_path or 'no checkpoint dir'}")

@@ -161,7 +161,7 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
     applied = work / "job.json"
     applied.write_text(json.dumps(doc, indent=1))
 
-    _say("starting the local control plane (kube-apiserver v1.20.2, etcd, controller manager, scheduler)")
+    _say("starting the local control plane (kube-apiserver v1.20.2, etcd, controller manager, " "scheduler)")
     cp = ControlPlane(work / "controlplane").start()
     # SIGTERM unwinds like Ctrl-C, so the finally below stops the operator and the node agent
     # before the control plane (the control plane's own handler would stop it first)
@@ -232,13 +232,13 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
             d = job_dirs[-1]
             _say(f"expert-load heatmap:  {_show(d / 'expert_load.png')}"
                  + ("" if (d / "expert_load.png").exists() else " (not written)"))
-            _say(f"routing statistics:   {_show(d / C.ROUTING_STATS_KEY)} and ConfigMap {name}-routing-stats "
+            _say(f"routing statistics:   {_show(d / C.ROUTING_STATS_KEY)} and ConfigMap " f"{name}-routing-stats "
                  f"(plan a later job from them: spec.placement.routingStatsFrom.jobName: {name})")
         _say(f"logs: operator {_show(work / 'operator.log')}, pods {_show(work / 'nodeagent')}")
         _say("job Succeeded" if ok else "job did NOT succeed (see describe above)")
         if stay:
             _say(f"the cluster stays up (pid {os.getpid()}). In another shell, from {Path.cwd()}:")
-            print(f"    source {_show(env_script)}      # KUBECONFIG, and the project's kubectl and helm on PATH\n"
+            print(f"    source {_show(env_script)}      # KUBECONFIG, and the project's kubectl and " "helm on PATH\n"
                   f"    kubectl get moejob -o wide\n"
                   f"    kubectl describe moejob {name}\n", flush=True)
             down = "scripts/dev.sh down" + ("" if work == DEFAULT_DIR else f" --dir {_show(work)}")

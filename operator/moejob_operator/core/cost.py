@@ -77,7 +77,8 @@ def distinct_remote(dest: np.ndarray, src: np.ndarray) -> np.ndarray:
 
 
 def gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
-    """``load[L, E]`` -> ``gpu_load[L, W]`` tokens received per GPU (replicas split tokens evenly)."""
+    """``load[L, E]`` -> ``gpu_load[L, W]`` tokens received per GPU (replicas split tokens
+    evenly)."""
     L, _E = load.shape
     P, W = placement.ep_size, placement.world_size
     out = np.zeros((L, W))
@@ -220,7 +221,8 @@ def _pairwise_costs(placement: Placement, topo: ClusterTopology,
 
 def cross_counts_for_candidates(e2r: np.ndarray, rank_group: np.ndarray, rank_node: np.ndarray,
                                 trace: RoutingStats, layer: int) -> np.ndarray:
-    """Exact remote group + node sends for many candidate ``e2r[C, E]`` of one EP group (brute force).
+    """Exact remote group + node sends for many candidate ``e2r[C, E]`` of one EP group (brute
+    force).
 
     Uses sampled tokens when present (source EP rank ``t % P``), else the pairwise formula.
     """

@@ -89,7 +89,7 @@ class GateConfig:
             ok = isinstance(value, typ) and all(isinstance(x, str) for x in
                                                 (value.values() if isinstance(value, dict) else value))
             if not ok:
-                raise GateError(f"{name}: {raw!r} is not a JSON {'object' if typ is dict else 'list'} of strings")
+                raise GateError(f"{name}: {raw!r} is not a JSON {'object' if typ is dict else 'list'} of " "strings")
             return value
 
         command = json_env("MOE_GATE_SMOKE_COMMAND", list)

@@ -134,7 +134,8 @@ def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, step
 
 def smoke_plans(device: str, gpu: GpuCaps | None = None, *, steps: int = TRAIN_STEPS,
                 cases: tuple[SmokeCase, ...] | None = None) -> dict[str, Any]:
-    """The ``SmokePlans`` v1 document: ``{"kind", "version", "device", "cases": [{"name", "plan"}]}``.
+    """The ``SmokePlans`` v1 document: ``{"kind", "version", "device", "cases": [{"name",
+    "plan"}]}``.
 
     ``gpu``: the capabilities of the GPU model the verdict is for (bf16 on compute capability
     >= 8.0, fp16 below, as for a job); None on CPU.

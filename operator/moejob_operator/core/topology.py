@@ -1,7 +1,8 @@
 """Topology model: the cluster view built from per-node ``TopologyReport`` v1 documents.
 
 A report (``moe_contracts.topology``, docs/contracts.md) is what the discovery pod read from NVML
-on one node. From it we derive NVLink groups: GPUs attached to NVSwitch form one group, GPU-GPU links form connected
+on one node. From it we derive NVLink groups: GPUs attached to NVSwitch form one group, GPU-GPU
+links form connected
 components, a GPU without NVLink is its own group. ``ClusterTopology`` joins the reports of
 several nodes into one global GPU list and answers "which tier connects GPU a and GPU b"
 (``same_gpu`` < ``nvlink`` < ``node`` (PCIe / host bridge) < ``network``), which is all the
@@ -144,7 +145,8 @@ class ClusterTopology:
                   nvlink_gbps: float = 450.0, pcie_gbps: float = DEFAULT_PCIE_GBPS,
                   network_gbps: float = DEFAULT_NETWORK_GBPS,
                   memory_bytes: int = 150754820096) -> ClusterTopology:
-        """``nodes`` x ``gpus_per_node`` GPUs, consecutive local GPUs form NVLink groups of ``group_size``."""
+        """``nodes`` x ``gpus_per_node`` GPUs, consecutive local GPUs form NVLink groups of
+        ``group_size``."""
         if nodes < 1 or gpus_per_node < 1 or group_size < 1 or gpus_per_node % group_size:
             raise ValueError(f"synthetic cluster: gpus_per_node={gpus_per_node} must be a positive "
                              f"multiple of group_size={group_size}")
@@ -189,5 +191,6 @@ class ClusterTopology:
         return self.pcie_gbps if tier == "node" else self.network_gbps
 
     def gpu_order(self) -> np.ndarray:
-        """GPUs sorted by (node, NVLink group, GPU): filling a group, then a node, then the next node."""
+        """GPUs sorted by (node, NVLink group, GPU): filling a group, then a node, then the next
+        node."""
         return np.lexsort((np.arange(self.num_gpus), self.group_of, self.node_of))
