@@ -68,7 +68,7 @@ class Operator:
     def wait_exit(self, timeout: float) -> int | None:
         try:
             return self.proc.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - still running, or no process: no exit code
             return None
 
     def logs(self) -> str:

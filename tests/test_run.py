@@ -89,7 +89,7 @@ def test_two_replicas_hand_over_on_sigterm(kube, control_plane, namespace, wait_
         if ident == "old":
             wait_for(lambda: _leader_metric(mp) == 1, timeout=60,
                      message=(tmp_path / "old.log").read_text(errors="replace"))
-    logs = lambda: "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))  # noqa: E731
+    logs = lambda: "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))  # noqa: E731 - a one-line reader
     try:
         (hp_old, _mp_old), (hp_new, mp_new) = ports
         wait_for(lambda: _get(f"http://127.0.0.1:{hp_new}/healthz")[0] == 200, timeout=60,

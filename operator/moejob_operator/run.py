@@ -341,7 +341,7 @@ def _version() -> str:
     try:
         from importlib.metadata import version
         return version("moe-operator")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - no package metadata (a source checkout): say unknown
         return "unknown"
 
 
