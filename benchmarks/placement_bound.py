@@ -207,10 +207,12 @@ def bound_case(stats, name: str, topo_kw: dict, ep: int, label: str) -> dict:
 def markdown(result: dict) -> str:
     out = ["# Lower bound on cross-group sends vs contiguous (any placement, no load limit)", "",
            ("| window | top-k | case | lower bound (any placement) | topology_aware (same window) "
-            "| topology_aware, t % W origins | LP converged | <= 0.70 excluded for every placement |"),
+            "| topology_aware, t % W origins | LP converged "
+            "| <= 0.70 excluded for every placement |"),
            "|---|---|---|---|---|---|---|---|"]
     out.extend(f"| {r['window']} | {r['topK']} | {r['case']} | {r['lowerBoundVsContiguous']:.3f} | "
-               f"{r['topologyAwareVsContiguous']:.3f} | {r['topologyAwareVsContiguousExactOrigins']:.3f} | "
+               f"{r['topologyAwareVsContiguous']:.3f} | "
+               f"{r['topologyAwareVsContiguousExactOrigins']:.3f} | "
                f"{'yes' if r['converged'] else 'no'} | "
                f"{'YES' if r['goalExcludedByBound'] else 'no (bound too weak to decide)'} |"
                for r in result["rows"])
