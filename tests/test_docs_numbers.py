@@ -33,7 +33,7 @@ RESULTS = "benchmarks/results/"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MEASURED_SECTION = "## Measured numbers"
 
-_CITE = re.compile(r"benchmarks/results/[\w.{},\-*]+")
+_CITE = re.compile(r"benchmarks/results/[\w.{},\-*/]+")
 _NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 _FILE_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 _FILE_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")      # 116,840 in a Markdown table
