@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from moejob_operator.core.topology import load_topology
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Client
 from moejob_operator.reconcile.deferred import PassClock, YieldingQueue
+from moejob_operator.reconcile.settings import Settings
 from moejob_operator.status import now_iso
 from moe_localkube.nodes import NodeSpec, node_manifest, node_status
 
@@ -185,9 +187,13 @@ class MemoryClient(Client):
         pass
 
 
+# The passes' settings as ``moectl operator`` reads them at start-up from its environment
+# (conftest's: host paths under the temp directory, test hooks on), with the gate off.
+SETTINGS = Settings.from_env({**os.environ, "MOE_GATE_ENABLED": "false"})
+
+
 @pytest.fixture
-def job(monkeypatch):
-    monkeypatch.setenv("MOE_GATE_ENABLED", "false")
+def job():
     body = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     body["metadata"] = {"name": "j", "namespace": "ns", "uid": "u-1", "generation": 1}
     return body
@@ -200,7 +206,7 @@ TRAINER_ONLY = {"Service/j-workers", "ConfigMap/j-progress", "ConfigMap/j-routin
 def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job):
     c = MemoryClient()
     deferred = []
-    J.reconcile(c, "ns", "j", body=job, defer=deferred.append)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, defer=deferred.append)
     assert c.writes == ["ConfigMap/j-plan", "ServiceAccount/j-worker", "Pod/j-worker-0", "Pod/j-worker-1"]
     assert c.status is None and len(deferred) == 1
     deferred[0]()
@@ -212,20 +218,20 @@ def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job
 
 def test_without_defer_the_same_pass_does_it_all(job):
     c = MemoryClient()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
 
 
 def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_completes_it(job):
     c = MemoryClient(fail_kind="Role")
     deferred = []
-    J.reconcile(c, "ns", "j", body=job, defer=deferred.append)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, defer=deferred.append)
     with pytest.raises(ApiException):
         deferred[0]()
     assert c.writes[-1] == "status" and "launchedSpecHash" not in c.status   # launches again
     c.fail_kind = None
     again = {**job, "status": c.status}
-    J.reconcile(c, "ns", "j", body=again, defer=deferred.append)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=again, defer=deferred.append)
     deferred[1]()
     assert "Role/j-worker" in c.writes and c.status["launchedSpecHash"]
     assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
@@ -236,7 +242,7 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
 def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
     order = []
 
-    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         order.append(f"pass {name}")
         defer(lambda: order.append(f"rest {name}"))
         return None
@@ -254,7 +260,7 @@ def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
 def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     retried = []
 
-    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         def rest():
             raise ApiException(status=403, reason="Forbidden")
         defer(rest)
@@ -269,7 +275,7 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
 def test_a_deleted_jobs_state_goes_with_it():
     """Locks, pending remainder, pod cache, queue entry and error count of a deleted job are
     dropped: a long-running operator does not grow with every job it ever saw."""
-    def fake_reconcile(client, namespace, name, *, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         defer(lambda: None)
         return 600.0
     ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),

@@ -11,6 +11,7 @@ from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate
 from moejob_operator.reconcile.outcome import NotYet
+from moejob_operator.reconcile.settings import Settings
 from moejob_operator.spec import parse_spec
 
 NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
@@ -54,10 +55,13 @@ def test_a_launched_job_keeps_its_verdict():
     assert (v.reason, v.message) == (G.R_SMOKE_TEST_PASSED, "m")
 
 
-def test_bad_settings_are_reported_not_raised(monkeypatch):
-    monkeypatch.setenv("MOE_GATE_PASS_TTL_SECONDS", "a week")
+def test_bad_settings_are_reported_not_raised():
+    """Invalid gate settings (read once at start-up) do not stop the operator: jobs that need
+    the gate wait, naming the setting."""
+    settings = Settings.from_env({"MOE_GATE_PASS_TTL_SECONDS": "a week"})
+    assert isinstance(settings.gate, G.GateError)
     with pytest.raises(NotYet, match="MOE_GATE_PASS_TTL_SECONDS: 'a week'") as exc:
-        gate.check(ForbiddenClient(), body(), spec())
+        gate.check(ForbiddenClient(), body(), spec(), NOW, settings.gate)
     assert (exc.value.reason, exc.value.delay) == (gate.R_GATE_MISCONFIGURED, 60.0)
 
 
@@ -101,7 +105,7 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
            "status": {"launchedSpecHash": "h", "attempt": 0, "verifiedDigest": verified, "conditions": [cond]}}
     plan = {"ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0}]}
     client = GangClient([pod])
-    p = J.Pass(client, job, NOW)
+    p = J.Pass(client, job, NOW, Settings())
     assert J._track(p, s, plan) == 1.0
     status = client.patches[-1]
     assert status["gateDigest"] == pushed and status["verifiedDigest"] is None and status["attempt"] == 1
@@ -118,5 +122,5 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
     # pods on the verified digest: nothing happens
     same = dict(pod, status={"phase": "Running", "containerStatuses": [{"imageID": f"reg.io/trainer@{verified}"}]})
     quiet = GangClient([same])
-    J._track(J.Pass(quiet, job, NOW), s, plan)
+    J._track(J.Pass(quiet, job, NOW, Settings()), s, plan)
     assert not quiet.deleted and not any(e[1] == gate.R_IMAGE_DIGEST_CHANGED for e in quiet.events)

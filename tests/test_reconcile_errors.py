@@ -11,6 +11,7 @@ tests in test_operator_hostile.py drive the same paths through the real API serv
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from kubernetes.client.rest import ApiException
@@ -19,7 +20,8 @@ import test_deferred_launch
 from moejob_operator import constants as C
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Rejected
-from test_deferred_launch import MemoryClient
+from moejob_operator.reconcile.settings import Settings
+from test_deferred_launch import SETTINGS, MemoryClient
 
 job = test_deferred_launch.job      # the fixture, shared with the deferred-launch tests
 
@@ -66,7 +68,7 @@ def with_status(body, status):
 
 def test_a_refused_child_fails_the_job_naming_it(job):
     c = Client(reject_kind="Pod")
-    assert J.reconcile(c, "ns", "j", body=job, backoff=lambda: 99.0) is None
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: 99.0) is None
     failed = cond(c, C.COND_FAILED)
     assert failed["status"] == "True" and failed["reason"] == C.R_CHILD_REJECTED
     assert "Pod j-worker-" in failed["message"] and "no PriorityClass with name gold" in failed["message"]
@@ -77,7 +79,8 @@ def test_a_refused_child_fails_the_job_naming_it(job):
 def test_a_transient_error_is_visible_and_retried_with_backoff(job):
     c = Client(fail=("ServiceAccount", ApiException(status=503, reason="Service Unavailable")))
     delays = iter([4.0, 8.0])
-    assert J.reconcile(c, "ns", "j", body=job, backoff=lambda: next(delays)) == 4.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job,
+                       backoff=lambda: next(delays)) == 4.0
     rec = cond(c, C.COND_RECONCILED)
     assert rec["status"] == "False" and rec["reason"] == C.R_TRANSIENT_ERROR
     assert "503" in rec["message"] and "retrying in 4 s" in rec["message"]
@@ -85,7 +88,8 @@ def test_a_transient_error_is_visible_and_retried_with_backoff(job):
     assert cond(c, C.COND_FAILED).get("status") != "True"
     # the server recovers: the next pass launches and says so
     c.fail = None
-    J.reconcile(c, "ns", "j", body=with_status(job, c.status), backoff=lambda: next(delays))
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, c.status),
+                backoff=lambda: next(delays))
     assert cond(c, C.COND_RECONCILED)["status"] == "True"
     assert "Pod/j-worker-0" in c.writes
 
@@ -93,25 +97,25 @@ def test_a_transient_error_is_visible_and_retried_with_backoff(job):
 def test_a_timeout_of_the_client_is_transient(job):
     import urllib3
     c = Client(fail=("ServiceAccount", urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out")))
-    assert J.reconcile(c, "ns", "j", body=job, backoff=lambda: 2.0) == 2.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: 2.0) == 2.0
     assert cond(c, C.COND_RECONCILED)["reason"] == C.R_TRANSIENT_ERROR
 
 
 def test_an_unexpected_exception_is_reported_and_retried(job):
     c = Client()
     c.list_nodes = lambda: (_ for _ in ()).throw(KeyError("metadata"))
-    assert J.reconcile(c, "ns", "j", body=job, backoff=lambda: 5.0) == 5.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: 5.0) == 5.0
     rec = cond(c, C.COND_RECONCILED)
     assert rec["reason"] == C.R_RECONCILE_ERROR and "KeyError" in rec["message"]
     assert any(e[1] == C.R_RECONCILE_ERROR for e in c.events)
     with pytest.raises(KeyError):                 # without a backoff the caller handles it
-        J.reconcile(c, "ns", "j", body=job)
+        J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
 
 
 def test_status_keeps_a_hash_of_the_launched_spec_not_a_copy(job):
     c = Client()
     job["spec"]["scheduling"] = {"podAnnotations": {"note": "x" * 60_000}}
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     assert c.status["launchedSpecHash"] and "launchedSpec" not in c.status
     assert len(json.dumps(c.status)) < 8000
     plan_cm = c.objects[("ConfigMap", "j-plan")]
@@ -120,18 +124,18 @@ def test_status_keeps_a_hash_of_the_launched_spec_not_a_copy(job):
 
 def test_an_immutable_edit_after_launch_keeps_the_launched_values(job):
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     edited = with_status(job, c.status)
     edited["spec"] = {**job["spec"], "image": "moe-trainer:other",
                       "runPolicy": {**job["spec"].get("runPolicy", {}), "backoffLimit": 7}}
-    spec = J._accept_spec(J.Pass(c, edited, J.dt.datetime.now(J.dt.timezone.utc)))
+    spec = J._accept_spec(J.Pass(c, edited, J.dt.datetime.now(J.dt.timezone.utc), SETTINGS))
     assert spec.image == job["spec"]["image"] and spec.run_policy.backoff_limit == 7
     # an object written by an operator before the hash (status.launchedSpec copy) still works
     legacy = dict(c.status)
     view = json.loads(c.objects[("ConfigMap", "j-plan")]["data"][C.LAUNCHED_SPEC_KEY])
     legacy.pop("launchedSpecHash"), legacy.pop("launchedFields")
     legacy["launchedSpec"] = view
-    p = J.Pass(c, with_status(edited, legacy), J.dt.datetime.now(J.dt.timezone.utc))
+    p = J.Pass(c, with_status(edited, legacy), J.dt.datetime.now(J.dt.timezone.utc), SETTINGS)
     assert J._accept_spec(p).image == job["spec"]["image"]
     assert cond(p, C.COND_SPEC_ACCEPTED)["reason"] == C.R_IMMUTABLE_FIELD_CHANGED
     assert "image" in cond(p, C.COND_SPEC_ACCEPTED)["message"]
@@ -145,30 +149,32 @@ def test_an_immutable_edit_after_launch_keeps_the_launched_values(job):
                                    {"plan": 7}, {"progress": []}])
 def test_hand_patched_status_fields_are_rederived(job, patch):
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
-    J.reconcile(c, "ns", "j", body=with_status(job, {**c.status, **patch}), backoff=lambda: 1.0)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, {**c.status, **patch}),
+                backoff=lambda: 1.0)
     assert cond(c, C.COND_RECONCILED).get("status") != "False", c.status
     assert isinstance(c.status["attempt"], int) and cond(c, C.COND_FAILED).get("status") != "True"
 
 
 def test_a_hand_patched_succeeded_is_undone_while_workers_run(job):
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     lie = dict(c.status, completionTime="2026-01-01T00:00:00Z", conditions=[
         *[x for x in c.status["conditions"] if x["type"] != C.COND_SUCCEEDED],
         {"type": C.COND_SUCCEEDED, "status": "True", "reason": "Patched", "message": "by hand"}])
-    J.reconcile(c, "ns", "j", body=with_status(job, lie))
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, lie))
     succeeded = cond(c, C.COND_SUCCEEDED)
     assert succeeded["status"] == "False" and succeeded["reason"] == C.R_STATUS_CORRECTED
     assert "completionTime" not in c.status and c.status["phase"] != "Succeeded"
 
 
-def test_fault_annotations_only_in_test_mode(job, monkeypatch):
+def test_fault_annotations_only_in_test_mode(job):
     job["metadata"]["annotations"] = {f"{C.GROUP}/fault-exit-at-step": "3"}
     for mode, expected in (("", set()), ("1", {"MOE_FAULT_EXIT_AT_STEP"})):
-        monkeypatch.setenv("MOE_OPERATOR_TEST_MODE", mode)
+        settings = Settings.from_env({**os.environ, "MOE_GATE_ENABLED": "false",
+                                      "MOE_OPERATOR_TEST_MODE": mode})
         c = Client()
-        J.reconcile(c, "ns", "j", body=job)
+        J.reconcile(c, "ns", "j", settings=settings, body=job)
         env = {e["name"] for e in c.objects[("Pod", "j-worker-0")]["spec"]["containers"][0]["env"]}
         assert env & {"MOE_FAULT_EXIT_AT_STEP"} == expected
 
@@ -179,13 +185,13 @@ def test_cpu_mode_checks_memory_against_the_nodes(job):
     job["spec"]["model"] = {"preset": "deepseek-v3"}
     job["spec"].pop("placement", None)
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     failed = cond(c, C.COND_FAILED)
     assert failed["reason"] == C.R_INSUFFICIENT_MEMORY and "GiB per process" in failed["message"], failed
     tiny = Client()
     job["spec"]["model"] = {"preset": "tiny-mixtral"}
     job["spec"]["resources"] = {"limits": {"memory": "64Mi"}}
-    J.reconcile(tiny, "ns", "j", body=job)
+    J.reconcile(tiny, "ns", "j", settings=SETTINGS, body=job)
     assert cond(tiny, C.COND_FAILED)["reason"] == C.R_INSUFFICIENT_MEMORY
 
 
@@ -199,7 +205,7 @@ def test_too_few_matching_nodes_is_insufficient_nodes_not_discovery(job, nodes, 
     job["spec"].pop("placement", None)
     job["spec"]["scheduling"] = sched
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     assert cond(c, C.COND_PLANNED)["reason"] == C.R_NO_CANDIDATE_NODES
     assert cond(c, C.COND_TOPOLOGY)["reason"] == C.R_NO_CANDIDATE_NODES
     assert c.status["phase"] == "Discovering" and not [w for w in c.writes if w.startswith("Pod/")]
@@ -209,13 +215,13 @@ def test_an_invalid_edit_after_launch_keeps_the_gang_tracked(job):
     """SpecAccepted=False names the field, and the pass still tracks the workers with the
     launched values (a worker finishing is still seen)."""
     c = Client()
-    J.reconcile(c, "ns", "j", body=job)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     edited = with_status(job, c.status)
     edited["spec"] = {**job["spec"], "image": "not an image", "runPolicy": {"backoffLimit": 1}}
     for rank in (0, 1):
         c.objects[("Pod", f"j-worker-{rank}")]["status"] = {
             "phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]}
-    J.reconcile(c, "ns", "j", body=edited)
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=edited)
     accepted = cond(c, C.COND_SPEC_ACCEPTED)
     assert accepted["status"] == "False" and accepted["message"].startswith("spec.image:")
     assert cond(c, C.COND_SUCCEEDED)["status"] == "True", c.status

@@ -128,3 +128,25 @@ def test_without_leader_election_the_process_says_it_leads(kube, control_plane, 
         wait_for(lambda: _leader_metric(mp) == 1, timeout=60, message="moe_operator_leader 1")
     finally:
         procs.stop(p, grace_seconds=10)
+
+
+def test_the_passes_settings_are_read_once_from_the_operators_environment():
+    """``moectl operator`` reads the admission policy and the gate settings from its environment
+    when it starts (the chart sets them) and hands them to every pass through the controller;
+    invalid gate settings do not stop it (jobs that need the gate wait, naming the setting)."""
+    from moejob_operator.cli import build_parser
+    from moejob_operator.core.gate import GateError
+    from moejob_operator.run import controller_config
+
+    args = build_parser().parse_args(["operator", "-n", "team-a", "--workers", "3"])
+    env = {"MOE_ALLOWED_HOST_PATH_PREFIXES": "/mnt/ckpt/", "MOE_OPERATOR_TEST_MODE": "",
+           "MOE_GATE_ENABLED": "false", "POD_NAMESPACE": "moe-system"}
+    cfg = controller_config(args, env)
+    assert (cfg.namespaces, cfg.workers) == (("team-a",), 3)
+    assert cfg.settings.policy.host_path_prefixes == ("/mnt/ckpt",)
+    assert not cfg.settings.policy.test_mode
+    assert not cfg.settings.gate.enabled and cfg.settings.gate.namespace == "moe-system"
+    bad = controller_config(args, {"MOE_GATE_DEADLINE_SECONDS": "soon"})
+    assert isinstance(bad.settings.gate, GateError)
+    assert "MOE_GATE_DEADLINE_SECONDS" in str(bad.settings.gate)
+    assert bad.settings.policy.host_path_prefixes == ()

@@ -48,9 +48,8 @@ class Batch:
         return SimpleNamespace(data=b"{}")
 
 
-def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict(monkeypatch):
-    monkeypatch.setenv("MOE_GATE_ENABLED", "true")
-    monkeypatch.setenv("MOE_OPERATOR_NAMESPACE", "gate-ns")
+def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict():
+    config = G.GateConfig(enabled=True, namespace="gate-ns")
     store = {"moe-gate-aaaa": verdict("aaaa", 1), "moe-gate-bbbb": verdict("bbbb", 2),
              "moe-gate-dddd": {"data": {G.VERDICT_KEY: "not json"}}}
     client = SimpleNamespace(api=k8s.ApiClient(), get_configmap=lambda ns, name: store.get(name),
@@ -62,11 +61,13 @@ def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict(monkeypatch)
                    smoke_job("moe-smoke-dddd-1", 4),            # verdict unreadable: stays
                    smoke_job("moe-smoke-eeee-1", 4),            # no verdict yet: stays
                    smoke_job("moe-smoke-odd", 4)])              # not ours by name: stays
-    deleted = RG.sweep_smoke_jobs(client, NOW, batch=batch)
+    deleted = RG.sweep_smoke_jobs(client, config, NOW, batch=batch)
     assert deleted == batch.deleted == ["moe-smoke-aaaa-1", "moe-smoke-bbbb-1"]
 
 
-def test_sweep_does_nothing_with_the_gate_off(monkeypatch):
-    monkeypatch.setenv("MOE_GATE_ENABLED", "false")
+def test_sweep_does_nothing_with_the_gate_off_or_misconfigured():
     batch = Batch([smoke_job("moe-smoke-aaaa-1", 9)])
-    assert RG.sweep_smoke_jobs(SimpleNamespace(api=k8s.ApiClient()), NOW, batch=batch) == []
+    for config in (G.GateConfig(enabled=False), G.GateError("MOE_GATE_PASS_TTL_SECONDS: 'x'")):
+        client = SimpleNamespace(api=k8s.ApiClient())
+        assert RG.sweep_smoke_jobs(client, config, NOW, batch=batch) == []
+    assert batch.deleted == []

@@ -5,6 +5,7 @@ the operator's own checks, with the field the header names. The cluster test
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 from pathlib import Path
 
@@ -12,11 +13,15 @@ import pytest
 import yaml
 
 from moejob_operator.core.topology import load_topology
+from moejob_operator.admission import Policy
 from moejob_operator.reconcile import planning
 from moejob_operator.builders.common import JobRef
 from moejob_operator.reconcile.outcome import Refused
 
 BAD = sorted((Path(__file__).parent / "badspecs").glob("*.yaml"))
+# the policy the tests' operators read from their environment (conftest: host paths under the
+# temp directory), as test_operator_badspecs.py runs the same manifests
+POLICY = Policy.from_env(os.environ)
 
 
 def expectation(path: Path) -> tuple[str, str | None]:
@@ -34,7 +39,7 @@ def test_corpus_is_big_enough():
 def _refusal(doc: dict) -> Refused:
     """The operator's validate and plan stages (planning.accept, planning.make_plan)."""
     try:
-        spec = planning.accept(doc["metadata"]["name"], doc["spec"])
+        spec = planning.accept(doc["metadata"]["name"], doc["spec"], POLICY)
         reports = {}
         for node in ("node-a", "node-b"):
             rep = load_topology("nvswitch-h100-8").model_copy(update={"node": node})

@@ -19,6 +19,7 @@ from moejob_operator.reconcile import gate, planning, topology
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.outcome import NotYet, Refused
 from moejob_operator.spec import parse_spec
+from test_deferred_launch import SETTINGS
 from test_reconcile_errors import Client, cond
 
 job = test_deferred_launch.job      # the fixture: examples/tiny-cpu.yaml, gate disabled
@@ -90,7 +91,7 @@ def test_a_refused_plan_fails_the_job_with_one_event(job):
     job["spec"]["model"] = {"preset": "deepseek-v3"}      # does not fit in the nodes' memory
     job["spec"].pop("placement", None)
     c = Client()
-    assert J.reconcile(c, "ns", "j", body=job) is None
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) is None
     assert cond(c, C.COND_PLANNED)["reason"] == C.R_INSUFFICIENT_MEMORY
     assert cond(c, C.COND_FAILED)["reason"] == C.R_INSUFFICIENT_MEMORY
     # Planned=False flips quietly: the Failed Event says it
@@ -101,7 +102,7 @@ def test_a_refused_plan_fails_the_job_with_one_event(job):
 def test_an_invalid_spec_fails_the_job_naming_the_field(job):
     job["spec"]["training"]["globalBatch"] = 0
     c = Client()
-    assert J.reconcile(c, "ns", "j", body=job) is None
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) is None
     failed = cond(c, C.COND_FAILED)
     assert failed["reason"] == C.R_INVALID_SPEC
     assert failed["message"].startswith("spec.training.globalBatch")
@@ -117,12 +118,12 @@ def test_discovery_not_yet_sets_its_condition_and_the_delay(job, monkeypatch):
                      failed=True)
     c = Client()
     monkeypatch.setattr(topology, "ensure_reports", pending)
-    assert J.reconcile(c, "ns", "j", body=job) == 2.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) == 2.0
     assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == \
         ("Unknown", C.R_DISCOVERY_PENDING)
     assert cond(c, C.COND_PLANNED) == {} and cond(c, C.COND_FAILED) == {}
     monkeypatch.setattr(topology, "ensure_reports", failing)
-    assert J.reconcile(c, "ns", "j", body={**job, "status": c.status}) == 10.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body={**job, "status": c.status}) == 10.0
     assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == \
         ("False", C.R_DISCOVERY_FAILED)
 
@@ -137,12 +138,12 @@ def test_gate_outcomes(job, monkeypatch):
         raise Refused("SmokeTestFailed", "the smoke test failed: train")
     c = Client()
     monkeypatch.setattr(gate, "check", waiting)
-    assert J.reconcile(c, "ns", "j", body=job) == 5.0
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) == 5.0
     assert cond(c, C.COND_UPGRADE_VERIFIED)["status"] == "Unknown"
     assert "ConfigMap/j-plan" in c.writes and not [w for w in c.writes if w.startswith("Pod/")]
     monkeypatch.setattr(gate, "check", refused)
     c.events.clear()
-    assert J.reconcile(c, "ns", "j", body={**job, "status": c.status}) is None
+    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body={**job, "status": c.status}) is None
     assert cond(c, C.COND_UPGRADE_VERIFIED)["status"] == "False"
     assert cond(c, C.COND_FAILED)["reason"] == "SmokeTestFailed"
     assert [e[1] for e in c.events] == ["SmokeTestFailed", "SmokeTestFailed"]

@@ -3,7 +3,7 @@
 Dev tooling (operator/dev, moe-operator-dev): the images do not install it. Product code reaches
 it through one function per program, which returns this module or None:
 
-- the operator: ``moejob_operator.admission.test_faults()``, only with
+- the operator: ``moejob_operator.admission.test_faults(policy)``, only when it was started with
   ``MOE_OPERATOR_TEST_MODE=1`` (the tests' harness sets it; the chart never does);
 - the trainer: ``moe_trainer.checkpoint.test_faults()``, whenever this module is importable (a
   developer's venv; never an image).

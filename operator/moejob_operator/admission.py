@@ -7,7 +7,8 @@ child exists, and raises the same :class:`SpecError` (the field path and the val
 API server would refuse a worker pod for fails ``InvalidSpec`` at acceptance instead of retrying
 a create that can never succeed.
 
-The policy comes from the operator's environment (the chart sets it):
+The :class:`Policy` comes from the operator's environment (the chart sets it), read once when
+``moectl operator`` starts (:meth:`Policy.from_env`) and passed to every pass:
 ``MOE_ALLOWED_HOST_PATH_PREFIXES`` lists the host directories jobs may mount (comma-separated;
 empty, the default: no ``hostPath`` at all). ``MOE_OPERATOR_TEST_MODE=1`` turns on the test-only
 hooks (fault-injection annotations, ``MOE_OPERATOR_CRASH_AT``: :func:`test_faults`).
@@ -16,11 +17,12 @@ hooks (fault-injection annotations, ``MOE_OPERATOR_CRASH_AT``: :func:`test_fault
 from __future__ import annotations
 
 import json
-import os
 import posixpath
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from types import ModuleType
 from typing import Any
 
 from . import constants as C
@@ -87,8 +89,7 @@ class Policy:
     test_mode: bool = False
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Policy:
-        env = os.environ if env is None else env
+    def from_env(cls, env: Mapping[str, str]) -> Policy:
         raw = env.get(ENV_HOST_PATH_PREFIXES, "")
         prefixes = tuple(posixpath.normpath(p.strip()) for p in raw.split(",")
                          if p.strip().startswith("/"))
@@ -96,21 +97,18 @@ class Policy:
                    test_mode=env.get(ENV_TEST_MODE, "").lower() in ("1", "true", "yes"))
 
 
-def test_mode() -> bool:
-    """Test-only hooks are honoured (``MOE_OPERATOR_TEST_MODE``)."""
-    return Policy.from_env().test_mode
-
-
-def test_faults():
-    """The fault-injection hooks in test mode, else None: the dev package's ``moe_faults``
-    (operator/dev; the images do not install it). The only way product code reaches them."""
-    if not test_mode():
+def test_faults(policy: Policy) -> ModuleType | None:
+    """The fault-injection hooks when ``policy`` is in test mode, else None: the dev package's
+    ``moe_faults`` (operator/dev; the images do not install it). The only way product code
+    reaches them."""
+    if not policy.test_mode:
         return None
     try:
         import moe_faults
     except ImportError:
         return None
-    return moe_faults
+    hooks: ModuleType = moe_faults
+    return hooks
 
 
 # ---- names --------------------------------------------------------------------------------
@@ -348,9 +346,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check(name: str, raw: Any, spec: JobSpec, policy: Policy | None = None) -> None:
+def check(name: str, raw: Any, spec: JobSpec, policy: Policy) -> None:
     """Everything above; raises :class:`SpecError` naming the first offending field."""
-    policy = policy or Policy.from_env()
     check_job_name(name)
     _size(raw)
     _image(spec)

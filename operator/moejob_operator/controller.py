@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kubernetes.client.rest import ApiException
@@ -31,6 +31,7 @@ from .reconcile import gate as gate_reconcile
 from .reconcile.client import Client
 from .reconcile.deferred import YieldingQueue
 from .reconcile.job import reconcile as reconcile_job
+from .reconcile.settings import Settings
 from .workqueue import RESYNC_SECONDS, Key, Requeue
 
 log = logging.getLogger("moejob_operator")
@@ -42,7 +43,7 @@ PROGRESS_SELECTOR = f"{C.LABEL_COMPONENT}=progress,{C.LABEL_MANAGED_BY}={C.MANAG
 
 
 class Reconcile(Protocol):
-    def __call__(self, client: Client, namespace: str, name: str, *,
+    def __call__(self, client: Client, namespace: str, name: str, *, settings: Settings,
                  body: dict[str, Any] | None = ...,
                  defer: Callable[[Callable[[], None]], None] | None = ...,
                  backoff: Callable[[], float] | None = ...) -> float | None: ...
@@ -50,7 +51,8 @@ class Reconcile(Protocol):
 
 @dataclass(frozen=True)
 class ControllerConfig:
-    """What ``moectl operator``'s flags decide about the loop."""
+    """What ``moectl operator``'s flags (and, for ``settings``, its environment, read once at
+    start-up) decide about the loop."""
 
     namespaces: tuple[str, ...] = ()      # watched namespaces; empty: all
     # kopf's threads for sync handlers (new jobs' first passes). Where a burst is CPU-bound (API
@@ -65,6 +67,8 @@ class ControllerConfig:
     finish_max_delay_seconds: float = 2.0
     finish_threads: int = 4
     smoke_sweep_seconds: float = 300.0    # finished smoke Jobs are looked at this often
+    # every pass's admission policy and gate settings (the defaults: no host path, gate on)
+    settings: Settings = field(default_factory=Settings)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -137,7 +141,7 @@ class Controller:
         def loop() -> None:
             while not self._sweeper_stop.wait(self.config.smoke_sweep_seconds):
                 try:
-                    gate_reconcile.sweep_smoke_jobs(self.client)
+                    gate_reconcile.sweep_smoke_jobs(self.client, self.config.settings.gate)
                 except Exception:   # housekeeping; tried again next round
                     log.exception("smoke Job sweep failed")
         threading.Thread(target=loop, name="moe-smoke-sweep", daemon=True).start()
@@ -214,7 +218,8 @@ class Controller:
 
         def once() -> float | None:
             self._finish_pending(key)
-            return self._reconcile(self.client, namespace, name, body=body,
+            return self._reconcile(self.client, namespace, name, settings=self.config.settings,
+                                   body=body,
                                    defer=lambda f: self._defer(key, f), backoff=backoff)
         return self._serialised(key, once, errored)
 

@@ -37,6 +37,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -223,11 +224,29 @@ def _renew_loop(elector: LeaseElector, args, stop: threading.Event, lost: thread
             return
 
 
-def controller_config(args: argparse.Namespace) -> Any:
-    """The controller's settings from the flags."""
-    from .controller import ControllerConfig
+def _own_namespace() -> str:
+    """The namespace this pod runs in (its ServiceAccount's), else ``default``."""
+    try:
+        return SA_NAMESPACE_FILE.read_text().strip() or "default"
+    except OSError:
+        return "default"
 
-    return ControllerConfig(namespaces=tuple(args.namespace), workers=args.workers)
+
+def controller_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+    """The controller's settings from the flags, and the passes' settings (admission policy,
+    upgrade gate) from ``env`` (default: this process's environment, which the chart sets),
+    read once here: nothing later reads the environment."""
+    from .controller import ControllerConfig
+    from .core.gate import GateError
+    from .reconcile.settings import Settings
+
+    settings = Settings.from_env(os.environ if env is None else env,
+                                 default_namespace=_own_namespace())
+    if isinstance(settings.gate, GateError):
+        log.error("upgrade gate settings are invalid (%s): jobs that need the gate wait",
+                  settings.gate)
+    return ControllerConfig(namespaces=tuple(args.namespace), workers=args.workers,
+                            settings=settings)
 
 
 async def _run_kopf(args: argparse.Namespace, controller: Any, lost: threading.Event,

@@ -12,13 +12,10 @@ an older attempt under its resourceVersion; a conflict means someone else just w
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import json
 import logging
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from kubernetes import client as k8s
@@ -40,7 +37,6 @@ log = logging.getLogger("moejob_operator")
 
 R_GATE_MISCONFIGURED = "GateMisconfigured"
 R_IMAGE_DIGEST_CHANGED = G.R_IMAGE_DIGEST_CHANGED
-_SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 DEFAULT_WAIT_SECONDS = 10.0     # a smoke test to wait for, when the decision names no delay
@@ -53,14 +49,6 @@ class Verified:
     reason: str
     message: str
     digest: str | None = None          # the digest the verdict's smoke pod ran (tag-only images)
-
-
-def gate_config(env: dict[str, str] | None = None) -> G.GateConfig:
-    """Settings from the operator's env; the namespace defaults to the one it runs in."""
-    default_ns = "default"
-    with contextlib.suppress(OSError):
-        default_ns = _SA_NAMESPACE.read_text().strip() or default_ns
-    return G.GateConfig.from_env(os.environ if env is None else env, default_namespace=default_ns)
 
 
 def _previous(job: dict[str, Any]) -> dict[str, Any]:
@@ -80,10 +68,12 @@ def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None)
 
 
 def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = None,
-          config: G.GateConfig | None = None, plan: dict[str, Any] | None = None) -> Verified:
+          config: G.GateConfig | G.GateError | None = None,
+          plan: dict[str, Any] | None = None) -> Verified:
     """The gate stage: :class:`Verified`, else raises :class:`NotYet` / :class:`Refused`.
-    ``plan``: the job's MoEPlan (its `hardware` keys GPU verdicts; a GPU smoke Job runs on its
-    first node)."""
+    ``config``: the operator's gate settings (:class:`~.settings.Settings`, read at start-up),
+    or the error that made them invalid; None: the defaults. ``plan``: the job's MoEPlan (its
+    `hardware` keys GPU verdicts; a GPU smoke Job runs on its first node)."""
     now = now or dt.datetime.now(dt.UTC)
     prev = _previous(job)
     status = job.get("status") or {}
@@ -95,10 +85,10 @@ def check(client, job: dict[str, Any], spec: JobSpec, now: dt.datetime | None = 
     if spec.gate.skip:
         return Verified(C.R_GATE_SKIPPED,
                         G.skip_message(identity, spec.gate.skip_reason or "", G.skip_audit(job)))
-    try:
-        config = config or gate_config()
-    except G.GateError as exc:
-        raise NotYet(R_GATE_MISCONFIGURED, f"upgrade gate settings are invalid: {exc}", 60.0) from None
+    if config is None:
+        config = G.GateConfig()
+    if isinstance(config, G.GateError):
+        raise NotYet(R_GATE_MISCONFIGURED, f"upgrade gate settings are invalid: {config}", 60.0)
     if not config.enabled:
         return Verified(C.R_GATE_NOT_CONFIGURED, f"the upgrade gate is disabled (MOE_GATE_ENABLED); "
                         f"{identity.describe()} launches unverified")
@@ -273,15 +263,12 @@ def _finished_at(job: dict[str, Any]) -> dt.datetime | None:
     return None
 
 
-def sweep_smoke_jobs(client, now: dt.datetime | None = None, *, keep_seconds: float | None = None,
-                     batch=None) -> list[str]:
+def sweep_smoke_jobs(client, config: G.GateConfig | G.GateError, now: dt.datetime | None = None, *,
+                     keep_seconds: float | None = None, batch=None) -> list[str]:
     """Delete finished smoke Jobs whose verdict is in the store (or superseded by a later
-    attempt) and that finished more than ``keep_seconds`` ago; returns their names."""
-    try:
-        config = gate_config()
-    except G.GateError:
-        return []
-    if not config.enabled:
+    attempt) and that finished more than ``keep_seconds`` ago; returns their names. ``config``:
+    the operator's gate settings (nothing to do when they are invalid or the gate is off)."""
+    if isinstance(config, G.GateError) or not config.enabled:
         return []
     now = now or dt.datetime.now(dt.UTC)
     keep = SMOKE_JOB_KEEP_SECONDS if keep_seconds is None else keep_seconds

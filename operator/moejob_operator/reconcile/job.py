@@ -43,12 +43,13 @@ from ..status import (
 from . import gate, machine, planning, topology
 from .client import Client, NotReady, Rejected, exceeded_quota, server_message
 from .outcome import NotYet, Refused
+from .settings import Settings
 
 log = logging.getLogger("moejob_operator")
 
-def _crashpoint(point: str) -> None:
+def _crashpoint(p: Pass, point: str) -> None:
     """Test hook (``moe_faults.crashpoint``, test mode only): the operator process may exit here."""
-    faults = admission.test_faults()
+    faults = admission.test_faults(p.settings.policy)
     if faults is not None:
         faults.crashpoint(point)
 
@@ -56,8 +57,9 @@ def _crashpoint(point: str) -> None:
 class Pass:
     """The status being built during one pass; flushed once at the end."""
 
-    def __init__(self, client: Client, body: dict[str, Any], now: dt.datetime):
+    def __init__(self, client: Client, body: dict[str, Any], now: dt.datetime, settings: Settings):
         self.client, self.body, self.now = client, body, now
+        self.settings = settings
         self.job = common.JobRef.from_body(body)
         self.generation = body["metadata"].get("generation", 0)
         raw = body.get("status")
@@ -140,11 +142,13 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
 
 
 def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,
+              settings: Settings,
               body: dict[str, Any] | None = None,
               defer: Callable[[Callable[[], None]], None] | None = None,
               backoff: Callable[[], float] | None = None) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
-    watch event just delivered it (a new job's first pass), instead of reading it.
+    watch event just delivered it (a new job's first pass), instead of reading it. ``settings``:
+    the operator's (admission policy, gate settings), read once when it started.
 
     ``defer``: when this pass has launched the workers, it ends there and hands the rest (the
     children only the running trainer uses, then the status write: :func:`_complete_launch`) to
@@ -163,7 +167,7 @@ def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.forget_job(namespace, name)
             return None
-        p = Pass(client, body, now or dt.datetime.now(dt.UTC))
+        p = Pass(client, body, now or dt.datetime.now(dt.UTC), settings)
         done = False
         try:
             try:
@@ -274,7 +278,7 @@ def _settle(p: Pass, stage: Stage, exc: NotYet | Refused) -> float | None:
 
 
 def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
-    verified = gate.check(p.client, p.body, spec, plan=plan)
+    verified = gate.check(p.client, p.body, spec, config=p.settings.gate, plan=plan)
     p.cond(C.COND_UPGRADE_VERIFIED, TRUE, verified.reason, verified.message)
     if verified.digest:
         p.status["verifiedDigest"] = verified.digest
@@ -375,7 +379,7 @@ def _accept_spec(p: Pass) -> JobSpec | None:
     raw = p.body.get("spec")
     launched = _is_launched(p.status)
     try:
-        spec = planning.accept(p.job.name, raw)
+        spec = planning.accept(p.job.name, raw, p.settings.policy)
     except Refused as exc:
         if not launched:
             raise
@@ -445,7 +449,7 @@ def _plan_written(p: Pass, created: bool) -> None:
             p.client.delete_configmap(p.job.namespace, name)
             if not p.client.create(cm):
                 raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
-    _crashpoint("after-plan")
+    _crashpoint(p, "after-plan")
 
 
 def _spec_hash_of(cm: dict[str, Any] | None) -> str | None:
@@ -505,7 +509,7 @@ def _complete_launch(p: Pass) -> None:
                 for key in ("launchedSpec", "launchedSpecHash", "launchedFields"):
                     p.status.pop(key, None)          # not launched completely: launch again
                 raise
-            _crashpoint("after-rbac")
+            _crashpoint(p, "after-rbac")
     finally:
         p.flush()
         metrics.observe_job(p.job.namespace, p.job.name, p.status)
@@ -513,7 +517,7 @@ def _complete_launch(p: Pass) -> None:
 
 def _fault_env(p: Pass) -> dict[str, str]:
     """Test hook (``moe_faults.trainer_env``, test mode only): fault annotations -> trainer env."""
-    faults = admission.test_faults()
+    faults = admission.test_faults(p.settings.policy)
     return faults.trainer_env(p.body["metadata"].get("annotations")) if faults is not None else {}
 
 
@@ -592,7 +596,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
             p.status["failedRestarts"] = int(p.status.get("failedRestarts", 0)) + 1
         p.cond(C.COND_RUNNING, FALSE, C.R_RESTARTING, d.message)
         p.flush()                          # persist the new attempt before deleting anything
-        _crashpoint("after-restart-status")
+        _crashpoint(p, "after-restart-status")
         _delete(p, d.delete)
         return 1.0
     if d.action == "delete":
@@ -603,7 +607,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
         h = spec.immutable_hash()
         pods_to_create = workers.worker_pods(p.job, spec, rank2node, attempt=attempt, spec_hash=h,
                                              extra_env=extra_env, node_ranks=list(d.create_ranks))
-        faults = admission.test_faults()
+        faults = admission.test_faults(p.settings.policy)
         if faults is not None and faults.crash_at() == "after-first-worker":
             pods_to_create = pods_to_create[:1]        # the crash test wants a partial gang
         try:
@@ -611,7 +615,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
         except NotReady as exc:
             log.info("%s/%s: %s; retrying", p.job.namespace, p.job.name, exc)
             return 1.0
-        _crashpoint("after-first-worker")
+        _crashpoint(p, "after-first-worker")
         if p.status.get("gangComplete") != attempt and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count:
             p.status["gangComplete"] = attempt
             p.event("Normal", "WorkersCreated",

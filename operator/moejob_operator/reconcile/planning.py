@@ -85,13 +85,13 @@ def prevalidate(spec: JobSpec) -> ResolvedModel:
     return model
 
 
-def accept(name: str, raw: Any) -> JobSpec:
-    """The validate stage: the job's name and spec, as admission checks them, and
-    :func:`prevalidate`. Raises ``Refused(InvalidSpec, field=...)``."""
+def accept(name: str, raw: Any, policy: admission.Policy) -> JobSpec:
+    """The validate stage: the job's name and spec, as admission checks them under the
+    operator's ``policy``, and :func:`prevalidate`. Raises ``Refused(InvalidSpec, field=...)``."""
     try:
         admission.check_job_name(name)
         spec = parse_spec(raw)
-        admission.check(name, raw, spec)
+        admission.check(name, raw, spec, policy)
         prevalidate(spec)
     except SpecError as exc:
         raise Refused.invalid_spec(exc) from None
