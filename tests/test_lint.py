@@ -1,0 +1,32 @@
+"""The lint gate CI runs with the suite: `ruff check`, `ruff format --check` and `mypy` are clean.
+
+Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the planning core and the
+contracts package). Locally: `scripts/dev.sh lint` runs the same three commands; `ruff check
+--fix .` and `ruff format .` repair most findings.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECKS = {
+    "ruff-check": ["ruff", "check", "--no-fix", "."],
+    "ruff-format": ["ruff", "format", "--check", "."],
+    "mypy": ["mypy"],
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_clean(name: str) -> None:
+    cmd = CHECKS[name]
+    r = subprocess.run(
+        [sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode == 0, f"`{' '.join(cmd)}` is not clean:\n{out[-8000:]}"
