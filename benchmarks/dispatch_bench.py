@@ -43,6 +43,7 @@ RATE_MBIT = 200
 
 def topology():
     from moejob_operator.core.topology import ClusterTopology
+
     return ClusterTopology.synthetic(nodes=2, gpus_per_node=2, group_size=2)
 
 
@@ -55,9 +56,20 @@ def split(spec: str) -> tuple[str, str]:
 
 def placements(stats):
     from moejob_operator.core import placement
+
     topo = topology()
-    return {s: placement.solve(s, topo, stats, ep_size=4, num_experts=stats.num_experts,
-                               num_layers=stats.num_layers, seed=0) for s in STRATEGIES}
+    return {
+        s: placement.solve(
+            s,
+            topo,
+            stats,
+            ep_size=4,
+            num_experts=stats.num_experts,
+            num_layers=stats.num_layers,
+            seed=0,
+        )
+        for s in STRATEGIES
+    }
 
 
 # ---------------------------------------------------------------- worker (one rank)
@@ -86,15 +98,26 @@ def worker() -> None:
     for spec in job["stats"]:
         fit_path, path = split(spec)
         stats, fit = read_routing_stats(path), read_routing_stats(fit_path)
-        te = stats.token_experts[:, :job["tokens"]] if job["tokens"] else stats.token_experts
+        te = stats.token_experts[:, : job["tokens"]] if job["tokens"] else stats.token_experts
         L, _T, K = te.shape
         E, H = stats.num_experts, job["hidden"]
         torch.manual_seed(0)
-        cfg = MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=job["ffn"], num_hidden_layers=1,
-                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
-                            num_experts_per_tok=K, max_position_embeddings=64)
+        cfg = MixtralConfig(
+            vocab_size=64,
+            hidden_size=H,
+            intermediate_size=job["ffn"],
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=E,
+            num_experts_per_tok=K,
+            max_position_embeddings=64,
+        )
         model = MixtralForCausalLM(cfg).float()
-        ae = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": W, "preset_model": "mixtral"}))
+        ae = AutoEP(
+            model,
+            parse_autoep_config({"enabled": True, "autoep_size": W, "preset_model": "mixtral"}),
+        )
         ae.replace_moe_layers(ae.ep_parser(), ep_size=W, ep_rank=rank)
         base_layer = model.model.layers[0].mlp
         base_layer.ep_group = dist.new_group(list(range(W)))
@@ -106,15 +129,19 @@ def worker() -> None:
             for dispatcher in ("autoep", "dedup"):
                 layers = []
                 for layer in range(L):
-                    blk = copy.copy(base_layer)     # shares parameters and the group; own class/attrs
+                    blk = copy.copy(base_layer)  # shares parameters and the group; own class/attrs
                     blk._modules = dict(base_layer._modules)
                     slot = pl.expert2slot(layer)
                     ids = te[layer, rank::W]
                     if dispatcher == "dedup":
                         n = E // W
-                        lay = dedup_ep.Layout(tuple(int(s) // n for s in slot), tuple(int(s) % n for s in slot),
-                                              tuple(tuple(g) for g in _groups(group_of)), tuple(group_of),
-                                              tuple(node_of))
+                        lay = dedup_ep.Layout(
+                            tuple(int(s) // n for s in slot),
+                            tuple(int(s) % n for s in slot),
+                            tuple(tuple(g) for g in _groups(group_of)),
+                            tuple(group_of),
+                            tuple(node_of),
+                        )
                         dedup_ep.install([blk], [lay])
                         chosen = torch.as_tensor(ids)
                     else:
@@ -134,8 +161,13 @@ def worker() -> None:
                 secs = (time.perf_counter() - t0) / job["repeat"]
                 took = timer.take()
                 tiers = {k: v / job["repeat"] for k, v in took["allToAllTierBytes"].items()}
-                row[dispatcher] = {"tierBytes": tiers, "seconds": secs,
-                                   "dedupCounters": {k: v / job["repeat"] for k, v in dedup_ep.counters.take().items()}}
+                row[dispatcher] = {
+                    "tierBytes": tiers,
+                    "seconds": secs,
+                    "dedupCounters": {
+                        k: v / job["repeat"] for k, v in dedup_ep.counters.take().items()
+                    },
+                }
             timer.uninstall()
             results.append(row)
     out = Path(os.environ["DISPATCH_OUT"]) / f"rank{rank}.json"
@@ -157,14 +189,17 @@ def _fixed_router(blk, chosen, num_experts):
     """The layer with its router's choice replaced by ``chosen[T, K]`` (scores from the gate, so
     router gradients still flow)."""
     import torch
+
     gate = blk.router.gate
 
     def route(x, bias=None):
         scores = torch.softmax(gate(x).float(), dim=-1).gather(1, chosen)
         scores = scores / scores.sum(-1, keepdim=True)
         counts = torch.zeros(num_experts, dtype=torch.int32).scatter_add_(
-            0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=torch.int32))
+            0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=torch.int32)
+        )
         return scores, chosen, counts
+
     blk.router.forward = route
     return blk
 
@@ -175,8 +210,16 @@ def _fixed_router(blk, chosen, num_experts):
 def launch(job: dict, out: Path, netns: bool) -> list[list[dict]]:
     out.mkdir(parents=True, exist_ok=True)
     port = 29000 + os.getpid() % 1000
-    env = dict(os.environ, DISPATCH_JOB=json.dumps(job), DISPATCH_OUT=str(out), WORLD_SIZE="4",
-               LOCAL_WORLD_SIZE="2", MASTER_PORT=str(port), DISPATCH_WORKER="1", OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        DISPATCH_JOB=json.dumps(job),
+        DISPATCH_OUT=str(out),
+        WORLD_SIZE="4",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_PORT=str(port),
+        DISPATCH_WORKER="1",
+        OMP_NUM_THREADS="1",
+    )
     procs = []
     for r in range(4):
         e = dict(env, RANK=str(r), LOCAL_RANK=str(r % 2))
@@ -186,7 +229,7 @@ def launch(job: dict, out: Path, netns: bool) -> list[list[dict]]:
             cmd = ["ip", "netns", "exec", NS_NAME[r // 2], *cmd]
         else:
             e["MASTER_ADDR"] = "127.0.0.1"
-        with open(out / f"log{r}.txt", "w") as log:     # the child keeps its own copy
+        with open(out / f"log{r}.txt", "w") as log:  # the child keeps its own copy
             procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
     codes = [p.wait(timeout=3600) for p in procs]
     if codes != [0] * 4:
@@ -199,15 +242,25 @@ NS_ADDR = ("10.215.0.1", "10.215.0.2")
 
 
 def netns_up(rate_mbit: int | None) -> None:
-    sh = ["ip netns add w15node0", "ip netns add w15node1",
-          "ip link add veth0 type veth peer name veth1",
-          "ip link set veth0 netns w15node0", "ip link set veth1 netns w15node1"]
+    sh = [
+        "ip netns add w15node0",
+        "ip netns add w15node1",
+        "ip link add veth0 type veth peer name veth1",
+        "ip link set veth0 netns w15node0",
+        "ip link set veth1 netns w15node1",
+    ]
     for i in range(2):
         ns = f"ip netns exec w15node{i} "
-        sh += [ns + f"ip addr add {NS_ADDR[i]}/24 dev veth{i}", ns + f"ip link set veth{i} up",
-               ns + "ip link set lo up"]
+        sh += [
+            ns + f"ip addr add {NS_ADDR[i]}/24 dev veth{i}",
+            ns + f"ip link set veth{i} up",
+            ns + "ip link set lo up",
+        ]
         if rate_mbit:
-            sh.append(ns + f"tc qdisc add dev veth{i} root tbf rate {rate_mbit}mbit burst 64kb latency 50ms")
+            sh.append(
+                ns
+                + f"tc qdisc add dev veth{i} root tbf rate {rate_mbit}mbit burst 64kb latency 50ms"
+            )
     for c in sh:
         subprocess.run(c.split(), check=True)
 
@@ -220,20 +273,31 @@ def netns_down() -> None:
 def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
     from moe_contracts.routing import read_routing_stats
     from moejob_operator.core import dispatch
+
     topo = topology()
     rows = []
     for i, res in enumerate(ranks[0]):
         fit_path, path = next(split(p) for p in stats_paths if _label(*split(p)) == res["stats"])
         stats = read_routing_stats(path)
-        te = stats.token_experts[:, :job["tokens"]] if job["tokens"] else stats.token_experts
+        te = stats.token_experts[:, : job["tokens"]] if job["tokens"] else stats.token_experts
         pl = placements(read_routing_stats(fit_path))[res["strategy"]]
         pred = dispatch.dispatch_bytes(pl, topo, te, hidden_size=job["hidden"], bytes_per_elem=4)
         for d in ("autoep", "dedup"):
             measured = {t: sum(r[i][d]["tierBytes"][t] for r in ranks) for t in dispatch.TIERS}
-            rows.append({"stats": res["stats"], "topK": stats.top_k, "experts": stats.num_experts,
-                         "tokens": int(te.shape[1]), "layers": int(te.shape[0]), "strategy": res["strategy"],
-                         "dispatcher": d, "measured": measured, "predicted": pred[d],
-                         "seconds": max(r[i][d]["seconds"] for r in ranks)})
+            rows.append(
+                {
+                    "stats": res["stats"],
+                    "topK": stats.top_k,
+                    "experts": stats.num_experts,
+                    "tokens": int(te.shape[1]),
+                    "layers": int(te.shape[0]),
+                    "strategy": res["strategy"],
+                    "dispatcher": d,
+                    "measured": measured,
+                    "predicted": pred[d],
+                    "seconds": max(r[i][d]["seconds"] for r in ranks),
+                }
+            )
     return rows
 
 
@@ -243,23 +307,40 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
         rs = [r for r in rows if r["stats"] == stats]
         base = next(r for r in rs if r["dispatcher"] == "autoep" and r["strategy"] == "contiguous")
         dc = next(r for r in rs if r["dispatcher"] == "dedup" and r["strategy"] == "contiguous")
-        out += [(f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} " "layers, "
-                f"{rs[0]['tokens']} recorded tokens, 2 groups x 2 ranks"), "",
-                ("| variant | cross-group bytes measured | predicted | measured/predicted | vs " "AutoEP | "
-                "vs dedup+contiguous | intra-group bytes measured |"),
-                "|---|---|---|---|---|---|---|"]
+        out += [
+            (
+                f"### {stats}: {rs[0]['experts']} experts top-{rs[0]['topK']}, {rs[0]['layers']} "
+                "layers, "
+                f"{rs[0]['tokens']} recorded tokens, 2 groups x 2 ranks"
+            ),
+            "",
+            (
+                "| variant | cross-group bytes measured | predicted | measured/predicted | vs "
+                "AutoEP | "
+                "vs dedup+contiguous | intra-group bytes measured |"
+            ),
+            "|---|---|---|---|---|---|---|",
+        ]
         variants = [base] + [r for r in rs if r["dispatcher"] == "dedup"]
         for r in variants:
             name = "AutoEP (contiguous)" if r is base else f"dedup + {r['strategy']}"
             m, p = r["measured"]["crossGroup"], r["predicted"]["crossGroup"]
-            out.append(f"| {name} | {m:,.0f} | {p:,.0f} | {m / p if p else 1:.4f} | "
-                       f"{m / base['measured']['crossGroup']:.3f} | " f"{m / dc['measured']['crossGroup']:.3f} | "
-                       f"{r['measured']['intraGroup']:,.0f} |")
+            out.append(
+                f"| {name} | {m:,.0f} | {p:,.0f} | {m / p if p else 1:.4f} | "
+                f"{m / base['measured']['crossGroup']:.3f} | "
+                f"{m / dc['measured']['crossGroup']:.3f} | "
+                f"{r['measured']['intraGroup']:,.0f} |"
+            )
         others = [r for r in rs if r["dispatcher"] == "autoep" and r is not base]
         out.append("")
-        out.append("AutoEP under the other placements (cross-group measured / predicted): " + ", ".join(
-            f"{r['strategy']} {r['measured']['crossGroup']:,.0f} / " f"{r['predicted']['crossGroup']:,.0f}"
-            for r in others))
+        out.append(
+            "AutoEP under the other placements (cross-group measured / predicted): "
+            + ", ".join(
+                f"{r['strategy']} {r['measured']['crossGroup']:,.0f} / "
+                f"{r['predicted']['crossGroup']:,.0f}"
+                for r in others
+            )
+        )
         out.append("")
     return "\n".join(out)
 
@@ -269,24 +350,43 @@ def main() -> None:
         worker()
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stats", action="append", required=True, metavar="FIT[:TEST]",
-                    help="RoutingStats with token samples; FIT:TEST solves placements on FIT and "
-                         "routes TEST's tokens")
+    ap.add_argument(
+        "--stats",
+        action="append",
+        required=True,
+        metavar="FIT[:TEST]",
+        help="RoutingStats with token samples; FIT:TEST solves placements on FIT and "
+        "routes TEST's tokens",
+    )
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--ffn", type=int, default=32)
-    ap.add_argument("--tokens", type=int, default=0, help="use the first N recorded tokens (0: all)")
+    ap.add_argument(
+        "--tokens", type=int, default=0, help="use the first N recorded tokens (0: all)"
+    )
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--netns", action="store_true", help="emulate two nodes with a shaped veth (root)")
+    ap.add_argument(
+        "--netns", action="store_true", help="emulate two nodes with a shaped veth (root)"
+    )
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
     a = ap.parse_args()
-    job = {"stats": a.stats, "hidden": a.hidden, "ffn": a.ffn, "tokens": a.tokens, "repeat": a.repeat}
+    job = {
+        "stats": a.stats,
+        "hidden": a.hidden,
+        "ffn": a.ffn,
+        "tokens": a.tokens,
+        "repeat": a.repeat,
+    }
     import tempfile
+
     work = Path(tempfile.mkdtemp(prefix="dispatch-bench-"))
     cmd = " ".join(["benchmarks/dispatch_bench.py", *sys.argv[1:]])
     if not a.netns:
         rows = summarize(a.stats, launch(job, work, False), job)
         doc = {"command": cmd, "job": job, "rows": rows}
-        md = table(rows, "Dispatch bytes per training step (forward + backward), counted in the collectives")
+        md = table(
+            rows,
+            "Dispatch bytes per training step (forward + backward), counted in the collectives",
+        )
     else:
         runs = {}
         for label, rate in (("unshaped", None), ("shaped", RATE_MBIT)):
@@ -301,29 +401,60 @@ def main() -> None:
         for free, shaped in zip(runs["unshaped"], runs["shaped"], strict=True):
             # the veth carries each direction separately: the busier direction bounds the time
             cross = shaped["predicted"]["crossNode"] / 2
-            rows.append({**shaped, "secondsUnshaped": free["seconds"],
-                         "secondsPredicted": free["seconds"] + cross / link})
-        doc = {"command": cmd, "job": job, "emulation": f"2 network namespaces, veth tbf {RATE_MBIT}mbit", "rows": rows}
+            rows.append(
+                {
+                    **shaped,
+                    "secondsUnshaped": free["seconds"],
+                    "secondsPredicted": free["seconds"] + cross / link,
+                }
+            )
+        doc = {
+            "command": cmd,
+            "job": job,
+            "emulation": f"2 network namespaces, veth tbf {RATE_MBIT}mbit",
+            "rows": rows,
+        }
         md = time_table(rows)
     Path(a.out + ".json").write_text(json.dumps(doc, indent=1))
     Path(a.out + ".md").write_text(f"Command: `{cmd}`\n\n{md}\n")
     print(md)
     import shutil
+
     shutil.rmtree(work, ignore_errors=True)
 
 
 def time_table(rows: list[dict]) -> str:
-    out = [("## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to " f"{RATE_MBIT} "
-           "Mbit/s (tc tbf), loopback inside a node; one machine, not a cluster"), ""]
+    out = [
+        (
+            "## Step time, EMULATED: 2 'nodes' = 2 network namespaces x 2 ranks, veth shaped to "
+            f"{RATE_MBIT} "
+            "Mbit/s (tc tbf), loopback inside a node; one machine, not a cluster"
+        ),
+        "",
+    ]
     for stats in dict.fromkeys(r["stats"] for r in rows):
-        out += [f"### {stats}", "", ("| variant | step s (shaped) | predicted s | step s (unshaped) | "
-                "cross-node bytes measured |"), "|---|---|---|---|---|"]
+        out += [
+            f"### {stats}",
+            "",
+            (
+                "| variant | step s (shaped) | predicted s | step s (unshaped) | "
+                "cross-node bytes measured |"
+            ),
+            "|---|---|---|---|---|",
+        ]
         for r in rows:
-            if r["stats"] != stats or (r["dispatcher"] == "autoep" and r["strategy"] != "contiguous"):
+            if r["stats"] != stats or (
+                r["dispatcher"] == "autoep" and r["strategy"] != "contiguous"
+            ):
                 continue
-            name = "AutoEP (contiguous)" if r["dispatcher"] == "autoep" else f"dedup + {r['strategy']}"
-            out.append(f"| {name} | {r['seconds']:.3f} | {r['secondsPredicted']:.3f} | " f"{r['secondsUnshaped']:.3f} | "
-                       f"{r['measured']['crossNode']:,.0f} |")
+            name = (
+                "AutoEP (contiguous)" if r["dispatcher"] == "autoep" else f"dedup + {r['strategy']}"
+            )
+            out.append(
+                f"| {name} | {r['seconds']:.3f} | {r['secondsPredicted']:.3f} | "
+                f"{r['secondsUnshaped']:.3f} | "
+                f"{r['measured']['crossNode']:,.0f} |"
+            )
         out.append("")
     return "\n".join(out)
 

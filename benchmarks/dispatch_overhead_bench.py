@@ -34,6 +34,7 @@ sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "trainer_image")]
 
 def sync(dev):
     import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize()
 
@@ -64,11 +65,13 @@ def main() -> None:
     import os
 
     import torch
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dev = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     import deepspeed
+
     deepspeed.init_distributed(dist_backend="nccl" if dev.type == "cuda" else "gloo")
     from deepspeed.module_inject.auto_ep import AutoEP
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
@@ -77,11 +80,21 @@ def main() -> None:
     from moe_trainer import dedup_ep
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    cfg = MixtralConfig(vocab_size=64, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=1,
-                        num_attention_heads=8, num_key_value_heads=8, num_local_experts=a.experts,
-                        num_experts_per_tok=a.topk, max_position_embeddings=64)
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=a.experts,
+        num_experts_per_tok=a.topk,
+        max_position_embeddings=64,
+    )
     model = MixtralForCausalLM(cfg).to(dtype)
-    ae = AutoEP(model, parse_autoep_config({"enabled": True, "autoep_size": 1, "preset_model": "mixtral"}))
+    ae = AutoEP(
+        model, parse_autoep_config({"enabled": True, "autoep_size": 1, "preset_model": "mixtral"})
+    )
     ae.replace_moe_layers(ae.ep_parser(), ep_size=1, ep_rank=0)
     layer = model.model.layers[0].mlp.to(dev)
     autoep_cls = type(layer)
@@ -100,7 +113,7 @@ def main() -> None:
             layer.__class__ = cls
             times[name].append(timed(step, dev, a.iters))
     layer.__class__ = autoep_cls
-    tps = {k: a.tokens / sorted(v)[len(v) // 2] for k, v in times.items()}     # median round
+    tps = {k: a.tokens / sorted(v)[len(v) // 2] for k, v in times.items()}  # median round
 
     # 2. the dedup path's extra per-layer work, 2 groups x 4 ranks
     P, E, K, T = 8, a.experts, a.topk, a.tokens
@@ -111,18 +124,28 @@ def main() -> None:
 
     def index_work():
         return dedup_ep.index_work(plan, sel)
+
     extra = sorted(timed(index_work, dev, a.iters) for _ in range(a.rounds))[a.rounds // 2]
     layer_s = sorted(times["autoep"])[a.rounds // 2]
-    doc = {"command": " ".join(["benchmarks/dispatch_overhead_bench.py", *sys.argv[1:]]),
-           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
-           "dtype": str(dtype), "tokens": T, "hidden": a.hidden, "ffn": a.ffn, "experts": E, "topK": K,
-           "ep1TokensPerSecondMedianRound": {k: round(v, 1) for k, v in tps.items()},
-           "ep1Ratio": round(tps["dedup_class"] / tps["autoep"], 4),
-           "ep1SecondsPerRound": times,
-           "extraIndexWorkMicrosecondsPerLayer": round(extra * 1e6, 1),
-           "layerForwardBackwardMicroseconds": round(layer_s * 1e6, 1),
-           "extraVsLayer": round(extra / layer_s, 4),
-           "extraLayout": "2 groups x 4 ranks, this rank's routing standing in for the peers'"}
+    doc = {
+        "command": " ".join(["benchmarks/dispatch_overhead_bench.py", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(dev)
+        if dev.type == "cuda"
+        else platform.processor() or "cpu",
+        "dtype": str(dtype),
+        "tokens": T,
+        "hidden": a.hidden,
+        "ffn": a.ffn,
+        "experts": E,
+        "topK": K,
+        "ep1TokensPerSecondMedianRound": {k: round(v, 1) for k, v in tps.items()},
+        "ep1Ratio": round(tps["dedup_class"] / tps["autoep"], 4),
+        "ep1SecondsPerRound": times,
+        "extraIndexWorkMicrosecondsPerLayer": round(extra * 1e6, 1),
+        "layerForwardBackwardMicroseconds": round(layer_s * 1e6, 1),
+        "extraVsLayer": round(extra / layer_s, 4),
+        "extraLayout": "2 groups x 4 ranks, this rank's routing standing in for the peers'",
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(json.dumps(doc, indent=1))

@@ -27,6 +27,7 @@ Variants (each in its own process; clean CUDA memory and DeepSpeed state):
 Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
 byte tokenizer), 200 steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,16 +48,26 @@ SIZES = {
     "430m": ("bench-mixtral", 1024, 16),
     "tiny": ("tiny-mixtral", 64, 2),
 }
-TRAINER_VARIANTS = ("stock", "stock_levers", "fast", "fast_nocompile", "fast_hf",
-                    "fast_smallbucket", "fast_bf16master")
+TRAINER_VARIANTS = (
+    "stock",
+    "stock_levers",
+    "fast",
+    "fast_nocompile",
+    "fast_hf",
+    "fast_smallbucket",
+    "fast_bf16master",
+)
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
-DEFAULT_RUNS = ("3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
-                "3b:stock_levers,430m:stock,430m:fast,430m:plain_compiled,3b:fast_nocompile")
+DEFAULT_RUNS = (
+    "3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
+    "3b:stock_levers,430m:stock,430m:fast,430m:plain_compiled,3b:fast_nocompile"
+)
 LOSS_SIZE = "430m"
 BF16_MASTER = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
 # ---- FLOPs -------------------------------------------------------------------------------------
+
 
 def flops_per_token(spec, seq: int) -> dict:
     """Model FLOPs per trained token (forward + backward), by the formula in the module
@@ -70,11 +81,16 @@ def flops_per_token(spec, seq: int) -> dict:
     lm_head = spec.vocab_size * h
     active = attn + router + experts + dense_mlp + lm_head
     scores = 6 * L * seq * q_out
-    return {"activeMatmulParams": active, "matmulFlops": 6 * active, "attentionScoreFlops": scores,
-            "flopsPerToken": 6 * active + scores}
+    return {
+        "activeMatmulParams": active,
+        "matmulFlops": 6 * active,
+        "attentionScoreFlops": scores,
+        "flopsPerToken": 6 * active + scores,
+    }
 
 
 # ---- helpers -----------------------------------------------------------------------------------
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -83,9 +99,16 @@ def _free_port() -> int:
 
 
 def _env_single(port: int) -> None:
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port), "NCCL_NVLS_ENABLE": "0",
-                 "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }.items():
         os.environ.setdefault(k, v)
 
 
@@ -107,7 +130,7 @@ def matmul_peak_tflops(torch) -> float | None:
     sec = start.elapsed_time(end) / 1e3 / 20
     del a, b
     torch.cuda.empty_cache()
-    return 2 * n ** 3 / sec / 1e12
+    return 2 * n**3 / sec / 1e12
 
 
 def gpu_memory(torch) -> dict:
@@ -115,16 +138,19 @@ def gpu_memory(torch) -> dict:
         return {}
     free, total = torch.cuda.mem_get_info()
     reserved = torch.cuda.memory_reserved()
-    outside = (total - free) - reserved          # CUDA context, NCCL, cuBLAS workspaces
-    return {"maxAllocatedBytes": torch.cuda.max_memory_allocated(),
-            "maxReservedBytes": torch.cuda.max_memory_reserved(),
-            "outsideAllocatorBytes": outside,
-            "peakDeviceBytes": torch.cuda.max_memory_reserved() + outside}
+    outside = (total - free) - reserved  # CUDA context, NCCL, cuBLAS workspaces
+    return {
+        "maxAllocatedBytes": torch.cuda.max_memory_allocated(),
+        "maxReservedBytes": torch.cuda.max_memory_reserved(),
+        "outsideAllocatorBytes": outside,
+        "peakDeviceBytes": torch.cuda.max_memory_reserved() + outside,
+    }
 
 
 def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
     """GPU busy (union of kernel intervals) vs idle over the profiled step; top kernels/host ops."""
     import tempfile
+
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     prof.export_chrome_trace(path)
@@ -132,7 +158,9 @@ def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
         trace = json.load(f)
     os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kernels = [
+        e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
     busy, cur_s, cur_e = 0.0, None, None
     for s, e in spans:
@@ -149,14 +177,21 @@ def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
         by_name.setdefault(e["name"], []).append(float(e["dur"]))
     top_k = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
     kernel_sum = sum(float(e["dur"]) for e in kernels)
-    host = sorted(((float(e["dur"]), e["name"]) for e in events
-                   if e.get("cat") == "cpu_op" and "dur" in e), reverse=True)
+    host = sorted(
+        ((float(e["dur"]), e["name"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e),
+        reverse=True,
+    )
     wall_us = wall_s * 1e6
     return {
-        "wallMs": wall_s * 1e3, "gpuBusyMs": busy / 1e3, "gpuIdleMs": max(0.0, wall_us - busy) / 1e3,
-        "kernelSumMs": kernel_sum / 1e3, "kernels": len(kernels),
-        "topKernels": [{"name": n[:110], "ms": t / 1e3, "calls": c, "share": t / max(kernel_sum, 1)}
-                       for t, c, n in top_k],
+        "wallMs": wall_s * 1e3,
+        "gpuBusyMs": busy / 1e3,
+        "gpuIdleMs": max(0.0, wall_us - busy) / 1e3,
+        "kernelSumMs": kernel_sum / 1e3,
+        "kernels": len(kernels),
+        "topKernels": [
+            {"name": n[:110], "ms": t / 1e3, "calls": c, "share": t / max(kernel_sum, 1)}
+            for t, c, n in top_k
+        ],
         "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top),
         "longestHostOps": [{"name": n[:90], "ms": d / 1e3} for d, n in host[:top]],
     }
@@ -165,45 +200,86 @@ def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
 def _note_sync(syncs: dict) -> None:
     """Count a synchronizing CUDA call by its innermost Python frames (sync debug mode 'warn')."""
     import traceback
-    frames = [f for f in traceback.extract_stack()[:-2] if "mfu_bench" not in f.filename
-              and "/warnings.py" not in f.filename]
+
+    frames = [
+        f
+        for f in traceback.extract_stack()[:-2]
+        if "mfu_bench" not in f.filename and "/warnings.py" not in f.filename
+    ]
     key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}:{f.name}" for f in frames[-3:][::-1])
     syncs[key] = syncs.get(key, 0) + 1
 
 
 # ---- workers -----------------------------------------------------------------------------------
 
+
 def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> dict:
     """The plan the product's planner writes for this size (the `moectl plan` path)."""
     from moejob_operator.core import models as core_models
     from moejob_operator.core.plan import PlanRequest, TrainingOptions, build_plan
     from moejob_operator.core.topology import load_topology
+
     preset, seq, micro = SIZES[size]
     tiny = size == "tiny"
     model = core_models.resolve_model(preset)
-    training = TrainingOptions(steps=steps, lr=3e-4, warmup_steps=10, checkpoint_every_steps=10 ** 6,
-                               seed=1234, data=data or {"kind": "synthetic"})
+    training = TrainingOptions(
+        steps=steps,
+        lr=3e-4,
+        warmup_steps=10,
+        checkpoint_every_steps=10**6,
+        seed=1234,
+        data=data or {"kind": "synthetic"},
+    )
     stock = variant.startswith("stock")
-    if tiny:   # CPU: gloo, fp32; the performance options are forced below to test their code paths
-        plan = build_plan(PlanRequest("mfu", "default", model, None, device="cpu", procs_per_node=1,
-                          cpu_memory_bytes=8 << 30, global_batch=micro, micro_batch=micro,
-                          seq_len=seq, training=training, performance=not stock))
+    if tiny:  # CPU: gloo, fp32; the performance options are forced below to test their code paths
+        plan = build_plan(
+            PlanRequest(
+                "mfu",
+                "default",
+                model,
+                None,
+                device="cpu",
+                procs_per_node=1,
+                cpu_memory_bytes=8 << 30,
+                global_batch=micro,
+                micro_batch=micro,
+                seq_len=seq,
+                training=training,
+                performance=not stock,
+            )
+        )
     else:
         topo = load_topology(str(ROOT / "tests/fixtures/topology/h200-vm-1gpu.json"))
-        plan = build_plan(PlanRequest("mfu", "default", model, [topo], global_batch=micro, micro_batch=micro,
-                          seq_len=seq, training=training, performance=not stock))
+        plan = build_plan(
+            PlanRequest(
+                "mfu",
+                "default",
+                model,
+                [topo],
+                global_batch=micro,
+                micro_batch=micro,
+                seq_len=seq,
+                training=training,
+                performance=not stock,
+            )
+        )
     doc = json.loads(json.dumps(plan.document))
     tr = doc["training"]
     if variant == "stock_levers":
         tr["performance"] = {"fusedOptimizer": True, "fusedLoss": True}
-        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 10
-    if tiny and not stock:   # what the planner picks on a GPU, on CPU (aot_eager compile; CPU's
+        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10**10
+    if tiny and not stock:  # what the planner picks on a GPU, on CPU (aot_eager compile; CPU's
         # torch._grouped_mm takes fp32 eagerly but its meta kernel wants bf16: HF experts there)
         doc["deepspeed"].pop("expert_parallel", None)
         tr["moeImpl"] = "grouped" if variant == "fast_nocompile" else "hf"
-        tr["performance"] = {"fusedOptimizer": True, "fusedLoss": True, "lossChunkTokens": 48,
-                             "zeroLeafModules": ["MixtralDecoderLayer"], "compileLayers": True}
-        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 10
+        tr["performance"] = {
+            "fusedOptimizer": True,
+            "fusedLoss": True,
+            "lossChunkTokens": 48,
+            "zeroLeafModules": ["MixtralDecoderLayer"],
+            "compileLayers": True,
+        }
+        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10**10
     if variant == "fast_nocompile":
         tr["performance"]["compileLayers"] = False
     if variant == "fast_hf":
@@ -221,27 +297,41 @@ def variant_estimate(size: str, doc: dict) -> int:
     planner's document after planning get their own estimate, not the planner's)."""
     from moejob_operator.core import models as core_models
     from moejob_operator.core.memory import estimate_memory
+
     preset, seq, micro = SIZES[size]
     perf_doc = doc["training"].get("performance") or {}
-    est = estimate_memory(core_models.resolve_model(preset).spec, doc["deepspeed"], world_size=doc["worldSize"],
-                          ep_size=doc["epSize"], seq_len=seq, micro_batch=micro,
-                          device="cpu" if doc["device"] == "cpu" else "gpu",
-                          fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192) if perf_doc.get("fusedLoss") else None)
+    est = estimate_memory(
+        core_models.resolve_model(preset).spec,
+        doc["deepspeed"],
+        world_size=doc["worldSize"],
+        ep_size=doc["epSize"],
+        seq_len=seq,
+        micro_batch=micro,
+        device="cpu" if doc["device"] == "cpu" else "gpu",
+        fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
+        if perf_doc.get("fusedLoss")
+        else None,
+    )
     return est.total
 
 
-def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bool,
-                   data: dict | None = None) -> dict:
+def trainer_worker(
+    size: str, variant: str, warmup: int, steps: int, profile: bool, data: dict | None = None
+) -> dict:
     import torch
+
     _env_single(_free_port())
     from moe_contracts.plan import parse_plan
     from moe_trainer import distenv
     from moe_trainer.trainer import Trainer
-    total = warmup + steps + (2 if profile else 0)   # + one profiled step + one sync-debug step
+
+    total = warmup + steps + (2 if profile else 0)  # + one profiled step + one sync-debug step
     doc = plan_doc(size, variant, total, data)
     plan = parse_plan(doc)
     peak = matmul_peak_tflops(torch)
-    env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=doc["device"] == "cpu")
+    env = distenv.read_env(
+        plan.world_size, [r.gpu for r in plan.ranks], force_cpu=doc["device"] == "cpu"
+    )
     distenv.init_distributed(env)
     trainer = Trainer(plan, env, None)
     t0 = time.perf_counter()
@@ -256,17 +346,20 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         marks[step] = time.perf_counter()
-        if profile and step == warmup + steps:       # profile the next (last) step
+        if profile and step == warmup + steps:  # profile the next (last) step
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as tprof
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.device.type == "cuda" else [])
+
+            acts = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if env.device.type == "cuda" else []
+            )
             prof_box["p"] = tprof(activities=acts)
             prof_box["p"].__enter__()
             prof_box["t"] = time.perf_counter()
         if profile and step == total - 1 and "p" in prof_box:
             prof_box["p"].__exit__(None, None, None)
             prof_box["wall"] = time.perf_counter() - prof_box["t"]
-            if env.device.type == "cuda":      # the last step: where it syncs with the host
+            if env.device.type == "cuda":  # the last step: where it syncs with the host
                 prof_box["show"] = warnings.showwarning
                 warnings.showwarning = lambda *a, **k: _note_sync(syncs)
                 warnings.simplefilter("always")
@@ -282,18 +375,34 @@ def trainer_worker(size: str, variant: str, warmup: int, steps: int, profile: bo
     timed = (marks[warmup + steps] - marks[warmup]) / steps
     t = plan.training
     tokens = t.micro_batch * t.seq_len * t.grad_accum
-    out = {"kind": "trainer", "size": size, "variant": variant, "exit": code, "buildSeconds": build_s,
-           "stepMs": timed * 1e3, "tokensPerSecond": tokens / timed, "tokensPerStep": tokens,
-           "losses": trainer.losses, "peakTflops": peak, "plan": {
-               "moeImpl": t.moe_impl, "autoep": plan.autoep_enabled,
-               "performance": doc["training"].get("performance"),
-               "persistenceThreshold": doc["deepspeed"]["zero_optimization"].get(
-                   "stage3_param_persistence_threshold"),
-               "estimatedPeakBytes": variant_estimate(size, doc),
-               "plannerEstimatedPeakBytes": doc["memory"]["estimatedPeakBytes"],
-               "memoryBreakdown": doc["memory"]["breakdown"]},
-           "memory": gpu_memory(torch), "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                                      for p in trainer.engine.module.parameters())}
+    out = {
+        "kind": "trainer",
+        "size": size,
+        "variant": variant,
+        "exit": code,
+        "buildSeconds": build_s,
+        "stepMs": timed * 1e3,
+        "tokensPerSecond": tokens / timed,
+        "tokensPerStep": tokens,
+        "losses": trainer.losses,
+        "peakTflops": peak,
+        "plan": {
+            "moeImpl": t.moe_impl,
+            "autoep": plan.autoep_enabled,
+            "performance": doc["training"].get("performance"),
+            "persistenceThreshold": doc["deepspeed"]["zero_optimization"].get(
+                "stage3_param_persistence_threshold"
+            ),
+            "estimatedPeakBytes": variant_estimate(size, doc),
+            "plannerEstimatedPeakBytes": doc["memory"]["estimatedPeakBytes"],
+            "memoryBreakdown": doc["memory"]["breakdown"],
+        },
+        "memory": gpu_memory(torch),
+        "params": sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+            for p in trainer.engine.module.parameters()
+        ),
+    }
     if "wall" in prof_box:
         out["profile"] = profile_summary(prof_box["p"], prof_box["wall"])
         out["profile"]["hostSyncs"] = sorted(syncs.items(), key=lambda kv: -kv[1])
@@ -308,19 +417,23 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
 
     from moe_trainer import models, perf
     from moejob_operator.core import models as core_models
+
     preset, seq, micro = SIZES[size]
     cuda = torch.cuda.is_available() and size != "tiny"
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     peak = matmul_peak_tflops(torch) if cuda else None
-    model = models.build_model(core_models.resolve_model(preset).hf_config, seed=1234, dtype=dtype,
-                               device=device)
+    model = models.build_model(
+        core_models.resolve_model(preset).hf_config, seed=1234, dtype=dtype, device=device
+    )
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("grouped_mm" if cuda else "eager")
     model.train()
     if variant == "plain_compiled":
         perf.compile_layers(model, backend=None if cuda else "aot_eager")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=cuda
+    )
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, V, (micro, seq + 1), generator=gen).to(device) for _ in range(4)]
@@ -339,6 +452,7 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
     def sync():
         if cuda:
             torch.cuda.synchronize()
+
     losses.extend(float(step(i)) for i in range(warmup))
     sync()
     t0 = time.perf_counter()
@@ -347,12 +461,22 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
     sync()
     timed = (time.perf_counter() - t0) / steps
     losses.append(float(loss))
-    out = {"kind": "plain", "size": size, "variant": variant, "stepMs": timed * 1e3,
-           "tokensPerSecond": micro * seq / timed, "tokensPerStep": micro * seq, "losses": losses,
-           "peakTflops": peak, "memory": gpu_memory(torch), "params": sum(p.numel() for p in model.parameters())}
+    out = {
+        "kind": "plain",
+        "size": size,
+        "variant": variant,
+        "stepMs": timed * 1e3,
+        "tokensPerSecond": micro * seq / timed,
+        "tokensPerStep": micro * seq,
+        "losses": losses,
+        "peakTflops": peak,
+        "memory": gpu_memory(torch),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as tprof
+
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         sync()
         with tprof(activities=acts) as prof:
@@ -382,20 +506,22 @@ def worker_main(args) -> None:
 
 # ---- orchestration and report --------------------------------------------------------------------
 
+
 def run_all(args) -> dict:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if args.tiny:
-        os.environ.setdefault("MOE_COMPILE_BACKEND", "aot_eager")   # no C++/Triton build on CPU
+        os.environ.setdefault("MOE_COMPILE_BACKEND", "aot_eager")  # no C++/Triton build on CPU
         runs = [r.replace("3b:", "tiny:").replace("430m:", "tiny:") for r in runs]
         runs = list(dict.fromkeys(runs))
     results = {"device": None, "runs": [], "args": vars(args)}
     try:
         import torch
+
         results["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
         results["torch"] = torch.__version__
-    except Exception:   # noqa: BLE001 - the report says what it could
+    except Exception:  # noqa: BLE001 - the report says what it could
         pass
     deadline = time.monotonic() + args.budget_s
     for run in runs:
@@ -404,25 +530,54 @@ def run_all(args) -> dict:
             results["runs"].append({"run": run, "error": "skipped: time budget spent"})
             continue
         res_path = out_dir / f".{run.replace(':', '_')}.json"
-        cmd = [sys.executable, __file__, "--worker", run, "--result", str(res_path), "--warmup",
-               str(args.warmup), "--steps", str(args.steps), "--loss-steps", str(args.loss_steps),
-               "--corpus-cache", args.corpus_cache] + (["--tiny"] if args.tiny else []) \
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                run,
+                "--result",
+                str(res_path),
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+                "--loss-steps",
+                str(args.loss_steps),
+                "--corpus-cache",
+                args.corpus_cache,
+            ]
+            + (["--tiny"] if args.tiny else [])
             + (["--no-profile"] if args.no_profile else [])
+        )
         t0 = time.perf_counter()
         print(f"== {run}", flush=True)
         try:
-            proc = subprocess.run(cmd, timeout=min(args.run_timeout, left), capture_output=True, text=True)
+            proc = subprocess.run(
+                cmd, timeout=min(args.run_timeout, left), capture_output=True, text=True
+            )
             rc, log = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
-            rc, log = "timeout", ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes)
-                                  else (exc.stdout or "")) + str(exc)
+            rc, log = (
+                "timeout",
+                (
+                    (exc.stdout or b"").decode(errors="replace")
+                    if isinstance(exc.stdout, bytes)
+                    else (exc.stdout or "")
+                )
+                + str(exc),
+            )
         wall = time.perf_counter() - t0
         if rc == 0 and res_path.exists():
             res = json.loads(res_path.read_text())
             res_path.unlink()
             res["run"], res["wallSeconds"] = run, wall
-            print(f"   {res.get('tokensPerSecond', 0):,.0f} tok/s  step {res.get('stepMs', 0):.1f} " "ms  "
-                  f"({wall:.0f} s)", flush=True)
+            print(
+                f"   {res.get('tokensPerSecond', 0):,.0f} tok/s  step {res.get('stepMs', 0):.1f} "
+                "ms  "
+                f"({wall:.0f} s)",
+                flush=True,
+            )
         else:
             res = {"run": run, "error": f"exit {rc}", "logTail": log[-4000:], "wallSeconds": wall}
             print(f"   FAILED ({rc}):\n{log[-2500:]}", flush=True)
@@ -434,6 +589,7 @@ def run_all(args) -> dict:
 def annotate(results: dict) -> dict:
     """Add FLOPs/token, MFU and the ratios within the run."""
     from moejob_operator.core import models as core_models
+
     by = {r["run"]: r for r in results["runs"] if "error" not in r}
     for r in results["runs"]:
         if "error" in r or r.get("kind") == "loss":
@@ -450,7 +606,11 @@ def annotate(results: dict) -> dict:
             other = by.get(f"{r['size']}:{ref}")
             if other:
                 r[f"vs_{ref}"] = r["tokensPerSecond"] / other["tokensPerSecond"]
-    losses = {r["variant"]: r["losses"] for r in results["runs"] if r.get("kind") == "loss" and "error" not in r}
+    losses = {
+        r["variant"]: r["losses"]
+        for r in results["runs"]
+        if r.get("kind") == "loss" and "error" not in r
+    }
     if "stock" in losses:
         every = {v: compare_losses(losses["stock"], xs) for v, xs in losses.items() if v != "stock"}
         results["lossCurvesByVariant"] = every
@@ -459,7 +619,7 @@ def annotate(results: dict) -> dict:
     return results
 
 
-LOSS_TOLERANCE = 0.03   # relative, on the 10-step moving average, every step from 10 on
+LOSS_TOLERANCE = 0.03  # relative, on the 10-step moving average, every step from 10 on
 
 
 def compare_losses(ref: list[float], fast: list[float]) -> dict:
@@ -467,21 +627,36 @@ def compare_losses(ref: list[float], fast: list[float]) -> dict:
 
     def ma(xs, i):
         lo = max(0, i - 9)
-        return sum(xs[lo:i + 1]) / (i + 1 - lo)
+        return sum(xs[lo : i + 1]) / (i + 1 - lo)
+
     rel = [abs(ma(fast, i) - ma(ref, i)) / abs(ma(ref, i)) for i in range(9, n)]
-    return {"steps": n, "first": [ref[0], fast[0]], "last10Mean": [ma(ref, n - 1), ma(fast, n - 1)],
-            "maxRelDiffMovingAvg10": max(rel) if rel else None, "tolerance": LOSS_TOLERANCE,
-            "within": bool(rel) and max(rel) <= LOSS_TOLERANCE,
-            "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n], strict=True))}
+    return {
+        "steps": n,
+        "first": [ref[0], fast[0]],
+        "last10Mean": [ma(ref, n - 1), ma(fast, n - 1)],
+        "maxRelDiffMovingAvg10": max(rel) if rel else None,
+        "tolerance": LOSS_TOLERANCE,
+        "within": bool(rel) and max(rel) <= LOSS_TOLERANCE,
+        "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n], strict=True)),
+    }
 
 
 def render(results: dict) -> str:
-    lines = [f"# MFU benchmark ({results.get('device')}, torch {results.get('torch')})", "",
-             ("FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
-             "+ 6 x L x s x h (causal attention scores); no recompute counted."), "",
-             ("| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) " "| MFU (989 TF) "
-             "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# MFU benchmark ({results.get('device')}, torch {results.get('torch')})",
+        "",
+        (
+            "FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
+            "+ 6 x L x s x h (causal attention scores); no recompute counted."
+        ),
+        "",
+        (
+            "| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) "
+            "| MFU (989 TF) "
+            "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["runs"]:
         if r.get("kind") == "loss":
             continue
@@ -495,34 +670,55 @@ def render(results: dict) -> str:
         lines.append(
             f"| {r['size']} | {r['variant']} | {r['tokensPerSecond']:,.0f} | {r['stepMs']:.1f} | "
             f"{r['flops']['flopsPerToken'] / 1e9:.2f} | {r['achievedTflops']:.0f} | "
-            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | " f"{fmt(r.get('vs_stock'))} | "
+            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | "
+            f"{fmt(r.get('vs_stock'))} | "
             f"{fmt(r.get('vs_plain_compiled'))} | {fmt(meas and meas / 2**30, '{:.1f}')} | "
-            f"{fmt(est and est / 2**30, '{:.1f}')} | " f"{fmt(est / meas if est and meas else None, '{:.2f}')} |")
+            f"{fmt(est and est / 2**30, '{:.1f}')} | "
+            f"{fmt(est / meas if est and meas else None, '{:.2f}')} |"
+        )
     peaks = [r["peakTflops"] for r in results["runs"] if r.get("peakTflops")]
     if peaks:
         lo, hi = min(peaks), max(peaks)
-        lines += ["", f"Measured bf16 matmul peak (8192^3, random data): {lo:.0f}-{hi:.0f} TFLOP/s."]
-    lines += ["", "## Where the step goes (one profiled step per variant)", "",
-              ("| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel " "time) |"),
-              "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Measured bf16 matmul peak (8192^3, random data): {lo:.0f}-{hi:.0f} TFLOP/s.",
+        ]
+    lines += [
+        "",
+        "## Where the step goes (one profiled step per variant)",
+        "",
+        (
+            "| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel "
+            "time) |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
     for r in results["runs"]:
         p = r.get("profile")
         if not p:
             continue
         top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in p["topKernels"][:4])
-        lines.append(f"| {r['size']} | {r['variant']} | {p['wallMs']:.1f} | {p['gpuBusyMs']:.1f} | "
-                     f"{p['gpuIdleMs']:.1f} | {top} |")
+        lines.append(
+            f"| {r['size']} | {r['variant']} | {p['wallMs']:.1f} | {p['gpuBusyMs']:.1f} | "
+            f"{p['gpuIdleMs']:.1f} | {top} |"
+        )
     every = results.get("lossCurvesByVariant") or (
-        {"fast": results["lossCurves"]} if results.get("lossCurves") else {})
+        {"fast": results["lossCurves"]} if results.get("lossCurves") else {}
+    )
     if every:
         lines += ["", "## Loss curves (real text, same seed, against stock)", ""]
     for v, lc in every.items():
-        lines += [(f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
-                  f"{lc['first'][1]:.4f}; "
-                  f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
-                  "max relative difference of the 10-step moving average " f"{lc['maxRelDiffMovingAvg10']:.3%} "
-                  f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
-                  f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}.")]
+        lines += [
+            (
+                f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
+                f"{lc['first'][1]:.4f}; "
+                f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
+                "max relative difference of the 10-step moving average "
+                f"{lc['maxRelDiffMovingAvg10']:.3%} "
+                f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
+                f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}."
+            )
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -532,11 +728,20 @@ def write_profiles(results: dict, path: Path) -> None:
         p = r.get("profile")
         if not p:
             continue
-        parts.append(f"===== {r['run']}: wall {p['wallMs']:.1f} ms, GPU busy {p['gpuBusyMs']:.1f} ms, "
-                     f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} " "kernels")
-        parts += [f"  {k['ms']:8.2f} ms {k['calls']:5d}x {k['share']:6.1%}  {k['name']}" for k in p["topKernels"]]
+        parts.append(
+            f"===== {r['run']}: wall {p['wallMs']:.1f} ms, GPU busy {p['gpuBusyMs']:.1f} ms, "
+            f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} "
+            "kernels"
+        )
+        parts += [
+            f"  {k['ms']:8.2f} ms {k['calls']:5d}x {k['share']:6.1%}  {k['name']}"
+            for k in p["topKernels"]
+        ]
         if p.get("hostSyncs"):
-            parts.append("  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are " "not listed):")
+            parts.append(
+                "  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are "
+                "not listed):"
+            )
             parts += [f"  {n:4d}x  {k}" for k, n in p["hostSyncs"]]
         parts.append("  longest host ops:")
         parts += [f"  {h['ms']:8.2f} ms  {h['name']}" for h in p["longestHostOps"]]
@@ -558,8 +763,11 @@ def main(argv=None) -> None:
     ap.add_argument("--run-timeout", type=float, default=240)
     ap.add_argument("--corpus-cache", default=os.environ.get("MOE_CORPUS_CACHE", "/tmp/moe_corpus"))
     ap.add_argument("--render", help="re-render the tables of a result JSON")
-    ap.add_argument("--reestimate", action="store_true",
-                    help="with --render: recompute each trainer variant's memory estimate from its plan")
+    ap.add_argument(
+        "--reestimate",
+        action="store_true",
+        help="with --render: recompute each trainer variant's memory estimate from its plan",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -571,7 +779,9 @@ def main(argv=None) -> None:
         if args.reestimate:
             for r in results["runs"]:
                 if r.get("kind") == "trainer" and "error" not in r:
-                    r["plan"]["estimatedPeakBytes"] = variant_estimate(r["size"], plan_doc(r["size"], r["variant"], 10))
+                    r["plan"]["estimatedPeakBytes"] = variant_estimate(
+                        r["size"], plan_doc(r["size"], r["variant"], 10)
+                    )
         print(render(results))
         return
     results = run_all(args)

@@ -47,56 +47,126 @@ from moejob_operator.core import plan as plan_mod
 from moejob_operator.core.placement import Placement
 from moejob_operator.core.topology import ClusterTopology, load_topology, nvlink_groups
 
-MODEL = {"model_type": "mixtral", "vocab_size": 320, "hidden_size": 1024, "intermediate_size": 1024,
-         "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
-         "max_position_embeddings": 2048, "num_local_experts": 64, "num_experts_per_tok": 8,
-         "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
-         "router_aux_loss_coef": 0.01, "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+MODEL = {
+    "model_type": "mixtral",
+    "vocab_size": 320,
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 2048,
+    "num_local_experts": 64,
+    "num_experts_per_tok": 8,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "sliding_window": None,
+    "router_aux_loss_coef": 0.01,
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+}
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss (\S+) aux \S+ (\d+) tok/s a2a ([\d.]+)s ag ([\d.]+)s")
 GiB = 2**30
 
 
 def discover(out: Path, env: dict) -> tuple[Path, str]:
     topo = out / "topology.json"
-    cmd = [sys.executable, "-m", "moe_trainer.discovery.main", "--output", str(topo), "--no-stdout",
-           "--record", str(out / "topology.recording.json")]
-    r = subprocess.run(cmd, env=dict(env, NODE_NAME=env.get("NODE_NAME", "h200-host")), capture_output=True,
-                       text=True, timeout=120)
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_trainer.discovery.main",
+        "--output",
+        str(topo),
+        "--no-stdout",
+        "--record",
+        str(out / "topology.recording.json"),
+    ]
+    r = subprocess.run(
+        cmd,
+        env=dict(env, NODE_NAME=env.get("NODE_NAME", "h200-host")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if r.returncode != 0:
         raise SystemExit(f"moe-discover exited {r.returncode}: {r.stderr[-2000:]}")
     return topo, r.stderr
 
 
-def make_plan(path: Path, model_path: Path, topo_path: Path, gpus: int, strategy: str,
-              stats: RoutingStats | None, a, micro_batch: int | None = None) -> dict:
+def make_plan(
+    path: Path,
+    model_path: Path,
+    topo_path: Path,
+    gpus: int,
+    strategy: str,
+    stats: RoutingStats | None,
+    a,
+    micro_batch: int | None = None,
+) -> dict:
     micro = micro_batch or a.micro_batch
     report = load_topology(str(topo_path))
-    training = plan_mod.TrainingOptions(steps=a.steps, lr=3e-4, warmup_steps=5, seed=1234,
-                                        checkpoint_every_steps=a.steps, grad_clip=1.0,
-                                        data={"kind": "corpus"})
-    result = plan_mod.build_plan(plan_mod.PlanRequest(f"mgpu-{strategy}-{gpus}", "bench", models.resolve_model(str(model_path)),
-                                 [report], gpus_per_node=gpus, strategy=strategy, routing_stats=stats,
-                                 global_batch=micro * gpus, micro_batch=micro,
-                                 seq_len=a.seq_len, ep_size=gpus, training=training))
+    training = plan_mod.TrainingOptions(
+        steps=a.steps,
+        lr=3e-4,
+        warmup_steps=5,
+        seed=1234,
+        checkpoint_every_steps=a.steps,
+        grad_clip=1.0,
+        data={"kind": "corpus"},
+    )
+    result = plan_mod.build_plan(
+        plan_mod.PlanRequest(
+            f"mgpu-{strategy}-{gpus}",
+            "bench",
+            models.resolve_model(str(model_path)),
+            [report],
+            gpus_per_node=gpus,
+            strategy=strategy,
+            routing_stats=stats,
+            global_batch=micro * gpus,
+            micro_batch=micro,
+            seq_len=a.seq_len,
+            ep_size=gpus,
+            training=training,
+        )
+    )
     plan_mod.write_plan(result, str(path))
     return json.loads(path.read_text())
 
 
 def train(plan_path: Path, nproc: int, work: Path, tag: str, env: dict, timeout: float) -> dict:
     from moe_trainer.launch import launch
+
     ckpt = work / f"ckpt-{tag}"
     t0 = time.monotonic()
-    codes = launch(nproc, ["--plan", str(plan_path), "--checkpoint-dir", str(ckpt)], env=env, timeout=timeout,
-                   log_prefix=str(work / f"log-{tag}"))
+    codes = launch(
+        nproc,
+        ["--plan", str(plan_path), "--checkpoint-dir", str(ckpt)],
+        env=env,
+        timeout=timeout,
+        log_prefix=str(work / f"log-{tag}"),
+    )
     wall = time.monotonic() - t0
     log = (work / f"log-{tag}.rank0.log").read_text(errors="replace")
-    steps = [(int(m[0]), float(m[1]), float(m[2]), float(m[3]), float(m[4])) for m in STEP_LINE.findall(log)]
+    steps = [
+        (int(m[0]), float(m[1]), float(m[2]), float(m[3]), float(m[4]))
+        for m in STEP_LINE.findall(log)
+    ]
     out = {"codes": codes, "wallSeconds": round(wall, 1), "steps": len(steps)}
     if codes != [0] * nproc or not steps:
         out["logTail"] = log[-3000:]
         return out
-    steady = [s for s in steps if s[0] > max(10, len(steps) // 3)]   # after allocator warm-up / first compiles
+    steady = [
+        s for s in steps if s[0] > max(10, len(steps) // 3)
+    ]  # after allocator warm-up / first compiles
     out["tokensPerSecond"] = round(statistics.median(s[2] for s in steady))
     out["allToAllSecondsPerStep"] = round(statistics.mean(s[3] for s in steady), 5)
     out["allGatherSecondsPerStep"] = round(statistics.mean(s[4] for s in steady), 5)
@@ -124,12 +194,19 @@ def measured_gpu_load(plan: dict, stats_path: str) -> float:
 def predicted(plan: dict, topo: ClusterTopology) -> dict:
     q = plan["placement"]["quality"]
     fwd = q.get("autoEpMaxGpuBytesPerStep", 0)
-    bw = float(topo.nvlink_gbps[0]) if topo.num_gpus > 1 and topo.nvlink_gbps[0] > 0 else topo.pcie_gbps
-    return {"maxMeanLoad": q.get("maxMeanLoad"),
-            "maxGpuAllToAllBytesPerStep": 2 * fwd,           # forward + backward
-            "allToAllSecondsPerStep": 2 * fwd / (bw * 1e9) if fwd else 0.0,
-            "linkGBps": bw, "peakBytes": plan["memory"]["estimatedPeakBytes"],
-            "basis": q.get("basis")}
+    bw = (
+        float(topo.nvlink_gbps[0])
+        if topo.num_gpus > 1 and topo.nvlink_gbps[0] > 0
+        else topo.pcie_gbps
+    )
+    return {
+        "maxMeanLoad": q.get("maxMeanLoad"),
+        "maxGpuAllToAllBytesPerStep": 2 * fwd,  # forward + backward
+        "allToAllSecondsPerStep": 2 * fwd / (bw * 1e9) if fwd else 0.0,
+        "linkGBps": bw,
+        "peakBytes": plan["memory"]["estimatedPeakBytes"],
+        "basis": q.get("basis"),
+    }
 
 
 def markdown(r: dict) -> str:
@@ -143,29 +220,44 @@ def markdown(r: dict) -> str:
         peak = max(ms["peakReservedBytesByRank"] or [0])
         rows.append(
             f"| {name} | {ms['tokensPerSecond']:,} | {ms.get('vsContiguous', '')} | "
-            f"{ms['allToAllSecondsPerStep'] * 1e3:.1f} / {pr['allToAllSecondsPerStep'] * 1e3:.1f} " "| "
+            f"{ms['allToAllSecondsPerStep'] * 1e3:.1f} / {pr['allToAllSecondsPerStep'] * 1e3:.1f} "
+            "| "
             f"{mb / 2**20:.0f} / {pr['maxGpuAllToAllBytesPerStep'] / 2**20:.0f} | "
             f"{ms['maxMeanLoad']:.3f} / {pr['maxMeanLoad']:.3f} | "
-            f"{peak / GiB:.2f} / {pr['peakBytes'] / GiB:.2f} " f"({(pr['peakBytes'] / peak - 1) * 100:+.0f}%) | "
-            f"{ms['finalLoss']:.3f} |")
+            f"{peak / GiB:.2f} / {pr['peakBytes'] / GiB:.2f} "
+            f"({(pr['peakBytes'] / peak - 1) * 100:+.0f}%) | "
+            f"{ms['finalLoss']:.3f} |"
+        )
     gpus = r["gpus"]
-    return "\n".join([
-        f"# Multi-GPU validation: AutoEP + ZeRO-3 on {gpus} x {r['gpuName']} (one host)",
-        "",
-        (f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, " "same seed and "
-        "data; measured / predicted side by side (predicted = the planning core, from the " "recorded "
-        "statistics of the first run: in-sample). Bytes = what the busiest GPU sent in " "all-to-alls per "
-        "step (forward + backward); a2a time is host-side time in the collective " "(includes waiting "
-        "for the slower rank). Memory = peak reserved (caching allocator) vs the memory " "model."),
-        "",
-        f"Topology (discovered): {r['topologyNote']}",
-        "",
-        ("| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step " "busiest GPU meas / pred | "
-        "max/mean GPU load meas / pred | peak GiB/GPU meas / model | final loss |"),
-        "|---|---|---|---|---|---|---|---|",
-        *rows,
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# Multi-GPU validation: AutoEP + ZeRO-3 on {gpus} x {r['gpuName']} (one host)",
+            "",
+            (
+                f"Command: `{r['command']}`. Model: {r['modelNote']}. {r['steps']} steps per run, "
+                "same seed and "
+                "data; measured / predicted side by side (predicted = the planning core, from the "
+                "recorded "
+                "statistics of the first run: in-sample). Bytes = what the busiest GPU sent in "
+                "all-to-alls per "
+                "step (forward + backward); a2a time is host-side time in the collective "
+                "(includes waiting "
+                "for the slower rank). Memory = peak reserved (caching allocator) vs the memory "
+                "model."
+            ),
+            "",
+            f"Topology (discovered): {r['topologyNote']}",
+            "",
+            (
+                "| run | tokens/s | vs contiguous | a2a ms/step meas / pred | a2a MiB/step "
+                "busiest GPU meas / pred | "
+                "max/mean GPU load meas / pred | peak GiB/GPU meas / model | final loss |"
+            ),
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
 
 
 def main() -> None:
@@ -174,13 +266,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--cases", default="contiguous:N,balanced:N,topology_aware:N,contiguous:1",
-                    help="STRATEGY:GPUS[@MICRO_BATCH], comma-separated, run in this order (N = all GPUs)")
-    ap.add_argument("--stats", help="RoutingStats of an earlier recording run of this model, seed and "
-                                    "data (skips the recording run)")
+    ap.add_argument(
+        "--cases",
+        default="contiguous:N,balanced:N,topology_aware:N,contiguous:1",
+        help="STRATEGY:GPUS[@MICRO_BATCH], comma-separated, run in this order (N = all GPUs)",
+    )
+    ap.add_argument(
+        "--stats",
+        help="RoutingStats of an earlier recording run of this model, seed and "
+        "data (skips the recording run)",
+    )
     ap.add_argument("--timeout", type=float, default=240, help="seconds per training run")
     a = ap.parse_args()
     import torch
+
     gpus = torch.cuda.device_count()
     if gpus < 2:
         raise SystemExit(f"needs a host with 2+ GPUs, this one has {gpus}")
@@ -188,17 +287,22 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="mgpu-"))
     env = dict(os.environ, **NO_MULTICAST, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "trainer_image"), str(ROOT / "operator"),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "trainer_image"), str(ROOT / "operator"), env.get("PYTHONPATH", "")]
+    )
     model_path = work / "config.json"
     model_path.write_text(json.dumps(MODEL))
-    result = {"gpus": gpus, "gpuName": torch.cuda.get_device_name(0), "steps": a.steps,
-              "command": "PYTHONPATH=operator:trainer_image python3 benchmarks/multigpu_bench.py "
-                         "--out DIR",
-              "modelNote": "Mixtral-style, hidden 1024, 64 experts x width 1024, top-8, 4 layers, "
-                           "byte vocab, "
-                           f"seq {a.seq_len}, micro-batch {a.micro_batch}/GPU, bf16, real text",
-              "runs": {}}
+    result = {
+        "gpus": gpus,
+        "gpuName": torch.cuda.get_device_name(0),
+        "steps": a.steps,
+        "command": "PYTHONPATH=operator:trainer_image python3 benchmarks/multigpu_bench.py "
+        "--out DIR",
+        "modelNote": "Mixtral-style, hidden 1024, 64 experts x width 1024, top-8, 4 layers, "
+        "byte vocab, "
+        f"seq {a.seq_len}, micro-batch {a.micro_batch}/GPU, bf16, real text",
+        "runs": {},
+    }
 
     def save():
         (out / "multigpu.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -208,9 +312,11 @@ def main() -> None:
     topo_path, result["discoveryStderr"] = discover(out, env)
     report = load_topology(str(topo_path))
     topo = ClusterTopology.from_reports([report])
-    result["topologyNote"] = (f"{len(report.gpus)} GPUs, NVLink groups {nvlink_groups(report)}, "
-                              f"NVLink {float(topo.nvlink_gbps[0]):.0f} GB/s per GPU (0 = none), "
-                              f"driver {report.driver_version}")
+    result["topologyNote"] = (
+        f"{len(report.gpus)} GPUs, NVLink groups {nvlink_groups(report)}, "
+        f"NVLink {float(topo.nvlink_gbps[0]):.0f} GB/s per GPU (0 = none), "
+        f"driver {report.driver_version}"
+    )
     result["discoverySeconds"] = round(time.monotonic() - t0, 1)
     save()
 
@@ -236,19 +342,34 @@ def main() -> None:
         n = gpus if n_text in ("", "N") else int(n_text)
         micro = int(micro_text) if micro_text else a.micro_batch
         name = f"{strategy} ({n} GPU{'s' if n > 1 else ''}, mb {micro})"
-        tag = f"{i}-{strategy}-{n}-mb{micro}"     # own checkpoint dir: a repeat must not resume
+        tag = f"{i}-{strategy}-{n}-mb{micro}"  # own checkpoint dir: a repeat must not resume
         path = work / f"plan-{tag}.json"
-        doc = make_plan(path, model_path, topo_path, n, strategy, stats if n > 1 else None, a, micro)
+        doc = make_plan(
+            path, model_path, topo_path, n, strategy, stats if n > 1 else None, a, micro
+        )
         pred = predicted(doc, topo)
         run = train(path, n, work, tag, env, a.timeout)
         if "routingStats" in run:
             run["maxMeanLoad"] = measured_gpu_load(doc, run.pop("routingStats"))
-        name = name if name not in result["runs"] else f"{name} #{sum(k.startswith(name) for k in result['runs']) + 1}"
-        result["runs"][name] = {"predicted": pred, "measured": run,
-                                "permutationLayer0": doc["placement"]["permutation"][0]}
+        name = (
+            name
+            if name not in result["runs"]
+            else f"{name} #{sum(k.startswith(name) for k in result['runs']) + 1}"
+        )
+        result["runs"][name] = {
+            "predicted": pred,
+            "measured": run,
+            "permutationLayer0": doc["placement"]["permutation"][0],
+        }
         save()
-    base = next((r["measured"].get("tokensPerSecond") for k, r in result["runs"].items()
-                 if k.startswith(f"contiguous ({gpus} GPUs, mb {a.micro_batch})")), None)
+    base = next(
+        (
+            r["measured"].get("tokensPerSecond")
+            for k, r in result["runs"].items()
+            if k.startswith(f"contiguous ({gpus} GPUs, mb {a.micro_batch})")
+        ),
+        None,
+    )
     for run in result["runs"].values():
         m = run["measured"]
         if base and "tokensPerSecond" in m:

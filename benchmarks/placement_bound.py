@@ -51,10 +51,16 @@ from moejob_operator.core.placement import solve
 from moejob_operator.core.topology import ClusterTopology
 
 # the held-out evaluation's cases whose goal (<= 0.70x contiguous) was missed; (name, topology, EP)
-CASES = (("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
-         ("8 nodes x 4 (NVLink 4), EP 32 = 8 groups", dict(nodes=8, gpus_per_node=4, group_size=4), 32),
-         ("8 nodes x 8 (NVSwitch), EP 64 = 8 groups", dict(nodes=8, gpus_per_node=8, group_size=8), 64),
-         ("1 node x 16 (NVLink pairs), EP 16 = 8 groups", dict(nodes=1, gpus_per_node=16, group_size=2), 16))
+CASES = (
+    ("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
+    ("8 nodes x 4 (NVLink 4), EP 32 = 8 groups", dict(nodes=8, gpus_per_node=4, group_size=4), 32),
+    ("8 nodes x 8 (NVSwitch), EP 64 = 8 groups", dict(nodes=8, gpus_per_node=8, group_size=8), 64),
+    (
+        "1 node x 16 (NVLink pairs), EP 16 = 8 groups",
+        dict(nodes=1, gpus_per_node=16, group_size=2),
+        16,
+    ),
+)
 GOAL = 0.70
 # distinct token sets bounded pair by pair (the rest by the mean of their pairs): every top-2 set;
 # none for top-8, whose 28 pair constraints per set make the LP too slow here (the bound is weaker)
@@ -67,9 +73,17 @@ def connectivity(token_experts: np.ndarray, group_of_expert: np.ndarray) -> np.n
     return 1 + (g[:, 1:] != g[:, :-1]).sum(axis=1)
 
 
-def together_bound(token_experts: np.ndarray, num_experts: int, group_experts: int, num_groups: int,
-                   *, exact_sets: int = 1000, max_rounds: int = 60, cuts_per_round: int = 3000,
-                   time_limit: float = 600.0) -> dict:
+def together_bound(
+    token_experts: np.ndarray,
+    num_experts: int,
+    group_experts: int,
+    num_groups: int,
+    *,
+    exact_sets: int = 1000,
+    max_rounds: int = 60,
+    cuts_per_round: int = 3000,
+    time_limit: float = 600.0,
+) -> dict:
     """Upper bound on the number of sampled tokens whose experts can all share one group, over
     every assignment of ``num_experts`` experts to groups of ``group_experts``. Valid for top-2 or
     ``num_groups == 2`` (where ``lam = 2 - together``). Returns the bound, the rounds, the cuts and
@@ -86,23 +100,33 @@ def together_bound(token_experts: np.ndarray, num_experts: int, group_experts: i
     order = np.argsort(-weight, kind="stable")
     sets, weight = sets[order], weight[order]
     a, b = np.triu_indices(sets.shape[1], 1)
-    set_pairs = pid[sets[:, a], sets[:, b]]                      # [S, k(k-1)/2]
+    set_pairs = pid[sets[:, a], sets[:, b]]  # [S, k(k-1)/2]
     # the heaviest ``exact_sets`` sets get c <= y_ab for every pair; the others are bounded by
     # the mean of their pairs' y (c <= min <= mean), which needs no variable of its own
     S = min(len(sets), exact_sets)
-    rest_w = np.bincount(set_pairs[S:].ravel(), weights=np.repeat(weight[S:], set_pairs.shape[1]),
-                         minlength=npair) / set_pairs.shape[1]
+    rest_w = (
+        np.bincount(
+            set_pairs[S:].ravel(),
+            weights=np.repeat(weight[S:], set_pairs.shape[1]),
+            minlength=npair,
+        )
+        / set_pairs.shape[1]
+    )
     set_pairs, total = set_pairs[:S], int(weight.sum())
     weight = weight[:S]
     # variables: y[npair], c[S]; maximise sum w c + rest_w y -> minimise the negative
     cost = np.concatenate([-rest_w, -weight.astype(float)])
     rows = np.repeat(np.arange(S * set_pairs.shape[1]), 2)
-    cols = np.stack([npair + np.repeat(np.arange(S), set_pairs.shape[1]), set_pairs.ravel()], 1).ravel()
+    cols = np.stack(
+        [npair + np.repeat(np.arange(S), set_pairs.shape[1]), set_pairs.ravel()], 1
+    ).ravel()
     vals = np.tile([1.0, -1.0], S * set_pairs.shape[1])
     A_link = sp.csr_matrix((vals, (rows, cols)), shape=(S * set_pairs.shape[1], npair + S))
     deg_rows = np.concatenate([iu, ju])
-    A_deg = sp.csr_matrix((np.ones(2 * npair), (deg_rows, np.tile(np.arange(npair), 2))), shape=(E, npair + S))
-    cuts: list[tuple[np.ndarray, np.ndarray]] = []     # (3 pair ids, 3 coefficients), rhs in cut_rhs
+    A_deg = sp.csr_matrix(
+        (np.ones(2 * npair), (deg_rows, np.tile(np.arange(npair), 2))), shape=(E, npair + S)
+    )
+    cuts: list[tuple[np.ndarray, np.ndarray]] = []  # (3 pair ids, 3 coefficients), rhs in cut_rhs
     cut_rhs: list[float] = []
     t0 = time.process_time()
     best = float(total)
@@ -111,14 +135,23 @@ def together_bound(token_experts: np.ndarray, num_experts: int, group_experts: i
         if cuts:
             ids = np.array([c[0] for c in cuts])
             co = np.array([c[1] for c in cuts])
-            A_cut = sp.csr_matrix((co.ravel(), (np.repeat(np.arange(len(cuts)), 3), ids.ravel())),
-                                  shape=(len(cuts), npair + S))
+            A_cut = sp.csr_matrix(
+                (co.ravel(), (np.repeat(np.arange(len(cuts)), 3), ids.ravel())),
+                shape=(len(cuts), npair + S),
+            )
             A_ub = sp.vstack([A_link, A_cut]).tocsr()
             b_ub = np.concatenate([np.zeros(A_link.shape[0]), cut_rhs])
         else:
             A_ub, b_ub = A_link, np.zeros(A_link.shape[0])
-        res = linprog(cost, A_ub=A_ub, b_ub=b_ub, A_eq=A_deg, b_eq=np.full(E, m - 1.0), bounds=(0, 1),
-                      method="highs")
+        res = linprog(
+            cost,
+            A_ub=A_ub,
+            b_ub=b_ub,
+            A_eq=A_deg,
+            b_eq=np.full(E, m - 1.0),
+            bounds=(0, 1),
+            method="highs",
+        )
         if res.status != 0:
             raise RuntimeError(f"LP failed: {res.message}")
         best = min(best, -res.fun)
@@ -134,8 +167,15 @@ def together_bound(token_experts: np.ndarray, num_experts: int, group_experts: i
             cut_rhs.append(rhs)
         if time.process_time() - t0 > time_limit:
             break
-    return {"together": best, "tokens": total, "exactSets": S, "rounds": rounds, "cuts": len(cuts),
-            "converged": converged, "seconds": time.process_time() - t0}
+    return {
+        "together": best,
+        "tokens": total,
+        "exactSets": S,
+        "rounds": rounds,
+        "cuts": len(cuts),
+        "converged": converged,
+        "seconds": time.process_time() - t0,
+    }
 
 
 def _violated(y: np.ndarray, pid: np.ndarray, two_groups: bool, limit: int):
@@ -161,7 +201,9 @@ def _violated(y: np.ndarray, pid: np.ndarray, two_groups: bool, limit: int):
             if viol.flat[f] <= 1e-6:
                 break
             a, b, c = int(i.flat[f]), int(j.flat[f]), int(k.flat[f])
-            out.append((np.array([pid[a, b], pid[b, c], pid[a, c]]), np.array([-1.0, -1.0, -1.0]), -1.0))
+            out.append(
+                (np.array([pid[a, b], pid[b, c], pid[a, c]]), np.array([-1.0, -1.0, -1.0]), -1.0)
+            )
     return out
 
 
@@ -186,42 +228,68 @@ def bound_case(stats, name: str, topo_kw: dict, ep: int, label: str) -> dict:
         lc = connectivity(te, _groups_of_experts(contiguous, topo, layer)).sum()
         lt = connectivity(te, _groups_of_experts(ta, topo, layer)).sum()
         key = (label, layer, m, G)
-        if key not in _CACHE:       # the three 8-group cases share groups of 8 experts
+        if key not in _CACHE:  # the three 8-group cases share groups of 8 experts
             _CACHE[key] = together_bound(te, E, m, G, exact_sets=EXACT_SETS[k])
         r = _CACHE[key]
         lb = 2 * r["tokens"] - r["together"]
         lam_c, lam_lb, lam_ta = lam_c + lc, lam_lb + lb, lam_ta + lt
-        layers.append({"layer": layer, "contiguousLambda": int(lc), "lowerBoundLambda": lb,
-                       "topologyAwareLambda": int(lt), **r})
-    exact = [score(p, topo, stats, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step
-             for p in (contiguous, ta)]
-    return {"window": label, "model": stats.model, "topK": k, "case": name, "groups": G, "groupExperts": m,
-            "lowerBoundVsContiguous": lam_lb / lam_c,
-            "topologyAwareVsContiguous": lam_ta / lam_c,
-            "topologyAwareVsContiguousExactOrigins": exact[1] / exact[0],
-            "gapToBound": lam_ta / lam_lb - 1,
-            "goalExcludedByBound": bool(lam_lb / lam_c > GOAL),
-            "converged": all(x["converged"] for x in layers), "layers": layers}
+        layers.append(
+            {
+                "layer": layer,
+                "contiguousLambda": int(lc),
+                "lowerBoundLambda": lb,
+                "topologyAwareLambda": int(lt),
+                **r,
+            }
+        )
+    exact = [
+        score(p, topo, stats, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step
+        for p in (contiguous, ta)
+    ]
+    return {
+        "window": label,
+        "model": stats.model,
+        "topK": k,
+        "case": name,
+        "groups": G,
+        "groupExperts": m,
+        "lowerBoundVsContiguous": lam_lb / lam_c,
+        "topologyAwareVsContiguous": lam_ta / lam_c,
+        "topologyAwareVsContiguousExactOrigins": exact[1] / exact[0],
+        "gapToBound": lam_ta / lam_lb - 1,
+        "goalExcludedByBound": bool(lam_lb / lam_c > GOAL),
+        "converged": all(x["converged"] for x in layers),
+        "layers": layers,
+    }
 
 
 def markdown(result: dict) -> str:
-    out = ["# Lower bound on cross-group sends vs contiguous (any placement, no load limit)", "",
-           ("| window | top-k | case | lower bound (any placement) | topology_aware (same window) "
+    out = [
+        "# Lower bound on cross-group sends vs contiguous (any placement, no load limit)",
+        "",
+        (
+            "| window | top-k | case | lower bound (any placement) | topology_aware (same window) "
             "| topology_aware, t % W origins | LP converged "
-            "| <= 0.70 excluded for every placement |"),
-           "|---|---|---|---|---|---|---|---|"]
-    out.extend(f"| {r['window']} | {r['topK']} | {r['case']} | {r['lowerBoundVsContiguous']:.3f} | "
-               f"{r['topologyAwareVsContiguous']:.3f} | "
-               f"{r['topologyAwareVsContiguousExactOrigins']:.3f} | "
-               f"{'yes' if r['converged'] else 'no'} | "
-               f"{'YES' if r['goalExcludedByBound'] else 'no (bound too weak to decide)'} |"
-               for r in result["rows"])
+            "| <= 0.70 excluded for every placement |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    out.extend(
+        f"| {r['window']} | {r['topK']} | {r['case']} | {r['lowerBoundVsContiguous']:.3f} | "
+        f"{r['topologyAwareVsContiguous']:.3f} | "
+        f"{r['topologyAwareVsContiguousExactOrigins']:.3f} | "
+        f"{'yes' if r['converged'] else 'no'} | "
+        f"{'YES' if r['goalExcludedByBound'] else 'no (bound too weak to decide)'} |"
+        for r in result["rows"]
+    )
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pairs", nargs="+", help="FIT.json:TEST.json (RoutingStats v2 with tokenSamples)")
+    ap.add_argument(
+        "pairs", nargs="+", help="FIT.json:TEST.json (RoutingStats v2 with tokenSamples)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     rows = []
@@ -233,7 +301,7 @@ def main(argv=None) -> None:
             for name, kw, ep in CASES:
                 G = len(np.unique(ClusterTopology.synthetic(**kw).group_of))
                 if stats.top_k != 2 and G != 2:
-                    continue            # the pair relaxation bounds only top-2 or 2 groups
+                    continue  # the pair relaxation bounds only top-2 or 2 groups
                 rows.append(bound_case(stats, name, kw, ep, f"{label} ({Path(path).name})"))
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "layers"}), flush=True)
     result = {"rows": rows, "goal": GOAL}

@@ -35,12 +35,18 @@ from moejob_operator.core.placement import FITTED_STRATEGIES, heldout_estimate, 
 from moejob_operator.core.topology import ClusterTopology
 
 # (name, topology, EP size): EP spanning 2 and 8 NVLink groups
-CASES = (("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
-         ("8 nodes x 4 (NVLink 4), EP 32 = 8 groups", dict(nodes=8, gpus_per_node=4, group_size=4), 32),
-         ("8 nodes x 8 (NVSwitch), EP 64 = 8 groups", dict(nodes=8, gpus_per_node=8, group_size=8), 64),
-         ("1 node x 16 (NVLink pairs), EP 16 = 8 groups", dict(nodes=1, gpus_per_node=16, group_size=2), 16))
+CASES = (
+    ("2 nodes x 8 (NVSwitch), EP 16 = 2 groups", dict(nodes=2, gpus_per_node=8, group_size=8), 16),
+    ("8 nodes x 4 (NVLink 4), EP 32 = 8 groups", dict(nodes=8, gpus_per_node=4, group_size=4), 32),
+    ("8 nodes x 8 (NVSwitch), EP 64 = 8 groups", dict(nodes=8, gpus_per_node=8, group_size=8), 64),
+    (
+        "1 node x 16 (NVLink pairs), EP 16 = 8 groups",
+        dict(nodes=1, gpus_per_node=16, group_size=2),
+        16,
+    ),
+)
 STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware")
-UNLIMITED = "topology_aware, no load limit (reference)"     # what co-activation alone can give
+UNLIMITED = "topology_aware, no load limit (reference)"  # what co-activation alone can give
 TARGETS = {"vs_contiguous": 0.70, "load_vs_balanced": 1.05, "prediction_error": 0.03}
 
 
@@ -51,63 +57,102 @@ def _ratio(a: float, b: float) -> float:
 def run_pair(fit_path: str, test_path: str) -> list[dict]:
     fit, test = read_routing_stats(fit_path), read_routing_stats(test_path)
     if fit.token_experts is None or test.token_experts is None:
-        raise SystemExit(f"{fit_path} / {test_path}: both windows need tokenSamples (RoutingStats v2)")
+        raise SystemExit(
+            f"{fit_path} / {test_path}: both windows need tokenSamples (RoutingStats v2)"
+        )
     rows = []
     for name, kw, ep in CASES:
         topo = ClusterTopology.synthetic(**kw)
         out, secs = {}, {}
         for strategy in (*STRATEGIES, UNLIMITED):
             t = time.process_time()
-            p = solve(strategy.split(",")[0], topo, fit, ep_size=ep, num_experts=fit.num_experts,
-                      num_layers=fit.num_layers, **({"tol": 10.0} if strategy == UNLIMITED else {}))
+            p = solve(
+                strategy.split(",")[0],
+                topo,
+                fit,
+                ep_size=ep,
+                num_experts=fit.num_experts,
+                num_layers=fit.num_layers,
+                **({"tol": 10.0} if strategy == UNLIMITED else {}),
+            )
             secs[strategy] = time.process_time() - t
-            out[strategy] = (p, score(p, topo, test, hidden_size=1, bytes_per_elem=1),
-                             score(p, topo, fit, hidden_size=1, bytes_per_elem=1),
-                             score(p, topo, fit.without_tokens(), hidden_size=1, bytes_per_elem=1))
+            out[strategy] = (
+                p,
+                score(p, topo, test, hidden_size=1, bytes_per_elem=1),
+                score(p, topo, fit, hidden_size=1, bytes_per_elem=1),
+                score(p, topo, fit.without_tokens(), hidden_size=1, bytes_per_elem=1),
+            )
         c_test, c_fit, c_pair = (out["contiguous"][i].cross_group_bytes_per_step for i in (1, 2, 3))
         b_test = out["balanced"][1]
         for strategy, (p, s_test, s_fit, s_pair) in out.items():
             measured = s_test.cross_group_bytes_per_step / c_test
             in_sample = s_fit.cross_group_bytes_per_step / c_fit
             predicted = heldout_estimate(p, in_sample)
-            rows.append({
-                "input": f"{Path(fit_path).name} -> {Path(test_path).name}", "topK": fit.top_k,
-                "case": name, "strategy": strategy,
-                "measuredVsContiguous": measured, "predictedVsContiguous": predicted,
-                "predictionError": predicted / measured - 1, "inSampleVsContiguous": in_sample,
-                "inSampleError": in_sample / measured - 1, "optimism": measured / in_sample - 1,
-                "pairBoundVsContiguous": s_pair.cross_group_bytes_per_step / c_pair,
-                "measuredCrossNodeVsContiguous": _ratio(s_test.cross_node_bytes_per_step,
-                                                        out["contiguous"][1].cross_node_bytes_per_step),
-                "loadVsBalanced": s_test.max_mean_load / b_test.max_mean_load,
-                "fitWorstLayerLoad": s_fit.worst_layer_max_mean_load,
-                "testWorstLayerLoad": s_test.worst_layer_max_mean_load,
-                "worstLayerLoadDrift": s_test.worst_layer_max_mean_load / s_fit.worst_layer_max_mean_load,
-                "fitModel": fit.model, "testModel": test.model,
-                "fitSamples": int(fit.token_experts.shape[1]), "testSamples": int(test.token_experts.shape[1]),
-                "solveSeconds": secs[strategy]})
+            rows.append(
+                {
+                    "input": f"{Path(fit_path).name} -> {Path(test_path).name}",
+                    "topK": fit.top_k,
+                    "case": name,
+                    "strategy": strategy,
+                    "measuredVsContiguous": measured,
+                    "predictedVsContiguous": predicted,
+                    "predictionError": predicted / measured - 1,
+                    "inSampleVsContiguous": in_sample,
+                    "inSampleError": in_sample / measured - 1,
+                    "optimism": measured / in_sample - 1,
+                    "pairBoundVsContiguous": s_pair.cross_group_bytes_per_step / c_pair,
+                    "measuredCrossNodeVsContiguous": _ratio(
+                        s_test.cross_node_bytes_per_step,
+                        out["contiguous"][1].cross_node_bytes_per_step,
+                    ),
+                    "loadVsBalanced": s_test.max_mean_load / b_test.max_mean_load,
+                    "fitWorstLayerLoad": s_fit.worst_layer_max_mean_load,
+                    "testWorstLayerLoad": s_test.worst_layer_max_mean_load,
+                    "worstLayerLoadDrift": s_test.worst_layer_max_mean_load
+                    / s_fit.worst_layer_max_mean_load,
+                    "fitModel": fit.model,
+                    "testModel": test.model,
+                    "fitSamples": int(fit.token_experts.shape[1]),
+                    "testSamples": int(test.token_experts.shape[1]),
+                    "solveSeconds": secs[strategy],
+                }
+            )
     return rows
 
 
 def markdown(result: dict) -> str:
-    out = ["# Held-out placement evaluation (fit on one window, scored on the next)", "",
-           ("| routing (fit -> test) | case | strategy | measured vs contiguous | in sample | " "predicted "
-            "| error | pair bound | load vs balanced | worst-layer load fit -> test | solve s |"),
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    out.extend(f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
-               f"{r['inSampleVsContiguous']:.3f} | {r['predictedVsContiguous']:.3f} | "
-               f"{r['predictionError']:+.1%} | "
-               f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
-               f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} | {r['solveSeconds']:.2f} |"
-               for r in result["rows"])
-    out += ["", "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()), ""]
+    out = [
+        "# Held-out placement evaluation (fit on one window, scored on the next)",
+        "",
+        (
+            "| routing (fit -> test) | case | strategy | measured vs contiguous | in sample | "
+            "predicted "
+            "| error | pair bound | load vs balanced | worst-layer load fit -> test | solve s |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    out.extend(
+        f"| {r['input']} | {r['case']} | {r['strategy']} | {r['measuredVsContiguous']:.3f} | "
+        f"{r['inSampleVsContiguous']:.3f} | {r['predictedVsContiguous']:.3f} | "
+        f"{r['predictionError']:+.1%} | "
+        f"{r['pairBoundVsContiguous']:.3f} | {r['loadVsBalanced']:.3f} | "
+        f"{r['fitWorstLayerLoad']:.3f} -> {r['testWorstLayerLoad']:.3f} | {r['solveSeconds']:.2f} |"
+        for r in result["rows"]
+    )
+    out += [
+        "",
+        "Targets (topology_aware): " + ", ".join(f"{k} {v}" for k, v in TARGETS.items()),
+        "",
+    ]
     out += [f"- {v}" for v in result["verdicts"]]
     return "\n".join(out) + "\n"
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pairs", nargs="+", help="FIT.json:TEST.json (RoutingStats v2 with tokenSamples)")
+    ap.add_argument(
+        "pairs", nargs="+", help="FIT.json:TEST.json (RoutingStats v2 with tokenSamples)"
+    )
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = ap.parse_args(argv)
     rows = []
@@ -117,18 +162,25 @@ def main(argv=None) -> None:
     verdicts = []
     ta = [r for r in rows if r["strategy"] == "topology_aware"]
     for r in ta:
-        ok = (r["measuredVsContiguous"] <= TARGETS["vs_contiguous"],
-              r["loadVsBalanced"] <= TARGETS["load_vs_balanced"],
-              abs(r["predictionError"]) <= TARGETS["prediction_error"])
-        verdicts.append(f"top-{r['topK']}, {r['case']}: vs contiguous {r['measuredVsContiguous']:.3f} "
-                        f"({'ok' if ok[0] else 'MISS'}), load vs balanced {r['loadVsBalanced']:.3f} "
-                        f"({'ok' if ok[1] else 'MISS'}), prediction error {r['predictionError']:+.1%} "
-                        f"({'ok' if ok[2] else 'MISS'})")
+        ok = (
+            r["measuredVsContiguous"] <= TARGETS["vs_contiguous"],
+            r["loadVsBalanced"] <= TARGETS["load_vs_balanced"],
+            abs(r["predictionError"]) <= TARGETS["prediction_error"],
+        )
+        verdicts.append(
+            f"top-{r['topK']}, {r['case']}: vs contiguous {r['measuredVsContiguous']:.3f} "
+            f"({'ok' if ok[0] else 'MISS'}), load vs balanced {r['loadVsBalanced']:.3f} "
+            f"({'ok' if ok[1] else 'MISS'}), prediction error {r['predictionError']:+.1%} "
+            f"({'ok' if ok[2] else 'MISS'})"
+        )
     fitted = [r for r in rows if r["strategy"] in FITTED_STRATEGIES]
     optimism = sum(r["optimism"] for r in fitted) / len(fitted)
-    verdicts.append("fitted strategies: in sample / held out optimism " f"{min(r['optimism'] for r in fitted):+.1%} "
-                    f"to {max(r['optimism'] for r in fitted):+.1%}, mean {optimism:+.1%} "
-                    f"(placement.HELDOUT_OPTIMISM must match it)")
+    verdicts.append(
+        "fitted strategies: in sample / held out optimism "
+        f"{min(r['optimism'] for r in fitted):+.1%} "
+        f"to {max(r['optimism'] for r in fitted):+.1%}, mean {optimism:+.1%} "
+        f"(placement.HELDOUT_OPTIMISM must match it)"
+    )
     cross = []
     for k in sorted({r["topK"] for r in fitted}):
         own = [r["optimism"] for r in fitted if r["topK"] == k]
@@ -136,15 +188,29 @@ def main(argv=None) -> None:
         if not other:
             continue
         mean = sum(own) / len(own)
-        errs = [r["inSampleVsContiguous"] * (1 + mean) / r["measuredVsContiguous"] - 1 for r in other]
-        cross.append({"calibratedOnTopK": k, "optimism": mean, "worstErrorOnOthers": max(errs, key=abs)})
-        verdicts.append(f"correction calibrated on top-{k} only ({mean:+.1%}) applied to the other "
-                        f"recording: worst prediction error {max(errs, key=abs):+.1%}")
+        errs = [
+            r["inSampleVsContiguous"] * (1 + mean) / r["measuredVsContiguous"] - 1 for r in other
+        ]
+        cross.append(
+            {"calibratedOnTopK": k, "optimism": mean, "worstErrorOnOthers": max(errs, key=abs)}
+        )
+        verdicts.append(
+            f"correction calibrated on top-{k} only ({mean:+.1%}) applied to the other "
+            f"recording: worst prediction error {max(errs, key=abs):+.1%}"
+        )
     drift = max(r["worstLayerLoadDrift"] for r in rows if r["strategy"] in STRATEGIES[1:])
-    verdicts.append(f"worst-layer max/mean load, test / fit, largest over non-contiguous placements: "
-                    f"{drift:.3f} (the plan's capacity margin must cover it)")
-    result = {"rows": rows, "verdicts": verdicts, "targets": TARGETS, "maxWorstLayerLoadDrift": drift,
-              "meanOptimism": optimism, "correctionCrossCheck": cross}
+    verdicts.append(
+        f"worst-layer max/mean load, test / fit, largest over non-contiguous placements: "
+        f"{drift:.3f} (the plan's capacity margin must cover it)"
+    )
+    result = {
+        "rows": rows,
+        "verdicts": verdicts,
+        "targets": TARGETS,
+        "maxWorstLayerLoadDrift": drift,
+        "meanOptimism": optimism,
+        "correctionCrossCheck": cross,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "placement-heldout.json").write_text(json.dumps(result, indent=1) + "\n")

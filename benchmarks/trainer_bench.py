@@ -11,6 +11,7 @@ Model: Mixtral-style, hidden 1024, intermediate 3584 (Mixtral's 3.5x ratio), 8 e
 top-2, 4 layers, 16 heads / 4 KV heads, vocab 32000, seq 1024, micro-batch 16, bf16, ZeRO-3, one
 GPU, synthetic tokens. Same seed, same init, same optimizer (torch AdamW, fused on CUDA) for all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ DEFAULT_VARIANTS = "autoep,hf,grouped,grouped_eager,autoep@32,grouped@32"
 ZERO_MODS = {
     "z2": "ZeRO-2 instead of 3 (no parameter partitioning: no gather/release hooks)",
     "persist": "ZeRO-3 with stage3_param_persistence_threshold=1e9 "
-               "(every parameter persistent: no per-step gathers)",
+    "(every parameter persistent: no per-step gathers)",
 }
 
 
@@ -49,43 +50,86 @@ def parse_variant(spec: str) -> tuple[str, int | None]:
         raise SystemExit(f"--variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
     for mod in zero_mods(spec):
         if mod not in ZERO_MODS:
-            raise SystemExit(f"--variants: unknown modifier {mod!r} (known: {', '.join(ZERO_MODS)})")
+            raise SystemExit(
+                f"--variants: unknown modifier {mod!r} (known: {', '.join(ZERO_MODS)})"
+            )
     return name, int(batch) if batch else None
 
 
 def zero_mods(spec: str) -> list[str]:
     return spec.partition("@")[0].split("+")[1:]
 
-FULL = dict(hidden=1024, inter=3584, experts=8, top_k=2, layers=4, heads=16, kv_heads=4, vocab=32000,
-            seq=1024, batch=16)
-TINY = dict(hidden=64, inter=128, experts=4, top_k=2, layers=2, heads=4, kv_heads=2, vocab=256,
-            seq=32, batch=2)
+
+FULL = dict(
+    hidden=1024,
+    inter=3584,
+    experts=8,
+    top_k=2,
+    layers=4,
+    heads=16,
+    kv_heads=4,
+    vocab=32000,
+    seq=1024,
+    batch=16,
+)
+TINY = dict(
+    hidden=64,
+    inter=128,
+    experts=4,
+    top_k=2,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    vocab=256,
+    seq=32,
+    batch=2,
+)
 
 
 def mixtral_config(d: dict):
     from transformers import MixtralConfig
+
     return MixtralConfig(
-        hidden_size=d["hidden"], intermediate_size=d["inter"], num_local_experts=d["experts"],
-        num_experts_per_tok=d["top_k"], num_hidden_layers=d["layers"], num_attention_heads=d["heads"],
-        num_key_value_heads=d["kv_heads"], vocab_size=d["vocab"], max_position_embeddings=d["seq"],
-        tie_word_embeddings=False, use_cache=False, output_router_logits=False)
+        hidden_size=d["hidden"],
+        intermediate_size=d["inter"],
+        num_local_experts=d["experts"],
+        num_experts_per_tok=d["top_k"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        vocab_size=d["vocab"],
+        max_position_embeddings=d["seq"],
+        tie_word_embeddings=False,
+        use_cache=False,
+        output_router_logits=False,
+    )
 
 
 def ds_config(d: dict, on_gpu: bool, autoep: bool, mods: list[str] = ()) -> dict:
     h = d["hidden"]
     cfg = {
-        "train_micro_batch_size_per_gpu": d["batch"], "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": on_gpu}, "gradient_clipping": 1.0, "steps_per_print": 10**9,
+        "train_micro_batch_size_per_gpu": d["batch"],
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": on_gpu},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {  # HF's "auto" rules
-            "stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-            "reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": h * h,
+            "stage3_prefetch_bucket_size": int(0.9 * h * h),
             "stage3_param_persistence_threshold": 10 * h,
         },
     }
     if "z2" in mods:
-        cfg["zero_optimization"] = {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                    "reduce_bucket_size": h * h}
+        cfg["zero_optimization"] = {
+            "stage": 2,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": h * h,
+        }
     if "persist" in mods:
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9
     if autoep:
@@ -95,6 +139,7 @@ def ds_config(d: dict, on_gpu: bool, autoep: bool, mods: list[str] = ()) -> dict
 
 def _setup(tiny: bool):
     import torch
+
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -110,6 +155,7 @@ def _setup(tiny: bool):
 def build_model(variant: str, d: dict, device, dtype):
     import torch
     from transformers import MixtralForCausalLM
+
     torch.manual_seed(0)
     with torch.device(device):
         model = MixtralForCausalLM(mixtral_config(d)).to(dtype)
@@ -119,19 +165,27 @@ def build_model(variant: str, d: dict, device, dtype):
         model.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
     elif variant.startswith("grouped"):
         from moe_trainer.grouped_moe import swap_moe_blocks
-        assert swap_moe_blocks(model, fused_act=False if variant == "grouped_eager" else None) == d["layers"]
+
+        assert (
+            swap_moe_blocks(model, fused_act=False if variant == "grouped_eager" else None)
+            == d["layers"]
+        )
     return model
 
 
 def _mem(torch, on_gpu):
     if not on_gpu:
         return {}
-    return {"maxAllocatedBytes": torch.cuda.max_memory_allocated(), "maxReservedBytes": torch.cuda.max_memory_reserved()}
+    return {
+        "maxAllocatedBytes": torch.cuda.max_memory_allocated(),
+        "maxReservedBytes": torch.cuda.max_memory_reserved(),
+    }
 
 
 def train_worker(args) -> dict:
     torch, on_gpu, device, dtype = _setup(args.tiny)
     import deepspeed
+
     variant, batch = parse_variant(args.worker)
     d = dict(TINY if args.tiny else FULL)
     d["batch"] = batch or d["batch"]
@@ -140,14 +194,20 @@ def train_worker(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0, fused=on_gpu)
     t0 = time.perf_counter()
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt,
-                                           config=ds_config(d, on_gpu, variant == "autoep", zero_mods(args.worker)))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=opt,
+        config=ds_config(d, on_gpu, variant == "autoep", zero_mods(args.worker)),
+    )
     init_s = time.perf_counter() - t0
     if on_gpu:
         torch.cuda.synchronize()
     mem_init = _mem(torch, on_gpu)
     g = torch.Generator(device=device).manual_seed(1)
-    batches = [torch.randint(0, d["vocab"], (d["batch"], d["seq"]), device=device, generator=g) for _ in range(4)]
+    batches = [
+        torch.randint(0, d["vocab"], (d["batch"], d["seq"]), device=device, generator=g)
+        for _ in range(4)
+    ]
 
     def step(i):
         ids = batches[i % len(batches)]
@@ -175,12 +235,19 @@ def train_worker(args) -> dict:
     losses = [float(x) for x in losses]
     tokens = d["batch"] * d["seq"]
     res = {
-        "variant": args.worker, "label": VARIANTS[variant] + "".join(f"; {ZERO_MODS[m]}" for m in zero_mods(args.worker))
+        "variant": args.worker,
+        "label": VARIANTS[variant]
+        + "".join(f"; {ZERO_MODS[m]}" for m in zero_mods(args.worker))
         + (f", micro-batch {batch}" if batch else ""),
-        "params": n_params, "microBatch": d["batch"],
-        "tokensPerSecond": tokens * args.steps / timed_s, "stepSecondsMean": timed_s / args.steps,
-        "warmupStepSeconds": warm_s, "initSeconds": init_s, "losses": losses,
-        "memoryAfterInit": mem_init, "memorySteady": _mem(torch, on_gpu),
+        "params": n_params,
+        "microBatch": d["batch"],
+        "tokensPerSecond": tokens * args.steps / timed_s,
+        "stepSecondsMean": timed_s / args.steps,
+        "warmupStepSeconds": warm_s,
+        "initSeconds": init_s,
+        "losses": losses,
+        "memoryAfterInit": mem_init,
+        "memorySteady": _mem(torch, on_gpu),
     }
     if args.profile and on_gpu:
         res["profile"] = profile_steps(torch, step, args)
@@ -192,13 +259,18 @@ def _device_us(prof) -> float:
     the device time of the kernels they launch; counting both would double it), the same sum as
     the profiler table's "Self CUDA time total"."""
     from torch.autograd import DeviceType
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+
+    return sum(
+        e.self_device_time_total
+        for e in prof.key_averages()
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    )
 
 
 def profile_steps(torch, step, args) -> dict:
     """3 profiled steps: kernel table by device time, and GPU-busy vs wall time per step."""
     from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -206,8 +278,12 @@ def profile_steps(torch, step, args) -> dict:
             step(i)
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / 3
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+    )
+    cpu_table = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70
+    )
     path = Path(args.out) / f"trainer_profile_{args.worker.replace('@', '_b')}.txt"
     path.write_text(table + "\n\nBy self CPU time:\n" + cpu_table)
     busy = _device_us(prof) / 3 / 1e3
@@ -219,6 +295,7 @@ def _dev_ms(torch, fn, on_gpu, iters=10) -> float | None:
     if not on_gpu:
         return None
     from torch.profiler import ProfilerActivity, profile
+
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -256,6 +333,7 @@ def layer_worker(args) -> dict:
 
     from moe_trainer.fast.ops import combine, dispatch, plan_dispatch
     from moe_trainer.grouped_moe import GroupedMoeBlock
+
     d = TINY if args.tiny else FULL
     cfg = mixtral_config(d)
     torch.manual_seed(0)
@@ -274,6 +352,7 @@ def layer_worker(args) -> dict:
             for p in block.parameters():
                 p.grad = None
             block(x).backward(grad)
+
         return run
 
     res = {"tokens": tokens, "ms": {}, "deviceMs": {}}
@@ -333,7 +412,9 @@ def layer_worker(args) -> dict:
             if name in t:
                 res[f"{name}.routingShare.{key}"] = (t[name] - t[name + ".experts"]) / t[name]
         for name in ("hf_grouped_mm", "hf_eager"):
-            res[f"{name}.routingShareEst.{key}"] = max(0.0, (t[name] - t[ref + ".experts"]) / t[name])
+            res[f"{name}.routingShareEst.{key}"] = max(
+                0.0, (t[name] - t[ref + ".experts"]) / t[name]
+            )
     return res
 
 
@@ -347,6 +428,7 @@ def check_worker(args) -> dict:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     from moe_trainer.grouped_moe import GroupedMoeBlock
+
     d = TINY if args.tiny else FULL
     cfg = mixtral_config(d)
     cfg._experts_implementation = "eager"
@@ -366,12 +448,19 @@ def check_worker(args) -> dict:
 
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
-    res = {"impl": fast.experts.resolved_impl(xb), "dtype": str(dtype), "out": rel(y, y_ref),
-           "gradX": rel(xb.grad, x.grad)}
+
+    res = {
+        "impl": fast.experts.resolved_impl(xb),
+        "dtype": str(dtype),
+        "out": rel(y, y_ref),
+        "gradX": rel(xb.grad, x.grad),
+    }
     for (n, p), (_, q) in zip(fast.named_parameters(), hf.named_parameters(), strict=True):
         res["grad." + n] = rel(p.grad, q.grad)
     ids_ref = torch.sort(hf.gate(x.detach().reshape(-1, d["hidden"]))[2], -1).values
-    res["routingFlipFraction"] = float((torch.sort(fast.last_topk_ids, -1).values != ids_ref).any(-1).float().mean())
+    res["routingFlipFraction"] = float(
+        (torch.sort(fast.last_topk_ids, -1).values != ids_ref).any(-1).float().mean()
+    )
     # same comparison against HF's eager block run in the same dtype (same rounding of weights)
     hf_low = copy.deepcopy(hf).to(dtype)
     xl = x.detach().to(dtype).requires_grad_()
@@ -396,6 +485,7 @@ def check_worker(args) -> dict:
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -403,19 +493,48 @@ def _free_port() -> int:
 
 def run_worker(variant: str, args, log) -> dict:
     out_json = Path(args.out) / f".{variant}.json"
-    cmd = [sys.executable, __file__, "--worker", variant, "--result", str(out_json), "--out", args.out,
-           "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else []) \
+    cmd = (
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            variant,
+            "--result",
+            str(out_json),
+            "--out",
+            args.out,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
+        + (["--tiny"] if args.tiny else [])
         + (["--profile"] if variant in args.profile_variants.split(",") else [])
+    )
     t = time.perf_counter()
     env = dict(os.environ)
-    env.setdefault("MASTER_PORT", str(_free_port()))  # 29500 may be taken by another run on this host
+    env.setdefault(
+        "MASTER_PORT", str(_free_port())
+    )  # 29500 may be taken by another run on this host
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=args.worker_timeout, env=env)
+        proc = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=args.worker_timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+        out = (
+            exc.stdout
+            if isinstance(exc.stdout, str)
+            else (exc.stdout or b"").decode(errors="replace")
+        )
         proc = subprocess.CompletedProcess(cmd, -9, out + f"\nTIMEOUT after {args.worker_timeout}s")
-    log.write(f"===== {variant} rc={proc.returncode} {time.perf_counter() - t:.1f}s\n{proc.stdout}\n")
+    log.write(
+        f"===== {variant} rc={proc.returncode} {time.perf_counter() - t:.1f}s\n{proc.stdout}\n"
+    )
     log.flush()
     if proc.returncode != 0 or not out_json.exists():
         tail = "\n".join(proc.stdout.splitlines()[-15:])
@@ -429,43 +548,83 @@ def run_worker(variant: str, args, log) -> dict:
 
 def report(results: dict, tag: str, d: dict, args) -> str:
     tr = results["train"]
-    base = {k: tr[k]["tokensPerSecond"] for k in ("autoep", "hf") if "tokensPerSecond" in tr.get(k, {})}
-    base.update({k: tr[k]["tokensPerSecond"] for k in tr if k.startswith("autoep@") and "tokensPerSecond" in tr[k]})
-    gib = 2 ** 30
-    lines = [f"# Trainer benchmark ({tag})", "",
-             (f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, " f"{d['experts']} experts "
-             f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
-             f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed " "steps after "
-             f"{args.warmup} warm-up. Device: {results['device']}."), "",
-             ("| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc " "GiB | peak reserved GiB | loss first/last |"),
-             "|---|---|---|---|---|---|---|---|---|"]
+    base = {
+        k: tr[k]["tokensPerSecond"] for k in ("autoep", "hf") if "tokensPerSecond" in tr.get(k, {})
+    }
+    base.update(
+        {
+            k: tr[k]["tokensPerSecond"]
+            for k in tr
+            if k.startswith("autoep@") and "tokensPerSecond" in tr[k]
+        }
+    )
+    gib = 2**30
+    lines = [
+        f"# Trainer benchmark ({tag})",
+        "",
+        (
+            f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, "
+            f"{d['experts']} experts "
+            f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
+            f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed "
+            "steps after "
+            f"{args.warmup} warm-up. Device: {results['device']}."
+        ),
+        "",
+        (
+            "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc "
+            "GiB | peak reserved GiB | loss first/last |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for k, r in tr.items():
         if "error" in r:
             lines.append(f"| {r['label']} | failed | | | | | | | |")
             continue
         tps = r["tokensPerSecond"]
-        suffix = k[k.index("@"):] if "@" in k else ""
+        suffix = k[k.index("@") :] if "@" in k else ""
         ra = f"{tps / base['autoep' + suffix]:.2f}x" if "autoep" + suffix in base else "-"
         rb = f"{tps / base['hf']:.2f}x" if "hf" in base and not suffix else "-"
         busy = f"{r['profile']['gpuBusyMsPerStep']:.1f}" if "profile" in r else "-"
         m = r.get("memorySteady", {})
         alloc = f"{m['maxAllocatedBytes'] / gib:.1f}" if m else "-"
         resv = f"{m['maxReservedBytes'] / gib:.1f}" if m else "-"
-        lines.append(f"| {r['label']} | {tps / 1e3:.1f}k | {ra} | {rb} | {r['stepSecondsMean'] * 1e3:.1f} "
-                     f"| {busy} | {alloc} | {resv} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |")
+        lines.append(
+            f"| {r['label']} | {tps / 1e3:.1f}k | {ra} | {rb} | {r['stepSecondsMean'] * 1e3:.1f} "
+            f"| {busy} | {alloc} | {resv} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |"
+        )
     chk = results.get("check", {})
-    lines += ["", "Correctness on the device (grouped bf16 vs HF eager fp32, relative L2 error): " +
-              ", ".join(f"{k} {v:.2e}" for k, v in chk.items() if isinstance(v, float)) +
-              ("; CUDA sync-debug 'error' mode: " f"{'no host sync' if chk.get('syncDebugError') is None else chk['syncDebugError']}"
-               if "syncDebugError" in chk else "")]
+    lines += [
+        "",
+        "Correctness on the device (grouped bf16 vs HF eager fp32, relative L2 error): "
+        + ", ".join(f"{k} {v:.2e}" for k, v in chk.items() if isinstance(v, float))
+        + (
+            "; CUDA sync-debug 'error' mode: "
+            f"{'no host sync' if chk.get('syncDebugError') is None else chk['syncDebugError']}"
+            if "syncDebugError" in chk
+            else ""
+        ),
+    ]
     lay = results.get("layer", {})
     if "ms" in lay:
         dev = lay.get("deviceMs", {})
-        lines += ["", (f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms " "(median, "
-                  "CUDA events) and device ms (sum of kernel time, torch.profiler):"), "",
-                  "| path | wall ms | device ms |", "|---|---|---|"]
-        lines += [f"| {k} | {v:.3f} | {dev[k]:.3f} |" if dev.get(k) is not None else f"| {k} | {v:.3f} | - |"
-                  for k, v in lay["ms"].items()]
+        lines += [
+            "",
+            (
+                f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms "
+                "(median, "
+                "CUDA events) and device ms (sum of kernel time, torch.profiler):"
+            ),
+            "",
+            "| path | wall ms | device ms |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v:.3f} | {dev[k]:.3f} |"
+            if dev.get(k) is not None
+            else f"| {k} | {v:.3f} | - |"
+            for k, v in lay["ms"].items()
+        ]
         lines += [""] + [f"- {k}: {v:.1%}" for k, v in lay.items() if ".routingShare" in k]
     return "\n".join(lines) + "\n"
 
@@ -478,9 +637,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--profile-variants", default="autoep,hf,grouped,grouped@32")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default=None, help="results file suffix (default h200 on GPU, cpu_tiny on CPU)")
+    ap.add_argument(
+        "--tag", default=None, help="results file suffix (default h200 on GPU, cpu_tiny on CPU)"
+    )
     ap.add_argument("--skip", default="", help="comma list of 'check', 'layer' to skip")
-    ap.add_argument("--render", default=None, help="re-render the .md from a results .json and exit")
+    ap.add_argument(
+        "--render", default=None, help="re-render the .md from a results .json and exit"
+    )
     ap.add_argument("--worker-timeout", type=int, default=240, help="seconds per variant process")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -489,7 +652,9 @@ def main(argv=None) -> int:
     if args.render:
         results = json.loads(Path(args.render).read_text())
         args.steps, args.warmup = results["steps"], results["warmup"]
-        md = report(results, Path(args.render).stem.removeprefix("trainer_"), results["config"], args)
+        md = report(
+            results, Path(args.render).stem.removeprefix("trainer_"), results["config"], args
+        )
         Path(args.render).with_suffix(".md").write_text(md)
         print(md)
         return 0
@@ -501,11 +666,19 @@ def main(argv=None) -> int:
         return 0
 
     import torch
+
     on_gpu = torch.cuda.is_available() and not args.tiny
     tag = args.tag or ("h200" if on_gpu else "cpu_tiny")
     d = TINY if args.tiny else FULL
-    results = {"onGpu": on_gpu, "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
-               "torch": torch.__version__, "config": d, "steps": args.steps, "warmup": args.warmup, "train": {}}
+    results = {
+        "onGpu": on_gpu,
+        "device": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "config": d,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "train": {},
+    }
     with open(Path(args.out) / f"trainer_{tag}.log", "w") as log:
         if "check" not in args.skip.split(","):
             results["check"] = run_worker("check", args, log)

@@ -43,7 +43,9 @@ GPU_NODES = {"node-a": "nvswitch-h100-8", "node-b": "nvswitch-h100-8"}
 # The operators the tests start (and in-process passes) allow hostPath volumes under the temp
 # directory (tmp_path checkpoints: the local node agent runs pods on this host) and honour the
 # test-only hooks; a test of the production defaults starts its operator with both set to "".
-os.environ.setdefault("MOE_ALLOWED_HOST_PATH_PREFIXES", ",".join(sorted({tempfile.gettempdir(), "/tmp"})))
+os.environ.setdefault(
+    "MOE_ALLOWED_HOST_PATH_PREFIXES", ",".join(sorted({tempfile.gettempdir(), "/tmp"}))
+)
 os.environ.setdefault("MOE_OPERATOR_TEST_MODE", "1")
 
 
@@ -69,7 +71,10 @@ def control_plane(tmp_path_factory):
 
     cp = ControlPlane(tmp_path_factory.mktemp("localkube"))
     cp.start()
-    print(f"\n[localkube] control plane ready in {cp.startup_seconds:.2f}s at {cp.server} (logs " f"{cp.run_dir})")
+    print(
+        f"\n[localkube] control plane ready in {cp.startup_seconds:.2f}s at {cp.server} (logs "
+        f"{cp.run_dir})"
+    )
     try:
         yield cp
     finally:
@@ -101,9 +106,14 @@ def namespace(kube, request) -> str:
 def node_agent(control_plane, tmp_path_factory):
     from moe_localkube.nodeagent import NodeAgent, NodeSpec
 
-    agent = NodeAgent(control_plane.api_client(), [NodeSpec(n, f) for n, f in GPU_NODES.items()],
-                      run_dir=tmp_path_factory.mktemp("nodeagent"),
-                      api_server=control_plane.server, bind_fallback_seconds=5, resync_seconds=5)
+    agent = NodeAgent(
+        control_plane.api_client(),
+        [NodeSpec(n, f) for n, f in GPU_NODES.items()],
+        run_dir=tmp_path_factory.mktemp("nodeagent"),
+        api_server=control_plane.server,
+        bind_fallback_seconds=5,
+        resync_seconds=5,
+    )
     agent.start()
     try:
         yield agent
@@ -119,4 +129,3 @@ def kubectl(control_plane) -> Kubectl:
 
     env = control_plane.kubectl_env()
     return Kubectl(path=binaries.kubectl_binary(), env=env, helm=binaries.helm_binary())
-

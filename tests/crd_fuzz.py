@@ -24,18 +24,66 @@ from moejob_operator.core.models import preset_hf_config
 
 CRD = Path(__file__).resolve().parents[1] / "crds" / "moetrainingjob.yaml"
 
-HOSTILE_STRINGS = ["/", "/etc", "/var/run/docker.sock", "/tmp/../etc", "/ckpt", "/etc/moe", "/data",
-                   "a b", "a.b", "1x", "x" * 80, "", " ", "\n", "x;rm -rf /", "UPPER", "-x", "x-",
-                   "container.apparmor.security.beta.kubernetes.io/trainer",
-                   "seccomp.security.alpha.kubernetes.io/pod", "moe-operator.io/job",
-                   "app.kubernetes.io/managed-by", "system-node-critical", "nvidia.com/gpu",
-                   "1e308", "1e-400", "-1", "0", "500m", "16Gi", "lots", "none-such",
-                   "kueue.x-k8s.io/queue-name", "node-a", "node-b", "moe-trainer:local"]
+HOSTILE_STRINGS = [
+    "/",
+    "/etc",
+    "/var/run/docker.sock",
+    "/tmp/../etc",
+    "/ckpt",
+    "/etc/moe",
+    "/data",
+    "a b",
+    "a.b",
+    "1x",
+    "x" * 80,
+    "",
+    " ",
+    "\n",
+    "x;rm -rf /",
+    "UPPER",
+    "-x",
+    "x-",
+    "container.apparmor.security.beta.kubernetes.io/trainer",
+    "seccomp.security.alpha.kubernetes.io/pod",
+    "moe-operator.io/job",
+    "app.kubernetes.io/managed-by",
+    "system-node-critical",
+    "nvidia.com/gpu",
+    "1e308",
+    "1e-400",
+    "-1",
+    "0",
+    "500m",
+    "16Gi",
+    "lots",
+    "none-such",
+    "kueue.x-k8s.io/queue-name",
+    "node-a",
+    "node-b",
+    "moe-trainer:local",
+]
 HOSTILE_INTS = [0, -1, 1, 2, 3, 7, 8, 2**31, 2**63 - 1, 10**12]
-WRONG_TYPE = st.one_of(st.none(), st.booleans(), st.integers(-10, 10**6), st.text(max_size=6),
-                       st.just([]), st.just({}), st.just([1, "a"]))
-DS_SECTIONS = ["zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "expert_parallel",
-               "train_batch_size", "gradient_clipping", "steps_per_print", "wall_clock_breakdown"]
+WRONG_TYPE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 10**6),
+    st.text(max_size=6),
+    st.just([]),
+    st.just({}),
+    st.just([1, "a"]),
+)
+DS_SECTIONS = [
+    "zero_optimization",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+    "expert_parallel",
+    "train_batch_size",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+]
 PRESET = "tiny-mixtral"
 
 
@@ -46,8 +94,14 @@ PLAUSIBLE: list[tuple[tuple[str, ...], Any]] = [
     (("scheduling", "podLabels"), {"team": "a", "kueue.x-k8s.io/queue-name": "q"}),
     (("scheduling", "podAnnotations"), {"example.com/note": "free text"}),
     (("scheduling", "tolerations"), [{"operator": "Exists"}]),
-    (("scheduling", "tolerations"), [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
-    (("resources",), {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}),
+    (
+        ("scheduling", "tolerations"),
+        [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    ),
+    (
+        ("resources",),
+        {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}},
+    ),
     (("resources",), {"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": 1}}),
     (("resources",), {"limits": {"memory": "16Mi"}}),
     (("nodes", "nodeSelector"), {"kubernetes.io/os": "linux"}),
@@ -79,9 +133,14 @@ def spec_schema() -> dict[str, Any]:
 
 
 def base_spec() -> dict[str, Any]:
-    return {"image": "moe-trainer:local", "device": "CPU", "model": {"preset": PRESET},
-            "nodes": {"count": 2}, "training": {"steps": 5, "seqLen": 32, "globalBatch": 4, "microBatch": 2},
-            "gate": {"skip": True, "skipReason": "fuzz"}}
+    return {
+        "image": "moe-trainer:local",
+        "device": "CPU",
+        "model": {"preset": PRESET},
+        "nodes": {"count": 2},
+        "training": {"steps": 5, "seqLen": 32, "globalBatch": 4, "microBatch": 2},
+        "gate": {"skip": True, "skipReason": "fuzz"},
+    }
 
 
 def _string(s: dict[str, Any]) -> st.SearchStrategy:
@@ -90,16 +149,20 @@ def _string(s: dict[str, Any]) -> st.SearchStrategy:
     limit = s.get("maxLength", 100)
     parts = [st.sampled_from(HOSTILE_STRINGS), st.text(max_size=min(limit, 30))]
     if "pattern" in s:
-        parts.append(st.from_regex(s["pattern"], fullmatch="$" in s["pattern"]).filter(
-            lambda x: len(x) <= limit))
+        parts.append(
+            st.from_regex(s["pattern"], fullmatch="$" in s["pattern"]).filter(
+                lambda x: len(x) <= limit
+            )
+        )
     return st.one_of(*parts)
 
 
 def _integer(s: dict[str, Any]) -> st.SearchStrategy:
     lo, hi = s.get("minimum"), s.get("maximum")
     inside = st.integers(min_value=lo, max_value=hi)
-    edges = [v for v in (lo, hi) if v is not None] + [v for v in HOSTILE_INTS
-                                                      if (lo is None or v >= lo) and (hi is None or v <= hi)]
+    edges = [v for v in (lo, hi) if v is not None] + [
+        v for v in HOSTILE_INTS if (lo is None or v >= lo) and (hi is None or v <= hi)
+    ]
     return st.one_of(inside, st.sampled_from(edges)) if edges else inside
 
 
@@ -107,13 +170,22 @@ def _free_form(path: tuple[str, ...]) -> st.SearchStrategy:
     if path[-1] == "hfConfig":
         cfg = preset_hf_config(PRESET)
         keys = sorted(k for k, v in cfg.items() if isinstance(v, (int, str, bool)))
-        return st.tuples(st.sampled_from(keys), st.one_of(st.sampled_from([*HOSTILE_INTS, 65536, 4096]),
-                                                          WRONG_TYPE)).map(
-            lambda kv: {**cfg, kv[0]: kv[1]})
-    json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-5, 10**9), st.sampled_from(HOSTILE_STRINGS))
-    value = st.recursive(json_leaf, lambda kids: st.dictionaries(
-        st.sampled_from(["stage", "enabled", "type", "params", "lr", "overlap_comm", "x"]), kids, max_size=3),
-        max_leaves=6)
+        return st.tuples(
+            st.sampled_from(keys),
+            st.one_of(st.sampled_from([*HOSTILE_INTS, 65536, 4096]), WRONG_TYPE),
+        ).map(lambda kv: {**cfg, kv[0]: kv[1]})
+    json_leaf = st.one_of(
+        st.none(), st.booleans(), st.integers(-5, 10**9), st.sampled_from(HOSTILE_STRINGS)
+    )
+    value = st.recursive(
+        json_leaf,
+        lambda kids: st.dictionaries(
+            st.sampled_from(["stage", "enabled", "type", "params", "lr", "overlap_comm", "x"]),
+            kids,
+            max_size=3,
+        ),
+        max_leaves=6,
+    )
     return st.dictionaries(st.sampled_from(DS_SECTIONS), value, max_size=3)
 
 
@@ -122,7 +194,10 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
     if s.get("x-kubernetes-preserve-unknown-fields") and not s.get("properties"):
         return _free_form(path)
     if s.get("x-kubernetes-int-or-string") or "anyOf" in s:
-        return st.one_of(st.integers(-1, 10**6), st.sampled_from(["500m", "1Gi", "1e308", "2", "lots", "8Gi", "4Gi"]))
+        return st.one_of(
+            st.integers(-1, 10**6),
+            st.sampled_from(["500m", "1Gi", "1e308", "2", "lots", "8Gi", "4Gi"]),
+        )
     t = s.get("type")
     if t == "string":
         return _string(s)
@@ -131,8 +206,10 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
     if t == "boolean":
         return st.booleans()
     if t == "array":
-        return st.lists(from_schema(s.get("items") or {}, (*path, "[]"), depth + 1),
-                        max_size=min(s.get("maxItems", 3), 3))
+        return st.lists(
+            from_schema(s.get("items") or {}, (*path, "[]"), depth + 1),
+            max_size=min(s.get("maxItems", 3), 3),
+        )
     if t == "object":
         if s.get("properties") and depth < 4:
             props = {k: from_schema(v, (*path, k), depth + 1) for k, v in s["properties"].items()}
@@ -140,8 +217,10 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
             return st.fixed_dictionaries(req, optional=props)
         extra = s.get("additionalProperties")
         if isinstance(extra, dict):
-            keys = st.one_of(st.sampled_from(HOSTILE_STRINGS), st.from_regex(r"[a-z][a-z0-9.-]{0,12}(/[a-z]{1,8})?",
-                                                                             fullmatch=True))
+            keys = st.one_of(
+                st.sampled_from(HOSTILE_STRINGS),
+                st.from_regex(r"[a-z][a-z0-9.-]{0,12}(/[a-z]{1,8})?", fullmatch=True),
+            )
             return st.dictionaries(keys, from_schema(extra, (*path, "*"), depth + 1), max_size=3)
         return st.just({})
     return WRONG_TYPE
@@ -201,5 +280,9 @@ def manifests(draw, index: int, prefix: str) -> dict[str, Any]:
     elif "scheduling" not in spec:
         spec["scheduling"] = {"schedulerName": "none-such"}
     name = draw(st.sampled_from(["{p}-{i}"] * 6 + ["{p}.{i}", "{i}{p}", "{p}-{i}-" + "x" * 44]))
-    return {"apiVersion": "moe-operator.io/v1alpha1", "kind": "MoETrainingJob",
-            "metadata": {"name": name.format(p=prefix, i=index)}, "spec": spec}
+    return {
+        "apiVersion": "moe-operator.io/v1alpha1",
+        "kind": "MoETrainingJob",
+        "metadata": {"name": name.format(p=prefix, i=index)},
+        "spec": spec,
+    }

@@ -25,6 +25,7 @@ import sys
 def main() -> None:
     import deepspeed
     import torch.distributed as dist
+
     deepspeed.init_distributed(dist_backend="gloo")
     results = [run_case(case) for case in json.loads(os.environ["CASES"])]
     with open(os.path.join(os.environ["OUT"], f"rank{dist.get_rank()}.json"), "w") as f:
@@ -45,13 +46,26 @@ def run_case(case: dict) -> dict:
     rank, P = dist.get_rank(), dist.get_world_size()
     E, K, H = case["experts"], case["topk"], 32
     torch.manual_seed(case["seed"])
-    cfg = MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=48, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
-                        num_experts_per_tok=K, max_position_embeddings=64, initializer_range=0.3)
+    cfg = MixtralConfig(
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     model = MixtralForCausalLM(cfg).float()
     perm = torch.randperm(E, generator=torch.Generator().manual_seed(case["seed"] + 1))
-    ep_cfg = {"enabled": True, "preset_model": "mixtral", "score_apply": case["scoreApply"],
-              "use_grouped_mm": False}
+    ep_cfg = {
+        "enabled": True,
+        "preset_model": "mixtral",
+        "score_apply": case["scoreApply"],
+        "use_grouped_mm": False,
+    }
 
     def autoep_layer(src_model, ep_size, ep_rank, permute):
         m = copy.deepcopy(src_model)
@@ -72,14 +86,19 @@ def run_case(case: dict) -> dict:
     slot_of[perm] = torch.arange(E)
     groups = case["groups"]
     group_ranks = [tuple(r for r in range(P) if groups[r] == g) for g in sorted(set(groups))]
-    layout = dedup_ep.Layout(tuple(int(s) // n for s in slot_of), tuple(int(s) % n for s in slot_of),
-                             tuple(group_ranks), tuple(groups), tuple(groups))
+    layout = dedup_ep.Layout(
+        tuple(int(s) // n for s in slot_of),
+        tuple(int(s) % n for s in slot_of),
+        tuple(group_ranks),
+        tuple(groups),
+        tuple(groups),
+    )
     dedup_ep.install([layer], [layout])
     assert type(layer).__name__ == "DedupEPMoELayer"
     if case["deadRanks"]:
         bias = torch.zeros(E)
         for r in case["deadRanks"]:
-            bias[perm[r * n:(r + 1) * n]] = -1e4     # never selected (selection only, not weights)
+            bias[perm[r * n : (r + 1) * n]] = -1e4  # never selected (selection only, not weights)
         layer.expert_bias, ref.expert_bias = bias, bias.clone()
 
     T = case["tokens"]
@@ -101,16 +120,21 @@ def run_case(case: dict) -> dict:
 
     router_grad = layer.router.gate.weight.grad.clone()
     dist.all_reduce(router_grad)
-    err = {"output": (out - out_ref.reshape(P, 1, T, H)[rank]).abs().max().item(),
-           "inputGrad": (x.grad - xr.grad.reshape(P, 1, T, H)[rank]).abs().max().item(),
-           "routerGrad": (router_grad - ref.router.gate.weight.grad).abs().max().item()}
-    mine = [int(e) for e in perm[rank * n:(rank + 1) * n]]
+    err = {
+        "output": (out - out_ref.reshape(P, 1, T, H)[rank]).abs().max().item(),
+        "inputGrad": (x.grad - xr.grad.reshape(P, 1, T, H)[rank]).abs().max().item(),
+        "routerGrad": (router_grad - ref.router.gate.weight.grad).abs().max().item(),
+    }
+    mine = [int(e) for e in perm[rank * n : (rank + 1) * n]]
     for name in ("w1", "w2", "w3"):
         got = getattr(layer.experts, name).grad
         want = getattr(ref.experts, name).grad[mine]
         err[name + "Grad"] = (got - want).abs().max().item()
-    scale = {"output": out_ref.abs().max().item(), "inputGrad": xr.grad.abs().max().item(),
-             "routerGrad": ref.router.gate.weight.grad.abs().max().item()}
+    scale = {
+        "output": out_ref.abs().max().item(),
+        "inputGrad": xr.grad.abs().max().item(),
+        "routerGrad": ref.router.gate.weight.grad.abs().max().item(),
+    }
     for name in ("w1", "w2", "w3"):
         scale[name + "Grad"] = getattr(ref.experts, name).grad.abs().max().item()
     received = int(sum(getattr(layer.experts, w).grad.abs().sum().item() > 0 for w in ("w1",)))

@@ -31,7 +31,7 @@ def install_crd(kube) -> None:
         cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
         crd["metadata"]["resourceVersion"] = cur.metadata.resource_version
         kube.apiext.replace_custom_resource_definition(crd["metadata"]["name"], crd)
-    deadline = time.monotonic() + 120           # a deadline for failing, not a measurement
+    deadline = time.monotonic() + 120  # a deadline for failing, not a measurement
     while time.monotonic() < deadline:
         cur = kube.apiext.read_custom_resource_definition(crd["metadata"]["name"])
         if any(c.type == "Established" and c.status == "True" for c in cur.status.conditions or ()):
@@ -50,14 +50,25 @@ class Operator:
         self.proc = None
         self.starts = 0
 
-    def start(self, **env: str) -> "Operator":
+    def start(self, **env: str) -> Operator:
         self.starts += 1
         full = dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig), **env)
         full.pop("MOE_OPERATOR_CRASH_AT", None) if "MOE_OPERATOR_CRASH_AT" not in env else None
         self.log = self.log_dir / f"operator-{self.starts}.log"
-        self.proc = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-A",
-                                 "--no-leader-election", "--health-port=0", "--metrics-port=0"],
-                                self.log, env=full)
+        self.proc = procs.spawn(
+            [
+                sys.executable,
+                "-m",
+                "moejob_operator.cli",
+                "operator",
+                "-A",
+                "--no-leader-election",
+                "--health-port=0",
+                "--metrics-port=0",
+            ],
+            self.log,
+            env=full,
+        )
         return self
 
     def stop(self) -> None:
@@ -72,25 +83,36 @@ class Operator:
             return None
 
     def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-6000:] for p in sorted(self.log_dir.glob("operator-*.log")))
+        return "\n".join(
+            p.read_text(errors="replace")[-6000:]
+            for p in sorted(self.log_dir.glob("operator-*.log"))
+        )
 
 
 def apply_job(kube, namespace: str, manifest: dict) -> dict:
-    return kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, manifest)
+    return kube.custom.create_namespaced_custom_object(
+        C.GROUP, C.VERSION, namespace, C.PLURAL, manifest
+    )
 
 
 def get_job(kube, namespace: str, name: str) -> dict:
     return kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)
 
 
-def launched(kube, namespace: str, name: str, wait_for, attempt: int = 0, timeout: float = 30) -> dict:
+def launched(
+    kube, namespace: str, name: str, wait_for, attempt: int = 0, timeout: float = 30
+) -> dict:
     """The job once its status records the launch of ``attempt``: a first launch writes status
     after the worker pods and the trainer's other children (reconcile/job.py _complete_launch),
     so a test that saw the pods waits for this before it reads status."""
+
     def done():
         job = get_job(kube, namespace, name)
         return (job.get("status") or {}).get("gangComplete") == attempt and job
-    return wait_for(done, timeout=timeout, message=f"{name}: status records launch attempt {attempt}")
+
+    return wait_for(
+        done, timeout=timeout, message=f"{name}: status records launch attempt {attempt}"
+    )
 
 
 def condition(job: dict, ctype: str) -> dict:
@@ -113,9 +135,12 @@ def example(name: str, **overrides) -> dict:
     return doc
 
 
-def seed_topology(kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvswitch-h100-8") -> None:
+def seed_topology(
+    kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvswitch-h100-8"
+) -> None:
     """Fresh cached TopologyReports, as a discovery pod would have left them."""
     import json
+
     from moe_contracts.topology import report_to_json
     from moejob_operator.core.topology import load_topology
     from moejob_operator.status import now_iso
@@ -123,8 +148,10 @@ def seed_topology(kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvs
     for node in nodes:
         doc = report_to_json(load_topology(fixture))
         doc.update(node=node, collectedAt=now_iso())
-        body = {"metadata": {"name": f"{C.TOPOLOGY_CONFIGMAP_PREFIX}{node}"},
-                "data": {C.TOPOLOGY_KEY: json.dumps(doc)}}
+        body = {
+            "metadata": {"name": f"{C.TOPOLOGY_CONFIGMAP_PREFIX}{node}"},
+            "data": {C.TOPOLOGY_KEY: json.dumps(doc)},
+        }
         try:
             kube.core.create_namespaced_config_map(namespace, body)
         except ApiException as exc:
@@ -134,21 +161,35 @@ def seed_topology(kube, namespace: str, nodes=("node-a", "node-b"), fixture="nvs
 
 def children(kube, namespace: str, name: str) -> list[str]:
     sel = f"{C.LABEL_JOB}={name}"
-    out = [f"pod/{p.metadata.name}" for p in kube.core.list_namespaced_pod(namespace, label_selector=sel).items]
-    out += [f"cm/{c.metadata.name}" for c in kube.core.list_namespaced_config_map(namespace, label_selector=sel).items]
-    out += [f"svc/{s.metadata.name}" for s in kube.core.list_namespaced_service(namespace, label_selector=sel).items]
-    out += [f"sa/{s.metadata.name}" for s in kube.core.list_namespaced_service_account(namespace, label_selector=sel).items]
+    out = [
+        f"pod/{p.metadata.name}"
+        for p in kube.core.list_namespaced_pod(namespace, label_selector=sel).items
+    ]
+    out += [
+        f"cm/{c.metadata.name}"
+        for c in kube.core.list_namespaced_config_map(namespace, label_selector=sel).items
+    ]
+    out += [
+        f"svc/{s.metadata.name}"
+        for s in kube.core.list_namespaced_service(namespace, label_selector=sel).items
+    ]
+    out += [
+        f"sa/{s.metadata.name}"
+        for s in kube.core.list_namespaced_service_account(namespace, label_selector=sel).items
+    ]
     return sorted(out)
 
 
 def module_namespace(prefix: str):
     """A module-scoped namespace fixture (``name = module_namespace("moe-x")`` in the test module):
     a fresh namespace named ``prefix-<random>``, deleted after the module."""
+
     @pytest.fixture(scope="module")
     def namespace(kube):
         ns = create_namespace(kube, unique_name(prefix))
         yield ns
         delete_namespace(kube, ns)
+
     return namespace
 
 
@@ -160,17 +201,21 @@ def gate_operator(control_plane, kube, namespace: str, work: Path, stand_in: str
     script = Path(work) / "smoke_stand_in.py"
     script.write_text(stand_in)
     return Operator(control_plane, work).start(
-        MOE_OPERATOR_NAMESPACE=namespace, MOE_GATE_ENABLED="true",
-        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]))
+        MOE_OPERATOR_NAMESPACE=namespace,
+        MOE_GATE_ENABLED="true",
+        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]),
+    )
 
 
 def module_operator(dirname: str = "operator"):
     """A module-scoped ``operator_proc`` fixture: the CRD installed and one real operator process
     for the module's tests (``operator_proc = module_operator()`` in the test module)."""
+
     @pytest.fixture(scope="module")
     def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
         install_crd(kube)
         op = Operator(control_plane, tmp_path_factory.mktemp(dirname)).start()
         yield op
         op.stop()
+
     return operator_proc

@@ -17,10 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 UPDATE = os.environ.get("MOE_UPDATE_GOLDEN") == "1"
 JOB = common.JobRef(namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11")
-PLAN = {"kind": "MoEPlan", "version": 1, "job": {"namespace": "team-a", "name": "tiny-cpu"},
-        "worldSize": 2, "epSize": 2,
-        "ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0, "localRank": 0, "gpu": 0},
-                  {"rank": 1, "node": "node-b", "nodeRank": 1, "localRank": 0, "gpu": 0}]}
+PLAN = {
+    "kind": "MoEPlan",
+    "version": 1,
+    "job": {"namespace": "team-a", "name": "tiny-cpu"},
+    "worldSize": 2,
+    "epSize": 2,
+    "ranks": [
+        {"rank": 0, "node": "node-a", "nodeRank": 0, "localRank": 0, "gpu": 0},
+        {"rank": 1, "node": "node-b", "nodeRank": 1, "localRank": 0, "gpu": 0},
+    ],
+}
 
 
 def _example(name: str):
@@ -31,10 +38,16 @@ def _children(example: str) -> list[dict]:
     spec = _example(example)
     h = spec.immutable_hash()
     rank2node = [f"node-{chr(ord('a') + i)}" for i in range(spec.nodes.count)]
-    return [configmaps.plan_configmap(JOB, PLAN, h), configmaps.progress_configmap(JOB),
-            configmaps.routing_stats_configmap(JOB), rbac.service_account(JOB), rbac.role(JOB),
-            rbac.role_binding(JOB), workers.headless_service(JOB),
-            *workers.worker_pods(JOB, spec, rank2node, attempt=1, spec_hash=h)]
+    return [
+        configmaps.plan_configmap(JOB, PLAN, h),
+        configmaps.progress_configmap(JOB),
+        configmaps.routing_stats_configmap(JOB),
+        rbac.service_account(JOB),
+        rbac.role(JOB),
+        rbac.role_binding(JOB),
+        workers.headless_service(JOB),
+        *workers.worker_pods(JOB, spec, rank2node, attempt=1, spec_hash=h),
+    ]
 
 
 @pytest.mark.parametrize("example", ["tiny-cpu.yaml", "gpu-h200.yaml"])
@@ -81,7 +94,9 @@ def test_workers_rendezvous_and_pinning():
         assert env["NCCL_NVLS_ENABLE"] == "0"
         assert env["MOE_PLAN"] == "/etc/moe/plan.json"
         assert env["MOE_CHECKPOINT_DIR"] == "/ckpt/tiny-cpu-0b6f6c2e"
-        term = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        term = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
         assert term["nodeSelectorTerms"][0]["matchFields"][0]["values"] == [node]
         assert "nodeName" not in pod["spec"]
         assert pod["spec"]["hostname"] == f"tiny-cpu-worker-{rank}"
@@ -99,21 +114,37 @@ def test_worker_env_has_only_variables_something_reads():
     """Every env name of a worker pod is read by the trainer image (launcher, trainer,
     publisher)."""
     import re
-    pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
+
+    pod = workers.worker_pod(
+        JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h"
+    )
     from moe_contracts import env as contract_env
+
     names = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
     # the contract names each variable; the trainer reads it by that name (E.NODE_RANK) or literally
     attr = {v: k for k, v in vars(contract_env).items() if k.isupper() and isinstance(v, str)}
-    assert not names - set(attr), f"worker env outside moe_contracts.env: {sorted(names - set(attr))}"
-    source = "\n".join(p.read_text() for d in (ROOT / "trainer_image" / "moe_trainer", ROOT / "operator" / "moe_contracts")
-                       for p in d.rglob("*.py") if p.name != "env.py")     # the trainer and the readers it calls
+    assert not names - set(attr), (
+        f"worker env outside moe_contracts.env: {sorted(names - set(attr))}"
+    )
+    source = "\n".join(
+        p.read_text()
+        for d in (ROOT / "trainer_image" / "moe_trainer", ROOT / "operator" / "moe_contracts")
+        for p in d.rglob("*.py")
+        if p.name != "env.py"
+    )  # the trainer and the readers it calls
     unread = sorted(n for n in names if not re.search(rf"[\"']{n}[\"']|\.{attr[n]}\b", source))
     assert not unread, f"worker env nobody reads: {unread}"
 
 
 def test_cpu_workers_run_the_same_entry_point_with_cpu():
-    pods = workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0, spec_hash="h",
-                               node_ranks=[1])
+    pods = workers.worker_pods(
+        JOB,
+        _example("tiny-cpu.yaml"),
+        ["node-a", "node-b"],
+        attempt=0,
+        spec_hash="h",
+        node_ranks=[1],
+    )
     assert [p["metadata"]["name"] for p in pods] == ["tiny-cpu-worker-1"]
     c = pods[0]["spec"]["containers"][0]
     assert (c["command"], c["args"]) == (["moe-train"], ["--cpu"])
@@ -139,9 +170,14 @@ def test_cpu_workers_request_no_gpu_and_keep_security_context():
 
 def test_role_is_limited_to_own_configmaps():
     rules = rbac.role(JOB)["rules"]
-    assert rules == [{"apiGroups": [""], "resources": ["configmaps"],
-                      "resourceNames": ["tiny-cpu-progress", "tiny-cpu-routing-stats"],
-                      "verbs": ["get", "update", "patch"]}]
+    assert rules == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["tiny-cpu-progress", "tiny-cpu-routing-stats"],
+            "verbs": ["get", "update", "patch"],
+        }
+    ]
 
 
 def test_worker_pods_refuse_wrong_rank_count():
@@ -150,14 +186,21 @@ def test_worker_pods_refuse_wrong_rank_count():
 
 
 def test_workers_get_a_bound_token_not_the_legacy_automount():
-    pod = workers.worker_pod(JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h")
+    pod = workers.worker_pod(
+        JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h"
+    )
     assert pod["spec"]["automountServiceAccountToken"] is False
     vol = next(v for v in pod["spec"]["volumes"] if v["name"] == common.TOKEN_VOLUME)
     kinds = [next(iter(src)) for src in vol["projected"]["sources"]]
     assert kinds == ["serviceAccountToken", "configMap", "downwardAPI"]
-    mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == common.TOKEN_VOLUME)
-    assert mount == {"name": common.TOKEN_VOLUME, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
-                     "readOnly": True}
+    mount = next(
+        m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == common.TOKEN_VOLUME
+    )
+    assert mount == {
+        "name": common.TOKEN_VOLUME,
+        "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount",
+        "readOnly": True,
+    }
 
 
 def test_job_ports_are_deterministic_distinct_and_outside_the_ephemeral_range():
@@ -167,10 +210,19 @@ def test_job_ports_are_deterministic_distinct_and_outside_the_ephemeral_range():
         for i in range(200):
             job = common.JobRef(namespace=ns, name=f"job-{i}", uid=f"u{i}")
             rendezvous, metrics_port = common.job_ports(job)
-            assert common.job_ports(common.JobRef(ns, f"job-{i}", "other-uid")) == (rendezvous, metrics_port)
-            assert 20000 <= rendezvous < 32000 and rendezvous % 2 == 0 and metrics_port == rendezvous + 1
+            assert common.job_ports(common.JobRef(ns, f"job-{i}", "other-uid")) == (
+                rendezvous,
+                metrics_port,
+            )
+            assert (
+                20000 <= rendezvous < 32000
+                and rendezvous % 2 == 0
+                and metrics_port == rendezvous + 1
+            )
             ports[(ns, i)] = rendezvous
-    assert common.job_ports(common.JobRef("team-a", "tiny", "u")) != common.job_ports(common.JobRef("team-b", "tiny", "u"))
+    assert common.job_ports(common.JobRef("team-a", "tiny", "u")) != common.job_ports(
+        common.JobRef("team-b", "tiny", "u")
+    )
     # 400 jobs over 6000 slots: a handful of shared slots at most (birthday bound ~13)
     assert len(set(ports.values())) >= 380
 
@@ -178,10 +230,12 @@ def test_job_ports_are_deterministic_distinct_and_outside_the_ephemeral_range():
 def test_service_port_matches_the_workers_rendezvous_port():
     svc = workers.headless_service(JOB)
     rendezvous, _ = common.job_ports(JOB)
-    assert svc["spec"]["ports"] == [{"name": "rendezvous", "port": rendezvous, "targetPort": rendezvous,
-                                     "protocol": "TCP"}]
-    pod = workers.worker_pods(JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0,
-                              spec_hash="h")[1]
+    assert svc["spec"]["ports"] == [
+        {"name": "rendezvous", "port": rendezvous, "targetPort": rendezvous, "protocol": "TCP"}
+    ]
+    pod = workers.worker_pods(
+        JOB, _example("tiny-cpu.yaml"), ["node-a", "node-b"], attempt=0, spec_hash="h"
+    )[1]
     assert _env(pod)["MASTER_PORT"] == str(rendezvous)
 
 
@@ -190,7 +244,9 @@ def _quantities(obj, path=""):
     if isinstance(obj, dict):
         for k, v in obj.items():
             if k == "resources" and isinstance(v, dict) and set(v) <= {"requests", "limits"}:
-                yield from ((f"{path}.{k}.{part}.{n}", q) for part, qs in v.items() for n, q in qs.items())
+                yield from (
+                    (f"{path}.{k}.{part}.{n}", q) for part, qs in v.items() for n, q in qs.items()
+                )
             else:
                 yield from _quantities(v, f"{path}.{k}")
     elif isinstance(obj, list):
@@ -203,18 +259,33 @@ def test_every_quantity_is_a_string_the_api_client_accepts():
     ``spec.resources`` (int-or-string in the CRD), GPU requests, smoke Job and discovery pod."""
     from moejob_operator.builders import discovery, smoke
     from moejob_operator.core import gate as G
+
     raw = yaml.safe_load((ROOT / "examples" / "gpu-h200.yaml").read_text())["spec"]
     raw["resources"] = {"requests": {"cpu": 32, "memory": "512Gi"}, "limits": {"cpu": 64}}
     spec = parse_spec(raw)
-    objs = [workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h"),
-            smoke.smoke_job(G.identity_for("img", None, "GPU"), 1, G.GateConfig(namespace="ns")),
-            discovery.discovery_pod("n", namespace="ns", image="img", service_account="sa",
-                                    gpu_access="request", gpu_count=8)]
+    objs = [
+        workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h"),
+        smoke.smoke_job(G.identity_for("img", None, "GPU"), 1, G.GateConfig(namespace="ns")),
+        discovery.discovery_pod(
+            "n",
+            namespace="ns",
+            image="img",
+            service_account="sa",
+            gpu_access="request",
+            gpu_count=8,
+        ),
+    ]
     found = [q for obj in objs for q in _quantities(obj)]
     assert len(found) >= 10
-    assert all(isinstance(v, str) for _, v in found), [x for x in found if not isinstance(x[1], str)]
+    assert all(isinstance(v, str) for _, v in found), [
+        x for x in found if not isinstance(x[1], str)
+    ]
     pod_res = objs[0]["spec"]["containers"][0]["resources"]
-    assert pod_res == {"requests": {"cpu": "32", "memory": "512Gi", C.GPU_RESOURCE: "8"},
-                       "limits": {"cpu": "64", C.GPU_RESOURCE: "8"}}
+    assert pod_res == {
+        "requests": {"cpu": "32", "memory": "512Gi", C.GPU_RESOURCE: "8"},
+        "limits": {"cpu": "64", C.GPU_RESOURCE: "8"},
+    }
     assert objs[1]["spec"]["template"]["spec"]["containers"][0]["resources"] == {
-        "requests": {C.GPU_RESOURCE: "1"}, "limits": {C.GPU_RESOURCE: "1"}}
+        "requests": {C.GPU_RESOURCE: "1"},
+        "limits": {C.GPU_RESOURCE: "1"},
+    }

@@ -48,28 +48,37 @@ def test_lint_strict_and_template_clean(helm, values):
     docs = render(helm, *values)
     kinds = {d["kind"] for d in docs}
     assert {"ServiceAccount", "ClusterRole", "Deployment", "Service"} <= kinds
-    for d in docs:                                   # every object labelled by the release
+    for d in docs:  # every object labelled by the release
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel", d["metadata"]
 
 
-@pytest.mark.parametrize(("bad", "message"), [
-    (["--set", "replicaCount=two"], "/replicaCount': got string, want integer"),
-    (["--set", "replicaCount=5"], "/replicaCount': maximum"),
-    (["--set", "image.pullPolicy=Sometimes"], "value must be one of"),
-    (["--set", "metrics.port=70000"], "/metrics/port': maximum"),
-    (["--set", "imagePort=1"], "additional properties 'imagePort' not allowed"),
-    (["--set", "logging.format=xml"], "/logging/format'"),
-    (["--set", "watchNamespaces={Team_A}"], "does not match pattern"),
-    (["--set", "podSecurityContext.runAsNonRoot=false"], "/podSecurityContext/runAsNonRoot'"),
-    (["--set", "containerSecurityContext.privileged=true"], "/containerSecurityContext/privileged'"),
-    (["--set", "containerSecurityContext.capabilities.add={NET_ADMIN}"], "capabilities/add'"),
-    (["--set", "metrics.serviceMonitor.interval=often"], "does not match pattern"),
-    # cross-field rules the schema cannot express fail in the templates
-    (["--set", "replicaCount=2", "--set", "leaderElection.enabled=false"], "needs leaderElection.enabled"),
-    (["--set", "leaderElection.renewDeadlineSeconds=20"], "must be smaller than"),
-    (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
-    (["--set", "hostPathPolicy.allowedPrefixes={relative/dir}"], "does not match pattern"),
-])
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        (["--set", "replicaCount=two"], "/replicaCount': got string, want integer"),
+        (["--set", "replicaCount=5"], "/replicaCount': maximum"),
+        (["--set", "image.pullPolicy=Sometimes"], "value must be one of"),
+        (["--set", "metrics.port=70000"], "/metrics/port': maximum"),
+        (["--set", "imagePort=1"], "additional properties 'imagePort' not allowed"),
+        (["--set", "logging.format=xml"], "/logging/format'"),
+        (["--set", "watchNamespaces={Team_A}"], "does not match pattern"),
+        (["--set", "podSecurityContext.runAsNonRoot=false"], "/podSecurityContext/runAsNonRoot'"),
+        (
+            ["--set", "containerSecurityContext.privileged=true"],
+            "/containerSecurityContext/privileged'",
+        ),
+        (["--set", "containerSecurityContext.capabilities.add={NET_ADMIN}"], "capabilities/add'"),
+        (["--set", "metrics.serviceMonitor.interval=often"], "does not match pattern"),
+        # cross-field rules the schema cannot express fail in the templates
+        (
+            ["--set", "replicaCount=2", "--set", "leaderElection.enabled=false"],
+            "needs leaderElection.enabled",
+        ),
+        (["--set", "leaderElection.renewDeadlineSeconds=20"], "must be smaller than"),
+        (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+        (["--set", "hostPathPolicy.allowedPrefixes={relative/dir}"], "does not match pattern"),
+    ],
+)
 def test_bad_values_are_refused(helm, bad, message):
     out = run_helm(helm, "template", "rel", str(CHART), *bad)
     assert out.returncode != 0
@@ -88,7 +97,8 @@ def test_chart_crd_does_not_drift_from_crds_folder():
     for name in theirs:
         assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
             f"charts/moe-operator/crds/{name} differs from crds/{name}: cp crds/{name} "
-            "charts/moe-operator/crds/")
+            "charts/moe-operator/crds/"
+        )
 
 
 def _dockerfile_user() -> int:
@@ -110,7 +120,7 @@ def test_operator_pod_meets_the_restricted_profile(helm, values):
     assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
     assert sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"] == {"drop": ["ALL"]}
-    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}    # the only writable path
+    assert {m["mountPath"] for m in c["volumeMounts"]} == {"/tmp"}  # the only writable path
 
 
 def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
@@ -123,7 +133,9 @@ def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
     assert (args.lease_duration, args.renew_deadline, args.retry_period) == (20, 12.0, 3.0)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"health": args.health_port, "http-metrics": args.metrics_port}
-    assert c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "health"
+    assert (
+        c["livenessProbe"]["httpGet"]["port"] == c["readinessProbe"]["httpGet"]["port"] == "health"
+    )
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     assert dep["spec"]["replicas"] == 2
@@ -131,7 +143,9 @@ def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
     # one RoleBinding per watched namespace, no cluster-wide binding of the job permissions
     rbs = {(d["metadata"]["namespace"], d["roleRef"]["name"]) for d in by_kind(docs, "RoleBinding")}
     assert {("ml-team-a", "rel-moe-operator-jobs"), ("ml-team-b", "rel-moe-operator-jobs")} <= rbs
-    assert [d["roleRef"]["name"] for d in by_kind(docs, "ClusterRoleBinding")] == ["rel-moe-operator-cluster"]
+    assert [d["roleRef"]["name"] for d in by_kind(docs, "ClusterRoleBinding")] == [
+        "rel-moe-operator-cluster"
+    ]
 
     default = by_kind(render(helm), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args([*default["command"][1:], *default["args"]])
@@ -147,11 +161,13 @@ def test_host_path_policy_reaches_the_operator_and_defaults_to_none(helm):
         (dep,) = by_kind(render(helm, *args), "Deployment")
         (c,) = dep["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
-        assert "MOE_OPERATOR_TEST_MODE" not in env            # test hooks never on in a release
+        assert "MOE_OPERATOR_TEST_MODE" not in env  # test hooks never on in a release
         return Policy.from_env(env)
+
     assert policy() == Policy()
-    assert policy("--set", "hostPathPolicy.allowedPrefixes={/mnt/shared,/data/ro}").host_path_prefixes == \
-        ("/mnt/shared", "/data/ro")
+    assert policy(
+        "--set", "hostPathPolicy.allowedPrefixes={/mnt/shared,/data/ro}"
+    ).host_path_prefixes == ("/mnt/shared", "/data/ro")
 
 
 def test_service_and_monitors_point_at_the_metrics_port(helm):
@@ -164,32 +180,51 @@ def test_service_and_monitors_point_at_the_metrics_port(helm):
     assert sm["spec"]["endpoints"][0]["port"] == "http-metrics"
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     (pm,) = by_kind(docs, "PodMonitor")
-    assert pm["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "moe-operator",
-                                                     "moe-operator.io/component": "worker"}
-    assert not by_kind(render(helm), "ServiceMonitor")       # optional: off by default
+    assert pm["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/managed-by": "moe-operator",
+        "moe-operator.io/component": "worker",
+    }
+    assert not by_kind(render(helm), "ServiceMonitor")  # optional: off by default
 
 
 def _exported_names() -> set[str]:
     """Sample names the operator exports (after every call site fired) and the trainer's."""
-    metrics.observe_job("ns", "j", {"phase": "Running", "conditions": [{"type": "Planned", "status": "True"}],
-                                    "plan": {"crossGroupVsContiguous": "0.5", "maxMeanLoad": "1.0",
-                                             "estimatedPeakBytesPerGpu": 1, "fits": True}})
-    metrics.observe_plan("ns", "j", {"placement": {"quality": {"crossGroupBytesPerStep": 1,
-                                                               "crossNodeBytesPerStep": 1}}})
+    metrics.observe_job(
+        "ns",
+        "j",
+        {
+            "phase": "Running",
+            "conditions": [{"type": "Planned", "status": "True"}],
+            "plan": {
+                "crossGroupVsContiguous": "0.5",
+                "maxMeanLoad": "1.0",
+                "estimatedPeakBytesPerGpu": 1,
+                "fits": True,
+            },
+        },
+    )
+    metrics.observe_plan(
+        "ns",
+        "j",
+        {"placement": {"quality": {"crossGroupBytesPerStep": 1, "crossNodeBytesPerStep": 1}}},
+    )
     with pytest.raises(RuntimeError, match="x"), metrics.reconcile_timer():
         raise RuntimeError("x")
     metrics.record_smoke_verdict("img", "Passed")
     metrics.set_leader(True)
     try:
-        names = {line.split("{")[0].split()[0] for line in metrics.render().decode().splitlines()
-                 if line and not line.startswith("#")}
+        names = {
+            line.split("{")[0].split()[0]
+            for line in metrics.render().decode().splitlines()
+            if line and not line.startswith("#")
+        }
     finally:
         metrics.forget_job("ns", "j")
     # the trainer's names, from its source (constructing Metrics would open a port)
     src = (ROOT / "trainer_image" / "moe_trainer" / "progress.py").read_text()
-    trainer = set(re.findall(r'(?:Gauge|Counter)\("(moe_trainer_\w+)"', src))
+    trainer = set(re.findall(r'(?:Gauge|Counter)\(\s*"(moe_trainer_\w+)"', src))
     assert len(trainer) >= 8
-    counters = set(re.findall(r'Counter\("(moe_trainer_\w+)"', src))
+    counters = set(re.findall(r'Counter\(\s*"(moe_trainer_\w+)"', src))
     return names | (trainer - counters) | {f"{c}_total" for c in counters}
 
 
@@ -201,7 +236,9 @@ def test_dashboard_uses_only_exported_metric_names_and_ships_in_the_configmap(he
     exported = _exported_names()
     missing = used - exported
     assert not missing, f"dashboard queries metrics nobody exports: {sorted(missing)}"
-    assert any(m.startswith("moe_trainer_") for m in used) and any(m.startswith("moe_operator_") for m in used)
+    assert any(m.startswith("moe_trainer_") for m in used) and any(
+        m.startswith("moe_operator_") for m in used
+    )
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     (cm,) = by_kind(render(helm, "--set", "dashboard.enabled=true"), "ConfigMap")
@@ -213,6 +250,11 @@ def test_notes_tell_what_to_do_next(helm):
     out = run_helm(helm, "install", "rel", str(CHART), "-n", "moe-system", "--dry-run=client")
     assert out.returncode == 0, out.stderr
     notes = out.stdout.split("NOTES:", 1)[1]
-    for needle in ("kubectl apply -f examples/", "kubectl get moejob -w", "port-forward",
-                   "does NOT upgrade the MoETrainingJob CRD", "docs/troubleshooting.md"):
+    for needle in (
+        "kubectl apply -f examples/",
+        "kubectl get moejob -w",
+        "port-forward",
+        "does NOT upgrade the MoETrainingJob CRD",
+        "docs/troubleshooting.md",
+    ):
         assert needle in notes

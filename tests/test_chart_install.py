@@ -36,8 +36,9 @@ def _free_port() -> int:
 
 
 def helm(kubectl, *args: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([kubectl.helm, *args], env=kubectl.env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [kubectl.helm, *args], env=kubectl.env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return out
 
@@ -50,14 +51,21 @@ def rendered_deployment(kubectl, name: str, ns: str) -> dict:
 
 def sa_token(kube, wait_for, ns: str, sa: str) -> str:
     """v1.20: the token controller writes a kubernetes.io/service-account-token Secret."""
+
     def secret():
         for s in kube.core.list_namespaced_secret(ns).items:
             ann = s.metadata.annotations or {}
-            if s.type == "kubernetes.io/service-account-token" and \
-                    ann.get("kubernetes.io/service-account.name") == sa and (s.data or {}).get("token"):
+            if (
+                s.type == "kubernetes.io/service-account-token"
+                and ann.get("kubernetes.io/service-account.name") == sa
+                and (s.data or {}).get("token")
+            ):
                 return s
         return None
-    return base64.b64decode(wait_for(secret, timeout=30, message="SA token secret").data["token"]).decode()
+
+    return base64.b64decode(
+        wait_for(secret, timeout=30, message="SA token secret").data["token"]
+    ).decode()
 
 
 def local_env(container: dict, pod_name: str, ns: str, kubeconfig: Path) -> dict[str, str]:
@@ -65,7 +73,9 @@ def local_env(container: dict, pod_name: str, ns: str, kubeconfig: Path) -> dict
     fields = {"metadata.name": pod_name, "metadata.namespace": ns}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOE_", "KUBERNETES_"))}
     for e in container["env"]:
-        env[e["name"]] = e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        env[e["name"]] = (
+            e["value"] if "value" in e else fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        )
     env["KUBECONFIG"] = str(kubeconfig)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     return env
@@ -82,16 +92,30 @@ def metric(port: int, name: str) -> float | None:
     return None
 
 
-def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent, namespace,
-                                       wait_for, tmp_path):
-    install_crd(kube)            # as docs/install.md: the CRD first (Helm never upgrades crds/)
+def test_install_run_upgrade_uninstall(
+    kube, kubectl, control_plane, node_agent, namespace, wait_for, tmp_path
+):
+    install_crd(kube)  # as docs/install.md: the CRD first (Helm never upgrades crds/)
     rel_ns = create_namespace(kube, unique_name("moe-sys"))
     name = unique_name("mo", 16)
     hp, mp = _free_port(), _free_port()
-    values = ["--set", "replicaCount=0", "--set", f"watchNamespaces={{{namespace}}}",
-              "--set", "gate.enabled=false", "--set", f"health.port={hp}",
-              "--set", f"metrics.port={mp}", "--set", "logging.format=plain",
-              "--set", f"hostPathPolicy.allowedPrefixes={{{tmp_path}}}", "--server-side=false"]
+    values = [
+        "--set",
+        "replicaCount=0",
+        "--set",
+        f"watchNamespaces={{{namespace}}}",
+        "--set",
+        "gate.enabled=false",
+        "--set",
+        f"health.port={hp}",
+        "--set",
+        f"metrics.port={mp}",
+        "--set",
+        "logging.format=plain",
+        "--set",
+        f"hostPathPolicy.allowedPrefixes={{{tmp_path}}}",
+        "--server-side=false",
+    ]
     proc = None
     try:
         helm(kubectl, "install", name, str(CHART), "-n", rel_ns, *values)
@@ -113,45 +137,88 @@ def test_install_run_upgrade_uninstall(kube, kubectl, control_plane, node_agent,
         logs = lambda: log.read_text(errors="replace")  # noqa: E731
         wait_for(lambda: metric(mp, "moe_operator_leader") == 1, timeout=60, message=logs())
 
-        job = example("tiny-cpu.yaml", checkpoint={"everySteps": 5,
-                                                   "volume": {"hostPath": {"path": str(tmp_path)}}})
+        job = example(
+            "tiny-cpu.yaml",
+            checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(tmp_path)}}},
+        )
         job["spec"]["runPolicy"]["suspend"] = True
         kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, job)
         jname = job["metadata"]["name"]
-        wait_for(lambda: condition(get_job(kube, namespace, jname), C.COND_PLANNED).get("status") == "True",
-                 timeout=120, message=logs() + json.dumps(get_job(kube, namespace, jname).get("status"), indent=1))
-        wait_for(lambda: condition(get_job(kube, namespace, jname), C.COND_SUSPENDED).get("status") == "True",
-                 timeout=30, message=logs())
+        wait_for(
+            lambda: (
+                condition(get_job(kube, namespace, jname), C.COND_PLANNED).get("status") == "True"
+            ),
+            timeout=120,
+            message=logs() + json.dumps(get_job(kube, namespace, jname).get("status"), indent=1),
+        )
+        wait_for(
+            lambda: (
+                condition(get_job(kube, namespace, jname), C.COND_SUSPENDED).get("status") == "True"
+            ),
+            timeout=30,
+            message=logs(),
+        )
         status = get_job(kube, namespace, jname)["status"]
         assert condition(status and {"status": status}, C.COND_TOPOLOGY)["reason"] == C.R_DISCOVERED
         assert status["plan"]["worldSize"] == 2
         assert kube.core.read_namespaced_config_map(f"{jname}-plan", namespace).data[C.PLAN_KEY]
-        assert not kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
-        assert kube.coordination.read_namespaced_lease("moe-operator-leader", rel_ns).spec.holder_identity \
+        assert not kube.core.list_namespaced_pod(
+            namespace, label_selector=f"{C.LABEL_COMPONENT}=worker"
+        ).items
+        assert (
+            kube.coordination.read_namespaced_lease(
+                "moe-operator-leader", rel_ns
+            ).spec.holder_identity
             == f"{name}-local-0"
+        )
 
         # the reconcile loop's metrics, scraped from the running process
         assert metric(mp, 'moe_operator_jobs{condition="Planned",status="True"}') == 1
-        assert metric(mp, f'moe_operator_plan_world_size{{job="{jname}",namespace="{namespace}"}}') == 2
+        assert (
+            metric(mp, f'moe_operator_plan_world_size{{job="{jname}",namespace="{namespace}"}}')
+            == 2
+        )
         assert metric(mp, "moe_operator_plan_cross_group_vs_contiguous") is not None
         assert (metric(mp, "moe_operator_reconcile_duration_seconds_count") or 0) >= 2
 
         # nothing was refused (the chart's RBAC sufficed) and the token leaked nowhere
         text = logs()
-        assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[-3000:]
-        events = wait_for(lambda: " ".join(f"{e.reason} {e.message}" for e in events_for(kube, namespace, jname))
-                          if C.R_PLAN_READY in {e.reason for e in events_for(kube, namespace, jname)} else None,
-                          timeout=10, message="PlanReady event")
+        assert "403" not in text and "Forbidden" not in text and "forbidden" not in text, text[
+            -3000:
+        ]
+        events = wait_for(
+            lambda: (
+                " ".join(f"{e.reason} {e.message}" for e in events_for(kube, namespace, jname))
+                if C.R_PLAN_READY in {e.reason for e in events_for(kube, namespace, jname)}
+                else None
+            ),
+            timeout=10,
+            message="PlanReady event",
+        )
         for where, blob in (("logs", text), ("events", events), ("status", json.dumps(status))):
-            assert token not in blob and token[-24:] not in blob, f"the SA token appears in the {where}"
+            assert token not in blob and token[-24:] not in blob, (
+                f"the SA token appears in the {where}"
+            )
     finally:
         if proc is not None:
             procs.stop(proc, grace_seconds=15)
 
     try:
         # ---- upgrade: a changed value reaches the Deployment; revision 2
-        helm(kubectl, "upgrade", name, str(CHART), "-n", rel_ns, *values, "--set", "logging.verbose=true")
-        dep = k8s.AppsV1Api(kube.api_client).read_namespaced_deployment(f"{name}-moe-operator", rel_ns)
+        helm(
+            kubectl,
+            "upgrade",
+            name,
+            str(CHART),
+            "-n",
+            rel_ns,
+            *values,
+            "--set",
+            "logging.verbose=true",
+        )
+        dep = k8s.AppsV1Api(kube.api_client).read_namespaced_deployment(
+            f"{name}-moe-operator", rel_ns
+        )
         args = dep.spec.template.spec.containers[0].args
         assert "--verbose" in args
         hist = json.loads(helm(kubectl, "history", name, "-n", rel_ns, "-o", "json").stdout)
@@ -173,9 +240,19 @@ def test_chart_pod_runs_under_the_node_agent(kube, kubectl, node_agent, wait_for
     rel_ns = create_namespace(kube, unique_name("moe-pod"))
     watched = create_namespace(kube, unique_name("moe-w"))
     name = unique_name("mp", 16)
-    values = ["--set", f"watchNamespaces={{{watched}}}", "--set", "gate.enabled=false",
-              "--set", f"health.port={_free_port()}", "--set", f"metrics.port={_free_port()}",
-              "--set", "logging.format=plain", "--server-side=false"]
+    values = [
+        "--set",
+        f"watchNamespaces={{{watched}}}",
+        "--set",
+        "gate.enabled=false",
+        "--set",
+        f"health.port={_free_port()}",
+        "--set",
+        f"metrics.port={_free_port()}",
+        "--set",
+        "logging.format=plain",
+        "--server-side=false",
+    ]
     try:
         helm(kubectl, "install", name, str(CHART), "-n", rel_ns, *values)
         selector = "app.kubernetes.io/component=operator"
@@ -185,8 +262,11 @@ def test_chart_pod_runs_under_the_node_agent(kube, kubectl, node_agent, wait_for
             lease = kube.coordination.read_namespaced_lease("moe-operator-leader", rel_ns)
             return pods and lease.spec.holder_identity == pods[0].metadata.name and pods[0]
 
-        pod = wait_for(leading_pod, timeout=90,
-                       message=f"the chart's operator pod holding the lease in {rel_ns}")
+        pod = wait_for(
+            leading_pod,
+            timeout=90,
+            message=f"the chart's operator pod holding the lease in {rel_ns}",
+        )
         (status,) = pod.status.container_statuses
         assert status.ready and status.restart_count == 0, status
     finally:

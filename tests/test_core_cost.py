@@ -12,8 +12,9 @@ from moejob_operator.core.topology import ClusterTopology
 def _stats(token_experts, num_experts, steps=1):
     te = np.asarray(token_experts)
     load, coact = count_routing(te, num_experts)
-    return RoutingStats(te.shape[0], num_experts, te.shape[2], te.shape[1], load, coact, steps,
-                        token_experts=te)
+    return RoutingStats(
+        te.shape[0], num_experts, te.shape[2], te.shape[1], load, coact, steps, token_experts=te
+    )
 
 
 def test_distinct_remote():
@@ -30,7 +31,7 @@ def test_hand_computed_two_nodes():
     st = _stats([[[0, 1], [2, 3], [0, 2], [1, 3]]], 4)
     s = score(p, topo, st, hidden_size=3, bytes_per_elem=2)
     assert s.method == "tokens"
-    assert s.cross_group_bytes_per_step == 3 * 6 * 2          # 3 sends x 6 bytes x (dispatch+combine)
+    assert s.cross_group_bytes_per_step == 3 * 6 * 2  # 3 sends x 6 bytes x (dispatch+combine)
     assert s.cross_node_bytes_per_step == 3 * 6 * 2
     assert s.max_mean_load == 1.0
     # slowest GPU sends one 6-byte token over the 25 GB/s network, twice (dispatch + combine)
@@ -44,9 +45,13 @@ def test_steps_and_subsampled_tokens_scale_bytes():
     topo = ClusterTopology.synthetic(nodes=2, gpus_per_node=2, group_size=2)
     p = Placement("contiguous", np.array([[0, 1, 2, 3]]), np.arange(4), 4)
     st = _stats([[[0, 1], [2, 3], [0, 2], [1, 3]]], 4, steps=3)
-    assert score(p, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step == pytest.approx(6 / 3)
+    assert score(
+        p, topo, st, hidden_size=1, bytes_per_elem=1
+    ).cross_group_bytes_per_step == pytest.approx(6 / 3)
     scaled = RoutingStats(1, 4, 2, 8, st.load * 2, st.coact * 2, 1, token_experts=st.token_experts)
-    assert score(p, topo, scaled, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step == pytest.approx(12)
+    assert score(
+        p, topo, scaled, hidden_size=1, bytes_per_elem=1
+    ).cross_group_bytes_per_step == pytest.approx(12)
 
 
 def test_gpu_load_splits_over_replicas():
@@ -55,7 +60,9 @@ def test_gpu_load_splits_over_replicas():
     loads = gpu_load(p, np.array([[1.0, 2.0, 3.0, 4.0]]))
     # rank 0 holds experts 3,2 (load 7), rank 1 holds 1,0 (load 3); 2 replicas halve it
     assert loads.tolist() == [[1.5, 3.5, 1.5, 3.5]]
-    assert score(p, topo, _stats([[[0, 1]] * 10], 4), hidden_size=1).worst_layer_max_mean_load == 2.0
+    assert (
+        score(p, topo, _stats([[[0, 1]] * 10], 4), hidden_size=1).worst_layer_max_mean_load == 2.0
+    )
 
 
 def test_pairwise_matches_tokens_for_top2_and_is_lower_for_top8():
@@ -74,16 +81,28 @@ def test_pairwise_matches_tokens_for_top2_and_is_lower_for_top8():
 def test_quality_and_errors():
     topo = ClusterTopology.synthetic(nodes=2, gpus_per_node=2, group_size=2)
     st = _stats([[[0, 1], [2, 3], [0, 2], [1, 3]]], 4)
-    base = score(solve("contiguous", topo, st, ep_size=4, num_experts=4, num_layers=1), topo, st, hidden_size=1,
-                 bytes_per_elem=1)
+    base = score(
+        solve("contiguous", topo, st, ep_size=4, num_experts=4, num_layers=1),
+        topo,
+        st,
+        hidden_size=1,
+        bytes_per_elem=1,
+    )
     q = base.quality(base)
     assert q["crossGroupVsContiguous"] == 1.0 and q["crossGroupBytesPerStep"] == 6
     assert set(q) >= {"crossGroupBytesPerStep", "crossNodeBytesPerStep", "maxMeanLoad"}
     small = ClusterTopology.synthetic(nodes=1, gpus_per_node=2, group_size=2)
     with pytest.raises(ValueError, match="placement world size 4 != 2 GPUs"):
-        score(solve("contiguous", topo, st, ep_size=4, num_experts=4, num_layers=1), small, st, hidden_size=1)
+        score(
+            solve("contiguous", topo, st, ep_size=4, num_experts=4, num_layers=1),
+            small,
+            st,
+            hidden_size=1,
+        )
     with pytest.raises(ValueError, match="trace is 1 layers x 4 experts, placement is 2 x 4"):
-        score(Placement("p", np.tile(np.arange(4), (2, 1)), np.arange(4), 4), topo, st, hidden_size=1)
+        score(
+            Placement("p", np.tile(np.arange(4), (2, 1)), np.arange(4), 4), topo, st, hidden_size=1
+        )
 
 
 def test_autoep_sends_hand_computed():
@@ -98,7 +117,9 @@ def test_autoep_sends_hand_computed():
     r = Placement("r", np.array([[0, 1, 2, 3]]), np.arange(4), 4)
     sent = autoep_sends(r, np.array([[1.0, 2.0, 3.0, 4.0]]))
     assert sent.tolist() == pytest.approx([(10 - L) / 4 + L * 3 / 4 for L in (1, 2, 3, 4)])
-    assert autoep_sends(Placement("one", np.array([[0, 1]]), np.arange(1), 1), np.array([[5.0, 5.0]])).tolist() == [0]
+    assert autoep_sends(
+        Placement("one", np.array([[0, 1]]), np.arange(1), 1), np.array([[5.0, 5.0]])
+    ).tolist() == [0]
 
 
 def test_autoep_sends_match_a_token_level_simulation_and_ignore_coactivation():
@@ -113,10 +134,10 @@ def test_autoep_sends_match_a_token_level_simulation_and_ignore_coactivation():
         sim = np.zeros(4)
         for layer in range(2):
             src = np.arange(st.token_experts.shape[1]) % 4
-            dest = p.expert2rank(layer)[st.token_experts[layer]]          # [T, k]
+            dest = p.expert2rank(layer)[st.token_experts[layer]]  # [T, k]
             remote = dest != src[:, None]
-            sim += np.bincount(src, weights=remote.sum(1), minlength=4)                 # dispatch
-            sim += np.bincount(dest[remote], minlength=4)                               # combine
+            sim += np.bincount(src, weights=remote.sum(1), minlength=4)  # dispatch
+            sim += np.bincount(dest[remote], minlength=4)  # combine
         model = autoep_sends(p, st.load.astype(float))
         assert model == pytest.approx(sim, rel=0.02), strategy
         s = score(p, topo, st, hidden_size=4, bytes_per_elem=2)

@@ -33,13 +33,13 @@ def brute(pl, topo, te, backward=True):
 
     for layer in range(L):
         e2r = pl.expert2rank(layer)
-        for a in range(W):                                     # AutoEP count exchange
+        for a in range(W):  # AutoEP count exchange
             for p in range(P):
                 charge("autoep", a, a // P * P + p, pl.num_experts // P * 4)
         for t in range(T):
             src = t % W
             base = src // P * P
-            groups = dispatch.dispatch_groups(grp[base:base + P])
+            groups = dispatch.dispatch_groups(grp[base : base + P])
             where = {r: (g, i) for g, ranks in enumerate(groups) for i, r in enumerate(ranks)}
             dests = [base + int(e2r[e]) for e in te[layer, t]]
             for d in dests:
@@ -53,16 +53,28 @@ def brute(pl, topo, te, backward=True):
     return out
 
 
-@pytest.mark.parametrize(("nodes", "gpn", "group", "ep", "k"), [(2, 2, 2, 4, 2), (2, 2, 2, 4, 8), (1, 4, 4, 4, 2),
-                                                       (2, 4, 2, 4, 3), (2, 2, 1, 4, 2), (3, 2, 2, 6, 4)])
+@pytest.mark.parametrize(
+    ("nodes", "gpn", "group", "ep", "k"),
+    [
+        (2, 2, 2, 4, 2),
+        (2, 2, 2, 4, 8),
+        (1, 4, 4, 4, 2),
+        (2, 4, 2, 4, 3),
+        (2, 2, 1, 4, 2),
+        (3, 2, 2, 6, 4),
+    ],
+)
 @pytest.mark.parametrize("strategy", ["contiguous", "balanced", "topology_aware"])
 def test_matches_brute_force(nodes, gpn, group, ep, k, strategy):
     topo = ClusterTopology.synthetic(nodes=nodes, gpus_per_node=gpn, group_size=group)
     trace = synthetic_trace(2, 12 if ep == 6 else 16, k, 97, seed=3)
-    pl = placement.solve(strategy, topo, trace, ep_size=ep, num_experts=trace.num_experts, num_layers=2)
+    pl = placement.solve(
+        strategy, topo, trace, ep_size=ep, num_experts=trace.num_experts, num_layers=2
+    )
     for backward in (True, False):
-        got = dispatch.dispatch_bytes(pl, topo, trace.token_experts, hidden_size=H, bytes_per_elem=P_BYTES,
-                                      backward=backward)
+        got = dispatch.dispatch_bytes(
+            pl, topo, trace.token_experts, hidden_size=H, bytes_per_elem=P_BYTES, backward=backward
+        )
         want = brute(pl, topo, trace.token_experts, backward)
         assert got == want
 

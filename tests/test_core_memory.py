@@ -9,13 +9,32 @@ H200 = GpuCaps("NVIDIA H200", 150754820096, "9.0")
 GiB = 1 << 30
 
 
-def _estimate(name="mixtral-8x7b", *, world=8, ep=8, seq=4096, micro=1, gpu=H200, autoep=True,
-              overrides=None, **kw):
+def _estimate(
+    name="mixtral-8x7b",
+    *,
+    world=8,
+    ep=8,
+    seq=4096,
+    micro=1,
+    gpu=H200,
+    autoep=True,
+    overrides=None,
+    **kw,
+):
     spec = models.resolve_model(name).spec
-    cfg, _ = deepspeed_config(spec, world_size=world, ep_size=ep, global_batch=world * micro,
-                              micro_batch=micro, gpu=gpu, autoep=autoep, overrides=overrides)
-    return spec, memory.estimate_memory(spec, cfg, world_size=world, ep_size=ep, seq_len=seq,
-                                        micro_batch=micro, **kw)
+    cfg, _ = deepspeed_config(
+        spec,
+        world_size=world,
+        ep_size=ep,
+        global_batch=world * micro,
+        micro_batch=micro,
+        gpu=gpu,
+        autoep=autoep,
+        overrides=overrides,
+    )
+    return spec, memory.estimate_memory(
+        spec, cfg, world_size=world, ep_size=ep, seq_len=seq, micro_batch=micro, **kw
+    )
 
 
 def test_model_states_are_sharded_over_the_world():
@@ -36,8 +55,13 @@ def test_bf16_master_weights_count_bf16_adam_states_and_temporaries():
     is the master, the moments are bf16: 4 B/param of state (not 12), 4 B of step temporaries
     (not 8)."""
     spec, fp32 = _estimate(world=8, ep=8)
-    bf16 = {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                     "bf16_optimizer_states": True}}
+    bf16 = {
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        }
+    }
     _, masters = _estimate(world=8, ep=8, overrides=bf16)
     total = spec.counts().total
     assert masters.breakdown["optimizerBytes"] == pytest.approx(4 * total / 8, rel=1e-6)
@@ -52,7 +76,7 @@ def test_autoep_gathers_only_local_experts():
     spec, with_ep = _estimate(world=8, ep=8)
     _, without = _estimate(world=8, ep=1, autoep=False)
     expert_bytes = 2 * spec.expert_params()
-    prefetch = 2 * int(0.9 * spec.hidden_size ** 2)
+    prefetch = 2 * int(0.9 * spec.hidden_size**2)
     # one expert per rank with EP 8: params + full grads of that module, plus the prefetch bucket
     assert with_ep.breakdown["gatheredParametersBytes"] == 2 * expert_bytes + prefetch
     assert without.breakdown["gatheredParametersBytes"] == 2 * 8 * expert_bytes + prefetch
@@ -63,14 +87,15 @@ def test_activation_terms_scale_with_tokens_and_checkpointing():
     _, e1 = _estimate(micro=1)
     _, e2 = _estimate(micro=2)
     _, ckpt = _estimate(micro=1, activation_checkpointing=True)
-    assert e2.breakdown["activationsBytes"] == pytest.approx(2 * e1.breakdown["activationsBytes"],
-                                                             rel=1e-6)
+    assert e2.breakdown["activationsBytes"] == pytest.approx(
+        2 * e1.breakdown["activationsBytes"], rel=1e-6
+    )
     assert ckpt.breakdown["activationsBytes"] < e1.breakdown["activationsBytes"] / 4
     assert ckpt.total < e1.total
 
 
 def test_activation_formula_for_a_mixtral_layer():
-    spec = models.resolve_model("tiny-mixtral").spec   # h 64, F 128, 4 heads x 16, 2 kv heads
+    spec = models.resolve_model("tiny-mixtral").spec  # h 64, F 128, 4 heads x 16, 2 kv heads
     h, q, kv, f, k, e, p = 64, 64, 32, 128, 2, 8, 2
     attn = p * (2 * h + 3 * q + 3 * kv + q)
     norms = 2 * (4 * h + p * h)
@@ -114,8 +139,17 @@ def test_cpu_mode_is_fp32_with_process_baseline():
 def test_explain_is_a_readable_table():
     _, e = _estimate()
     text = e.explain(H200.memory_bytes)
-    for term in ("parameters", "gradients", "optimizer", "gatheredParameters", "activations",
-                 "moeDispatch", "buffers", "overhead", "total (peak)"):
+    for term in (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "gatheredParameters",
+        "activations",
+        "moeDispatch",
+        "buffers",
+        "overhead",
+        "total (peak)",
+    ):
         assert term in text
     assert "140.40 GiB" in text and ("fits" in text or "DOES NOT FIT" in text)
     assert sum(e.breakdown.values()) == pytest.approx(e.total, abs=len(e.breakdown))

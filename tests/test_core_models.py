@@ -7,8 +7,13 @@ import pytest
 from moejob_operator.core import models
 from moejob_operator.core.errors import DocumentError
 
-PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "mixtral-8x22b": 39e9, "qwen3-30b-a3b": 3.3e9,
-                    "qwen3-235b-a22b": 22e9, "deepseek-v3": 37e9}
+PUBLISHED_ACTIVE = {
+    "mixtral-8x7b": 12.9e9,
+    "mixtral-8x22b": 39e9,
+    "qwen3-30b-a3b": 3.3e9,
+    "qwen3-235b-a22b": 22e9,
+    "deepseek-v3": 37e9,
+}
 
 
 @pytest.mark.parametrize("name", sorted(models.PUBLISHED_TOTALS))
@@ -48,7 +53,11 @@ def test_tiny_counts_equal_instantiated_hf_model(name):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     real = sum(p.numel() for p in model.parameters())
     assert models.spec_from_hf_config(cfg).counts().total == real
-    assert cfg["vocab_size"] == 320 and cfg["pad_token_id"] == 258 and models.spec_from_hf_config(cfg).num_experts == 8
+    assert (
+        cfg["vocab_size"] == 320
+        and cfg["pad_token_id"] == 258
+        and models.spec_from_hf_config(cfg).num_experts == 8
+    )
 
 
 def test_preset_config_is_a_fresh_copy():
@@ -68,7 +77,7 @@ def test_qwen3_sparse_step_and_mlp_only_layers():
     cfg = models.preset_hf_config("tiny-qwen3-moe")
     cfg.update(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
     spec = models.spec_from_hf_config(cfg)
-    assert spec.moe_layer_ids == (1, 5)          # (i+1) % 2 == 0, minus layer 3
+    assert spec.moe_layer_ids == (1, 5)  # (i+1) % 2 == 0, minus layer 3
     assert spec.layer_params(0) == spec.attention_params() + spec.dense_mlp_params()
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from moe_contracts.topology import parse_topology, report_to_json
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import (
     BRUTE_FORCE_LIMIT,
@@ -12,15 +13,15 @@ from moejob_operator.core.placement import (
     solve,
 )
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
-from moe_contracts.topology import parse_topology, report_to_json
 from moejob_operator.core.topology import ClusterTopology, load_topology
 
 
 def _stats_from_tokens(te, num_experts):
     te = np.asarray(te)
     load, coact = count_routing(te, num_experts)
-    return RoutingStats(te.shape[0], num_experts, te.shape[2], te.shape[1], load, coact, 1,
-                        token_experts=te)
+    return RoutingStats(
+        te.shape[0], num_experts, te.shape[2], te.shape[1], load, coact, 1, token_experts=te
+    )
 
 
 @pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "brute_force"])
@@ -32,13 +33,15 @@ def test_invariants(strategy, shape):
     p = solve(strategy, topo, st, ep_size=ep, num_experts=experts, num_layers=3)
     assert p.permutation.shape == (3, experts)
     for layer in range(3):
-        assert sorted(p.permutation[layer]) == list(range(experts))            # each expert once
+        assert sorted(p.permutation[layer]) == list(range(experts))  # each expert once
         assert np.bincount(p.expert2rank(layer)).tolist() == [experts // ep] * ep
-        assert (p.expert2rank(layer)[p.permutation[layer]] == np.arange(experts) // (experts // ep)).all()
+        assert (
+            p.expert2rank(layer)[p.permutation[layer]] == np.arange(experts) // (experts // ep)
+        ).all()
     assert sorted(p.rank2gpu) == list(range(topo.num_gpus))
     # every EP group sits inside as few NVLink groups as possible
     for r in range(0, topo.num_gpus, ep):
-        groups = set(topo.group_of[p.rank2gpu[r:r + ep]])
+        groups = set(topo.group_of[p.rank2gpu[r : r + ep]])
         assert len(groups) == -(-ep // group)
 
 
@@ -79,8 +82,12 @@ def test_rank_order_fills_nvlink_groups_first():
             lk["remotePciBusId"] = pci[peer]
     topo = ClusterTopology.from_reports([parse_topology(doc)])
     st = synthetic_trace(1, 8, 2, 500, seed=0)
-    assert solve("balanced", topo, st, ep_size=2, num_experts=8, num_layers=1).rank2gpu.tolist() == [0, 2, 1, 3]
-    assert solve("contiguous", topo, st, ep_size=2, num_experts=8, num_layers=1).rank2gpu.tolist() == [0, 1, 2, 3]
+    assert solve(
+        "balanced", topo, st, ep_size=2, num_experts=8, num_layers=1
+    ).rank2gpu.tolist() == [0, 2, 1, 3]
+    assert solve(
+        "contiguous", topo, st, ep_size=2, num_experts=8, num_layers=1
+    ).rank2gpu.tolist() == [0, 1, 2, 3]
 
 
 def test_topology_aware_golden_blocks():
@@ -92,10 +99,15 @@ def test_topology_aware_golden_blocks():
     topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=4, group_size=2)
     p = solve("topology_aware", topo, st, ep_size=4, num_experts=8, num_layers=1)
     group_of_expert = topo.group_of[p.rank2gpu[p.expert2rank(0)]]
-    assert sorted(map(sorted, [np.flatnonzero(group_of_expert == g).tolist() for g in (0, 1)])) == \
-        [[0, 2, 5, 7], [1, 3, 4, 6]]
+    assert sorted(map(sorted, [np.flatnonzero(group_of_expert == g).tolist() for g in (0, 1)])) == [
+        [0, 2, 5, 7],
+        [1, 3, 4, 6],
+    ]
     # each token needs exactly one group: tokens starting in the other group (half) cross once
-    assert score(p, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step == 400 / 2 * 2
+    assert (
+        score(p, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step
+        == 400 / 2 * 2
+    )
     c = solve("contiguous", topo, st, ep_size=4, num_experts=8, num_layers=1)
     assert score(c, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step > 400
 
@@ -105,11 +117,15 @@ def _objective(p, topo, st):
     return s.cross_group_bytes_per_step + s.cross_node_bytes_per_step
 
 
-@pytest.mark.parametrize(("nodes", "gpn", "group", "top_k"), [(1, 4, 2, 2), (2, 2, 2, 2), (2, 2, 1, 3)])
+@pytest.mark.parametrize(
+    ("nodes", "gpn", "group", "top_k"), [(1, 4, 2, 2), (2, 2, 2, 2), (2, 2, 1, 3)]
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_topology_aware_near_brute_force(nodes, gpn, group, top_k, seed):
     topo = ClusterTopology.synthetic(nodes=nodes, gpus_per_node=gpn, group_size=group)
-    st = synthetic_trace(2, 8, top_k, 3000, num_clusters=2, cluster_affinity=0.5, zipf_s=0.4, seed=seed)
+    st = synthetic_trace(
+        2, 8, top_k, 3000, num_clusters=2, cluster_affinity=0.5, zipf_s=0.4, seed=seed
+    )
     kw = dict(ep_size=4, num_experts=8, num_layers=2)
     best = solve("brute_force", topo, st, **kw)
     ta = solve("topology_aware", topo, st, **kw)
@@ -117,11 +133,16 @@ def test_topology_aware_near_brute_force(nodes, gpn, group, top_k, seed):
     assert _objective(ta, topo, st) <= 1.05 * opt
     for other in ("contiguous", "round_robin", "balanced"):
         p = solve(other, topo, st, **kw)
-        within_cap = score(p, topo, st, hidden_size=1).max_mean_load <= 1.02 * score(best, topo, st, hidden_size=1).max_mean_load
-        if within_cap:                       # brute force is optimal among load-feasible placements
+        within_cap = (
+            score(p, topo, st, hidden_size=1).max_mean_load
+            <= 1.02 * score(best, topo, st, hidden_size=1).max_mean_load
+        )
+        if within_cap:  # brute force is optimal among load-feasible placements
             assert opt <= _objective(p, topo, st) + 1e-6
-    assert score(ta, topo, st, hidden_size=1).max_mean_load <= 1.05 * score(
-        solve("balanced", topo, st, **kw), topo, st, hidden_size=1).max_mean_load
+    assert (
+        score(ta, topo, st, hidden_size=1).max_mean_load
+        <= 1.05 * score(solve("balanced", topo, st, **kw), topo, st, hidden_size=1).max_mean_load
+    )
 
 
 def test_brute_force_is_exact_by_enumeration():
@@ -130,7 +151,9 @@ def test_brute_force_is_exact_by_enumeration():
     te = np.array([[[0, 3]] * 5 + [[1, 2]] * 5 + [[0, 1]] * 2])
     st = _stats_from_tokens(te, 4)
     best = solve("brute_force", topo, st, ep_size=2, num_experts=4, num_layers=1)
-    assert sorted(map(sorted, [np.flatnonzero(best.expert2rank(0) == r).tolist() for r in (0, 1)])) == [[0, 3], [1, 2]]
+    assert sorted(
+        map(sorted, [np.flatnonzero(best.expert2rank(0) == r).tolist() for r in (0, 1)])
+    ) == [[0, 3], [1, 2]]
 
 
 def test_errors():
@@ -140,7 +163,9 @@ def test_errors():
         solve("greedy", topo, st, ep_size=4, num_experts=8, num_layers=1)
     with pytest.raises(ValueError, match="ep_size 3 must divide num_experts 8"):
         solve("balanced", topo, st, ep_size=3, num_experts=8, num_layers=1)
-    with pytest.raises(ValueError, match="routing stats are 1 layers x 8 experts, the model has 2 x 8"):
+    with pytest.raises(
+        ValueError, match="routing stats are 1 layers x 8 experts, the model has 2 x 8"
+    ):
         solve("balanced", topo, st, ep_size=4, num_experts=8, num_layers=2)
     big = synthetic_trace(1, 32, 2, 100, seed=0)
     assert brute_force_count(32, 4) > BRUTE_FORCE_LIMIT
@@ -155,8 +180,13 @@ def test_errors():
 def test_to_json_matches_contract():
     topo = ClusterTopology.synthetic(nodes=1, gpus_per_node=2, group_size=2)
     p = solve("round_robin", topo, None, ep_size=2, num_experts=4, num_layers=1)
-    assert p.to_json() == {"strategy": "round_robin", "numLayers": 1, "numExperts": 4, "epSize": 2,
-                           "permutation": [[0, 2, 1, 3]]}
+    assert p.to_json() == {
+        "strategy": "round_robin",
+        "numLayers": 1,
+        "numExperts": 4,
+        "epSize": 2,
+        "permutation": [[0, 2, 1, 3]],
+    }
 
 
 def test_load_limit_keeps_the_hot_expert_with_its_partners():
@@ -173,7 +203,11 @@ def test_load_limit_keeps_the_hot_expert_with_its_partners():
     kw = dict(ep_size=4, num_experts=8, num_layers=1)
     ta, best = solve("topology_aware", topo, st, **kw), solve("brute_force", topo, st, **kw)
     sends = score(ta, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step
-    assert sends == score(best, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step == 592
+    assert (
+        sends
+        == score(best, topo, st, hidden_size=1, bytes_per_elem=1).cross_group_bytes_per_step
+        == 592
+    )
     assert np.argmax(st.load[0]) == 0 and ta.expert2rank(0)[0] // 2 == best.expert2rank(0)[0] // 2
 
 
@@ -182,17 +216,23 @@ def test_topology_aware_never_exceeds_the_load_limit(gpn, group):
     # skewed layers: every GPU stays within 1.02 x the flat EPLB packing's heaviest GPU
     topo = ClusterTopology.synthetic(nodes=4, gpus_per_node=gpn, group_size=group)
     P = topo.num_gpus
-    st = synthetic_trace(6, 4 * P, 8, 4000, zipf_s=1.0, cluster_affinity=0.6, seed=3, keep_tokens=False)
+    st = synthetic_trace(
+        6, 4 * P, 8, 4000, zipf_s=1.0, cluster_affinity=0.6, seed=3, keep_tokens=False
+    )
     ta = solve("topology_aware", topo, st, ep_size=P, num_experts=4 * P, num_layers=6)
     bal = solve("balanced", topo, st, ep_size=P, num_experts=4 * P, num_layers=6)
     for layer in range(6):
         load = st.load[layer].astype(float)
-        flat = np.bincount(np.argsort(np.argsort(-load)) % P, weights=load).max()   # loose LPT stand-in
+        flat = np.bincount(
+            np.argsort(np.argsort(-load)) % P, weights=load
+        ).max()  # loose LPT stand-in
         ta_max = np.bincount(ta.expert2rank(layer), weights=load, minlength=P).max()
         bal_max = np.bincount(bal.expert2rank(layer), weights=load, minlength=P).max()
         assert ta_max <= 1.02 * max(bal_max, flat) + 1e-9
-    assert score(ta, topo, st, hidden_size=1).cross_group_bytes_per_step < \
-        score(bal, topo, st, hidden_size=1).cross_group_bytes_per_step
+    assert (
+        score(ta, topo, st, hidden_size=1).cross_group_bytes_per_step
+        < score(bal, topo, st, hidden_size=1).cross_group_bytes_per_step
+    )
 
 
 def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
@@ -201,10 +241,13 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
     # the same load limit keep more co-activation inside groups, and no GPU goes over the limit.
     from pathlib import Path
 
-    from moejob_operator.core import placement
     from moe_contracts.routing import read_routing_stats
-    st = read_routing_stats(Path(__file__).resolve().parents[1]
-                            / "benchmarks/results/routing_stats_real_text_e64_top2_fit.json")
+    from moejob_operator.core import placement
+
+    st = read_routing_stats(
+        Path(__file__).resolve().parents[1]
+        / "benchmarks/results/routing_stats_real_text_e64_top2_fit.json"
+    )
     rank_node = rank_group = np.arange(32) // 4
     A = 2.0 * (rank_group[:, None] == rank_group[None, :])
     gained = 0
@@ -214,8 +257,9 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
         limit = 1.02 * np.bincount(flat, weights=load, minlength=32).max()
         values = []
         for starts in (1, placement.MAX_STARTS):
-            e2r = placement._topology_aware_layer(load, coact, rank_node, rank_group, 2, 0.02,
-                                                  np.random.default_rng(0), starts=starts)
+            e2r = placement._topology_aware_layer(
+                load, coact, rank_node, rank_group, 2, 0.02, np.random.default_rng(0), starts=starts
+            )
             assert np.bincount(e2r, minlength=32).tolist() == [2] * 32
             assert np.bincount(e2r, weights=load, minlength=32).max() <= limit + 1e-9
             values.append((coact * A[e2r][:, e2r]).sum())
@@ -226,6 +270,7 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
 
 def test_heldout_estimate_raises_only_fitted_layouts():
     from moejob_operator.core.placement import HELDOUT_OPTIMISM, heldout_estimate
+
     topo = ClusterTopology.synthetic(nodes=2, gpus_per_node=4, group_size=4)
     st = synthetic_trace(2, 16, 2, 2000, seed=1)
     kw = dict(ep_size=8, num_experts=16, num_layers=2)

@@ -17,7 +17,7 @@ def trace():
 
 
 def test_count_routing_by_hand():
-    te = np.array([[[0, 1], [1, 2], [0, 1]]])          # [L=1, T=3, k=2]
+    te = np.array([[[0, 1], [1, 2], [0, 1]]])  # [L=1, T=3, k=2]
     load, coact = count_routing(te, 4)
     assert load.tolist() == [[2, 3, 1, 0]]
     assert coact[0].tolist() == [[0, 2, 0, 0], [2, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]]
@@ -26,7 +26,7 @@ def test_count_routing_by_hand():
 def test_synthetic_trace_invariants(trace):
     L, T, k = trace.token_experts.shape
     assert (L, T, k) == (3, 4000, 2)
-    assert (np.diff(trace.token_experts, axis=2) > 0).all()           # k distinct experts per token
+    assert (np.diff(trace.token_experts, axis=2) > 0).all()  # k distinct experts per token
     assert (trace.load.sum(axis=1) == T * k).all()
     assert (trace.coact == trace.coact.transpose(0, 2, 1)).all()
     assert (trace.coact.sum(axis=2) == (k - 1) * trace.load).all()
@@ -41,7 +41,9 @@ def test_synthetic_trace_is_skewed_and_clustered(trace):
         c = trace.planted_clusters[layer]
         same = c[:, None] == c[None, :]
         np.fill_diagonal(same, False)
-        expected = np.outer(trace.load[layer], trace.load[layer]) / trace.tokens * (1 / 2)  # indep. top-2
+        expected = (
+            np.outer(trace.load[layer], trace.load[layer]) / trace.tokens * (1 / 2)
+        )  # indep. top-2
         observed = trace.coact[layer] / np.maximum(expected, 1e-9)
         assert observed[same].mean() > 2 * observed[~same & ~np.eye(16, dtype=bool)].mean()
 
@@ -66,7 +68,7 @@ def test_write_read_round_trip(tmp_path, trace):
     assert np.array_equal(back.token_experts, trace.token_experts) and back.source == "synthetic"
     assert back.exact
     write_routing_stats(trace.without_tokens(), path)
-    v1 = dict(json.loads(path.read_text()), version=1)           # v1 readers' documents still read
+    v1 = dict(json.loads(path.read_text()), version=1)  # v1 readers' documents still read
     assert read_routing_stats(v1).token_experts is None
 
 
@@ -82,37 +84,65 @@ def _bad(mutate, match, trace):
         read_routing_stats(doc)
 
 
-@pytest.mark.parametrize(("mutate", "match"), [
-    (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
-    (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
-    (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),
-    (lambda d: d.update(numExperts="16"), r"RoutingStats numExperts: '16' is invalid \(Input should be a valid integer\)"),
-    (lambda d: d.update(numLayers=4), r"RoutingStats load: shape \[3, 16\] does not match numLayers/numExperts \[4, 16\]"),
-    (lambda d: d["load"][1].__setitem__(2, -1), r"RoutingStats load\[1\]\[2\]: -1 is negative"),
-    (lambda d: d["load"][0].__setitem__(0, d["load"][0][0] + 1), r"RoutingStats load\[0\]: sums to 8001, expected tokens\*topK = 8000"),
-    (lambda d: d["coactivation"][2][0].__setitem__(1, d["coactivation"][2][0][1] + 1),
-     r"coactivation\[2\]\[0\]\[1\]: .* \(not symmetric\)"),
-    (lambda d: d["coactivation"][0][3].__setitem__(3, 5), r"coactivation\[0\]\[3\]\[3\]: 5 is not 0"),
-    (lambda d: d["load"][0].__setitem__(0, 0.5), r"load: counts must be integers"),
-    (lambda d: d["tokenSamples"]["experts"][1][5].__setitem__(0, 16),
-     r"tokenSamples.experts\[1\]\[5\]\[0\]: 16 is not an expert id in \[0, 16\)"),
-    (lambda d: d["tokenSamples"]["experts"][2].__setitem__(7, [3, 3]),
-     r"tokenSamples.experts\[2\]\[7\]: \[3, 3\] repeats an expert"),
-    (lambda d: d["tokenSamples"].update(experts=[[[1, 2]]]),
-     r"tokenSamples.experts: shape \[1, 1, 2\] .* is not \[numLayers=3\]"),
-    (lambda d: d.update(tokens=10, load=[[0] * 16] * 3, coactivation=[[[0] * 16] * 16] * 3),
-     r"RoutingStats load\[0\]: sums to 0"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(kind="Routing"), r"RoutingStats kind: 'Routing' is not 'RoutingStats'"),
+        (lambda d: d.update(version=3), r"RoutingStats version: 3 is not a known version"),
+        (lambda d: d.pop("topK"), r"RoutingStats topK: required field is missing"),
+        (
+            lambda d: d.update(numExperts="16"),
+            r"RoutingStats numExperts: '16' is invalid \(Input should be a valid integer\)",
+        ),
+        (
+            lambda d: d.update(numLayers=4),
+            r"RoutingStats load: shape \[3, 16\] does not match numLayers/numExperts \[4, 16\]",
+        ),
+        (lambda d: d["load"][1].__setitem__(2, -1), r"RoutingStats load\[1\]\[2\]: -1 is negative"),
+        (
+            lambda d: d["load"][0].__setitem__(0, d["load"][0][0] + 1),
+            r"RoutingStats load\[0\]: sums to 8001, expected tokens\*topK = 8000",
+        ),
+        (
+            lambda d: d["coactivation"][2][0].__setitem__(1, d["coactivation"][2][0][1] + 1),
+            r"coactivation\[2\]\[0\]\[1\]: .* \(not symmetric\)",
+        ),
+        (
+            lambda d: d["coactivation"][0][3].__setitem__(3, 5),
+            r"coactivation\[0\]\[3\]\[3\]: 5 is not 0",
+        ),
+        (lambda d: d["load"][0].__setitem__(0, 0.5), r"load: counts must be integers"),
+        (
+            lambda d: d["tokenSamples"]["experts"][1][5].__setitem__(0, 16),
+            r"tokenSamples.experts\[1\]\[5\]\[0\]: 16 is not an expert id in \[0, 16\)",
+        ),
+        (
+            lambda d: d["tokenSamples"]["experts"][2].__setitem__(7, [3, 3]),
+            r"tokenSamples.experts\[2\]\[7\]: \[3, 3\] repeats an expert",
+        ),
+        (
+            lambda d: d["tokenSamples"].update(experts=[[[1, 2]]]),
+            r"tokenSamples.experts: shape \[1, 1, 2\] .* is not \[numLayers=3\]",
+        ),
+        (
+            lambda d: d.update(tokens=10, load=[[0] * 16] * 3, coactivation=[[[0] * 16] * 16] * 3),
+            r"RoutingStats load\[0\]: sums to 0",
+        ),
+    ],
+)
 def test_bad_documents_name_the_field(mutate, match, trace):
     _bad(mutate, match, trace)
 
 
 def test_row_sum_invariant(trace):
-    def move(d):          # keeps symmetry and zero diagonal, breaks sum_j coact == (k-1) * load
+    def move(d):  # keeps symmetry and zero diagonal, breaks sum_j coact == (k-1) * load
         c = d["coactivation"][0]
         for i, j in ((0, 1), (1, 0), (2, 3), (3, 2)):
             c[i][j] += 1
-    _bad(move, r"coactivation\[0\]\[0\]: row sums to \d+, expected \(topK-1\)\*load\[0\]\[0\]", trace)
+
+    _bad(
+        move, r"coactivation\[0\]\[0\]: row sums to \d+, expected \(topK-1\)\*load\[0\]\[0\]", trace
+    )
 
 
 def test_missing_file(tmp_path):

@@ -21,33 +21,74 @@ CASES = {
         dict(name="2x2 top-2 post", experts=8, topk=2, scoreApply="post", groups=[0, 0, 1, 1]),
         dict(name="2x2 top-8 post", experts=16, topk=8, scoreApply="post", groups=[0, 0, 1, 1]),
         dict(name="2x2 top-2 pre", experts=8, topk=2, scoreApply="pre", groups=[0, 0, 1, 1]),
-        dict(name="2x2 top-8 pre, empty group", experts=16, topk=8, scoreApply="pre", groups=[0, 0, 1, 1],
-             deadRanks=[2, 3]),
-        dict(name="2x2 top-2 post, empty rank, checkpointed", experts=8, topk=2, scoreApply="post",
-             groups=[0, 0, 1, 1], deadRanks=[1], checkpoint=True),
-        dict(name="groups not in rank order", experts=8, topk=2, scoreApply="post", groups=[0, 1, 0, 1]),
+        dict(
+            name="2x2 top-8 pre, empty group",
+            experts=16,
+            topk=8,
+            scoreApply="pre",
+            groups=[0, 0, 1, 1],
+            deadRanks=[2, 3],
+        ),
+        dict(
+            name="2x2 top-2 post, empty rank, checkpointed",
+            experts=8,
+            topk=2,
+            scoreApply="post",
+            groups=[0, 0, 1, 1],
+            deadRanks=[1],
+            checkpoint=True,
+        ),
+        dict(
+            name="groups not in rank order",
+            experts=8,
+            topk=2,
+            scoreApply="post",
+            groups=[0, 1, 0, 1],
+        ),
         dict(name="4x1 flat top-8", experts=16, topk=8, scoreApply="post", groups=[0, 1, 2, 3]),
         dict(name="1x4 one group top-2", experts=8, topk=2, scoreApply="post", groups=[0, 0, 0, 0]),
     ],
     2: [
         dict(name="2x1 top-2 post", experts=4, topk=2, scoreApply="post", groups=[0, 1]),
         dict(name="2x1 top-8 pre", experts=16, topk=8, scoreApply="pre", groups=[0, 1]),
-        dict(name="2x1 top-2 post, empty group", experts=8, topk=2, scoreApply="post", groups=[0, 1],
-             deadRanks=[0]),
+        dict(
+            name="2x1 top-2 post, empty group",
+            experts=8,
+            topk=2,
+            scoreApply="post",
+            groups=[0, 1],
+            deadRanks=[0],
+        ),
         dict(name="1x2 top-2", experts=4, topk=2, scoreApply="post", groups=[0, 0]),
     ],
 }
 
 
 def run_world(nproc: int, out: Path) -> list[list[dict]]:
-    cases = [dict({"deadRanks": [], "tokens": 10, "seed": 7 + i}, **c) for i, c in enumerate(CASES[nproc])]
-    env = dict(os.environ, CASES=json.dumps(cases), OUT=str(out), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    cases = [
+        dict({"deadRanks": [], "tokens": 10, "seed": 7 + i}, **c)
+        for i, c in enumerate(CASES[nproc])
+    ]
+    env = dict(
+        os.environ,
+        CASES=json.dumps(cases),
+        OUT=str(out),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
     procs = []
     for r in range(nproc):
-        with open(out / f"log{r}.txt", "w") as log:      # the child keeps its own copy
-            procs.append(subprocess.Popen([sys.executable, str(WORKER)], stdout=log, stderr=subprocess.STDOUT,
-                                          env=dict(env, RANK=str(r), LOCAL_RANK=str(r))))
+        with open(out / f"log{r}.txt", "w") as log:  # the child keeps its own copy
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                )
+            )
     try:
         codes = [p.wait(timeout=600) for p in procs]
     finally:
@@ -69,8 +110,14 @@ def test_outputs_and_gradients_match_single_process_reference(world):
         for r in range(nproc):
             res = ranks[r][i]
             for key, err in res["maxErr"].items():
-                assert err <= TOL * max(1.0, res["scale"][key]), (case["name"], r, key, err, res["scale"][key])
-            assert res["scale"]["output"] > 1e-3, case["name"]          # the check compared something
+                assert err <= TOL * max(1.0, res["scale"][key]), (
+                    case["name"],
+                    r,
+                    key,
+                    err,
+                    res["scale"][key],
+                )
+            assert res["scale"]["output"] > 1e-3, case["name"]  # the check compared something
 
 
 def test_empty_ranks_get_nothing_and_tiers_follow_the_groups(world):
@@ -79,8 +126,15 @@ def test_empty_ranks_get_nothing_and_tiers_follow_the_groups(world):
         groups = case["groups"]
         for r in range(nproc):
             res = ranks[r][i]
-            assert res["expertsUsed"] == (0 if r in case.get("deadRanks", []) else 1), (case["name"], r)
-            if len(set(groups)) == 1:                   # one NVSwitch node: nothing on the slow tier
-                assert res["bytes"]["crossGroup"] == 0 and res["bytes"]["intraGroup"] > 0, case["name"]
-            if len(set(groups)) == nproc:               # every rank its own group: all of it crosses
-                assert res["bytes"]["intraGroup"] == 0 and res["bytes"]["crossGroup"] > 0, case["name"]
+            assert res["expertsUsed"] == (0 if r in case.get("deadRanks", []) else 1), (
+                case["name"],
+                r,
+            )
+            if len(set(groups)) == 1:  # one NVSwitch node: nothing on the slow tier
+                assert res["bytes"]["crossGroup"] == 0 and res["bytes"]["intraGroup"] > 0, case[
+                    "name"
+                ]
+            if len(set(groups)) == nproc:  # every rank its own group: all of it crosses
+                assert res["bytes"]["intraGroup"] == 0 and res["bytes"]["crossGroup"] > 0, case[
+                    "name"
+                ]

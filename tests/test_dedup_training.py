@@ -16,8 +16,10 @@ STEPS = 6
 
 def plan_for(tmp: Path, dispatcher: str) -> Path:
     doc = json.loads(PLAN.read_text())
-    doc["ranks"] = [{"rank": r, "node": f"node-{r}", "nodeRank": r, "localRank": 0, "gpu": None, "group": r}
-                    for r in range(2)]
+    doc["ranks"] = [
+        {"rank": r, "node": f"node-{r}", "nodeRank": r, "localRank": 0, "gpu": None, "group": r}
+        for r in range(2)
+    ]
     doc["placement"]["dispatcher"] = dispatcher
     doc["training"].update(steps=STEPS, checkpointEverySteps=3)
     path = tmp / f"plan-{dispatcher}.json"
@@ -54,7 +56,7 @@ def runs(tmp_path_factory):
 def test_dedup_follows_autoep_loss_step_for_step(runs):
     a, d = losses(runs["autoep"]), losses(runs["dedup"])
     assert len(a) == len(d) == STEPS
-    assert a[-1] < a[0] - 0.3                                     # it trains
+    assert a[-1] < a[0] - 0.3  # it trains
     for step, (x, y) in enumerate(zip(a, d, strict=True), 1):
         assert abs(x - y) <= 1e-4 * abs(x), (step, a, d)
 
@@ -62,18 +64,22 @@ def test_dedup_follows_autoep_loss_step_for_step(runs):
 def test_checkpoints_load_either_way(runs):
     a, d = losses(runs["autoep"]), losses(runs["dedup"])
     a2d, d2a = losses(runs["autoep->dedup"]), losses(runs["dedup->autoep"])
-    assert len(a2d) == len(d2a) == STEPS                          # resumed at 3: earlier losses restored
+    assert len(a2d) == len(d2a) == STEPS  # resumed at 3: earlier losses restored
     for step in range(3, STEPS):
         assert abs(a2d[step] - a[step]) <= 1e-4 * abs(a[step]), (step, a, a2d)
         assert abs(d2a[step] - d[step]) <= 1e-4 * abs(d[step]), (step, d, d2a)
 
 
 def test_progress_reports_bytes_by_tier_and_dedup_sends_less_across_groups(runs):
-    moe = {k: json.loads((runs[k] / "progress.json").read_text())["moe"] for k in ("autoep", "dedup")}
+    moe = {
+        k: json.loads((runs[k] / "progress.json").read_text())["moe"] for k in ("autoep", "dedup")
+    }
     assert moe["autoep"]["dispatcher"] == "autoep" and moe["dedup"]["dispatcher"] == "dedup"
     for k in ("autoep", "dedup"):
         tiers = moe[k]["allToAllBytesPerStepByTier"]
         assert tiers["crossGroup"] > 0 and tiers["crossNode"] == tiers["crossGroup"], (k, tiers)
-        assert tiers["intraGroup"] == 0, (k, tiers)             # one rank per group
-    assert moe["dedup"]["allToAllBytesPerStepByTier"]["crossGroup"] < \
-        moe["autoep"]["allToAllBytesPerStepByTier"]["crossGroup"]
+        assert tiers["intraGroup"] == 0, (k, tiers)  # one rank per group
+    assert (
+        moe["dedup"]["allToAllBytesPerStepByTier"]["crossGroup"]
+        < moe["autoep"]["allToAllBytesPerStepByTier"]["crossGroup"]
+    )

@@ -17,8 +17,9 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
-from moejob_operator import constants as C
 from moe_contracts.topology import report_to_json
+from moe_localkube.nodes import NodeSpec, node_manifest, node_status
+from moejob_operator import constants as C
 from moejob_operator import metrics
 from moejob_operator.controller import Controller, ControllerConfig
 from moejob_operator.core.topology import load_topology
@@ -27,7 +28,6 @@ from moejob_operator.reconcile.client import Client
 from moejob_operator.reconcile.deferred import PassClock, YieldingQueue
 from moejob_operator.reconcile.settings import Settings
 from moejob_operator.status import now_iso
-from moe_localkube.nodes import NodeSpec, node_manifest, node_status
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,12 +62,15 @@ class FakeTime:
     def settle(self, done=lambda: False) -> None:
         """Wait until the worker has polled twice at the current time (or ``done``)."""
         n = self.polls
-        assert wait(lambda: self.polls >= n + 2 or done(), 60.0), "the queue's worker stopped polling"
+        assert wait(lambda: self.polls >= n + 2 or done(), 60.0), (
+            "the queue's worker stopped polling"
+        )
 
 
 @pytest.fixture
 def fake_time(monkeypatch):
     from moejob_operator.reconcile import deferred
+
     ft = FakeTime()
     monkeypatch.setattr(deferred, "time", ft)
     return ft
@@ -75,17 +78,18 @@ def fake_time(monkeypatch):
 
 def test_items_wait_while_passes_keep_starting_and_run_once_quiet(fake_time):
     clock, ran = PassClock(), []
-    q = YieldingQueue("t-quiet", lambda item: ran.append((item, fake_time.now)), clock,
-                      quiet=0.1, max_delay=10.0)
+    q = YieldingQueue(
+        "t-quiet", lambda item: ran.append((item, fake_time.now)), clock, quiet=0.1, max_delay=10.0
+    )
     t0 = fake_time.now
     clock.started()
     q.put("a")
-    for _ in range(25):                         # a pass every 0.02 s for 0.5 s
+    for _ in range(25):  # a pass every 0.02 s for 0.5 s
         fake_time.advance(0.02)
         clock.started()
         fake_time.settle(lambda: ran)
         assert not ran, "ran while passes kept starting"
-    fake_time.advance(0.09)                     # quiet for less than 0.1 s: still waits
+    fake_time.advance(0.09)  # quiet for less than 0.1 s: still waits
     fake_time.settle(lambda: ran)
     assert not ran
     fake_time.advance(0.02)
@@ -95,15 +99,17 @@ def test_items_wait_while_passes_keep_starting_and_run_once_quiet(fake_time):
 
 def test_max_delay_bounds_the_wait_in_an_endless_burst(fake_time):
     clock, ran = PassClock(), []
-    q = YieldingQueue("t-max", lambda item: ran.append(fake_time.now), clock, quiet=0.1, max_delay=0.3)
+    q = YieldingQueue(
+        "t-max", lambda item: ran.append(fake_time.now), clock, quiet=0.1, max_delay=0.3
+    )
     t0 = fake_time.now
     q.put("a")
-    for _ in range(14):                         # passes keep starting: 0.28 s
+    for _ in range(14):  # passes keep starting: 0.28 s
         fake_time.advance(0.02)
         clock.started()
         fake_time.settle(lambda: ran)
         assert not ran
-    fake_time.advance(0.03)                     # 0.31 s after it was queued, a pass 0.03 s ago
+    fake_time.advance(0.03)  # 0.31 s after it was queued, a pass 0.03 s ago
     clock.started()
     assert wait(lambda: ran, 60.0)
     assert ran == [pytest.approx(t0 + 0.31)]
@@ -116,6 +122,7 @@ def test_one_thread_keeps_order_a_failing_item_does_not_stop_the_rest_and_drain_
         if item == 2:
             raise RuntimeError("boom")
         ran.append(item)
+
     q = YieldingQueue("t-order", run, clock, quiet=0.0, max_delay=1.0)
     for i in range(6):
         assert q.put(i)
@@ -125,9 +132,11 @@ def test_one_thread_keeps_order_a_failing_item_does_not_stop_the_rest_and_drain_
 
 def test_a_full_queue_refuses():
     clock, release = PassClock(), threading.Event()
-    q = YieldingQueue("t-full", lambda item: release.wait(60), clock, quiet=0.0, max_delay=0.0, maxsize=1)
+    q = YieldingQueue(
+        "t-full", lambda item: release.wait(60), clock, quiet=0.0, max_delay=0.0, maxsize=1
+    )
     assert q.put(1)
-    assert wait(lambda: q._q.qsize() == 0)      # the thread holds item 1
+    assert wait(lambda: q._q.qsize() == 0)  # the thread holds item 1
     assert q.put(2)
     assert not q.put(3)
     release.set()
@@ -140,7 +149,7 @@ class MemoryClient(Client):
     500."""
 
     def __init__(self, fail_kind: str | None = None):
-        super().__init__(k8s.ApiClient())         # never used to send: every call below is overridden
+        super().__init__(k8s.ApiClient())  # never used to send: every call below is overridden
         self.objects: dict[tuple[str, str], dict] = {}
         self.writes: list[str] = []
         self.status: dict | None = None
@@ -149,11 +158,16 @@ class MemoryClient(Client):
             doc = report_to_json(load_topology("nvswitch-h100-8"))
             doc.update(node=n, collectedAt=now_iso())
             name = f"{C.TOPOLOGY_CONFIGMAP_PREFIX}{n}"
-            self.objects[("ConfigMap", name)] = {"metadata": {"name": name, "uid": n, "resourceVersion": "1"},
-                                                 "data": {C.TOPOLOGY_KEY: json.dumps(doc)}}
+            self.objects[("ConfigMap", name)] = {
+                "metadata": {"name": name, "uid": n, "resourceVersion": "1"},
+                "data": {C.TOPOLOGY_KEY: json.dumps(doc)},
+            }
 
     def list_nodes(self):
-        return [{**node_manifest(NodeSpec(n)), "status": node_status(NodeSpec(n))} for n in ("node-a", "node-b")]
+        return [
+            {**node_manifest(NodeSpec(n)), "status": node_status(NodeSpec(n))}
+            for n in ("node-a", "node-b")
+        ]
 
     def get_configmap(self, namespace, name):
         return copy.deepcopy(self.objects.get(("ConfigMap", name)))
@@ -199,15 +213,25 @@ def job():
     return body
 
 
-TRAINER_ONLY = {"Service/j-workers", "ConfigMap/j-progress", "ConfigMap/j-routing-stats",
-                "Role/j-worker", "RoleBinding/j-worker"}
+TRAINER_ONLY = {
+    "Service/j-workers",
+    "ConfigMap/j-progress",
+    "ConfigMap/j-routing-stats",
+    "Role/j-worker",
+    "RoleBinding/j-worker",
+}
 
 
 def test_the_pass_stops_at_the_pods_and_the_deferred_rest_writes_status_last(job):
     c = MemoryClient()
     deferred = []
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, defer=deferred.append)
-    assert c.writes == ["ConfigMap/j-plan", "ServiceAccount/j-worker", "Pod/j-worker-0", "Pod/j-worker-1"]
+    assert c.writes == [
+        "ConfigMap/j-plan",
+        "ServiceAccount/j-worker",
+        "Pod/j-worker-0",
+        "Pod/j-worker-1",
+    ]
     assert c.status is None and len(deferred) == 1
     deferred[0]()
     assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
@@ -228,13 +252,16 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, defer=deferred.append)
     with pytest.raises(ApiException):
         deferred[0]()
-    assert c.writes[-1] == "status" and "launchedSpecHash" not in c.status   # launches again
+    assert c.writes[-1] == "status" and "launchedSpecHash" not in c.status  # launches again
     c.fail_kind = None
     again = {**job, "status": c.status}
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=again, defer=deferred.append)
     deferred[1]()
     assert "Role/j-worker" in c.writes and c.status["launchedSpecHash"]
-    assert sorted(w for w in c.writes if w.startswith("Pod/")) == ["Pod/j-worker-0", "Pod/j-worker-1"]
+    assert sorted(w for w in c.writes if w.startswith("Pod/")) == [
+        "Pod/j-worker-0",
+        "Pod/j-worker-1",
+    ]
 
 
 # ---- the controller: one pending remainder per job, run before its next pass
@@ -245,16 +272,18 @@ def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
     def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         order.append(f"pass {name}")
         defer(lambda: order.append(f"rest {name}"))
-        return None
+        return
+
     # the finisher waits 30 s for quiet: the next pass runs the remainder
-    ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),
-                     reconcile=fake_reconcile)
+    ctl = Controller(
+        ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(), reconcile=fake_reconcile
+    )
     ctl.run_pass("ns", "a")
-    ctl.run_pass("ns", "a")       # within the quiet time: the first pass's rest comes first
+    ctl.run_pass("ns", "a")  # within the quiet time: the first pass's rest comes first
     assert order == ["pass a", "rest a", "pass a"]
     assert ctl.drain_deferred(60.0)
     assert order == ["pass a", "rest a", "pass a", "rest a"]
-    assert ctl.lock_count() == 0      # no pass holds or waits for a lock: none is kept
+    assert ctl.lock_count() == 0  # no pass holds or waits for a lock: none is kept
 
 
 def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
@@ -263,8 +292,10 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         def rest():
             raise ApiException(status=403, reason="Forbidden")
+
         defer(rest)
-        return None
+        return
+
     ctl = Controller(client=MemoryClient(), reconcile=fake_reconcile)
     monkeypatch.setattr(ctl.requeue, "after", lambda key, delay: retried.append((key, delay)))
     ctl.run_pass("ns", "b")
@@ -275,13 +306,18 @@ def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
 def test_a_deleted_jobs_state_goes_with_it():
     """Locks, pending remainder, pod cache, queue entry and error count of a deleted job are
     dropped: a long-running operator does not grow with every job it ever saw."""
+
     def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
         defer(lambda: None)
         return 600.0
-    ctl = Controller(ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(),
-                     reconcile=fake_reconcile)
-    pod = {"metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "c"}},
-           "status": {"phase": "Running"}}
+
+    ctl = Controller(
+        ControllerConfig(finish_quiet_seconds=30.0), client=MemoryClient(), reconcile=fake_reconcile
+    )
+    pod = {
+        "metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "c"}},
+        "status": {"phase": "Running"},
+    }
     ctl.job_seen("ns", "c")
     ctl.on_child_pod("MODIFIED", pod)
     assert ctl.requeue.known == {("ns", "c")} and ctl._pending and ctl._pod_seen
@@ -294,10 +330,12 @@ def test_child_pod_events_queue_a_pass_only_when_the_pod_changed():
     ctl = Controller(client=MemoryClient(), reconcile=lambda *a, **k: None)
     queued = []
     ctl.requeue.after = lambda key, delay: queued.append(key)
-    pod = {"metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "j"}},
-           "status": {"phase": "Pending"}}
-    ctl.on_child_pod("ADDED", pod)                 # the operator's own create
-    ctl.on_child_pod("MODIFIED", pod)              # nothing a pass looks at changed
+    pod = {
+        "metadata": {"uid": "u1", "namespace": "ns", "labels": {C.LABEL_JOB: "j"}},
+        "status": {"phase": "Pending"},
+    }
+    ctl.on_child_pod("ADDED", pod)  # the operator's own create
+    ctl.on_child_pod("MODIFIED", pod)  # nothing a pass looks at changed
     assert queued == []
     running = {**pod, "status": {"phase": "Running"}}
     ctl.on_child_pod("MODIFIED", running)
@@ -306,20 +344,23 @@ def test_child_pod_events_queue_a_pass_only_when_the_pod_changed():
     ctl.on_child_pod("DELETED", running)
     assert queued == [("ns", "j")] * 2 and not ctl._pod_seen
     ctl.on_child_pod("MODIFIED", {"metadata": {"uid": "u2", "namespace": "ns", "labels": {}}})
-    assert len(queued) == 2                        # not one of a job's pods
+    assert len(queued) == 2  # not one of a job's pods
 
 
 # ---- the client's token refresh ------------------------------------------------------------------
 def test_token_refresh_hook_runs_at_most_every_few_seconds(monkeypatch):
     from moejob_operator.reconcile import client as client_mod
+
     now = [100.0]
-    monkeypatch.setattr(client_mod, "time", type("T", (), {"monotonic": staticmethod(lambda: now[0])}))
+    monkeypatch.setattr(
+        client_mod, "time", type("T", (), {"monotonic": staticmethod(lambda: now[0])})
+    )
     calls = []
     refresh = client_mod._at_most_every(calls.append, 0.3)
     for _ in range(50):
         refresh("cfg")
         now[0] += 0.005
-    assert calls == ["cfg"]                     # 0.25 s of calls: one refresh
+    assert calls == ["cfg"]  # 0.25 s of calls: one refresh
     now[0] += 0.06
     refresh("cfg")
     assert len(calls) == 2

@@ -81,7 +81,10 @@ def _mentions(path: Path) -> list[int]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            blob = Path(f"/proc/{entry.name}/cmdline").read_bytes() + Path(f"/proc/{entry.name}/environ").read_bytes()
+            blob = (
+                Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                + Path(f"/proc/{entry.name}/environ").read_bytes()
+            )
         except OSError:
             continue
         if needle in blob:
@@ -92,28 +95,44 @@ def _mentions(path: Path) -> list[int]:
 def _setup_done() -> bool:
     stamp = ROOT / ".venv" / ".moe-stamp"
     # what scripts/dev.sh hashes: the product's and the dev package's pyproject, the constraints
-    want = hashlib.sha256(b"".join((ROOT / f).read_bytes() for f in (
-        "pyproject.toml", "operator/dev/pyproject.toml", "constraints.txt"))).hexdigest()
+    want = hashlib.sha256(
+        b"".join(
+            (ROOT / f).read_bytes()
+            for f in ("pyproject.toml", "operator/dev/pyproject.toml", "constraints.txt")
+        )
+    ).hexdigest()
     return stamp.exists() and stamp.read_text().strip() == want
 
 
 def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
     if not _setup_done():
-        pytest.skip("scripts/dev.sh setup has not run for this pyproject/constraints (it would install)")
+        pytest.skip(
+            "scripts/dev.sh setup has not run for this pyproject/constraints (it would install)"
+        )
     second, stop = readme_lines()
     work = tmp_path / "demo"
     out = tmp_path / "demo.out"
     with open(out, "w") as f:
-        demo = subprocess.Popen(["bash", "scripts/dev.sh", "demo", "--stay", "--dir", str(work)], cwd=ROOT,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        demo = subprocess.Popen(
+            ["bash", "scripts/dev.sh", "demo", "--stay", "--dir", str(work)],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     text = lambda: out.read_text(errors="replace")  # noqa: E731
     try:
-        wait_for(lambda: "the cluster stays up" in text() or demo.poll() is not None, timeout=900,
-                 message=f"demo --stay never said the cluster stays up:\n{text()[-4000:]}")
+        wait_for(
+            lambda: "the cluster stays up" in text() or demo.poll() is not None,
+            timeout=900,
+            message=f"demo --stay never said the cluster stays up:\n{text()[-4000:]}",
+        )
         assert demo.poll() is None, text()[-4000:]
         assert "job Succeeded" in text(), text()[-4000:]
         # every path it printed exists
-        printed = re.findall(r"heatmap:\s+(\S+)|statistics:\s+(\S+)|logs: operator (\S+), pods (\S+)", text())
+        printed = re.findall(
+            r"heatmap:\s+(\S+)|statistics:\s+(\S+)|logs: operator (\S+), pods (\S+)", text()
+        )
         printed = [p for group in printed for p in group if p]
         assert len(printed) == 4, text()[-3000:]
         for p in printed:
@@ -123,9 +142,19 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
 
         # a second shell: nothing of ours on PATH, no KUBECONFIG; the README's lines, as written
         script = "set -e\n" + "\n".join(c.replace(f"{DEFAULT}/", f"{work}/") for c in second) + "\n"
-        shell_env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
-        res = subprocess.run(["bash", "-c", script], cwd=ROOT, env=shell_env, capture_output=True,
-                             text=True, timeout=300)
+        shell_env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": os.environ.get("HOME", "/root"),
+            "LANG": "C.UTF-8",
+        }
+        res = subprocess.run(
+            ["bash", "-c", script],
+            cwd=ROOT,
+            env=shell_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0, f"{script}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
         assert re.search(r"tiny-cpu\s+Succeeded", res.stdout), res.stdout
         assert "TrainingFinished" in res.stdout and "condition met" in res.stdout, res.stdout
@@ -133,8 +162,13 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
         # stop it as the README says
         procs_before = _descendants(demo.pid)
         assert procs_before, "the demo started no processes?"
-        res = subprocess.run(["bash", "-c", f"{stop} --dir {shlex.quote(str(work))}"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=300)
+        res = subprocess.run(
+            ["bash", "-c", f"{stop} --dir {shlex.quote(str(work))}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         assert demo.wait(timeout=120) == 0, text()[-3000:]
         deadline = time.monotonic() + 60
@@ -146,8 +180,13 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
         assert not (work / "demo.pid").exists()
         assert not (work / "env.sh").exists(), "env.sh left behind, pointing at a stopped cluster"
         # down again: nothing to stop, still fine
-        res = subprocess.run(["bash", "-c", f"{stop} --dir {shlex.quote(str(work))}"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+        res = subprocess.run(
+            ["bash", "-c", f"{stop} --dir {shlex.quote(str(work))}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert res.returncode == 0 and "no demo is running" in res.stdout, res.stdout + res.stderr
     finally:
         if demo.poll() is None:

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from moejob_operator.builders import discovery as D
 from moe_contracts.topology import parse_topology
+from moejob_operator.builders import discovery as D
 from moejob_operator.core.topology import nvlink_groups
 
 pytestmark = pytest.mark.cluster
@@ -43,20 +43,32 @@ def _create_rbac(kube, ns, wait_for, nodes):
         _create(kube, ns, doc)
     # v1.20 admission refuses a pod (500, "retry after") until the token controller has given
     # the new ServiceAccount its token secret; the operator treats that as "not yet".
-    wait_for(lambda: kube.core.read_namespaced_service_account(
-        D.discovery_account_name("tiny"), ns).secrets, timeout=30,
-        message="discovery ServiceAccount has its token")
+    wait_for(
+        lambda: (
+            kube.core.read_namespaced_service_account(D.discovery_account_name("tiny"), ns).secrets
+        ),
+        timeout=30,
+        message="discovery ServiceAccount has its token",
+    )
 
 
 def _run_pod(kube, ns, wait_for, node, *, namespace_arg=True, **kwargs):
-    pod = D.discovery_pod(node, namespace=ns, image="ignored:latest",
-                          service_account=D.discovery_account_name("tiny"), job_name="tiny",
-                          **kwargs)
-    if not namespace_arg:   # moe-discover then takes the pod's namespace from its token mount
+    pod = D.discovery_pod(
+        node,
+        namespace=ns,
+        image="ignored:latest",
+        service_account=D.discovery_account_name("tiny"),
+        job_name="tiny",
+        **kwargs,
+    )
+    if not namespace_arg:  # moe-discover then takes the pod's namespace from its token mount
         pod["spec"]["containers"][0]["args"] = ["--configmap", D.topology_configmap_name(node)]
     kube.core.create_namespaced_pod(ns, pod)
-    return wait_for(lambda: _finished(kube, ns, pod["metadata"]["name"]), timeout=60,
-                    message=f"discovery pod on {node} finished")
+    return wait_for(
+        lambda: _finished(kube, ns, pod["metadata"]["name"]),
+        timeout=60,
+        message=f"discovery pod on {node} finished",
+    )
 
 
 def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, namespace, wait_for):
@@ -71,17 +83,29 @@ def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, name
     assert cm.metadata.labels["moe-operator.io/component"] == "topology"
     assert cm.metadata.labels["moe-operator.io/node"] == "node-a"
     report = parse_topology(json.loads(cm.data["topology.json"]))
-    assert (report.node, report.source, report.fixture) == ("node-a", "fake-nvml",
-                                                           "nvswitch-h100-8")
+    assert (report.node, report.source, report.fixture) == (
+        "node-a",
+        "fake-nvml",
+        "nvswitch-h100-8",
+    )
     assert nvlink_groups(report) == [list(range(8))]
 
     # A second discovery of the same node replaces the (here: stale) report; update by name.
-    kube.core.replace_namespaced_config_map("moe-topology-node-a", namespace, {
-        "metadata": {"name": "moe-topology-node-a"}, "data": {"topology.json": "{}"}})
+    kube.core.replace_namespaced_config_map(
+        "moe-topology-node-a",
+        namespace,
+        {"metadata": {"name": "moe-topology-node-a"}, "data": {"topology.json": "{}"}},
+    )
     kube.core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
-    wait_for(lambda: not kube.core.list_namespaced_pod(
-        namespace, field_selector=f"metadata.name={pod.metadata.name}").items,
-        timeout=30, message="old discovery pod gone")
+    wait_for(
+        lambda: (
+            not kube.core.list_namespaced_pod(
+                namespace, field_selector=f"metadata.name={pod.metadata.name}"
+            ).items
+        ),
+        timeout=30,
+        message="old discovery pod gone",
+    )
     pod = _run_pod(kube, namespace, wait_for, "node-a", namespace_arg=False)
     assert pod.status.phase == "Succeeded", node_agent.read_log(namespace, pod.metadata.name)
     cm = kube.core.read_namespaced_config_map("moe-topology-node-a", namespace)
@@ -91,12 +115,14 @@ def test_discovery_pod_publishes_report_the_planner_reads(kube, node_agent, name
 def test_role_forbids_replacing_another_nodes_report(kube, node_agent, namespace, wait_for):
     """The Role names node-a only: node-b's existing report cannot be overwritten (exit 75)."""
     _create_rbac(kube, namespace, wait_for, ["node-a"])
-    kube.core.create_namespaced_config_map(namespace, {
-        "metadata": {"name": "moe-topology-node-b"}, "data": {"topology.json": "{}"}})
+    kube.core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "moe-topology-node-b"}, "data": {"topology.json": "{}"}}
+    )
     pod = _run_pod(kube, namespace, wait_for, "node-b")
     assert pod.status.phase == "Failed"
     term = _terminated(pod)
     assert term.exit_code == 75, term.message
     assert "could not publish the report" in term.message and "HTTP 403" in term.message
-    assert kube.core.read_namespaced_config_map("moe-topology-node-b", namespace).data == \
-        {"topology.json": "{}"}
+    assert kube.core.read_namespaced_config_map("moe-topology-node-b", namespace).data == {
+        "topology.json": "{}"
+    }

@@ -24,8 +24,9 @@ def term_log(tmp_path, monkeypatch):
     return path
 
 
-def test_fake_fixture_from_env_writes_report_and_warns_loudly(tmp_path, monkeypatch, capsys,
-                                                               term_log):
+def test_fake_fixture_from_env_writes_report_and_warns_loudly(
+    tmp_path, monkeypatch, capsys, term_log
+):
     monkeypatch.setenv("MOE_FAKE_NVML_FIXTURE", "pcie-bridged-pairs-4")
     monkeypatch.setenv("NODE_NAME", "node-a")
     out = tmp_path / "topo.json"
@@ -34,11 +35,15 @@ def test_fake_fixture_from_env_writes_report_and_warns_loudly(tmp_path, monkeypa
     assert "WARNING: FAKE NVML: replaying recorded fixture 'pcie-bridged-pairs-4'" in captured.err
     report = json.loads(out.read_text())
     assert json.loads(captured.out) == report
-    assert (report["node"], report["source"], report["fixture"]) == \
-        ("node-a", "fake-nvml", "pcie-bridged-pairs-4")
+    assert (report["node"], report["source"], report["fixture"]) == (
+        "node-a",
+        "fake-nvml",
+        "pcie-bridged-pairs-4",
+    )
     assert parse_topology(report).node == "node-a"
-    assert term_log.read_text().startswith("node=node-a source=fake-nvml gpus=4 "
-                                           "model=NVIDIA RTX A6000 nvlinks=16(gpu)")
+    assert term_log.read_text().startswith(
+        "node=node-a source=fake-nvml gpus=4 model=NVIDIA RTX A6000 nvlinks=16(gpu)"
+    )
 
 
 def test_fake_nvml_flag_overrides_env_and_no_stdout(monkeypatch, capsys):
@@ -60,25 +65,35 @@ def test_unknown_fixture_exit_78(monkeypatch, capsys, term_log):
 def test_fake_fixture_without_the_dev_package_exit_78(monkeypatch, capsys, term_log):
     """The images have no fake NVML (dev package): a fixture asked for there is a config error
     that says so, never a silent fall-through to the driver."""
-    monkeypatch.setitem(sys.modules, "moe_fake_nvml", None)      # `import moe_fake_nvml` fails
+    monkeypatch.setitem(sys.modules, "moe_fake_nvml", None)  # `import moe_fake_nvml` fails
     monkeypatch.setenv("MOE_FAKE_NVML_FIXTURE", "single-h200")
     assert discover.main([]) == nvml_probe.EXIT_CONFIG == 78
     err = capsys.readouterr().err
-    assert err.startswith("moe-discover: error: fake NVML asked for (--fake-nvml or "
-                          "$MOE_FAKE_NVML_FIXTURE) but the dev package's moe_fake_nvml is not installed")
-    assert len(err.strip().splitlines()) == 1 and term_log.read_text().startswith("error: fake NVML")
+    assert err.startswith(
+        "moe-discover: error: fake NVML asked for (--fake-nvml or "
+        "$MOE_FAKE_NVML_FIXTURE) but the dev package's moe_fake_nvml is not installed"
+    )
+    assert len(err.strip().splitlines()) == 1 and term_log.read_text().startswith(
+        "error: fake NVML"
+    )
 
 
 def test_no_driver_exit_69_one_line(tmp_path, monkeypatch, capsys, term_log):
-    rec = {"kind": "NvmlRecording", "version": 1, "gpus": [],
-           "nvmlInit": {"error": "LibraryNotFound"}}
+    rec = {
+        "kind": "NvmlRecording",
+        "version": 1,
+        "gpus": [],
+        "nvmlInit": {"error": "LibraryNotFound"},
+    }
     path = tmp_path / "no-driver.json"
     path.write_text(json.dumps(rec))
     assert discover.main(["--fake-nvml", str(path)]) == nvml_probe.EXIT_NO_DRIVER == 69
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("moe-discover: error: no NVIDIA driver on this node: NVML says NVML Shared "
-                       "Library Not Found (code 12); is the pod on a GPU node with the NVIDIA "
-                       "container runtime?")
+    assert err[-1] == (
+        "moe-discover: error: no NVIDIA driver on this node: NVML says NVML Shared "
+        "Library Not Found (code 12); is the pod on a GPU node with the NVIDIA "
+        "container runtime?"
+    )
     assert "no NVIDIA driver" in term_log.read_text()
 
 
@@ -86,6 +101,7 @@ def test_real_pynvml_without_driver_is_exit_69(monkeypatch, capsys):
     """This machine has no NVIDIA driver: the real bindings must give the documented exit."""
     monkeypatch.delenv("MOE_FAKE_NVML_FIXTURE", raising=False)
     import pynvml
+
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
@@ -98,7 +114,7 @@ def test_real_pynvml_without_driver_is_exit_69(monkeypatch, capsys):
 
 
 def test_configmap_without_namespace_outside_pod_is_usage_error(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(publish, "SA_DIR", tmp_path)   # no namespace file
+    monkeypatch.setattr(publish, "SA_DIR", tmp_path)  # no namespace file
     assert discover.main(["--fake-nvml", "single-h200", "--configmap", "x"]) == 64
     assert "--configmap needs --namespace" in capsys.readouterr().err
 
@@ -109,7 +125,7 @@ class _FakeApi(BaseHTTPRequestHandler):
     existing: ClassVar[set[str]] = set()
     requests: ClassVar[list[tuple[str, str, dict, str | None]]] = []
     fail_with: int | None = None
-    drop: int = 0   # close this many connections without an answer (as a refusing server may)
+    drop: int = 0  # close this many connections without an answer (as a refusing server may)
 
     def _reply(self, code: int, body: dict) -> None:
         data = json.dumps(body).encode()
@@ -125,12 +141,18 @@ class _FakeApi(BaseHTTPRequestHandler):
             type(self).drop -= 1
             self.close_connection = True
             return None
-        type(self).requests.append((self.command, self.path, body,
-                                    self.headers.get("Authorization")))
+        type(self).requests.append(
+            (self.command, self.path, body, self.headers.get("Authorization"))
+        )
         if type(self).fail_with:
-            return self._reply(type(self).fail_with, {"kind": "Status", "message":
-                               'configmaps is forbidden: User "system:serviceaccount:x:y" '
-                               'cannot create resource "configmaps"'})
+            return self._reply(
+                type(self).fail_with,
+                {
+                    "kind": "Status",
+                    "message": 'configmaps is forbidden: User "system:serviceaccount:x:y" '
+                    'cannot create resource "configmaps"',
+                },
+            )
         name = body["metadata"]["name"]
         if self.command == "POST":
             if name in type(self).existing:
@@ -141,7 +163,7 @@ class _FakeApi(BaseHTTPRequestHandler):
 
     do_POST = do_PUT = _handle  # noqa: N815 - http.server's handler names
 
-    def log_message(self, *args) -> None:   # keep test output clean
+    def log_message(self, *args) -> None:  # keep test output clean
         pass
 
 
@@ -163,8 +185,15 @@ def fake_api(tmp_path, monkeypatch):
 
 def test_publish_creates_then_replaces_configmap(fake_api, monkeypatch, capsys, term_log):
     monkeypatch.setenv("NODE_NAME", "node-a")
-    args = ["--fake-nvml", "nvswitch-h100-8", "--no-stdout", "--configmap", "moe-topology-node-a",
-            "--namespace", "team-a"]
+    args = [
+        "--fake-nvml",
+        "nvswitch-h100-8",
+        "--no-stdout",
+        "--configmap",
+        "moe-topology-node-a",
+        "--namespace",
+        "team-a",
+    ]
     assert discover.main(args) == 0
     assert discover.main(args) == 0
     (m1, p1, body, auth), (m2, _, _, _), (m3, p3, _, _) = fake_api.requests
@@ -172,9 +201,11 @@ def test_publish_creates_then_replaces_configmap(fake_api, monkeypatch, capsys, 
     assert p1 == "/api/v1/namespaces/team-a/configmaps"
     assert p3 == "/api/v1/namespaces/team-a/configmaps/moe-topology-node-a"
     assert auth == "Bearer sekrit-token"
-    assert body["metadata"]["labels"] == {"moe-operator.io/component": "topology",
-                                          "moe-operator.io/node": "node-a",
-                                          "app.kubernetes.io/managed-by": "moe-operator"}
+    assert body["metadata"]["labels"] == {
+        "moe-operator.io/component": "topology",
+        "moe-operator.io/node": "node-a",
+        "app.kubernetes.io/managed-by": "moe-operator",
+    }
     assert len(body["metadata"]["annotations"]["moe-operator.io/gpu-uuid-set"]) == 16
     report = parse_topology(json.loads(body["data"]["topology.json"]))
     assert report.node == "node-a" and len(report.gpus) == 8
@@ -184,8 +215,9 @@ def test_publish_creates_then_replaces_configmap(fake_api, monkeypatch, capsys, 
 
 def test_publish_refused_is_exit_75_with_api_message(fake_api, capsys, term_log):
     fake_api.fail_with = 403
-    rc = discover.main(["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c",
-                        "--namespace", "ns"])
+    rc = discover.main(
+        ["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c", "--namespace", "ns"]
+    )
     assert rc == nvml_probe.EXIT_PUBLISH_FAILED == 75
     err = capsys.readouterr().err
     assert "could not publish the report: ConfigMap ns/c: HTTP 403: configmaps is forbidden" in err
@@ -195,18 +227,22 @@ def test_publish_refused_is_exit_75_with_api_message(fake_api, capsys, term_log)
 
 def test_publish_retries_a_dropped_connection(fake_api, capsys):
     fake_api.drop = 2
-    rc = discover.main(["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c",
-                        "--namespace", "ns"])
+    rc = discover.main(
+        ["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c", "--namespace", "ns"]
+    )
     assert rc == 0 and fake_api.drop == 0 and len(fake_api.requests) == 1
     assert "ConfigMap ns/c created" in capsys.readouterr().err
 
 
 def test_publish_unreachable_api_is_exit_75(monkeypatch, capsys):
-    monkeypatch.setenv("MOE_KUBE_API", "http://127.0.0.1:9")   # discard port: refused
-    rc = discover.main(["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c",
-                        "--namespace", "ns"])
-    assert rc == 75 and "could not publish the report: POST http://127.0.0.1:9" in \
-        capsys.readouterr().err
+    monkeypatch.setenv("MOE_KUBE_API", "http://127.0.0.1:9")  # discard port: refused
+    rc = discover.main(
+        ["--fake-nvml", "single-h200", "--no-stdout", "--configmap", "c", "--namespace", "ns"]
+    )
+    assert (
+        rc == 75
+        and "could not publish the report: POST http://127.0.0.1:9" in capsys.readouterr().err
+    )
 
 
 def test_not_in_pod_without_api_env_is_clear(monkeypatch):
@@ -223,5 +259,8 @@ def test_label_value_and_gpu_set_digest():
     assert len(value) == 63 and value != publish.label_value(long + "y")
     a = {"gpus": [{"uuid": "GPU-1"}, {"uuid": "GPU-2"}]}
     b = {"gpus": [{"uuid": "GPU-2"}, {"uuid": "GPU-1"}]}
-    assert publish.gpu_set_digest(a) == publish.gpu_set_digest(b) != \
-        publish.gpu_set_digest({"gpus": [{"uuid": "GPU-1"}]})
+    assert (
+        publish.gpu_set_digest(a)
+        == publish.gpu_set_digest(b)
+        != publish.gpu_set_digest({"gpus": [{"uuid": "GPU-1"}]})
+    )

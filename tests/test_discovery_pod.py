@@ -32,37 +32,61 @@ def _check_golden(name: str, docs: list[dict]) -> None:
 
 
 def test_golden_discovery_pod():
-    pod = D.discovery_pod("node-a", namespace=JOB.namespace, image=IMAGE,
-                          service_account="tiny-discovery", owner=owner_reference(JOB),
-                          job_name=JOB.name)
+    pod = D.discovery_pod(
+        "node-a",
+        namespace=JOB.namespace,
+        image=IMAGE,
+        service_account="tiny-discovery",
+        owner=owner_reference(JOB),
+        job_name=JOB.name,
+    )
     _check_golden("discovery_pod.yaml", [pod])
 
 
 def test_golden_discovery_children_request_mode():
-    docs = D.discovery_children(JOB.name, ["node-a", "node-b", "node-a"], namespace=JOB.namespace,
-                                image=IMAGE, owner=owner_reference(JOB), gpu_access="request",
-                                gpu_count=8, runtime_class_name="nvidia")
+    docs = D.discovery_children(
+        JOB.name,
+        ["node-a", "node-b", "node-a"],
+        namespace=JOB.namespace,
+        image=IMAGE,
+        owner=owner_reference(JOB),
+        gpu_access="request",
+        gpu_count=8,
+        runtime_class_name="nvidia",
+    )
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "Pod", "Pod"]
     _check_golden("discovery_pod_children.yaml", docs)
 
 
 def test_pod_is_pinned_restricted_and_publishes_its_node_configmap():
-    pod = D.discovery_pod("gpu-7.example.internal", namespace="ns", image=IMAGE,
-                          service_account="sa", owner=owner_reference(JOB))
+    pod = D.discovery_pod(
+        "gpu-7.example.internal",
+        namespace="ns",
+        image=IMAGE,
+        service_account="sa",
+        owner=owner_reference(JOB),
+    )
     spec, ctr = pod["spec"], pod["spec"]["containers"][0]
     assert spec["nodeName"] == "gpu-7.example.internal" and "affinity" not in spec
     assert spec["restartPolicy"] == "Never"
     assert spec["activeDeadlineSeconds"] == C.DISCOVERY_TIMEOUT_SECONDS
     assert {"key": "nvidia.com/gpu", "operator": "Exists"} in spec["tolerations"]
-    assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 65534,
-                                       "runAsGroup": 65534,
-                                       "seccompProfile": {"type": "RuntimeDefault"}}
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 65534,
+        "runAsGroup": 65534,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     sc = ctr["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert ctr["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert ctr["args"] == ["--configmap", "moe-topology-gpu-7.example.internal",
-                           "--namespace", "ns"]
+    assert ctr["args"] == [
+        "--configmap",
+        "moe-topology-gpu-7.example.internal",
+        "--namespace",
+        "ns",
+    ]
     env = {e["name"]: e for e in ctr["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
@@ -70,8 +94,11 @@ def test_pod_is_pinned_restricted_and_publishes_its_node_configmap():
     assert C.GPU_RESOURCE not in ctr["resources"]["requests"]
     assert pod["metadata"]["labels"][C.LABEL_COMPONENT] == "discovery"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
-    assert DNS_LABEL.match(pod["metadata"]["name"]) and pod["metadata"]["name"] == \
-        "moe-discovery-gpu-7-example-internal-" + pod["metadata"]["name"].rsplit("-", 1)[1]
+    assert (
+        DNS_LABEL.match(pod["metadata"]["name"])
+        and pod["metadata"]["name"]
+        == "moe-discovery-gpu-7-example-internal-" + pod["metadata"]["name"].rsplit("-", 1)[1]
+    )
 
 
 def test_pod_uses_a_projected_bound_token_not_the_legacy_automount():
@@ -86,14 +113,16 @@ def test_pod_uses_a_projected_bound_token_not_the_legacy_automount():
 
 
 def test_request_mode_asks_for_all_gpus_and_no_env_devices():
-    pod = D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa",
-                          gpu_access="request", gpu_count=4)
+    pod = D.discovery_pod(
+        "n", namespace="ns", image=IMAGE, service_account="sa", gpu_access="request", gpu_count=4
+    )
     ctr = pod["spec"]["containers"][0]
     assert ctr["resources"]["limits"][C.GPU_RESOURCE] == "4"
     assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in ctr["env"]}
     with pytest.raises(ValueError, match="gpu_count: 0 must be >= 1 with gpu_access='request'"):
-        D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa",
-                        gpu_access="request")
+        D.discovery_pod(
+            "n", namespace="ns", image=IMAGE, service_account="sa", gpu_access="request"
+        )
     with pytest.raises(ValueError, match="gpu_access: 'all' is not 'env' or 'request'"):
         D.discovery_pod("n", namespace="ns", image=IMAGE, service_account="sa", gpu_access="all")
 
@@ -101,8 +130,10 @@ def test_request_mode_asks_for_all_gpus_and_no_env_devices():
 def test_names_are_deterministic_dns_safe_and_distinct_when_truncated():
     assert D.discovery_pod_name("node-a") == "moe-discovery-node-a"
     assert D.topology_configmap_name("node-a") == "moe-topology-node-a"
-    assert D.topology_configmap_name("ip-10-0-1-7.ec2.internal") == \
-        "moe-topology-ip-10-0-1-7.ec2.internal"
+    assert (
+        D.topology_configmap_name("ip-10-0-1-7.ec2.internal")
+        == "moe-topology-ip-10-0-1-7.ec2.internal"
+    )
     long_a, long_b = "gpu-" + "a" * 70 + "-1", "gpu-" + "a" * 70 + "-2"
     names = {D.discovery_pod_name(n) for n in (long_a, long_b)}
     assert len(names) == 2 and all(len(n) <= 63 and DNS_LABEL.match(n) for n in names)
@@ -137,7 +168,7 @@ def test_cached_report_is_current_by_age_and_boot_id():
         return {"metadata": meta, "data": {"topology.json": json.dumps({"collectedAt": collected})}}
 
     node = {"status": {"nodeInfo": {"bootID": "boot-1"}}}
-    assert C.ANNOTATION_BOOT_ID == publish.ANNOTATION_BOOT_ID   # both sides agree on the key
+    assert C.ANNOTATION_BOOT_ID == publish.ANNOTATION_BOOT_ID  # both sides agree on the key
     assert C.LABEL_NODE == publish.LABEL_NODE
     assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z"), node, now=now)[0] is True
     ok, why = D.cached_report_is_current(cm("2026-11-27T13:00:00Z"), node, now=now)
@@ -148,5 +179,7 @@ def test_cached_report_is_current_by_age_and_boot_id():
     assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z", None), node, now=now)[0]
     assert D.cached_report_is_current(cm("2026-11-29T13:00:00Z"), {}, now=now)[0]
     assert D.cached_report_is_current(None, node, now=now) == (False, "no report")
-    assert D.cached_report_is_current({"data": {"topology.json": "{}"}}, node, now=now) == \
-        (False, "report has no readable collectedAt")
+    assert D.cached_report_is_current({"data": {"topology.json": "{}"}}, node, now=now) == (
+        False,
+        "report has no readable collectedAt",
+    )

@@ -21,21 +21,31 @@ from moejob_operator.core.errors import DocumentError
 from moejob_operator.core.topology import FIXTURE_DIR, nvlink_groups
 
 REAL_DIR = Path(__file__).parent / "fixtures" / "topology"
-PLANNING_FIXTURES = ["nvswitch-h100-8", "nvswitch-a100-8", "nvswitch-h200-8",
-                     "v100-hybrid-cube-mesh-8", "pcie-bridged-pairs-4", "pcie-only-4",
-                     "single-h200"]
+PLANNING_FIXTURES = [
+    "nvswitch-h100-8",
+    "nvswitch-a100-8",
+    "nvswitch-h200-8",
+    "v100-hybrid-cube-mesh-8",
+    "pcie-bridged-pairs-4",
+    "pcie-only-4",
+    "single-h200",
+]
 GROUPS = {
-    "nvswitch-h100-8": [list(range(8))], "nvswitch-a100-8": [list(range(8))],
-    "nvswitch-h200-8": [list(range(8))], "v100-hybrid-cube-mesh-8": [list(range(8))],
-    "pcie-bridged-pairs-4": [[0, 1], [2, 3]], "pcie-only-4": [[0], [1], [2], [3]],
+    "nvswitch-h100-8": [list(range(8))],
+    "nvswitch-a100-8": [list(range(8))],
+    "nvswitch-h200-8": [list(range(8))],
+    "v100-hybrid-cube-mesh-8": [list(range(8))],
+    "pcie-bridged-pairs-4": [[0, 1], [2, 3]],
+    "pcie-only-4": [[0], [1], [2], [3]],
     "single-h200": [[0]],
 }
 NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
 
 
 def run_probe(recording: dict, fixture: str = "test") -> dict:
-    report, _ = probe(FakeNvml(recording), node="node-x", source="fake-nvml", fixture=fixture,
-                      now=NOW)
+    report, _ = probe(
+        FakeNvml(recording), node="node-x", source="fake-nvml", fixture=fixture, now=NOW
+    )
     return report
 
 
@@ -58,7 +68,9 @@ def test_recording_reproduces_planning_fixture(name):
 
 def test_every_recording_parses_with_planning_core():
     names = fake_nvml.available_fixtures()
-    assert set(PLANNING_FIXTURES) | {"mig-a100-8", "legacy-busid-v100-8", "h200-vm-1gpu"} <= set(names)
+    assert set(PLANNING_FIXTURES) | {"mig-a100-8", "legacy-busid-v100-8", "h200-vm-1gpu"} <= set(
+        names
+    )
     for name in names:
         recording, fixture = load_recording(name)
         parse_topology(run_probe(recording, fixture))
@@ -79,8 +91,9 @@ def test_old_driver_without_remote_type_tells_switch_from_gpu_by_pci_id():
         for link in gpu["nvlinks"].values():
             if isinstance(link, dict):
                 link["nvmlDeviceGetNvLinkRemoteDeviceType"] = {"error": "FunctionNotFound"}
-    assert without_node_time(run_probe(recording, "nvswitch-a100-8")) == \
-        without_node_time(expected("nvswitch-a100-8"))
+    assert without_node_time(run_probe(recording, "nvswitch-a100-8")) == without_node_time(
+        expected("nvswitch-a100-8")
+    )
     # GPU-GPU mesh on old stack (legacy bus ids, no RemoteDeviceType, no NumaNodeId binding).
     legacy, _ = load_recording("legacy-busid-v100-8")
     assert "nvmlDeviceGetNumaNodeId" in legacy["absentFunctions"]
@@ -108,23 +121,35 @@ def test_mig_enabled_gpus_reported_and_mig_children_skipped():
 
 
 def test_legacy_and_current_bus_id_formats_compare_as_numbers():
-    assert parse_bus_id("00000000:1B:00.0") == parse_bus_id("0000:1b:00.0") == parse_bus_id("1b:00.0")
+    assert (
+        parse_bus_id("00000000:1B:00.0") == parse_bus_id("0000:1b:00.0") == parse_bus_id("1b:00.0")
+    )
     assert str(parse_bus_id(b"00000001:C1:1F.7\x00")) == "0001:c1:1f.7"
-    assert parse_bus_id("0000:1b:00.0") < parse_bus_id("0000:1b:00.1") < parse_bus_id("0001:00:00.0")
+    assert (
+        parse_bus_id("0000:1b:00.0") < parse_bus_id("0000:1b:00.1") < parse_bus_id("0001:00:00.0")
+    )
     with pytest.raises(ValueError, match="is not a PCI bus id"):
         parse_bus_id("GPU-1234")
     # A struct with empty busId and busIdLegacy falls back to the numeric fields.
     from types import SimpleNamespace
-    assert str(nvml_probe.pci_address(SimpleNamespace(busId=b"", busIdLegacy=b"", domain=0, bus=0x2a,
-                                                      device=0))) == "0000:2a:00.0"
+
+    assert (
+        str(
+            nvml_probe.pci_address(
+                SimpleNamespace(busId=b"", busIdLegacy=b"", domain=0, bus=0x2A, device=0)
+            )
+        )
+        == "0000:2a:00.0"
+    )
 
 
 def test_legacy_recording_emits_normalised_lowercase_bus_ids():
     recording, _ = load_recording("legacy-busid-v100-8")
     assert recording["gpus"][0]["nvmlDeviceGetPciInfo"]["busId"] == ""
     report = run_probe(recording)
-    ids = [g["pciBusId"] for g in report["gpus"]] + \
-        [lk["remotePciBusId"] for g in report["gpus"] for lk in g["nvlinks"]]
+    ids = [g["pciBusId"] for g in report["gpus"]] + [
+        lk["remotePciBusId"] for g in report["gpus"] for lk in g["nvlinks"]
+    ]
     assert all(i == i.lower() and len(i) == 12 for i in ids), ids
 
 
@@ -151,12 +176,21 @@ def _everything_not_supported(gpus: int) -> dict:
 def test_not_supported_everywhere_does_not_crash_and_records_nulls_and_defaults():
     report, failed = probe(FakeNvml(_everything_not_supported(2)), node="n", now=NOW)
     gpu = report["gpus"][0]
-    assert gpu == {"index": 0, "uuid": None, "name": None, "memoryBytes": None, "pciBusId": None,
-                   "numaNode": None, "computeCapability": None, "migEnabled": False,
-                   "nvlinks": [], "nvlinkLinkGBps": 0.0}
+    assert gpu == {
+        "index": 0,
+        "uuid": None,
+        "name": None,
+        "memoryBytes": None,
+        "pciBusId": None,
+        "numaNode": None,
+        "computeCapability": None,
+        "migEnabled": False,
+        "nvlinks": [],
+        "nvlinkLinkGBps": 0.0,
+    }
     assert report["driverVersion"] is None and report["cudaDriverVersion"] is None
     assert report["p2pNvlink"] == [[True, False], [False, True]]
-    assert report["pcieLevel"] == [[0, 50], [50, 0]]   # unknown -> the farthest tier
+    assert report["pcieLevel"] == [[0, 50], [50, 0]]  # unknown -> the farthest tier
     assert any("nvmlDeviceGetUUID" in line and "Not Supported" in line for line in failed)
 
 
@@ -177,7 +211,7 @@ def test_other_init_failure_and_lost_gpu_are_nvml_errors():
     fake = FakeNvml(rec)
     with pytest.raises(DiscoveryError, match="nvmlDeviceGetCount failed: GPU is lost"):
         probe(fake, node="n")
-    assert fake.shutdowns == 1   # nvmlShutdown even on failure
+    assert fake.shutdowns == 1  # nvmlShutdown even on failure
 
 
 def test_zero_gpus_is_no_driver_error():
@@ -189,10 +223,10 @@ def test_zero_gpus_is_no_driver_error():
 def test_numa_node_from_gpu_numa_id_else_memory_affinity_mask():
     recording, _ = load_recording("pcie-only-4")
     gpus = recording["gpus"]
-    gpus[0]["nvmlDeviceGetNumaNodeId"] = 4            # Grace Hopper style: the GPU is node 4
-    gpus[1]["nvmlDeviceGetNumaNodeId"] = -1           # unknown -> try the affinity mask
+    gpus[0]["nvmlDeviceGetNumaNodeId"] = 4  # Grace Hopper style: the GPU is node 4
+    gpus[1]["nvmlDeviceGetNumaNodeId"] = -1  # unknown -> try the affinity mask
     gpus[1]["nvmlDeviceGetMemoryAffinity"] = [0b100]
-    gpus[2]["nvmlDeviceGetMemoryAffinity"] = [0b11]   # spans two nodes: none is closer
+    gpus[2]["nvmlDeviceGetMemoryAffinity"] = [0b11]  # spans two nodes: none is closer
     gpus[3]["nvmlDeviceGetMemoryAffinity"] = {"error": "NotSupported"}
     recording["nvmlSystemGetCudaDriverVersion"] = 13000
     report = run_probe(recording)
@@ -224,11 +258,16 @@ def test_fake_raises_real_pynvml_error_classes():
 
 
 def test_bad_recordings_are_refused_with_the_reason(tmp_path):
-    with pytest.raises(fake_nvml.RecordingError, match=r"no fake-NVML recording 'nope'; known fixtures: .*single-h200"):
+    with pytest.raises(
+        fake_nvml.RecordingError,
+        match=r"no fake-NVML recording 'nope'; known fixtures: .*single-h200",
+    ):
         load_recording("nope")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"kind": "TopologyReport", "version": 1, "gpus": []}))
-    with pytest.raises(fake_nvml.RecordingError, match="kind: 'TopologyReport' is not 'NvmlRecording'"):
+    with pytest.raises(
+        fake_nvml.RecordingError, match="kind: 'TopologyReport' is not 'NvmlRecording'"
+    ):
         load_recording(str(bad))
     bad.write_text(json.dumps({"kind": "NvmlRecording", "version": 7, "gpus": []}))
     with pytest.raises(fake_nvml.RecordingError, match="version: 7 is not supported"):
@@ -258,10 +297,13 @@ def test_real_h200x2_nvswitch_recording_reproduces_the_real_report():
     assert without_node_time(replay) == without_node_time(real) | {"fixture": None}
     for gpu in real["gpus"]:
         assert len(gpu["nvlinks"]) == 18
-        assert all(lk["remote"] == "switch" and lk["remotePciBusId"] is None for lk in gpu["nvlinks"])
+        assert all(
+            lk["remote"] == "switch" and lk["remotePciBusId"] is None for lk in gpu["nvlinks"]
+        )
     report = parse_topology(real)
     assert nvlink_groups(report) == [[0, 1]]
     from moejob_operator.core.topology import ClusterTopology
+
     topo = ClusterTopology.from_reports([report])
     assert topo.tier(0, 1) == "nvlink" and topo.nvlink_gbps.tolist() == [450.0, 450.0]
 
@@ -277,5 +319,8 @@ def test_placeholder_remote_pci_ids_read_as_unknown():
     real["gpus"][0]["nvlinks"][0]["remote"] = "gpu"
     with pytest.raises(DocumentError, match=r"gpus\[0\]\.nvlinks\[0\]\.remotePciBusId"):
         parse_topology(real)
-    assert pci_address(SimpleNamespace(busId="FFFFFFFF:FF:FF.0", busIdLegacy="FFFFFFF:FF:FF.0")) is None
+    assert (
+        pci_address(SimpleNamespace(busId="FFFFFFFF:FF:FF.0", busIdLegacy="FFFFFFF:FF:FF.0"))
+        is None
+    )
     assert str(pci_address(SimpleNamespace(busId="00000000:18:00.0"))) == "0000:18:00.0"

@@ -44,19 +44,29 @@ def final_stage(path: Path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("which", DOCKERFILES)
 def test_hadolint_passes(which):
     hadolint = Path(sys.executable).parent / "hadolint"
-    out = subprocess.run([str(hadolint), "--failure-threshold", "info", str(DOCKERFILES[which])],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(hadolint), "--failure-threshold", "info", str(DOCKERFILES[which])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("which", DOCKERFILES)
 def test_every_copied_path_exists(which):
-    copies = [rest for w, rest in instructions(DOCKERFILES[which]) if w == "COPY" and "--from=" not in rest]
+    copies = [
+        rest
+        for w, rest in instructions(DOCKERFILES[which])
+        if w == "COPY" and "--from=" not in rest
+    ]
     assert copies
     for rest in copies:
         *sources, _dest = [a for a in rest.split() if not a.startswith("--")]
         for src in sources:
-            assert (ROOT / src).exists(), f"{DOCKERFILES[which].name}: COPY {src}: not in the build context"
+            assert (ROOT / src).exists(), (
+                f"{DOCKERFILES[which].name}: COPY {src}: not in the build context"
+            )
 
 
 def arg_defaults(path: Path) -> dict[str, str]:
@@ -84,10 +94,14 @@ def test_pinned_base_and_non_root_user(which):
 
 
 def test_entrypoints_are_the_projects_console_scripts():
-    op = [json_list(rest) for w, rest in instructions(DOCKERFILES["operator"]) if w == "ENTRYPOINT"][-1]
+    op = [
+        json_list(rest) for w, rest in instructions(DOCKERFILES["operator"]) if w == "ENTRYPOINT"
+    ][-1]
     assert op[0] in SCRIPTS and op == ["moectl", "operator"]
-    build_parser().parse_args(op[1:])                      # a real moectl subcommand
-    tr = [json_list(rest) for w, rest in instructions(DOCKERFILES["trainer"]) if w == "ENTRYPOINT"][-1]
+    build_parser().parse_args(op[1:])  # a real moectl subcommand
+    tr = [json_list(rest) for w, rest in instructions(DOCKERFILES["trainer"]) if w == "ENTRYPOINT"][
+        -1
+    ]
     assert tr[0] in SCRIPTS
 
 
@@ -101,14 +115,18 @@ def test_commands_the_operator_puts_in_pods_are_installed_in_the_trainer_image()
     """Discovery, worker and smoke pods run the trainer image: their commands must be console
     scripts of the project (the trainer image installs the whole project)."""
     from moejob_operator.builders import smoke, workers
-    from moejob_operator.builders.common import JobRef
     from moejob_operator.builders.discovery import discovery_pod
 
     pod = discovery_pod("node-a", namespace="ns", image="img", service_account="sa")
-    used = {pod["spec"]["containers"][0]["command"][0], workers.TRAINER_COMMAND[0],
-            smoke.SMOKE_COMMAND[0]}
+    used = {
+        pod["spec"]["containers"][0]["command"][0],
+        workers.TRAINER_COMMAND[0],
+        smoke.SMOKE_COMMAND[0],
+    }
     assert used <= SCRIPTS, used - SCRIPTS
-    trainer_install = " ".join(rest for w, rest in instructions(DOCKERFILES["trainer"]) if w == "RUN")
+    trainer_install = " ".join(
+        rest for w, rest in instructions(DOCKERFILES["trainer"]) if w == "RUN"
+    )
     assert '".[trainer]"' in trainer_install
 
 
@@ -116,9 +134,11 @@ def test_commands_the_operator_puts_in_pods_are_installed_in_the_trainer_image()
 # product that may import each of its top-level names (a function that returns None without it).
 DEV_PACKAGES = {"moe_localkube", "moe_fake_nvml", "moe_faults"}
 PRODUCT_PACKAGES = {"moejob_operator", "moe_contracts", "moe_trainer"}
-DEV_HOOKS = {("operator/moejob_operator/admission.py", "test_faults", "moe_faults"),
-             ("trainer_image/moe_trainer/checkpoint.py", "test_faults", "moe_faults"),
-             ("trainer_image/moe_trainer/discovery/main.py", "_fake_nvml", "moe_fake_nvml")}
+DEV_HOOKS = {
+    ("operator/moejob_operator/admission.py", "test_faults", "moe_faults"),
+    ("trainer_image/moe_trainer/checkpoint.py", "test_faults", "moe_faults"),
+    ("trainer_image/moe_trainer/discovery/main.py", "_fake_nvml", "moe_fake_nvml"),
+}
 
 
 def _imports(package: Path) -> list[tuple[str, str, str]]:
@@ -143,8 +163,11 @@ def _third_party_imports(package: Path) -> set[str]:
     stdlib = set(sys.stdlib_module_names)
     # In-repo product packages ship in the same wheel; the dev package only through DEV_HOOKS
     # (test_product_reaches_the_dev_package_only_through_its_hooks).
-    return {n for _, _, n in _imports(package)
-            if n not in stdlib and n not in PRODUCT_PACKAGES | DEV_PACKAGES}
+    return {
+        n
+        for _, _, n in _imports(package)
+        if n not in stdlib and n not in PRODUCT_PACKAGES | DEV_PACKAGES
+    }
 
 
 def test_product_reaches_the_dev_package_only_through_its_hooks():
@@ -153,20 +176,31 @@ def test_product_reaches_the_dev_package_only_through_its_hooks():
     found = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
     assert set(found["include"]) == {f"{n}{s}" for n in PRODUCT_PACKAGES for s in ("", ".*")}
     product = [ROOT / "operator" / n for n in PRODUCT_PACKAGES if (ROOT / "operator" / n).is_dir()]
-    dev = {(f, where, n) for package in [*product, ROOT / "trainer_image" / "moe_trainer"]
-           for f, where, n in _imports(package) if n in DEV_PACKAGES}
+    dev = {
+        (f, where, n)
+        for package in [*product, ROOT / "trainer_image" / "moe_trainer"]
+        for f, where, n in _imports(package)
+        if n in DEV_PACKAGES
+    }
     assert dev == DEV_HOOKS
 
 
 def test_operator_image_dependencies_cover_the_operator_package():
     """The operator image installs the core dependencies + the ``operator`` extra (no torch)."""
     dist2module = {"pyyaml": "yaml", "prometheus-client": "prometheus_client"}
-    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["operator"]
-    provided = {dist2module.get(n, n.replace("-", "_")) for n in
-                (re.split(r"[=<>\[ ]", d)[0].lower() for d in deps)}
+    deps = (
+        PYPROJECT["project"]["dependencies"]
+        + PYPROJECT["project"]["optional-dependencies"]["operator"]
+    )
+    provided = {
+        dist2module.get(n, n.replace("-", "_"))
+        for n in (re.split(r"[=<>\[ ]", d)[0].lower() for d in deps)
+    }
     used = _third_party_imports(ROOT / "operator" / "moejob_operator")
-    assert used <= provided, f"the operator package imports {sorted(used - provided)} which the " \
-                             "operator image does not install"
+    assert used <= provided, (
+        f"the operator package imports {sorted(used - provided)} which the "
+        "operator image does not install"
+    )
     assert "torch" not in used
     install = " ".join(rest for w, rest in instructions(DOCKERFILES["operator"]) if w == "RUN")
     assert "[operator]" in install
@@ -186,6 +220,10 @@ def test_contracts_need_only_the_core_dependencies():
 
 def test_exposed_ports_are_the_charts_defaults():
     values = yaml.safe_load((ROOT / "charts" / "moe-operator" / "values.yaml").read_text())
-    exposed = {int(p) for w, rest in instructions(DOCKERFILES["operator"]) if w == "EXPOSE"
-               for p in rest.split()}
+    exposed = {
+        int(p)
+        for w, rest in instructions(DOCKERFILES["operator"])
+        if w == "EXPOSE"
+        for p in rest.split()
+    }
     assert exposed == {values["health"]["port"], values["metrics"]["port"]}

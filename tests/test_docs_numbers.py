@@ -36,7 +36,7 @@ MEASURED_SECTION = "## Measured numbers"
 _CITE = re.compile(r"benchmarks/results/[\w.{},\-*/]+")
 _NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 _FILE_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_FILE_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")      # 116,840 in a Markdown table
+_FILE_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 116,840 in a Markdown table
 
 
 def _expand(cite: str) -> list[str]:
@@ -111,9 +111,11 @@ def blocks(text: str) -> list[tuple[int, str, str]]:
             flush()
             continue
         is_table = line.lstrip().startswith("|")
-        if cur and (re.match(r"\s*(?:[-*]|\d+\.) ", line) or
-                    (is_table != cur[-1].lstrip().startswith("|") and not is_table)):
-            flush()                       # a new list item; prose after a table
+        if cur and (
+            re.match(r"\s*(?:[-*]|\d+\.) ", line)
+            or (is_table != cur[-1].lstrip().startswith("|") and not is_table)
+        ):
+            flush()  # a new list item; prose after a table
         if not cur:
             start = i
         cur.append(line)
@@ -121,8 +123,13 @@ def blocks(text: str) -> list[tuple[int, str, str]]:
     # a table belongs with the paragraph right before it (its caption and command)
     merged: list[tuple[int, str, str]] = []
     for b in out:
-        if merged and b[2].lstrip().startswith("|") and not merged[-1][2].lstrip().startswith("|") \
-                and merged[-1][1] == b[1] and "|" not in merged[-1][2].splitlines()[-1][:1]:
+        if (
+            merged
+            and b[2].lstrip().startswith("|")
+            and not merged[-1][2].lstrip().startswith("|")
+            and merged[-1][1] == b[1]
+            and "|" not in merged[-1][2].splitlines()[-1][:1]
+        ):
             prev = merged.pop()
             b = (prev[0], prev[1], prev[2] + "\n" + b[2])
         merged.append(b)
@@ -146,8 +153,9 @@ def _totals(doc) -> list[float]:
 
 def _file_numbers(path: Path) -> list[float]:
     text = path.read_text(errors="replace")
-    numbers = [abs(float(x)) for x in _FILE_NUMBER.findall(text)] + \
-        [float(x.replace(",", "")) for x in _FILE_THOUSANDS.findall(text)]
+    numbers = [abs(float(x)) for x in _FILE_NUMBER.findall(text)] + [
+        float(x.replace(",", "")) for x in _FILE_THOUSANDS.findall(text)
+    ]
     if path.suffix == ".json":
         with contextlib.suppress(ValueError):
             numbers += [abs(t) for t in _totals(json.loads(text))]
@@ -155,7 +163,7 @@ def _file_numbers(path: Path) -> list[float]:
 
 
 def found(value: float, decimals: int, unit: str, numbers: list[float]) -> bool:
-    tol = 0.5 * 10 ** -decimals + 1e-9
+    tol = 0.5 * 10**-decimals + 1e-9
     scales = {"k": [1e3], "M": [1e6], "%": [1.0, 0.01], "x": [1.0], "": [1.0, 1e3, 1e-3]}[unit]
     return any(abs(n / s - value) <= tol for s in scales for n in numbers)
 
@@ -168,7 +176,9 @@ def check(doc: Path) -> list[str]:
         figs = figures(text)
         if not cites:
             if doc.name == "README.md" and section == MEASURED_SECTION and figs:
-                problems.append(f"{rel}:{line}: figures {[f[0] for f in figs][:6]} cite no file under {RESULTS}")
+                problems.append(
+                    f"{rel}:{line}: figures {[f[0] for f in figs][:6]} cite no file under {RESULTS}"
+                )
             continue
         missing = [c for c in cites if not (ROOT / c).is_file()]
         if missing:
@@ -191,17 +201,27 @@ def test_the_checker_catches_a_wrong_figure_and_a_missing_file(tmp_path):
     ok = "Run (`benchmarks/results/operator.json`): 100 jobs"
     assert figures(ok) == [("100", 100.0, 0, "")]
     assert cited_files("`benchmarks/results/trainer_h200.{json,md}`") == [
-        "benchmarks/results/trainer_h200.json", "benchmarks/results/trainer_h200.md"]
-    assert [f[0] for f in figures("H200, top-8, ZeRO-3, v1.20.2, p50 of 163.2k and 9% or 1.9x")] == \
-        ["163.2k", "9%", "1.9x"]
+        "benchmarks/results/trainer_h200.json",
+        "benchmarks/results/trainer_h200.md",
+    ]
+    assert [
+        f[0] for f in figures("H200, top-8, ZeRO-3, v1.20.2, p50 of 163.2k and 9% or 1.9x")
+    ] == ["163.2k", "9%", "1.9x"]
     assert found(163.2, 1, "k", [163214.7]) and not found(163.2, 1, "k", [163300.0])
-    assert found(9, 0, "%", [0.091]) and found(0.52, 2, "", [0.5213]) and not found(0.52, 2, "", [0.53])
+    assert (
+        found(9, 0, "%", [0.091])
+        and found(0.52, 2, "", [0.5213])
+        and not found(0.52, 2, "", [0.53])
+    )
     assert _totals({"refused": {"InvalidSpec": 40, "Other": 3}, "n": [1, True]}) == [43.0]
     doc = tmp_path / "README.md"
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"p50": 0.5213, "jobs": 100}')
-    doc.write_text("## Measured numbers\nOperator (`benchmarks/results/r.json`): 100 jobs, p50 0.52 s, p99 " "0.61 s\n\n"
-                   "Another claim: 42 s\n\nGone (`benchmarks/results/nope.json`): 1 s\n")
+    doc.write_text(
+        "## Measured numbers\nOperator (`benchmarks/results/r.json`): 100 jobs, p50 0.52 s, p99 "
+        "0.61 s\n\n"
+        "Another claim: 42 s\n\nGone (`benchmarks/results/nope.json`): 1 s\n"
+    )
     global ROOT
     old, ROOT = ROOT, tmp_path
     try:
@@ -209,4 +229,6 @@ def test_the_checker_catches_a_wrong_figure_and_a_missing_file(tmp_path):
     finally:
         ROOT = old
     assert len(problems) == 3, problems
-    assert "['0.61']" in problems[0] and "cite no file" in problems[1] and "nope.json" in problems[2]
+    assert (
+        "['0.61']" in problems[0] and "cite no file" in problems[1] and "nope.json" in problems[2]
+    )

@@ -24,7 +24,7 @@ def test_every_reason_has_a_row():
     gate_src = (ROOT / "operator" / "moejob_operator" / "reconcile" / "gate.py").read_text()
     reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.MULTILINE))
     health_src = (ROOT / "trainer_image" / "moe_trainer" / "health.py").read_text()
-    findings = set(re.findall(r'Finding\("(\w+)"', health_src))
+    findings = set(re.findall(r'Finding\(\s*"(\w+)"', health_src))
     assert len(reasons) >= 30 and len(findings) >= 4
     missing = (reasons | findings) - documented()
     assert not missing, f"docs/troubleshooting.md lacks rows for {sorted(missing)}"

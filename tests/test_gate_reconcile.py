@@ -14,7 +14,7 @@ from moejob_operator.reconcile.outcome import NotYet
 from moejob_operator.reconcile.settings import Settings
 from moejob_operator.spec import parse_spec
 
-NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.timezone.utc)
+NOW = dt.datetime(2026, 11, 29, 14, 0, tzinfo=dt.UTC)
 CFG = G.GateConfig(namespace="moe-system")
 
 
@@ -26,7 +26,11 @@ class ForbiddenClient:
 
 
 def spec(**over):
-    raw = {"image": "reg.io/trainer:1.0", "deepspeedVersion": "0.19.8", "model": {"preset": "tiny-mixtral"}}
+    raw = {
+        "image": "reg.io/trainer:1.0",
+        "deepspeedVersion": "0.19.8",
+        "model": {"preset": "tiny-mixtral"},
+    }
     raw.update(over)
     return parse_spec(raw)
 
@@ -50,8 +54,19 @@ def test_skip_and_disabled_need_no_store():
 
 
 def test_a_launched_job_keeps_its_verdict():
-    cond = {"type": C.COND_UPGRADE_VERIFIED, "status": "True", "reason": G.R_SMOKE_TEST_PASSED, "message": "m"}
-    v = gate.check(ForbiddenClient(), body({"launchedSpec": {"image": "x"}, "conditions": [cond]}), spec(), NOW, CFG)
+    cond = {
+        "type": C.COND_UPGRADE_VERIFIED,
+        "status": "True",
+        "reason": G.R_SMOKE_TEST_PASSED,
+        "message": "m",
+    }
+    v = gate.check(
+        ForbiddenClient(),
+        body({"launchedSpec": {"image": "x"}, "conditions": [cond]}),
+        spec(),
+        NOW,
+        CFG,
+    )
     assert (v.reason, v.message) == (G.R_SMOKE_TEST_PASSED, "m")
 
 
@@ -63,7 +78,6 @@ def test_bad_settings_are_reported_not_raised():
     with pytest.raises(NotYet, match="MOE_GATE_PASS_TTL_SECONDS: 'a week'") as exc:
         gate.check(ForbiddenClient(), body(), spec(), NOW, settings.gate)
     assert (exc.value.reason, exc.value.delay) == (gate.R_GATE_MISCONFIGURED, 60.0)
-
 
 
 # ---- a re-pushed tag: the pods run other bits than the verdict vouches for ----------------------
@@ -94,21 +108,52 @@ class GangClient:
 
 def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
     from moejob_operator.reconcile import job as J
+
     verified, pushed = "sha256:" + "ab" * 32, "sha256:" + "cd" * 32
     s = spec(image="reg.io/trainer:1.0")
-    pod = {"metadata": {"name": "j-worker-0", "uid": "p0", "labels": {C.LABEL_NODE_RANK: "0", C.LABEL_ATTEMPT: "0"}},
-           "spec": {"nodeName": "node-a"},
-           "status": {"phase": "Running", "containerStatuses": [
-               {"image": "reg.io/trainer:1.0", "imageID": f"docker-pullable://reg.io/trainer@{pushed}"}]}}
-    cond = {"type": C.COND_UPGRADE_VERIFIED, "status": "True", "reason": G.R_SMOKE_TEST_PASSED, "message": "m"}
-    job = {"metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 1}, "spec": {},
-           "status": {"launchedSpecHash": "h", "attempt": 0, "verifiedDigest": verified, "conditions": [cond]}}
+    pod = {
+        "metadata": {
+            "name": "j-worker-0",
+            "uid": "p0",
+            "labels": {C.LABEL_NODE_RANK: "0", C.LABEL_ATTEMPT: "0"},
+        },
+        "spec": {"nodeName": "node-a"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "image": "reg.io/trainer:1.0",
+                    "imageID": f"docker-pullable://reg.io/trainer@{pushed}",
+                }
+            ],
+        },
+    }
+    cond = {
+        "type": C.COND_UPGRADE_VERIFIED,
+        "status": "True",
+        "reason": G.R_SMOKE_TEST_PASSED,
+        "message": "m",
+    }
+    job = {
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 1},
+        "spec": {},
+        "status": {
+            "launchedSpecHash": "h",
+            "attempt": 0,
+            "verifiedDigest": verified,
+            "conditions": [cond],
+        },
+    }
     plan = {"ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0}]}
     client = GangClient([pod])
     p = J.Pass(client, job, NOW, Settings())
     assert J._track(p, s, plan) == 1.0
     status = client.patches[-1]
-    assert status["gateDigest"] == pushed and status["verifiedDigest"] is None and status["attempt"] == 1
+    assert (
+        status["gateDigest"] == pushed
+        and status["verifiedDigest"] is None
+        and status["attempt"] == 1
+    )
     up = next(c for c in status["conditions"] if c["type"] == C.COND_UPGRADE_VERIFIED)
     assert (up["status"], up["reason"]) == ("Unknown", gate.R_IMAGE_DIGEST_CHANGED)
     assert pushed in up["message"] and verified in up["message"]
@@ -116,11 +161,20 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
     assert [(e[0], e[1]) for e in client.events] == [("Warning", gate.R_IMAGE_DIGEST_CHANGED)]
     # the next gate check tests the pushed bits: the identity is pinned to that digest
     ident = gate.identity_of({"status": status}, s, None)
-    assert ident.image == f"reg.io/trainer@{pushed}" and ident.key != gate.identity_of(job, s, None).key
-    with pytest.raises(NotYet, match="403"):       # not the launched job's old True
+    assert (
+        ident.image == f"reg.io/trainer@{pushed}"
+        and ident.key != gate.identity_of(job, s, None).key
+    )
+    with pytest.raises(NotYet, match="403"):  # not the launched job's old True
         gate.check(ForbiddenClient(), {**job, "status": status}, s, NOW, CFG)
     # pods on the verified digest: nothing happens
-    same = dict(pod, status={"phase": "Running", "containerStatuses": [{"imageID": f"reg.io/trainer@{verified}"}]})
+    same = dict(
+        pod,
+        status={
+            "phase": "Running",
+            "containerStatuses": [{"imageID": f"reg.io/trainer@{verified}"}],
+        },
+    )
     quiet = GangClient([same])
     J._track(J.Pass(quiet, job, NOW, Settings()), s, plan)
     assert not quiet.deleted and not any(e[1] == gate.R_IMAGE_DIGEST_CHANGED for e in quiet.events)

@@ -29,7 +29,7 @@ from operator_harness import (
 
 pytestmark = pytest.mark.cluster
 
-STAND_IN = r'''
+STAND_IN = r"""
 import json
 cases = [c["name"] for c in json.load(open("/etc/moe-smoke/plans.json"))["cases"]]
 phase1 = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
@@ -44,8 +44,8 @@ v = {"kind": "SmokeVerdict", "version": 2, "passed": True, "failedCheck": None, 
                   "computeCapability": "9.0", "cudaDriver": "12.8"},
      "durationSeconds": 0.1, "standIn": True}
 open("/dev/termination-log", "w").write(json.dumps(v))
-'''
-NO_SCHEDULER = "moe-test-no-such-scheduler"     # keeps the GPU worker pods Pending
+"""
+NO_SCHEDULER = "moe-test-no-such-scheduler"  # keeps the GPU worker pods Pending
 
 
 gate_ns = module_namespace("moe-gpu-gate")
@@ -53,7 +53,9 @@ gate_ns = module_namespace("moe-gpu-gate")
 
 @pytest.fixture(scope="module")
 def operator_proc(control_plane, kube, node_agent, gate_ns, tmp_path_factory):
-    op = gate_operator(control_plane, kube, gate_ns, tmp_path_factory.mktemp("gpu-operator"), STAND_IN)
+    op = gate_operator(
+        control_plane, kube, gate_ns, tmp_path_factory.mktemp("gpu-operator"), STAND_IN
+    )
     yield op
     op.stop()
 
@@ -63,40 +65,68 @@ def _gpu(container) -> tuple[str | None, str | None]:
     return ((res.requests or {}).get(C.GPU_RESOURCE), (res.limits or {}).get(C.GPU_RESOURCE))
 
 
-def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(kube, namespace, operator_proc, gate_ns,
-                                                           wait_for, tmp_path):
+def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(
+    kube, namespace, operator_proc, gate_ns, wait_for, tmp_path
+):
     seed_topology(kube, namespace)
     image = f"registry.local/moe-trainer:{unique_name('gpu')}"
-    job = example("tiny-cpu.yaml", image=image, device="GPU", metadata={"name": "gpu-ints"},
-                  nodes={"count": 2, "gpusPerNode": 2},
-                  checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(tmp_path)}}},
-                  placement={"strategy": "TopologyAware", "expertParallelSize": 4},
-                  training={"steps": 10, "seqLen": 64, "globalBatch": 8, "microBatch": 2,
-                            "learningRate": "1e-3"},
-                  # integers, as the CRD's int-or-string allows
-                  resources={"requests": {"cpu": 2, "memory": "1Gi"}, "limits": {"cpu": 4}},
-                  scheduling={"schedulerName": NO_SCHEDULER})
+    job = example(
+        "tiny-cpu.yaml",
+        image=image,
+        device="GPU",
+        metadata={"name": "gpu-ints"},
+        nodes={"count": 2, "gpusPerNode": 2},
+        checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(tmp_path)}}},
+        placement={"strategy": "TopologyAware", "expertParallelSize": 4},
+        training={
+            "steps": 10,
+            "seqLen": 64,
+            "globalBatch": 8,
+            "microBatch": 2,
+            "learningRate": "1e-3",
+        },
+        # integers, as the CRD's int-or-string allows
+        resources={"requests": {"cpu": 2, "memory": "1Gi"}, "limits": {"cpu": 4}},
+        scheduling={"schedulerName": NO_SCHEDULER},
+    )
     apply_job(kube, namespace, job)
     logs = operator_proc.logs
 
-    def smoke_jobs():          # this image's (the identity key also covers the GPU model)
-        return [j for j in kube.batch.list_namespaced_job(gate_ns, label_selector=f"{C.LABEL_COMPONENT}=smoke").items
-                if (j.metadata.annotations or {}).get(f"{C.GROUP}/gate-image") == image]
+    def smoke_jobs():  # this image's (the identity key also covers the GPU model)
+        return [
+            j
+            for j in kube.batch.list_namespaced_job(
+                gate_ns, label_selector=f"{C.LABEL_COMPONENT}=smoke"
+            ).items
+            if (j.metadata.annotations or {}).get(f"{C.GROUP}/gate-image") == image
+        ]
+
     try:
         smoke = wait_for(smoke_jobs, timeout=90, message="GPU smoke Job created")[0]
     except WaitTimeout as exc:
         pytest.fail(f"{exc}\n{get_job(kube, namespace, 'gpu-ints').get('status')}\n{logs()}")
     assert _gpu(smoke.spec.template.spec.containers[0]) == ("1", "1")
     # the job controller's pod carries it too (the API server accepted the template)
-    pod = wait_for(lambda: kube.core.list_namespaced_pod(
-        gate_ns, label_selector=f"job-name={smoke.metadata.name}").items, timeout=60,
-        message="smoke pod")[0]
+    pod = wait_for(
+        lambda: (
+            kube.core.list_namespaced_pod(
+                gate_ns, label_selector=f"job-name={smoke.metadata.name}"
+            ).items
+        ),
+        timeout=60,
+        message="smoke pod",
+    )[0]
     assert _gpu(pod.spec.containers[0]) == ("1", "1")
 
     def workers():
-        return kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_COMPONENT}=worker").items
+        return kube.core.list_namespaced_pod(
+            namespace, label_selector=f"{C.LABEL_COMPONENT}=worker"
+        ).items
+
     try:
-        pods = wait_for(lambda: len(workers()) == 2 and workers(), timeout=90, message="GPU worker pods")
+        pods = wait_for(
+            lambda: len(workers()) == 2 and workers(), timeout=90, message="GPU worker pods"
+        )
     except WaitTimeout as exc:
         pytest.fail(f"{exc}\n{get_job(kube, namespace, 'gpu-ints').get('status')}\n{logs()}")
     for p in pods:
@@ -107,25 +137,46 @@ def test_gpu_job_gets_its_gpu_smoke_job_and_gpu_worker_pods(kube, namespace, ope
         assert p.spec.scheduler_name == NO_SCHEDULER and p.status.phase == "Pending"
     status = get_job(kube, namespace, "gpu-ints")["status"]
     # the gate passed (workers exist); a later pass may briefly re-check the stored verdict
-    wait_for(lambda: condition(get_job(kube, namespace, "gpu-ints"), C.COND_UPGRADE_VERIFIED).get("status") == "True",
-             timeout=60, message="UpgradeVerified=True")
+    wait_for(
+        lambda: (
+            condition(get_job(kube, namespace, "gpu-ints"), C.COND_UPGRADE_VERIFIED).get("status")
+            == "True"
+        ),
+        timeout=60,
+        message="UpgradeVerified=True",
+    )
     assert status["plan"]["worldSize"] == 4
     # TopologyAware without routing statistics falls back to contiguous: status.plan and the
     # PlanReady Event say the layout the plan has, and what the spec asked for
-    assert (status["plan"]["strategy"], status["plan"]["requestedStrategy"]) == \
-        ("contiguous", "topology_aware")
-    ready = wait_for(lambda: [e.message for e in events_for(kube, namespace, "gpu-ints")
-                              if e.reason == C.R_PLAN_READY], timeout=10, message="PlanReady Event")
-    assert ready[0].startswith("contiguous placement (topology_aware asked, no routing statistics) on "), ready
+    assert (status["plan"]["strategy"], status["plan"]["requestedStrategy"]) == (
+        "contiguous",
+        "topology_aware",
+    )
+    ready = wait_for(
+        lambda: [
+            e.message for e in events_for(kube, namespace, "gpu-ints") if e.reason == C.R_PLAN_READY
+        ],
+        timeout=10,
+        message="PlanReady Event",
+    )
+    assert ready[0].startswith(
+        "contiguous placement (topology_aware asked, no routing statistics) on "
+    ), ready
     assert "ValidationError" not in logs()
 
 
 def test_gpu_requesting_discovery_pod_is_accepted(kube, namespace, control_plane):
     client = Client(control_plane.api_client())
-    pod = D.discovery_pod("node-a", namespace=namespace, image="moe-trainer:local",
-                          service_account="default", gpu_access="request", gpu_count=8)
+    pod = D.discovery_pod(
+        "node-a",
+        namespace=namespace,
+        image="moe-trainer:local",
+        service_account="default",
+        gpu_access="request",
+        gpu_count=8,
+    )
     pod["spec"]["schedulerName"] = NO_SCHEDULER
-    pod["spec"].pop("nodeName")                 # leave it unbound: nothing must run
+    pod["spec"].pop("nodeName")  # leave it unbound: nothing must run
     assert client.create(pod)
     got = kube.core.read_namespaced_pod(pod["metadata"]["name"], namespace)
     assert _gpu(got.spec.containers[0]) == ("8", "8")

@@ -1,5 +1,6 @@
 """The grouped MoE block computes exactly what the HF block computes (outputs and gradients),
 is invariant under the placement permutation, and does not sync with the host on its fast path."""
+
 import copy
 
 import pytest
@@ -16,8 +17,17 @@ H, F, E, K = 32, 48, 4, 2
 
 
 def _mixtral_cfg(**kw):
-    return MixtralConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=K,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64, **kw)
+    return MixtralConfig(
+        hidden_size=H,
+        intermediate_size=F,
+        num_local_experts=E,
+        num_experts_per_tok=K,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        **kw,
+    )
 
 
 def _init(block, seed):
@@ -66,9 +76,17 @@ def test_matches_hf_with_an_expert_nobody_picks():
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_matches_hf_qwen3_moe(norm_topk_prob):
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
-                         norm_topk_prob=norm_topk_prob, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=64)
+    cfg = Qwen3MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=F,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=norm_topk_prob,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     hf = _init(Qwen3MoeSparseMoeBlock(cfg), seed=3)
     fast = GroupedMoeBlock.from_hf(copy.deepcopy(hf))
     _assert_same(hf, fast, torch.randn(2, 5, H), atol=1e-5)
@@ -100,7 +118,9 @@ def test_expert_permutation_preserves_function():
     after = fast(x).detach()
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
     old2new = torch.argsort(new2old)
-    assert torch.equal(torch.sort(fast.last_topk_ids, -1).values, torch.sort(old2new[ids_before], -1).values)
+    assert torch.equal(
+        torch.sort(fast.last_topk_ids, -1).values, torch.sort(old2new[ids_before], -1).values
+    )
 
 
 def test_swap_in_model_keeps_logits_state_dict_and_router_logits():
@@ -114,7 +134,9 @@ def test_swap_in_model_keeps_logits_state_dict_and_router_logits():
     assert set(model.state_dict()) == keys
     out = model(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.aux_loss, ref.aux_loss)  # HF's router recorder still sees our router
+    torch.testing.assert_close(
+        out.aux_loss, ref.aux_loss
+    )  # HF's router recorder still sees our router
     assert swap_moe_blocks(model) == 0
 
 
@@ -157,7 +179,14 @@ class _OpRecorder(TorchDispatchMode):
 
 
 # aten ops that need the host to read device data (.item()/.tolist() lower to _local_scalar_dense).
-HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "unique", "_unique2"}
+HOST_SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "bincount",
+    "masked_select",
+    "unique",
+    "_unique2",
+}
 
 
 @pytest.mark.parametrize(("which", "syncs"), [("grouped", False), ("hf_eager", True)])

@@ -42,6 +42,7 @@ def rq():
         r.start()
         made.append(r)
         return r
+
     yield make
     for r in made:
         r.stop()
@@ -59,14 +60,14 @@ def test_delay_is_honoured_and_earliest_entry_wins(rq):
     r = rq(rec, threads=1, resync_seconds=3600)
     t_a = time.monotonic() - rec.t0
     r.after(("ns", "a"), 0.3)
-    r.after(("ns", "a"), 5.0)          # later: ignored, the 0.3 s entry stays
+    r.after(("ns", "a"), 5.0)  # later: ignored, the 0.3 s entry stays
     r.after(("ns", "b"), 0.0)
     assert wait(lambda: len(rec.calls) == 2)
     (_tb, kb), (ta, ka) = rec.calls
     assert (kb, ka) == (("ns", "b"), ("ns", "a"))
-    assert ta >= t_a + 0.3              # not before its delay (how much later depends on the load)
+    assert ta >= t_a + 0.3  # not before its delay (how much later depends on the load)
     time.sleep(0.3)
-    assert len(rec.calls) == 2          # nothing left over from the superseded 5 s entry... yet
+    assert len(rec.calls) == 2  # nothing left over from the superseded 5 s entry... yet
     r.after(("ns", "a"), 0.0)
     assert wait(lambda: len(rec.calls) == 3)
 
@@ -81,9 +82,10 @@ def test_one_waiting_pass_per_job(rq):
     for _ in range(20):
         r.after(("ns", "a"), 0.0)
 
-    def all_taken():                    # the timer has handed every request on
+    def all_taken():  # the timer has handed every request on
         with r._cv:
             return not r._due and ("ns", "a") in r._rerun
+
     assert wait(all_taken)
     release.set()
     assert wait(lambda: len(rec.calls) == 2)
@@ -100,7 +102,7 @@ def test_resync_runs_every_known_job_and_forget_stops_it(rq):
     r.forget(("ns", "a"))
     n = len(rec.calls)
     assert wait(lambda: len(rec.calls) >= n + 2)
-    assert ("ns", "a") not in rec.keys()[n + 1:]
+    assert ("ns", "a") not in rec.keys()[n + 1 :]
 
 
 def test_error_backoff_doubles_and_resets():
@@ -128,14 +130,16 @@ def test_jobs_remembered_while_the_resync_iterates(rq):
     """kopf threads add jobs while the timer walks the set: the timer must survive (it once
     iterated the live set: 'Set changed size during iteration' would have ended all requeues)."""
     import sys
+
     rec = Recorder()
     r = rq(rec, threads=2, resync_seconds=0.005)
     old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)        # switch threads often, so adds land inside the iteration
+    sys.setswitchinterval(1e-6)  # switch threads often, so adds land inside the iteration
 
     def add(base):
         for i in range(5000):
             r.remember(("ns", f"{base}-{i}"))
+
     threads = [threading.Thread(target=add, args=(b,)) for b in ("a", "b", "c")]
     for t in threads:
         t.start()

@@ -81,7 +81,10 @@ def test_unpack_replaces_a_corrupted_cached_copy(tmp_path):
 def test_resolution_order_env_dir_first(tmp_path, monkeypatch):
     src = _fake_release(tmp_path)
     monkeypatch.setenv(binaries.ENV_BIN_DIR, str(src))
-    assert binaries.resolve_kube_binaries(allow_build=False)["kube-apiserver"] == src / "kube-apiserver"
+    assert (
+        binaries.resolve_kube_binaries(allow_build=False)["kube-apiserver"]
+        == src / "kube-apiserver"
+    )
 
 
 def test_env_dir_with_corrupted_binary_is_rejected(tmp_path, monkeypatch):
@@ -100,7 +103,10 @@ def test_cache_used_when_no_shared_dir_and_corruption_detected(tmp_path, monkeyp
     cache = binaries.kube_cache_dir()
     assert cache == tmp_path / "xdg" / "moe-operator" / "kube-v1.20.2"
     binaries.unpack_xz_dir(_fake_release(tmp_path, compress=True), cache)
-    assert binaries.resolve_kube_binaries(allow_build=False)["kube-scheduler"] == cache / "kube-scheduler"
+    assert (
+        binaries.resolve_kube_binaries(allow_build=False)["kube-scheduler"]
+        == cache / "kube-scheduler"
+    )
     (cache / "kube-scheduler").write_bytes(b"bitrot")
     with pytest.raises(BinaryError, match="kube-scheduler: sha256"):
         binaries.resolve_kube_binaries(allow_build=False)
@@ -124,6 +130,12 @@ def test_build_script_parses_and_follows_the_recipe():
 
     assert subprocess.run(["bash", "-n", str(binaries.BUILD_SCRIPT)]).returncode == 0
     script = binaries.BUILD_SCRIPT.read_text()
-    for needle in ("GO111MODULE=off", "make gen_openapi", "golang-github-modern-go-reflect2-dev",
-                   "k8s.io/kubernetes/cmd/$b", "gitVersion=$version", "sha256sum"):
+    for needle in (
+        "GO111MODULE=off",
+        "make gen_openapi",
+        "golang-github-modern-go-reflect2-dev",
+        "k8s.io/kubernetes/cmd/$b",
+        "gitVersion=$version",
+        "sha256sum",
+    ):
         assert needle in script

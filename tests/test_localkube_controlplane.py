@@ -28,32 +28,51 @@ CRD = {
         "group": GROUP,
         "scope": "Namespaced",
         "names": {"plural": PLURAL, "singular": "widget", "kind": "Widget", "shortNames": ["wdg"]},
-        "versions": [{
-            "name": VERSION, "served": True, "storage": True,
-            "subresources": {"status": {}},
-            "additionalPrinterColumns": [
-                {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-            ],
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {"type": "object", "required": ["size"], "properties": {
-                        "size": {"type": "integer", "minimum": 1},
-                        "mode": {"type": "string", "enum": ["Fast", "Slow"], "default": "Fast"},
-                    }},
-                    "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
+        "versions": [
+            {
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "additionalPrinterColumns": [
+                    {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+                ],
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["size"],
+                                "properties": {
+                                    "size": {"type": "integer", "minimum": 1},
+                                    "mode": {
+                                        "type": "string",
+                                        "enum": ["Fast", "Slow"],
+                                        "default": "Fast",
+                                    },
+                                },
+                            },
+                            "status": {
+                                "type": "object",
+                                "properties": {"phase": {"type": "string"}},
+                            },
+                        },
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
 
 def test_readyz(control_plane):
     ctx = ssl.create_default_context(cafile=str(control_plane.ca_path))
-    req = urllib.request.Request(f"{control_plane.server}/readyz?verbose",
-                                 headers={"Authorization": f"Bearer {control_plane.admin_token}"})
+    req = urllib.request.Request(
+        f"{control_plane.server}/readyz?verbose",
+        headers={"Authorization": f"Bearer {control_plane.admin_token}"},
+    )
     with urllib.request.urlopen(req, context=ctx, timeout=5) as resp:
         body = resp.read().decode()
     assert resp.status == 200 and "readyz check passed" in body
@@ -68,31 +87,61 @@ def test_crd_custom_resource_and_status_subresource(kube, namespace, wait_for, k
 
     def established():
         crd = kube.apiext.read_custom_resource_definition(f"{PLURAL}.{GROUP}")
-        return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
+        return any(
+            c.type == "Established" and c.status == "True" for c in crd.status.conditions or []
+        )
 
     wait_for(established, timeout=30, message="CRD Established")
-    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Widget", "metadata": {"name": "w1"}, "spec": {"size": 3}}
+    body = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "Widget",
+        "metadata": {"name": "w1"},
+        "spec": {"size": 3},
+    }
     # The first CR create is what kills an apiserver built with the broken reflect2.
-    created = wait_for(lambda: kube.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body),
-                       timeout=20, message="custom resource created")
+    created = wait_for(
+        lambda: kube.custom.create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, body
+        ),
+        timeout=20,
+        message="custom resource created",
+    )
     assert created["spec"] == {"size": 3, "mode": "Fast"}, "structural-schema defaulting"
 
     # Status sent to the main resource is ignored; through the subresource it sticks.
-    kube.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "w1",
-                                              {"status": {"phase": "Ignored"}},
-                                              _content_type="application/merge-patch+json")
-    assert "status" not in kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "w1")
-    kube.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, "w1",
-                                                     {"status": {"phase": "Ready"}},
-                                                     _content_type="application/merge-patch+json")
+    kube.custom.patch_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        "w1",
+        {"status": {"phase": "Ignored"}},
+        _content_type="application/merge-patch+json",
+    )
+    assert "status" not in kube.custom.get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, "w1"
+    )
+    kube.custom.patch_namespaced_custom_object_status(
+        GROUP,
+        VERSION,
+        namespace,
+        PLURAL,
+        "w1",
+        {"status": {"phase": "Ready"}},
+        _content_type="application/merge-patch+json",
+    )
     got = kube.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "w1")
     assert got["status"] == {"phase": "Ready"}
     assert got["metadata"]["generation"] == 1, "status writes do not bump the generation"
 
     with pytest.raises(ApiException, match="Unprocessable Entity") as err:
         kube.custom.create_namespaced_custom_object(
-            GROUP, VERSION, namespace, PLURAL,
-            {**body, "metadata": {"name": "bad"}, "spec": {"size": 0}})
+            GROUP,
+            VERSION,
+            namespace,
+            PLURAL,
+            {**body, "metadata": {"name": "bad"}, "spec": {"size": 0}},
+        )
     assert "spec.size" in err.value.body
 
     out = kubectl.run("get", "wdg", "-n", namespace).stdout
@@ -109,7 +158,9 @@ def test_second_control_plane_starts_and_leaves_nothing(tmp_path):
         api = cp.api_client()
         from kubernetes import client
 
-        assert any(ns.metadata.name == "default" for ns in client.CoreV1Api(api).list_namespace().items)
+        assert any(
+            ns.metadata.name == "default" for ns in client.CoreV1Api(api).list_namespace().items
+        )
         api.close()
     assert procs.survivors(pids) == []
 

@@ -27,7 +27,14 @@ class _FakeDNS(clusterdns.ClusterDNS):
 
 def _answers(reply: bytes) -> tuple[int, list[str]]:
     _qid, flags, _qd, an, _ns, _ar = struct.unpack("!HHHHHH", reply[:12])
-    ips = [socket.inet_ntoa(reply[i + 12:i + 16]) for i in range(len(reply) - 16 * an, len(reply), 16)] if an else []
+    ips = (
+        [
+            socket.inet_ntoa(reply[i + 12 : i + 16])
+            for i in range(len(reply) - 16 * an, len(reply), 16)
+        ]
+        if an
+        else []
+    )
     return flags & 0xF, ips
 
 
@@ -35,19 +42,26 @@ def test_dns_answers_a_records_and_nxdomain():
     dns = _FakeDNS({"w-0.job-workers.ns.svc.cluster.local": ["10.217.3.7"]})
     rcode, ips = _answers(dns.handle(_query("w-0.job-workers.ns.svc.cluster.local")))
     assert (rcode, ips) == (0, ["10.217.3.7"])
-    rcode, ips = _answers(dns.handle(_query("w-0.job-workers.ns.svc.cluster.local", qtype=28)))  # AAAA
+    rcode, ips = _answers(
+        dns.handle(_query("w-0.job-workers.ns.svc.cluster.local", qtype=28))
+    )  # AAAA
     assert (rcode, ips) == (0, [])
     rcode, _ = _answers(dns.handle(_query("pypi.org")))
     assert rcode == 3
     reply = dns.handle(_query("x.svc.cluster.local", qid=0xBEEF))
     assert struct.unpack("!H", reply[:2])[0] == 0xBEEF
-    assert dns.handle(b"\x00\x01") is None                         # garbage: no answer
+    assert dns.handle(b"\x00\x01") is None  # garbage: no answer
 
 
 def test_dns_lookup_names_outside_the_cluster_domain_without_asking_the_api():
     dns = clusterdns.ClusterDNS.__new__(clusterdns.ClusterDNS)
-    dns.core = None          # any API call would raise: these names never reach it
-    for name in ("pypi.org", "kubernetes", "a.b.c.d.e.svc.cluster.local.ns.svc.cluster.local", "svc.cluster.local"):
+    dns.core = None  # any API call would raise: these names never reach it
+    for name in (
+        "pypi.org",
+        "kubernetes",
+        "a.b.c.d.e.svc.cluster.local.ns.svc.cluster.local",
+        "svc.cluster.local",
+    ):
         assert dns.lookup(name) is None
 
 
@@ -59,10 +73,17 @@ def test_pause_image_archive(tmp_path):
         (manifest,) = json.loads(tar.extractfile("manifest.json").read())
         assert manifest["RepoTags"] == ["localhost/p:1"]
         config = json.loads(tar.extractfile(manifest["Config"]).read())
-        assert config["config"]["Entrypoint"] == ["/pause"] and config["config"]["User"] == "65535:65535"
-        with tarfile.open(fileobj=io.BytesIO(tar.extractfile(manifest["Layers"][0]).read())) as layer:
+        assert (
+            config["config"]["Entrypoint"] == ["/pause"]
+            and config["config"]["User"] == "65535:65535"
+        )
+        with tarfile.open(
+            fileobj=io.BytesIO(tar.extractfile(manifest["Layers"][0]).read())
+        ) as layer:
             member = layer.getmember("pause")
-            assert member.mode == 0o755 and layer.extractfile(member).read() == b"\x7fELF fake pause"
+            assert (
+                member.mode == 0o755 and layer.extractfile(member).read() == b"\x7fELF fake pause"
+            )
 
 
 def test_image_keys_follow_what_the_dockerfile_copies(tmp_path):
@@ -76,7 +97,7 @@ def test_image_keys_follow_what_the_dockerfile_copies(tmp_path):
     key = images.context_digest(df, tmp_path)
     (tmp_path / "other.txt").write_text("changed\n")
     (tmp_path / "pkg" / "__pycache__" / "a.pyc").write_bytes(b"cache")
-    assert images.context_digest(df, tmp_path) == key             # not copied / bytecode: same key
+    assert images.context_digest(df, tmp_path) == key  # not copied / bytecode: same key
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
     assert images.context_digest(df, tmp_path) != key
 
@@ -87,15 +108,20 @@ def test_repository_dockerfiles_pins_and_sources():
         sources = images.copied_sources(path)
         assert {"operator/moejob_operator/", "operator/moe_contracts/"} <= set(sources), name
         # the product only: the dev package (local cluster, demo, fake NVML, faults) stays out
-        assert not any(s.rstrip("/") in ("operator", "operator/dev") or s.startswith("operator/dev/")
-                       for s in sources), (name, sources)
+        assert not any(
+            s.rstrip("/") in ("operator", "operator/dev") or s.startswith("operator/dev/")
+            for s in sources
+        ), (name, sources)
 
 
 def test_image_reference_normalisation():
     assert realnodes._normalize_ref("moe-trainer:local") == "docker.io/library/moe-trainer:local"
     assert realnodes._normalize_ref("team/img:1") == "docker.io/team/img:1"
     assert realnodes._normalize_ref("localhost/moe-pause:v1") == "localhost/moe-pause:v1"
-    assert realnodes._normalize_ref("registry.example.com:5000/a/b:2") == "registry.example.com:5000/a/b:2"
+    assert (
+        realnodes._normalize_ref("registry.example.com:5000/a/b:2")
+        == "registry.example.com:5000/a/b:2"
+    )
 
 
 def test_image_keys_skip_what_dockerignore_keeps_out(tmp_path):

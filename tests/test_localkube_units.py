@@ -13,10 +13,20 @@ from moe_localkube.nodes import FixtureError, NodeSpec, fixture_gpus, node_manif
 from moe_localkube.podfiles import ConfigError, PodFiles, container_mounts, expand, field_value
 
 POD = {
-    "metadata": {"name": "w-0", "namespace": "ml", "uid": "u-1", "labels": {"app": "moe", "rank": "0"},
-                 "annotations": {"a": "b"}},
-    "spec": {"nodeName": "node-a", "serviceAccountName": "trainer", "hostname": "w-0", "subdomain": "job",
-             "containers": [{"name": "main", "resources": {"limits": {"cpu": "2"}}}]},
+    "metadata": {
+        "name": "w-0",
+        "namespace": "ml",
+        "uid": "u-1",
+        "labels": {"app": "moe", "rank": "0"},
+        "annotations": {"a": "b"},
+    },
+    "spec": {
+        "nodeName": "node-a",
+        "serviceAccountName": "trainer",
+        "hostname": "w-0",
+        "subdomain": "job",
+        "containers": [{"name": "main", "resources": {"limits": {"cpu": "2"}}}],
+    },
     "status": {"podIP": "127.0.0.7", "hostIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.7"}]},
 }
 
@@ -35,7 +45,9 @@ class FakeCore:
     def read_namespaced_secret(self, name, ns):
         if name not in self.secrets:
             raise ApiException(status=404, reason="Not Found")
-        return SimpleNamespace(data={k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[name].items()})
+        return SimpleNamespace(
+            data={k: base64.b64encode(v.encode()).decode() for k, v in self.secrets[name].items()}
+        )
 
 
 def test_expand_follows_kubernetes_rules():
@@ -55,35 +67,87 @@ def test_field_values():
 
 
 def test_env_order_sources_and_missing_refs(tmp_path):
-    core = FakeCore(configmaps={"cm": {"k": "from-cm", "x": "1"}}, secrets={"sec": {"pw": "s3cret"}})
+    core = FakeCore(
+        configmaps={"cm": {"k": "from-cm", "x": "1"}}, secrets={"sec": {"pw": "s3cret"}}
+    )
     files = PodFiles(core, POD, tmp_path, tmp_path)
-    container = {"name": "main", "resources": {"limits": {"cpu": "2"}},
-                 "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}], "env": [
-        {"name": "BASE", "value": "$(PATH_X)/bin"},
-        {"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
-        {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "pw"}}},
-        {"name": "OPT", "valueFrom": {"configMapKeyRef": {"name": "nope", "key": "k", "optional": True}}},
-        {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "CPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
-    ]}
+    container = {
+        "name": "main",
+        "resources": {"limits": {"cpu": "2"}},
+        "envFrom": [{"configMapRef": {"name": "cm"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "BASE", "value": "$(PATH_X)/bin"},
+            {"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "k"}}},
+            {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "pw"}}},
+            {
+                "name": "OPT",
+                "valueFrom": {"configMapKeyRef": {"name": "nope", "key": "k", "optional": True}},
+            },
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "CPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+        ],
+    }
     env = files.env(container, {"PATH_X": "/opt"})
-    assert env == {"PATH_X": "/opt", "CM_k": "from-cm", "CM_x": "1", "BASE": "/opt/bin", "K": "from-cm",
-                   "PW": "s3cret", "IP": "127.0.0.7", "CPU": "2"}
+    assert env == {
+        "PATH_X": "/opt",
+        "CM_k": "from-cm",
+        "CM_x": "1",
+        "BASE": "/opt/bin",
+        "K": "from-cm",
+        "PW": "s3cret",
+        "IP": "127.0.0.7",
+        "CPU": "2",
+    }
     with pytest.raises(ConfigError, match='configmap "gone" not found'):
-        files.env({"name": "c", "env": [{"name": "G", "valueFrom": {"configMapKeyRef": {"name": "gone", "key": "k"}}}]}, {})
+        files.env(
+            {
+                "name": "c",
+                "env": [
+                    {"name": "G", "valueFrom": {"configMapKeyRef": {"name": "gone", "key": "k"}}}
+                ],
+            },
+            {},
+        )
     with pytest.raises(ConfigError, match="couldn't find key zz in configmap ml/cm"):
-        files.env({"name": "c", "env": [{"name": "G", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "zz"}}}]}, {})
+        files.env(
+            {
+                "name": "c",
+                "env": [
+                    {"name": "G", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "zz"}}}
+                ],
+            },
+            {},
+        )
 
 
 def test_volumes_are_materialised(tmp_path):
-    core = FakeCore(configmaps={"plan": {"plan.json": "{}", "other": "x"}}, secrets={"tok": {"token": "abc"}})
-    pod = {**POD, "spec": {**POD["spec"], "volumes": [
-        {"name": "plan", "configMap": {"name": "plan", "items": [{"key": "plan.json", "path": "p/plan.json"}]}},
-        {"name": "tok", "secret": {"secretName": "tok", "defaultMode": 0o600}},
-        {"name": "info", "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
-        {"name": "scratch", "emptyDir": {}},
-        {"name": "ck", "persistentVolumeClaim": {"claimName": "ckpt"}},
-    ]}}
+    core = FakeCore(
+        configmaps={"plan": {"plan.json": "{}", "other": "x"}}, secrets={"tok": {"token": "abc"}}
+    )
+    pod = {
+        **POD,
+        "spec": {
+            **POD["spec"],
+            "volumes": [
+                {
+                    "name": "plan",
+                    "configMap": {
+                        "name": "plan",
+                        "items": [{"key": "plan.json", "path": "p/plan.json"}],
+                    },
+                },
+                {"name": "tok", "secret": {"secretName": "tok", "defaultMode": 0o600}},
+                {
+                    "name": "info",
+                    "downwardAPI": {
+                        "items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+                    },
+                },
+                {"name": "scratch", "emptyDir": {}},
+                {"name": "ck", "persistentVolumeClaim": {"claimName": "ckpt"}},
+            ],
+        },
+    }
     vols = PodFiles(core, pod, tmp_path / "pod", tmp_path / "shared").volumes()
     assert (vols["plan"] / "p" / "plan.json").read_text() == "{}"
     assert not (vols["plan"] / "other").exists(), "items select keys"
@@ -92,18 +156,28 @@ def test_volumes_are_materialised(tmp_path):
     assert (vols["info"] / "labels").read_text() == 'app="moe"\nrank="0"'
     assert vols["scratch"].is_dir() and not any(vols["scratch"].iterdir())
     assert vols["ck"] == tmp_path / "shared" / "pvc" / "ml" / "ckpt"
-    with pytest.raises(ConfigError, match=r"volume g: type \['gcePersistentDisk'\] is not supported"):
+    with pytest.raises(
+        ConfigError, match=r"volume g: type \['gcePersistentDisk'\] is not supported"
+    ):
         PodFiles(core, pod, tmp_path, tmp_path).volume({"name": "g", "gcePersistentDisk": {}})
 
 
 def test_mounts_parents_first_and_subpath(tmp_path):
     vols = {"a": tmp_path / "a", "b": tmp_path / "b"}
-    container = {"name": "c", "volumeMounts": [
-        {"name": "b", "mountPath": "/data/sub/", "subPath": "x"},
-        {"name": "a", "mountPath": "/data", "readOnly": True}]}
+    container = {
+        "name": "c",
+        "volumeMounts": [
+            {"name": "b", "mountPath": "/data/sub/", "subPath": "x"},
+            {"name": "a", "mountPath": "/data", "readOnly": True},
+        ],
+    }
     mounts = container_mounts(container, vols)
     assert [m.target for m in mounts] == ["/data", "/data/sub"]
-    assert mounts[0].read_only and mounts[1].source == tmp_path / "b" / "x" and mounts[1].source.is_dir()
+    assert (
+        mounts[0].read_only
+        and mounts[1].source == tmp_path / "b" / "x"
+        and mounts[1].source.is_dir()
+    )
     with pytest.raises(ConfigError, match="volumeMount 'zz' names no volume"):
         container_mounts({"name": "c", "volumeMounts": [{"name": "zz", "mountPath": "/z"}]}, vols)
 
@@ -116,12 +190,19 @@ def test_node_shapes_come_from_the_recordings():
     assert manifest["metadata"]["labels"]["nvidia.com/gpu.count"] == "8"
     assert manifest["metadata"]["annotations"]["moe-operator.io/fake-topology"] == "nvswitch-h100-8"
     assert NodeSpec.parse("n").fixture == "nvswitch-h100-8"
-    with pytest.raises(FixtureError, match=r"unknown fake-topology fixture 'dgx-z'.*nvswitch-h100-8"):
+    with pytest.raises(
+        FixtureError, match=r"unknown fake-topology fixture 'dgx-z'.*nvswitch-h100-8"
+    ):
         fixture_gpus("dgx-z")
 
 
 def test_hosts_names_and_in_place_rewrite(tmp_path):
-    assert pod_hostnames(POD) == ["w-0.job.ml.svc.cluster.local", "w-0.job.ml.svc", "w-0.job", "w-0"]
+    assert pod_hostnames(POD) == [
+        "w-0.job.ml.svc.cluster.local",
+        "w-0.job.ml.svc",
+        "w-0.job",
+        "w-0",
+    ]
     bare = {"metadata": {"name": "p", "namespace": "ml"}, "spec": {}}
     assert pod_hostnames(bare) == ["p"]
     hosts = HostsFile(tmp_path / "hosts")
@@ -132,4 +213,6 @@ def test_hosts_names_and_in_place_rewrite(tmp_path):
     assert "127.0.0.1 kubernetes kubernetes.default kubernetes.default.svc" in text
     hosts.remove("u1")
     assert "w-0" not in (tmp_path / "hosts").read_text()
-    assert (tmp_path / "hosts").stat().st_ino == inode, "bind mounts pin the inode: rewrite in place"
+    assert (tmp_path / "hosts").stat().st_ino == inode, (
+        "bind mounts pin the inode: rewrite in place"
+    )

@@ -19,8 +19,11 @@ def _clean():
 
 def samples(text: bytes | None = None) -> dict[tuple[str, tuple], float]:
     text = text if text is not None else metrics.render()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text.decode()) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text.decode())
+        for s in fam.samples
+    }
 
 
 def value(name: str, **labels) -> float | None:
@@ -28,10 +31,20 @@ def value(name: str, **labels) -> float | None:
 
 
 def status(phase: str, **conds: str) -> dict:
-    return {"phase": phase, "conditions": [{"type": t, "status": s} for t, s in conds.items()],
-            "plan": {"worldSize": 2, "epSize": 2, "crossGroupVsContiguous": "0.250",
-                     "maxMeanLoad": "1.040", "estimatedPeakBytesPerGpu": 123, "fits": True,
-                     "strategy": "topology_aware", "nodes": ["a", "b"]}}
+    return {
+        "phase": phase,
+        "conditions": [{"type": t, "status": s} for t, s in conds.items()],
+        "plan": {
+            "worldSize": 2,
+            "epSize": 2,
+            "crossGroupVsContiguous": "0.250",
+            "maxMeanLoad": "1.040",
+            "estimatedPeakBytesPerGpu": 123,
+            "fits": True,
+            "strategy": "topology_aware",
+            "nodes": ["a", "b"],
+        },
+    }
 
 
 def test_jobs_by_condition_count_each_job_once_and_follow_transitions():
@@ -39,10 +52,11 @@ def test_jobs_by_condition_count_each_job_once_and_follow_transitions():
     metrics.observe_job("ns", "b", status("Pending", Planned="False"))
     assert value("moe_operator_jobs", condition="Planned", status="True") == 1
     assert value("moe_operator_jobs", condition="Planned", status="False") == 1
-    assert value("moe_operator_jobs", condition="Succeeded", status="True") == 0   # stable zeros
+    assert value("moe_operator_jobs", condition="Succeeded", status="True") == 0  # stable zeros
     # a later pass replaces, never adds
-    metrics.observe_job("ns", "a", status("Succeeded", Planned="True", Running="False",
-                                          Succeeded="True"))
+    metrics.observe_job(
+        "ns", "a", status("Succeeded", Planned="True", Running="False", Succeeded="True")
+    )
     assert value("moe_operator_jobs", condition="Running", status="True") == 0
     assert value("moe_operator_jobs", condition="Succeeded", status="True") == 1
     assert value("moe_operator_jobs_by_phase", phase="Succeeded") == 1
@@ -59,9 +73,23 @@ def test_plan_quality_from_status_and_from_the_full_plan():
     assert value("moe_operator_plan_max_mean_load", namespace="ns", job="a") == 1.04
     assert value("moe_operator_plan_fits", namespace="ns", job="a") == 1
     assert value("moe_operator_plan_cross_node_bytes_per_step", namespace="ns", job="a") is None
-    metrics.observe_plan("ns", "a", {"worldSize": 4, "epSize": 4, "placement": {"quality": {
-        "crossGroupBytesPerStep": 1000, "crossNodeBytesPerStep": 10, "maxMeanLoad": 1.5,
-        "crossGroupVsContiguous": 0.5}}, "memory": {"estimatedPeakBytes": 7, "fits": False}})
+    metrics.observe_plan(
+        "ns",
+        "a",
+        {
+            "worldSize": 4,
+            "epSize": 4,
+            "placement": {
+                "quality": {
+                    "crossGroupBytesPerStep": 1000,
+                    "crossNodeBytesPerStep": 10,
+                    "maxMeanLoad": 1.5,
+                    "crossGroupVsContiguous": 0.5,
+                }
+            },
+            "memory": {"estimatedPeakBytes": 7, "fits": False},
+        },
+    )
     assert value("moe_operator_plan_cross_node_bytes_per_step", namespace="ns", job="a") == 10
     assert value("moe_operator_plan_world_size", namespace="ns", job="a") == 4
     assert value("moe_operator_plan_fits", namespace="ns", job="a") == 0
@@ -83,7 +111,9 @@ def test_smoke_verdicts_count_and_keep_one_current_verdict_per_image():
     metrics.record_smoke_verdict("img:1", "Passed")
     metrics.record_smoke_verdict("img:1", "Failed")
     metrics.record_smoke_verdict("img:1", "Failed", cached=True)
-    assert value("moe_operator_smoke_verdicts_total", verdict="Failed", cached="false") == before + 1
+    assert (
+        value("moe_operator_smoke_verdicts_total", verdict="Failed", cached="false") == before + 1
+    )
     assert value("moe_operator_smoke_verdict", image="img:1", verdict="Failed") == 1
     assert value("moe_operator_smoke_verdict", image="img:1", verdict="Passed") == 0
     with pytest.raises(ValueError, match="'Maybe' is not one of Passed, Failed"):

@@ -36,15 +36,22 @@ def test_bad_specs_are_refused(kube, namespace, operator_proc, wait_for):
             apply_job(kube, namespace, doc)
         except ApiException as exc:
             assert exc.status == 422, f"{path.name}: {exc.status} {exc.body}"
-            assert kind == "schema", f"{path.name}: the server refused it ({exc.body[:300]}); expected {kind}"
+            assert kind == "schema", (
+                f"{path.name}: the server refused it ({exc.body[:300]}); expected {kind}"
+            )
             continue
         assert kind != "schema", f"{path.name}: the server accepted what its schema should refuse"
         accepted[doc["metadata"]["name"]] = (kind, field)
 
     def all_failed():
-        return all(condition(get_job(kube, namespace, n), C.COND_FAILED).get("status") == "True"
-                   for n in accepted)
-    wait_for(all_failed, timeout=90, message="every accepted bad spec Failed\n" + operator_proc.logs())
+        return all(
+            condition(get_job(kube, namespace, n), C.COND_FAILED).get("status") == "True"
+            for n in accepted
+        )
+
+    wait_for(
+        all_failed, timeout=90, message="every accepted bad spec Failed\n" + operator_proc.logs()
+    )
 
     for name, (kind, field) in accepted.items():
         job = get_job(kube, namespace, name)
@@ -52,10 +59,18 @@ def test_bad_specs_are_refused(kube, namespace, operator_proc, wait_for):
         assert failed["reason"] == kind, f"{name}: {failed}"
         assert job["status"]["phase"] == "Failed"
         # Events trail their pass by up to a few seconds (the poster yields to passes)
-        events = wait_for(lambda: [e for e in events_for(kube, namespace, name)
-                                   if e.reason == kind and e.type == "Warning"], timeout=10,
-                          message=f"{name}: {kind} Warning event")
+        events = wait_for(
+            lambda: [
+                e
+                for e in events_for(kube, namespace, name)
+                if e.reason == kind and e.type == "Warning"
+            ],
+            timeout=10,
+            message=f"{name}: {kind} Warning event",
+        )
         assert len(events) == 1, f"{name}: {len(events)} {kind} Warning events"
         if field != "spec":
-            assert field in events[0].message, f"{name}: event {events[0].message!r} does not name {field}"
+            assert field in events[0].message, (
+                f"{name}: event {events[0].message!r} does not name {field}"
+            )
         assert children(kube, namespace, name) == [], f"{name} created children"

@@ -22,8 +22,9 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.mark.parametrize("point", ["after-plan", "after-rbac", "after-first-worker"])
-def test_operator_killed_mid_launch_converges(control_plane, kube, namespace, node_agent, wait_for,
-                                              tmp_path, point):
+def test_operator_killed_mid_launch_converges(
+    control_plane, kube, namespace, node_agent, wait_for, tmp_path, point
+):
     install_crd(kube)
     seed_topology(kube, namespace)
     crashing = Operator(control_plane, tmp_path / "op").start(MOE_OPERATOR_CRASH_AT=point)
@@ -39,19 +40,39 @@ def test_operator_killed_mid_launch_converges(control_plane, kube, namespace, no
     assert "cm/crash-plan" in partial
     restarted = Operator(control_plane, tmp_path / "op2").start()
     try:
-        want = sorted(["cm/crash-plan", "cm/crash-progress", "cm/crash-routing-stats",
-                       "pod/crash-worker-0", "pod/crash-worker-1", "sa/crash-worker", "svc/crash-workers"])
-        wait_for(lambda: children(kube, namespace, "crash") == want, timeout=60,
-                 message=f"children after restart: {children(kube, namespace, 'crash')}\n"
-                         f"{restarted.logs()}")
+        want = sorted(
+            [
+                "cm/crash-plan",
+                "cm/crash-progress",
+                "cm/crash-routing-stats",
+                "pod/crash-worker-0",
+                "pod/crash-worker-1",
+                "sa/crash-worker",
+                "svc/crash-workers",
+            ]
+        )
+        wait_for(
+            lambda: children(kube, namespace, "crash") == want,
+            timeout=60,
+            message=f"children after restart: {children(kube, namespace, 'crash')}\n"
+            f"{restarted.logs()}",
+        )
         # the pass writes status after creating the pods
-        st = wait_for(lambda: "gangComplete" in (get_job(kube, namespace, "crash").get("status") or {})
-                      and get_job(kube, namespace, "crash")["status"], timeout=30, message="status.gangComplete")
+        st = wait_for(
+            lambda: (
+                "gangComplete" in (get_job(kube, namespace, "crash").get("status") or {})
+                and get_job(kube, namespace, "crash")["status"]
+            ),
+            timeout=30,
+            message="status.gangComplete",
+        )
         assert st["gangComplete"] == 0 and st["restarts"] == 0
         assert condition(get_job(kube, namespace, "crash"), C.COND_PLANNED)["status"] == "True"
         pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=crash").items
         assert sorted(p.metadata.labels[C.LABEL_ATTEMPT] for p in pods) == ["0", "0"]
-        roles = kube.rbac.list_namespaced_role(namespace, label_selector=f"{C.LABEL_JOB}=crash").items
+        roles = kube.rbac.list_namespaced_role(
+            namespace, label_selector=f"{C.LABEL_JOB}=crash"
+        ).items
         assert [r.metadata.name for r in roles] == ["crash-worker"]
     finally:
         restarted.stop()

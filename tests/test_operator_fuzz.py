@@ -37,14 +37,16 @@ pytestmark = pytest.mark.cluster
 
 BATCHES = int(os.environ.get("MOE_FUZZ_BATCHES", "8"))
 BATCH_SIZE = 10
-SETTLE_SECONDS = 90      # bound: every job terminal or explained this long after its batch applied
-GONE_SECONDS = 90        # bound: children gone after the jobs were deleted
+SETTLE_SECONDS = 90  # bound: every job terminal or explained this long after its batch applied
+GONE_SECONDS = 90  # bound: children gone after the jobs were deleted
 
 
 @pytest.fixture(scope="module")
 def fuzz_operator(control_plane, kube, node_agent, tmp_path_factory):
     install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-fuzz")).start(MOE_GATE_ENABLED="false")
+    op = Operator(control_plane, tmp_path_factory.mktemp("operator-fuzz")).start(
+        MOE_GATE_ENABLED="false"
+    )
     yield op
     op.stop()
 
@@ -55,7 +57,11 @@ def state(job: dict | None) -> tuple[str, str] | None:
         return "terminal", "DeletedByTTL"
     meta, status = job["metadata"], job.get("status") or {}
     conds = status.get("conditions") or []
-    if status.get("observedGeneration") != meta.get("generation") or not status.get("phase") or not conds:
+    if (
+        status.get("observedGeneration") != meta.get("generation")
+        or not status.get("phase")
+        or not conds
+    ):
         return None
     if any(not c.get("reason") or not c.get("message") for c in conds):
         return None
@@ -84,9 +90,16 @@ def read(kube, ns: str, name: str) -> dict | None:
 
 def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_operator, wait_for):
     seed_topology(kube, namespace)
-    tally = {"manifests": 0, "refusedBySchema": 0, "refusedByOperator": collections.Counter(),
-             "otherTerminal": collections.Counter(), "explainedWaiting": collections.Counter(),
-             "stuck": [], "leaked": [], "unnamed": []}
+    tally = {
+        "manifests": 0,
+        "refusedBySchema": 0,
+        "refusedByOperator": collections.Counter(),
+        "otherTerminal": collections.Counter(),
+        "explainedWaiting": collections.Counter(),
+        "stuck": [],
+        "leaked": [],
+        "unnamed": [],
+    }
     tally.update(edits=0, editsRefusedBySchema=0)
     batch_no = [0]
     started = time.monotonic()
@@ -101,8 +114,14 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
             time.sleep(0.5)
         return states
 
-    @settings(max_examples=BATCHES, deadline=None, derandomize=True, database=None,
-              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=BATCHES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.data())
     def batch(data):
         b = batch_no[0]
@@ -112,7 +131,9 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
         for doc in docs:
             tally["manifests"] += 1
             try:
-                kube.custom.create_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, doc)
+                kube.custom.create_namespaced_custom_object(
+                    C.GROUP, C.VERSION, namespace, C.PLURAL, doc
+                )
             except ApiException as exc:
                 assert exc.status in (400, 422), f"{exc.status} {exc.body[:300]}"
                 tally["refusedBySchema"] += 1
@@ -120,26 +141,40 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
             created.append(doc["metadata"]["name"])
 
         states = settle(created)
-        for name in created:              # an edit of one field, then settled again
+        for name in created:  # an edit of one field, then settled again
             if read(kube, namespace, name) is None:
                 continue
             tally["edits"] += 1
             try:
-                kube.custom.patch_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name,
-                                                           {"spec": data.draw(edits(), label=f"edit {name}")})
+                kube.custom.patch_namespaced_custom_object(
+                    C.GROUP,
+                    C.VERSION,
+                    namespace,
+                    C.PLURAL,
+                    name,
+                    {"spec": data.draw(edits(), label=f"edit {name}")},
+                )
             except ApiException as exc:
                 assert exc.status in (400, 422), f"{exc.status} {exc.body[:300]}"
                 tally["editsRefusedBySchema"] += 1
         states = settle(created)
         for name, st_ in states.items():
             job = read(kube, namespace, name)
-            refusals = [c["message"] for c in ((job or {}).get("status") or {}).get("conditions") or ()
-                        if c.get("reason") == C.R_INVALID_SPEC]
+            refusals = [
+                c["message"]
+                for c in ((job or {}).get("status") or {}).get("conditions") or ()
+                if c.get("reason") == C.R_INVALID_SPEC
+            ]
             tally["unnamed"] += [m for m in refusals if not re.match(r"^(spec|metadata)[.:]", m)]
             if st_ is None:
                 tally["stuck"].append({"name": name, "status": (job or {}).get("status")})
-            elif st_[0] == "terminal" and st_[1] in (C.R_INVALID_SPEC, C.R_CHILD_REJECTED, C.R_PLAN_TOO_LARGE,
-                                                     C.R_INSUFFICIENT_MEMORY, C.R_PLAN_FAILED):
+            elif st_[0] == "terminal" and st_[1] in (
+                C.R_INVALID_SPEC,
+                C.R_CHILD_REJECTED,
+                C.R_PLAN_TOO_LARGE,
+                C.R_INSUFFICIENT_MEMORY,
+                C.R_PLAN_FAILED,
+            ):
                 tally["refusedByOperator"][st_[1]] += 1
             elif st_[0] == "terminal":
                 tally["otherTerminal"][st_[1]] += 1
@@ -148,15 +183,20 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
 
         for name in created:
             try:
-                kube.custom.delete_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name,
-                                                            propagation_policy="Background")
+                kube.custom.delete_namespaced_custom_object(
+                    C.GROUP, C.VERSION, namespace, C.PLURAL, name, propagation_policy="Background"
+                )
             except ApiException as exc:
                 if exc.status != 404:
                     raise
         deadline = time.monotonic() + GONE_SECONDS
         left = created
         while left and time.monotonic() < deadline:
-            left = [n for n in created if read(kube, namespace, n) is not None or children(kube, namespace, n)]
+            left = [
+                n
+                for n in created
+                if read(kube, namespace, n) is not None or children(kube, namespace, n)
+            ]
             time.sleep(0.5)
         tally["leaked"] += [{"name": n, "children": children(kube, namespace, n)} for n in left]
 
@@ -166,16 +206,22 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
     restarts = fuzz_operator.starts - 1 + (0 if fuzz_operator.proc.poll() is None else 1)
     result = {
         "command": "MOE_FUZZ_RESULTS=benchmarks/results/fuzz.json "
-                   "python -m pytest -q tests/test_operator_fuzz.py",
-        "batches": BATCHES, "batchSize": BATCH_SIZE, "seconds": round(seconds, 1),
-        "manifests": tally["manifests"], "refusedBySchema": tally["refusedBySchema"],
-        "edits": tally["edits"], "editsRefusedBySchema": tally["editsRefusedBySchema"],
+        "python -m pytest -q tests/test_operator_fuzz.py",
+        "batches": BATCHES,
+        "batchSize": BATCH_SIZE,
+        "seconds": round(seconds, 1),
+        "manifests": tally["manifests"],
+        "refusedBySchema": tally["refusedBySchema"],
+        "edits": tally["edits"],
+        "editsRefusedBySchema": tally["editsRefusedBySchema"],
         "refusedByOperator": dict(sorted(tally["refusedByOperator"].items())),
         "otherTerminal": dict(sorted(tally["otherTerminal"].items())),
         "explainedWaiting": dict(sorted(tally["explainedWaiting"].items())),
-        "stuck": len(tally["stuck"]), "leakedAfterDelete": len(tally["leaked"]),
+        "stuck": len(tally["stuck"]),
+        "leakedAfterDelete": len(tally["leaked"]),
         "invalidSpecNamingNoField": len(tally["unnamed"]),
-        "operatorRestarts": restarts, "operatorTracebacks": logs.count("Traceback"),
+        "operatorRestarts": restarts,
+        "operatorTracebacks": logs.count("Traceback"),
     }
     if os.environ.get("MOE_FUZZ_RESULTS"):
         Path(os.environ["MOE_FUZZ_RESULTS"]).write_text(json.dumps(result, indent=1) + "\n")
@@ -186,4 +232,6 @@ def test_fuzzed_manifests_end_explained_and_leave_nothing(kube, namespace, fuzz_
     assert not tally["unnamed"], f"InvalidSpec messages that name no field: {tally['unnamed']}"
     assert restarts == 0 and result["operatorTracebacks"] == 0, logs[-6000:]
     # the run exercised both sides of the boundary
-    assert result["refusedBySchema"] and result["refusedByOperator"] and result["explainedWaiting"], result
+    assert (
+        result["refusedBySchema"] and result["refusedByOperator"] and result["explainedWaiting"]
+    ), result

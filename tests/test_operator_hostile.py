@@ -33,22 +33,32 @@ from operator_harness import (
 
 pytestmark = pytest.mark.cluster
 
-BASE = {"image": "moe-trainer:local", "device": "CPU", "model": {"preset": "tiny-mixtral"},
-        "nodes": {"count": 2}, "training": {"steps": 5, "seqLen": 32, "globalBatch": 4, "microBatch": 2},
-        "gate": {"skip": True, "skipReason": "test"}}
+BASE = {
+    "image": "moe-trainer:local",
+    "device": "CPU",
+    "model": {"preset": "tiny-mixtral"},
+    "nodes": {"count": 2},
+    "training": {"steps": 5, "seqLen": 32, "globalBatch": 4, "microBatch": 2},
+    "gate": {"skip": True, "skipReason": "test"},
+}
 NO_SCHEDULER = {"schedulerName": "none-such"}
 
 
 def manifest(name: str, **spec) -> dict:
-    return {"apiVersion": C.API_VERSION, "kind": C.KIND, "metadata": {"name": name},
-            "spec": {**BASE, **spec}}
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {"name": name},
+        "spec": {**BASE, **spec},
+    }
 
 
 @pytest.fixture(scope="module")
 def production_operator(control_plane, kube, node_agent, tmp_path_factory):
     install_crd(kube)
     op = Operator(control_plane, tmp_path_factory.mktemp("operator-hostile")).start(
-        MOE_ALLOWED_HOST_PATH_PREFIXES="", MOE_OPERATOR_TEST_MODE="")
+        MOE_ALLOWED_HOST_PATH_PREFIXES="", MOE_OPERATOR_TEST_MODE=""
+    )
     yield op
     op.stop()
 
@@ -57,6 +67,7 @@ def failed_with(kube, namespace, name, wait_for, reason, timeout=60):
     def done():
         c = condition(get_job(kube, namespace, name), C.COND_FAILED)
         return c if c.get("status") == "True" else None
+
     c = wait_for(done, timeout=timeout, message=f"{name} Failed")
     assert c["reason"] == reason, c
     return c
@@ -64,7 +75,11 @@ def failed_with(kube, namespace, name, wait_for, reason, timeout=60):
 
 def test_host_path_refused_by_default(kube, namespace, production_operator, wait_for, tmp_path):
     seed_topology(kube, namespace)
-    apply_job(kube, namespace, manifest("hostpath", checkpoint={"volume": {"hostPath": {"path": str(tmp_path)}}}))
+    apply_job(
+        kube,
+        namespace,
+        manifest("hostpath", checkpoint={"volume": {"hostPath": {"path": str(tmp_path)}}}),
+    )
     c = failed_with(kube, namespace, "hostpath", wait_for, C.R_INVALID_SPEC)
     assert c["message"].startswith("spec.checkpoint.volume.hostPath.path:")
     assert "hostPathPolicy.allowedPrefixes" in c["message"]
@@ -77,8 +92,11 @@ def test_a_refused_child_ends_the_job_naming_it(kube, namespace, production_oper
     c = failed_with(kube, namespace, "nopc", wait_for, C.R_CHILD_REJECTED)
     assert "Pod nopc-worker-" in c["message"] and "does-not-exist" in c["message"], c
     assert "403" in c["message"]
-    wait_for(lambda: [e for e in events_for(kube, namespace, "nopc") if e.reason == C.R_CHILD_REJECTED],
-             timeout=15, message="ChildRejected Event")
+    wait_for(
+        lambda: [e for e in events_for(kube, namespace, "nopc") if e.reason == C.R_CHILD_REJECTED],
+        timeout=15,
+        message="ChildRejected Event",
+    )
     # terminal: no more passes retry the create (the log has one refusal, not a loop)
     job = get_job(kube, namespace, "nopc")
     assert job["status"]["phase"] == "Failed"
@@ -88,12 +106,19 @@ def test_a_refused_child_ends_the_job_naming_it(kube, namespace, production_oper
 def test_status_bounded_untrusted_and_no_test_hooks(kube, namespace, production_operator, wait_for):
     seed_topology(kube, namespace)
     doc = manifest("big", scheduling={**NO_SCHEDULER, "podAnnotations": {"note": "x" * 60_000}})
-    doc["metadata"]["annotations"] = {f"{C.GROUP}/fault-exit-at-step": "2",
-                                      f"{C.GROUP}/fault-exit-code": "1"}
+    doc["metadata"]["annotations"] = {
+        f"{C.GROUP}/fault-exit-at-step": "2",
+        f"{C.GROUP}/fault-exit-code": "1",
+    }
     apply_job(kube, namespace, doc)
-    job = wait_for(lambda: (get_job(kube, namespace, "big").get("status") or {}).get("gangComplete") == 0
-                   and get_job(kube, namespace, "big"), timeout=60,
-                   message="launched\n" + production_operator.logs())
+    job = wait_for(
+        lambda: (
+            (get_job(kube, namespace, "big").get("status") or {}).get("gangComplete") == 0
+            and get_job(kube, namespace, "big")
+        ),
+        timeout=60,
+        message="launched\n" + production_operator.logs(),
+    )
     status = job["status"]
     assert status["launchedSpecHash"] and "launchedSpec" not in status
     assert len(json.dumps(status)) < 8000
@@ -105,45 +130,83 @@ def test_status_bounded_untrusted_and_no_test_hooks(kube, namespace, production_
 
     # a hand-patched Succeeded (and a garbage attempt) while both workers are still Pending
     conds = [c for c in status["conditions"] if c["type"] != C.COND_SUCCEEDED]
-    conds.append({"type": C.COND_SUCCEEDED, "status": "True", "reason": "ByHand", "message": "patched",
-                  "lastTransitionTime": "2026-01-01T00:00:00Z"})
+    conds.append(
+        {
+            "type": C.COND_SUCCEEDED,
+            "status": "True",
+            "reason": "ByHand",
+            "message": "patched",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }
+    )
     kube.custom.patch_namespaced_custom_object_status(
-        C.GROUP, C.VERSION, namespace, C.PLURAL, "big",
-        {"status": {"conditions": conds, "attempt": "x", "completionTime": "2026-01-01T00:00:00Z"}})
+        C.GROUP,
+        C.VERSION,
+        namespace,
+        C.PLURAL,
+        "big",
+        {"status": {"conditions": conds, "attempt": "x", "completionTime": "2026-01-01T00:00:00Z"}},
+    )
     # a status patch starts no pass; the resync (30 s) does, or this spec edit at once
-    kube.custom.patch_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, "big",
-                                               {"spec": {"runPolicy": {"backoffLimit": 4}}})
+    kube.custom.patch_namespaced_custom_object(
+        C.GROUP, C.VERSION, namespace, C.PLURAL, "big", {"spec": {"runPolicy": {"backoffLimit": 4}}}
+    )
 
     def corrected():
         s = get_job(kube, namespace, "big")["status"]
         c = condition({"status": s}, C.COND_SUCCEEDED)
         return c.get("reason") == C.R_STATUS_CORRECTED and s.get("attempt") == 0 and s
+
     s = wait_for(corrected, timeout=60, message="status corrected\n" + production_operator.logs())
     assert s["phase"] != "Succeeded" and "completionTime" not in s
-    assert len(kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=big").items) == 2
+    assert (
+        len(kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=big").items)
+        == 2
+    )
 
 
-def test_an_exceeded_quota_is_retried_visibly_until_it_frees_up(kube, namespace, production_operator,
-                                                                wait_for):
+def test_an_exceeded_quota_is_retried_visibly_until_it_frees_up(
+    kube, namespace, production_operator, wait_for
+):
     """A 403 the cluster may lift (a ResourceQuota: other pods finish) is transient, not terminal:
     Reconciled=False / TransientError with the server's message and the backoff, then the launch
     once the quota allows it."""
     seed_topology(kube, namespace)
-    kube.core.create_namespaced_resource_quota(namespace, {"metadata": {"name": "no-pods"},
-                                                           "spec": {"hard": {"pods": "0"}}})
-    wait_for(lambda: (kube.core.read_namespaced_resource_quota("no-pods", namespace).status.hard or {}),
-             timeout=30, message="quota status")
+    kube.core.create_namespaced_resource_quota(
+        namespace, {"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}}
+    )
+    wait_for(
+        lambda: kube.core.read_namespaced_resource_quota("no-pods", namespace).status.hard or {},
+        timeout=30,
+        message="quota status",
+    )
     apply_job(kube, namespace, manifest("quota", scheduling=NO_SCHEDULER))
 
     def retrying():
         c = condition(get_job(kube, namespace, "quota"), C.COND_RECONCILED)
         return c if c.get("status") == "False" else None
+
     c = wait_for(retrying, timeout=60, message=production_operator.logs())
     assert c["reason"] == C.R_TRANSIENT_ERROR and "exceeded quota" in c["message"], c
     assert "retrying in" in c["message"]
     assert condition(get_job(kube, namespace, "quota"), C.COND_FAILED).get("status") != "True"
     kube.core.delete_namespaced_resource_quota("no-pods", namespace)
-    wait_for(lambda: len(kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=quota").items) == 2,
-             timeout=120, message=production_operator.logs())
-    wait_for(lambda: condition(get_job(kube, namespace, "quota"), C.COND_RECONCILED).get("status") == "True",
-             timeout=60, message=production_operator.logs())
+    wait_for(
+        lambda: (
+            len(
+                kube.core.list_namespaced_pod(
+                    namespace, label_selector=f"{C.LABEL_JOB}=quota"
+                ).items
+            )
+            == 2
+        ),
+        timeout=120,
+        message=production_operator.logs(),
+    )
+    wait_for(
+        lambda: (
+            condition(get_job(kube, namespace, "quota"), C.COND_RECONCILED).get("status") == "True"
+        ),
+        timeout=60,
+        message=production_operator.logs(),
+    )

@@ -21,13 +21,27 @@ from moejob_operator.status import phase_of, set_condition
 
 
 def pod(rank, phase="Running", attempt=0, code=None, deleting=False):
-    return PodView(name=f"j-worker-{rank}", uid=f"u{rank}{attempt}", node_rank=rank, attempt=attempt,
-                   phase=phase, exit_code=code, deleting=deleting, node="n")
+    return PodView(
+        name=f"j-worker-{rank}",
+        uid=f"u{rank}{attempt}",
+        node_rank=rank,
+        attempt=attempt,
+        phase=phase,
+        exit_code=code,
+        deleting=deleting,
+        node="n",
+    )
 
 
 def gang(pods, count=2, attempt=0, failed_restarts=0, backoff=2, complete=True):
-    return decide_gang(pods, count=count, attempt=attempt, failed_restarts=failed_restarts,
-                       backoff_limit=backoff, gang_complete=complete)
+    return decide_gang(
+        pods,
+        count=count,
+        attempt=attempt,
+        failed_restarts=failed_restarts,
+        backoff_limit=backoff,
+        gang_complete=complete,
+    )
 
 
 def test_fresh_job_creates_every_rank():
@@ -71,7 +85,9 @@ def test_stale_attempt_is_deleted_before_the_new_gang_starts():
     d = gang([pod(0, attempt=0), pod(1, "Failed", attempt=0, code=75)], attempt=1)
     assert d.action == "delete" and len(d.delete) == 2
     # once they are terminating, nothing of attempt 1 is created under the same names
-    d = gang([pod(0, attempt=0, deleting=True), pod(1, "Failed", attempt=0, deleting=True)], attempt=1)
+    d = gang(
+        [pod(0, attempt=0, deleting=True), pod(1, "Failed", attempt=0, deleting=True)], attempt=1
+    )
     assert d.action == "wait"
     d = gang([pod(0, attempt=0, deleting=True)], attempt=1, complete=False)
     assert d.action == "create" and d.create_ranks == [1]
@@ -83,19 +99,28 @@ def test_deleted_worker_restarts_gang_without_counting_against_backoff():
 
 
 def test_terminating_pods_are_not_failures():
-    d = gang([pod(0, "Failed", code=143, deleting=True), pod(1, "Failed", code=143, deleting=True)],
-             complete=False)
+    d = gang(
+        [pod(0, "Failed", code=143, deleting=True), pod(1, "Failed", code=143, deleting=True)],
+        complete=False,
+    )
     assert d.action == "wait"
 
 
 def test_candidate_nodes_filters_ready_and_labels():
     def node(name, ready=True, labels=None, unschedulable=False):
-        return {"metadata": {"name": name, "labels": labels or {}},
-                "spec": {"unschedulable": unschedulable},
-                "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
-    nodes = [node("b", labels={"gpu": "h200"}), node("a", labels={"gpu": "h200"}),
-             node("c", ready=False, labels={"gpu": "h200"}), node("d"),
-             node("e", labels={"gpu": "h200"}, unschedulable=True)]
+        return {
+            "metadata": {"name": name, "labels": labels or {}},
+            "spec": {"unschedulable": unschedulable},
+            "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+        }
+
+    nodes = [
+        node("b", labels={"gpu": "h200"}),
+        node("a", labels={"gpu": "h200"}),
+        node("c", ready=False, labels={"gpu": "h200"}),
+        node("d"),
+        node("e", labels={"gpu": "h200"}, unschedulable=True),
+    ]
     assert candidate_nodes(nodes, node_names=None, selectors=[{"gpu": "h200"}, None]) == ["a", "b"]
     assert candidate_nodes(nodes, node_names=None, selectors=[None]) == ["a", "b", "d"]
     assert candidate_nodes(nodes, node_names=["d", "c", "a"], selectors=[]) == ["d", "a"]
@@ -109,11 +134,21 @@ def test_seconds_left():
 
 
 def test_progress_and_health_from_trainer_document():
-    doc = {"kind": "TrainerProgress", "version": 1, "phase": "Training", "step": 12, "totalSteps": 20,
-           "loss": 3.212345678, "tokensPerSecond": 5120.0, "etaSeconds": 9.5,
-           "checkpoint": {"step": 10, "path": "/ckpt/step-10"},
-           "health": [{"type": "Straggler", "severity": "Info", "message": "rank 1 slow"},
-                      {"type": "DeadExpert", "severity": "Warning", "message": "layer 1 expert 5"}]}
+    doc = {
+        "kind": "TrainerProgress",
+        "version": 1,
+        "phase": "Training",
+        "step": 12,
+        "totalSteps": 20,
+        "loss": 3.212345678,
+        "tokensPerSecond": 5120.0,
+        "etaSeconds": 9.5,
+        "checkpoint": {"step": 10, "path": "/ckpt/step-10"},
+        "health": [
+            {"type": "Straggler", "severity": "Info", "message": "rank 1 slow"},
+            {"type": "DeadExpert", "severity": "Warning", "message": "layer 1 expert 5"},
+        ],
+    }
     prog = progress_status(parse_progress(doc))
     assert prog["step"] == 12 and prog["totalSteps"] == 20 and prog["loss"] == 3.2123
     assert prog["checkpointStep"] == 10
@@ -127,15 +162,36 @@ def test_progress_and_health_from_trainer_document():
 
 
 def test_conditions_keep_transition_time_unless_status_flips():
-    conds, t = set_condition([], C.COND_RUNNING, "False", C.R_WORKERS_PENDING, "0 of 2",
-                             generation=1, now="2026-01-01T00:00:00Z")
+    conds, t = set_condition(
+        [],
+        C.COND_RUNNING,
+        "False",
+        C.R_WORKERS_PENDING,
+        "0 of 2",
+        generation=1,
+        now="2026-01-01T00:00:00Z",
+    )
     assert t is not None and t.previous is None
-    conds, t = set_condition(conds, C.COND_RUNNING, "False", C.R_WORKERS_PENDING, "1 of 2",
-                             generation=1, now="2026-01-01T00:00:05Z")
+    conds, t = set_condition(
+        conds,
+        C.COND_RUNNING,
+        "False",
+        C.R_WORKERS_PENDING,
+        "1 of 2",
+        generation=1,
+        now="2026-01-01T00:00:05Z",
+    )
     assert t is None and conds[0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"
     assert conds[0]["message"] == "1 of 2"
-    conds, t = set_condition(conds, C.COND_RUNNING, "True", C.R_WORKERS_RUNNING, "2 running",
-                             generation=2, now="2026-01-01T00:00:09Z")
+    conds, t = set_condition(
+        conds,
+        C.COND_RUNNING,
+        "True",
+        C.R_WORKERS_RUNNING,
+        "2 running",
+        generation=2,
+        now="2026-01-01T00:00:09Z",
+    )
     assert t.previous == "False" and conds[0]["lastTransitionTime"] == "2026-01-01T00:00:09Z"
     assert conds[0]["observedGeneration"] == 2
     with pytest.raises(ValueError, match="True/False/Unknown"):
@@ -145,6 +201,7 @@ def test_conditions_keep_transition_time_unless_status_flips():
 def test_phase_is_derived_from_conditions():
     def c(t, s, r="R"):
         return {"type": t, "status": s, "reason": r}
+
     assert phase_of([]) == "Pending"
     assert phase_of([c(C.COND_TOPOLOGY, "Unknown")]) == "Discovering"
     assert phase_of([c(C.COND_TOPOLOGY, "True"), c(C.COND_PLANNED, "False")]) == "Planning"
@@ -158,13 +215,40 @@ def test_failure_message_carries_the_launchers_termination_message():
     """The node launcher's one termination message (a TrainerExit document naming the rank that
     failed first) reaches the Restarting condition."""
     import json
-    doc = {"kind": "TrainerExit", "version": 1, "cause": "Signalled", "exitCode": 137, "rank": 3, "nodeRank": 1,
-           "message": "node rank 1: rank3 exited with code 137 first; "
-                      "exit codes {'rank2': 143, 'rank3': 137}: "}
-    pod = {"metadata": {"name": "j-worker-1", "uid": "u", "labels": {C.LABEL_NODE_RANK: "1", C.LABEL_ATTEMPT: "0"}},
-           "status": {"phase": "Failed", "containerStatuses": [{"state": {"terminated": {
-               "exitCode": 137, "message": json.dumps(doc)}}}]}}
-    d = decide_gang([PodView.from_pod(pod)], count=2, attempt=0, failed_restarts=0, backoff_limit=2,
-                    gang_complete=True)
+
+    doc = {
+        "kind": "TrainerExit",
+        "version": 1,
+        "cause": "Signalled",
+        "exitCode": 137,
+        "rank": 3,
+        "nodeRank": 1,
+        "message": "node rank 1: rank3 exited with code 137 first; "
+        "exit codes {'rank2': 143, 'rank3': 137}: ",
+    }
+    pod = {
+        "metadata": {
+            "name": "j-worker-1",
+            "uid": "u",
+            "labels": {C.LABEL_NODE_RANK: "1", C.LABEL_ATTEMPT: "0"},
+        },
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {"state": {"terminated": {"exitCode": 137, "message": json.dumps(doc)}}}
+            ],
+        },
+    }
+    d = decide_gang(
+        [PodView.from_pod(pod)],
+        count=2,
+        attempt=0,
+        failed_restarts=0,
+        backoff_limit=2,
+        gang_complete=True,
+    )
     assert d.action == "restart"
-    assert "failed (exit code 137, Signalled: node rank 1: rank3 exited with code 137 first" in d.message
+    assert (
+        "failed (exit code 137, Signalled: node rank 1: rank3 exited with code 137 first"
+        in d.message
+    )

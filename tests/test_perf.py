@@ -42,6 +42,7 @@ def test_fused_linear_cross_entropy_matches_reference(chunk):
 
 def test_fused_loss_head_keeps_state_dict_and_plain_logits():
     from moe_trainer.models import TINY_HF_CONFIGS, build_model
+
     model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
     keys = list(model.state_dict())
     ids = torch.randint(0, 320, (2, 17))
@@ -56,20 +57,37 @@ def test_fused_loss_head_keeps_state_dict_and_plain_logits():
 
 def test_parse_perf_rejects_bad_documents():
     assert parse_perf(None) == PerfSpec()
-    spec = parse_perf({"fusedLoss": True, "zeroLeafModules": ["MixtralDecoderLayer"], "reasons": ["x"]})
-    assert spec.fused_loss and spec.zero_leaf_modules == ("MixtralDecoderLayer",) and not spec.compile_layers
-    for bad, msg in [({"fusedLos": True}, "unknown keys ['fusedLos']"),
-                     ({"compileLayers": "yes"},
-                      ("training.performance.compileLayers: 'yes' is invalid (Input should be a valid " "boolean)")),
-                     ({"zeroLeafModules": "MixtralDecoderLayer"}, "is not a list of class names"),
-                     ({"lossChunkTokens": 0}, "lossChunkTokens: 0 is invalid (Input should be greater than or equal to 1)"),
-                     ([], "expected an object")]:
+    spec = parse_perf(
+        {"fusedLoss": True, "zeroLeafModules": ["MixtralDecoderLayer"], "reasons": ["x"]}
+    )
+    assert (
+        spec.fused_loss
+        and spec.zero_leaf_modules == ("MixtralDecoderLayer",)
+        and not spec.compile_layers
+    )
+    for bad, msg in [
+        ({"fusedLos": True}, "unknown keys ['fusedLos']"),
+        (
+            {"compileLayers": "yes"},
+            (
+                "training.performance.compileLayers: 'yes' is invalid (Input should be a valid "
+                "boolean)"
+            ),
+        ),
+        ({"zeroLeafModules": "MixtralDecoderLayer"}, "is not a list of class names"),
+        (
+            {"lossChunkTokens": 0},
+            "lossChunkTokens: 0 is invalid (Input should be greater than or equal to 1)",
+        ),
+        ([], "expected an object"),
+    ]:
         with pytest.raises(PlanError, match=re.escape(msg)):
             parse_perf(bad)
 
 
 def test_zero_leaf_modules_must_exist():
     from moe_trainer.models import TINY_HF_CONFIGS, build_model
+
     model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
     assert perf.set_zero_leaves(model, ["MixtralDecoderLayer"]) == 2
     with pytest.raises(perf.PerfError, match="Qwen3MoeDecoderLayer"):
@@ -79,8 +97,18 @@ def test_zero_leaf_modules_must_exist():
 def _plan(topologies, performance=True, **kw):
     model = core_models.resolve_model(kw.pop("model", "bench-mixtral-3b"))
     reports = [load_topology(str(TOPO / t)) for t in topologies]
-    return build_plan(PlanRequest("j", "default", model, reports, global_batch=kw.pop("global_batch", 8),
-                      seq_len=2048, performance=performance, **kw))
+    return build_plan(
+        PlanRequest(
+            "j",
+            "default",
+            model,
+            reports,
+            global_batch=kw.pop("global_batch", 8),
+            seq_len=2048,
+            performance=performance,
+            **kw,
+        )
+    )
 
 
 def test_planner_picks_the_fast_path_on_one_h200():
@@ -92,7 +120,7 @@ def test_planner_picks_the_fast_path_on_one_h200():
     assert p["fusedOptimizer"] and p["fusedLoss"] and p["compileLayers"]
     assert p["zeroLeafModules"] == ["MixtralDecoderLayer"]
     assert zero["stage"] == 3
-    assert zero["stage3_param_persistence_threshold"] > 2 * 16 * 4096 * 2048   # the largest tensor
+    assert zero["stage3_param_persistence_threshold"] > 2 * 16 * 4096 * 2048  # the largest tensor
     assert zero["reduce_bucket_size"] == spec.counts().total
     # the memory model counts the persistent copy and the one big bucket, and no gathers
     br = doc["memory"]["breakdown"]
@@ -103,6 +131,7 @@ def test_planner_picks_the_fast_path_on_one_h200():
     assert "epSize 1 leaves AutoEP nothing to parallelise" in summary
     # the trainer's reader takes it
     from moe_contracts.plan import parse_plan
+
     assert parse_plan(doc).training.performance.compile_layers
 
 
@@ -125,8 +154,12 @@ def test_two_gpus_keep_autoep_and_zero3_partitioning():
 
 def test_user_overrides_win():
     from moejob_operator.core.plan import TrainingOptions
-    doc = _plan(["h200-vm-1gpu.json"], ds_overrides={"zero_optimization": {"reduce_bucket_size": 123}},
-                training=TrainingOptions(extra={"performance": {"compileLayers": False}})).document
+
+    doc = _plan(
+        ["h200-vm-1gpu.json"],
+        ds_overrides={"zero_optimization": {"reduce_bucket_size": 123}},
+        training=TrainingOptions(extra={"performance": {"compileLayers": False}}),
+    ).document
     assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == 123
     assert doc["training"]["performance"]["compileLayers"] is False
     assert any("set by the user" in r for r in doc["training"]["performance"]["reasons"])
@@ -134,8 +167,19 @@ def test_user_overrides_win():
 
 def test_cpu_plans_have_no_performance_block():
     model = core_models.resolve_model("tiny-mixtral")
-    doc = build_plan(PlanRequest("j", "default", model, None, device="cpu", procs_per_node=2,
-                     cpu_memory_bytes=8 << 30, global_batch=4, seq_len=64)).document
+    doc = build_plan(
+        PlanRequest(
+            "j",
+            "default",
+            model,
+            None,
+            device="cpu",
+            procs_per_node=2,
+            cpu_memory_bytes=8 << 30,
+            global_batch=4,
+            seq_len=64,
+        )
+    ).document
     assert "performance" not in doc["training"]
 
 
@@ -144,23 +188,42 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
     """`moe-train` (one process, ZeRO-3, CPU) with fused loss, ZeRO-3 leaf decoder layers and
     compiled decoder layers (aot_eager on CPU) trains the same function as without them."""
     from moe_trainer.launch import launch
+
     base = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
     base["training"].update(moeImpl="hf", steps=3, checkpointEverySteps=10)
     fast = json.loads(json.dumps(base))
-    fast["training"]["performance"] = {"fusedLoss": True, "lossChunkTokens": 50, "compileLayers": True,
-                                       "zeroLeafModules": ["MixtralDecoderLayer"], "fusedOptimizer": True}
-    fast["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 9
+    fast["training"]["performance"] = {
+        "fusedLoss": True,
+        "lossChunkTokens": 50,
+        "compileLayers": True,
+        "zeroLeafModules": ["MixtralDecoderLayer"],
+        "fusedOptimizer": True,
+    }
+    fast["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 10**9
     losses = {}
     for name, doc in (("stock", base), ("fast", fast)):
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
         env = dict(os.environ, MOE_COMPILE_BACKEND="aot_eager")
-        codes = launch(1, ["--plan", str(tmp_path / f"{name}.json"), "--checkpoint-dir", str(tmp_path / name),
-                           "--cpu"], env=env, timeout=600, log_prefix=str(tmp_path / f"log.{name}"))
+        codes = launch(
+            1,
+            [
+                "--plan",
+                str(tmp_path / f"{name}.json"),
+                "--checkpoint-dir",
+                str(tmp_path / name),
+                "--cpu",
+            ],
+            env=env,
+            timeout=600,
+            log_prefix=str(tmp_path / f"log.{name}"),
+        )
         log = (tmp_path / f"log.{name}.rank0.log").read_text()
         assert codes == [0], log[-3000:]
         losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["losses"]
-    assert "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + " \
-           "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
+    assert (
+        "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + "
+        "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
+    )
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
@@ -168,8 +231,18 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
 
 def test_moectl_plan_shows_the_choices_and_can_turn_them_off(capsys, tmp_path):
     from moejob_operator import cli
-    args = ["plan", "--topology", str(TOPO / "h200-vm-1gpu.json"), "--model", "bench-mixtral-3b",
-            "--global-batch", "8", "--seq-len", "2048"]
+
+    args = [
+        "plan",
+        "--topology",
+        str(TOPO / "h200-vm-1gpu.json"),
+        "--model",
+        "bench-mixtral-3b",
+        "--global-batch",
+        "8",
+        "--seq-len",
+        "2048",
+    ]
     assert cli.main([*args, "-o", str(tmp_path / "fast.json")]) == 0
     out = capsys.readouterr().out
     assert "MoE impl   grouped; performance options (planner's choice, why):" in out
@@ -187,15 +260,31 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
     """What multi-GPU plans get (AutoEP EP 2, ZeRO-3 partitioned): the fused loss through AutoEP's
     model on two gloo ranks gives the stock path's losses."""
     from moe_trainer.launch import launch
+
     base = json.loads((PLANS / "tiny_mixtral_autoep.json").read_text())
     base["training"].update(steps=3, checkpointEverySteps=10)
     fast = json.loads(json.dumps(base))
-    fast["training"]["performance"] = {"fusedLoss": True, "lossChunkTokens": 40, "fusedOptimizer": True}
+    fast["training"]["performance"] = {
+        "fusedLoss": True,
+        "lossChunkTokens": 40,
+        "fusedOptimizer": True,
+    }
     losses = {}
     for name, doc in (("stock", base), ("fast", fast)):
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-        codes = launch(2, ["--plan", str(tmp_path / f"{name}.json"), "--checkpoint-dir", str(tmp_path / name),
-                           "--cpu"], env=dict(os.environ), timeout=600, log_prefix=str(tmp_path / f"log.{name}"))
+        codes = launch(
+            2,
+            [
+                "--plan",
+                str(tmp_path / f"{name}.json"),
+                "--checkpoint-dir",
+                str(tmp_path / name),
+                "--cpu",
+            ],
+            env=dict(os.environ),
+            timeout=600,
+            log_prefix=str(tmp_path / f"log.{name}"),
+        )
         assert codes == [0, 0], (tmp_path / f"log.{name}.rank0.log").read_text()[-3000:]
         losses[name] = json.loads((tmp_path / name / "losses.json").read_text())["losses"]
     assert len(losses["fast"]) == 3

@@ -13,6 +13,7 @@ from placement_bound import connectivity, together_bound
 
 def _partitions(E, m):
     """Every assignment of E experts to groups of m (group labels), up to relabelling."""
+
     def rec(left, label, grp):
         if not left:
             yield grp.copy()
@@ -22,6 +23,7 @@ def _partitions(E, m):
             for e in (first, *rest):
                 grp[e] = label
             yield from rec([e for e in left if e != first and e not in rest], label + 1, grp)
+
     yield from rec(list(range(E)), 0, np.zeros(E, dtype=np.int64))
 
 
@@ -30,13 +32,17 @@ def test_bound_holds_against_every_placement(top_k, m, seed):
     E, G = 8, 8 // m
     rng = np.random.default_rng(seed)
     popularity = rng.gamma(0.7, size=E)
-    te = np.array([np.sort(rng.choice(E, top_k, replace=False, p=popularity / popularity.sum()))
-                   for _ in range(300)])
+    te = np.array(
+        [
+            np.sort(rng.choice(E, top_k, replace=False, p=popularity / popularity.sum()))
+            for _ in range(300)
+        ]
+    )
     best_lam = min(connectivity(te, grp).sum() for grp in _partitions(E, m))
     r = together_bound(te, E, m, G)
     assert r["converged"] and r["tokens"] == 300
-    assert 2 * 300 - r["together"] <= best_lam + 1e-6          # a lower bound on sum(lam)
-    assert 2 * 300 - r["together"] >= 300                       # and not a vacuous one
+    assert 2 * 300 - r["together"] <= best_lam + 1e-6  # a lower bound on sum(lam)
+    assert 2 * 300 - r["together"] >= 300  # and not a vacuous one
 
 
 def test_bound_is_tight_when_blocks_fit_the_groups():

@@ -33,21 +33,41 @@ CHART = ROOT / "charts" / "moe-operator"
 # kubernetes client method suffix -> (API group, resource). An unknown suffix fails the test:
 # add the resource here and the grant to charts/moe-operator/templates/rbac.yaml.
 RESOURCES = {
-    "config_map": ("", "configmaps"), "pod": ("", "pods"),
-    "pod_for_all_namespaces": ("", "pods"), "config_map_for_all_namespaces": ("", "configmaps"), "service": ("", "services"),
-    "service_account": ("", "serviceaccounts"), "event": ("", "events"), "node": ("", "nodes"),
-    "secret": ("", "secrets"), "namespace": ("", "namespaces"),
+    "config_map": ("", "configmaps"),
+    "pod": ("", "pods"),
+    "pod_for_all_namespaces": ("", "pods"),
+    "config_map_for_all_namespaces": ("", "configmaps"),
+    "service": ("", "services"),
+    "service_account": ("", "serviceaccounts"),
+    "event": ("", "events"),
+    "node": ("", "nodes"),
+    "secret": ("", "secrets"),
+    "namespace": ("", "namespaces"),
     "role": ("rbac.authorization.k8s.io", "roles"),
     "role_binding": ("rbac.authorization.k8s.io", "rolebindings"),
-    "custom_object": (C.GROUP, C.PLURAL), "cluster_custom_object": (C.GROUP, C.PLURAL),
+    "custom_object": (C.GROUP, C.PLURAL),
+    "cluster_custom_object": (C.GROUP, C.PLURAL),
     "job": ("batch", "jobs"),
     "lease": ("coordination.k8s.io", "leases"),
 }
-CLUSTER_SCOPED = {("", "nodes"), ("", "namespaces"), ("apiextensions.k8s.io", "customresourcedefinitions")}
-VERBS = {"create": "create", "read": "get", "get": "get", "replace": "update", "patch": "patch",
-         "delete": "delete", "list": "list"}
+CLUSTER_SCOPED = {
+    ("", "nodes"),
+    ("", "namespaces"),
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+}
+VERBS = {
+    "create": "create",
+    "read": "get",
+    "get": "get",
+    "replace": "update",
+    "patch": "patch",
+    "delete": "delete",
+    "list": "list",
+}
 API_ATTRS = {"core", "custom", "rbac", "batch", "coordination", "api"}
-METHOD = re.compile(r"^(create|read|get|replace|patch|delete|list)_(namespaced_)?([a-z_]+?)(_status)?$")
+METHOD = re.compile(
+    r"^(create|read|get|replace|patch|delete|list)_(namespaced_)?([a-z_]+?)(_status)?$"
+)
 
 # Granted without a call site, each for a stated reason.
 EXTRAS = {
@@ -56,25 +76,32 @@ EXTRAS = {
     (C.GROUP, f"{C.PLURAL}/finalizers", "update"),
 }
 # kopf's resource observation: it lists and watches CRDs to notice ours being (re)installed.
-KOPF_FRAMEWORK = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")}
+KOPF_FRAMEWORK = {
+    ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")
+}
 
-Need = tuple[str, str, str]          # (group, resource, verb)
+Need = tuple[str, str, str]  # (group, resource, verb)
 
 
 def api_calls(source: str) -> set[Need]:
     """(group, resource, verb) of every ``<...>.<api>.<method>`` reference in ``source``."""
     needs: set[Need] = set()
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and node.value.attr in API_ATTRS):
+        if not (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in API_ATTRS
+        ):
             continue
         m = METHOD.match(node.attr)
         if not m:
             continue
         verb, _, suffix, status = m.groups()
         if suffix not in RESOURCES:
-            raise AssertionError(f"API method {node.attr}: resource {suffix!r} is not in RESOURCES; "
-                                 "add it and grant it in the chart")
+            raise AssertionError(
+                f"API method {node.attr}: resource {suffix!r} is not in RESOURCES; "
+                "add it and grant it in the chart"
+            )
         group, resource = RESOURCES[suffix]
         needs.add((group, resource + ("/status" if status else ""), VERBS[verb]))
     return needs
@@ -94,18 +121,27 @@ def kopf_needs(source: str) -> set[Need]:
     consts = {f"C.{k}": v for k, v in vars(C).items() if isinstance(v, str)}
     needs: set[Need] = set()
     for node in ast.walk(ast.parse(source)):
-        if not (isinstance(node, ast.Call) and ast.unparse(node.func).startswith(("kopf.on.", "kopf.timer"))):
+        if not (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).startswith(("kopf.on.", "kopf.timer"))
+        ):
             continue
         args = [consts.get(ast.unparse(a), getattr(a, "value", None)) for a in node.args]
         if not args:
-            continue                                  # kopf.on.startup() and friends
+            continue  # kopf.on.startup() and friends
         if len(args) == 3:
             group, _, resource = args
         else:
             version, resource = args
             group = "" if version == "v1" else version.split("/")[0]
         needs |= {(group, resource, "list"), (group, resource, "watch")}
-        if ast.unparse(node.func).split(".")[-1] in ("create", "update", "resume", "timer", "delete") or (group == C.GROUP and "settings.persistence.finalizer" in source):
+        if ast.unparse(node.func).split(".")[-1] in (
+            "create",
+            "update",
+            "resume",
+            "timer",
+            "delete",
+        ) or (group == C.GROUP and "settings.persistence.finalizer" in source):
             needs.add((group, resource, "patch"))
     return needs
 
@@ -115,8 +151,15 @@ def granted_roles(rules: list[Need]) -> set[Need]:
 
 
 def role_needs(roles: list[dict]) -> set[Need]:
-    return {(g, r, v) for role in roles if role["kind"] == "Role" for rule in role["rules"]
-            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    return {
+        (g, r, v)
+        for role in roles
+        if role["kind"] == "Role"
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 def derived_needs() -> dict[str, set[Need]]:
@@ -134,8 +177,12 @@ def derived_needs() -> dict[str, set[Need]]:
         if path.name not in ("client.py", "gate.py"):
             job_side |= api_calls(path.read_text())
     job = JobRef(namespace="ns", name="job", uid="u")
-    job_side |= role_needs([rbac.role(job), *discovery.discovery_children(job.name, ["node-a"], namespace="ns",
-                                                                         image="i")])
+    job_side |= role_needs(
+        [
+            rbac.role(job),
+            *discovery.discovery_children(job.name, ["node-a"], namespace="ns", image="i"),
+        ]
+    )
     gate_src = (PKG / "reconcile" / "gate.py").read_text()
     gate = api_calls(gate_src)
     for name in set(re.findall(r"self\.client\.(\w+)\(", gate_src)) - {"create"}:
@@ -150,9 +197,13 @@ def derived_needs() -> dict[str, set[Need]]:
 def _gate_creates(gate_src: str, client_src: str) -> set[Need]:
     """``client.create(B.<builder>(...))`` in gate.py: the kinds those smoke builders return,
     mapped through Client.create's kind -> method table."""
-    table = {m.group(1): m.group(2) for m in re.finditer(r'"(\w+)": self\.\w+\.(create_\w+)', client_src)}
+    table = {
+        m.group(1): m.group(2) for m in re.finditer(r'"(\w+)": self\.\w+\.(create_\w+)', client_src)
+    }
     smoke_src = (PKG / "builders" / "smoke.py").read_text()
-    funcs = {f.name: ast.unparse(f) for f in ast.parse(smoke_src).body if isinstance(f, ast.FunctionDef)}
+    funcs = {
+        f.name: ast.unparse(f) for f in ast.parse(smoke_src).body if isinstance(f, ast.FunctionDef)
+    }
     needs: set[Need] = set()
     for builder in re.findall(r"self\.client\.create\(B\.(\w+)\(", gate_src):
         for kind in re.findall(r"'kind': '(\w+)'", funcs[builder]):
@@ -162,8 +213,13 @@ def _gate_creates(gate_src: str, client_src: str) -> set[Need]:
 
 
 def rendered(*args: str) -> list[dict]:
-    out = subprocess.run([str(binaries.helm_binary()), "template", "rel", str(CHART), "-n", "moe-system",
-                          *args], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [str(binaries.helm_binary()), "template", "rel", str(CHART), "-n", "moe-system", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -171,16 +227,20 @@ def grants(doc: dict) -> set[Need]:
     out = set()
     for rule in doc["rules"]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-        out |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+        out |= {
+            (g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+        }
     return out
 
 
 def chart_grants(docs: list[dict]) -> dict[str, set[Need]]:
     by_name = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Role", "ClusterRole")}
-    return {"jobs": grants(by_name["rel-moe-operator-jobs"]),
-            "cluster": grants(by_name["rel-moe-operator-cluster"]),
-            "gate": grants(by_name["rel-moe-operator-gate"]),
-            "lease": grants(by_name["rel-moe-operator-leader-election"])}
+    return {
+        "jobs": grants(by_name["rel-moe-operator-jobs"]),
+        "cluster": grants(by_name["rel-moe-operator-cluster"]),
+        "gate": grants(by_name["rel-moe-operator-gate"]),
+        "lease": grants(by_name["rel-moe-operator-leader-election"]),
+    }
 
 
 def test_derivation_sees_the_calls_it_must():
@@ -188,8 +248,8 @@ def test_derivation_sees_the_calls_it_must():
     needs = derived_needs()
     assert ("", "pods", "create") in needs["jobs"]
     assert (C.GROUP, f"{C.PLURAL}/status", "patch") in needs["jobs"]
-    assert (C.GROUP, C.PLURAL, "watch") in needs["jobs"]                 # from the kopf decorators
-    assert ("", "configmaps", "update") in needs["jobs"]                 # from the builders' Roles
+    assert (C.GROUP, C.PLURAL, "watch") in needs["jobs"]  # from the kopf decorators
+    assert ("", "configmaps", "update") in needs["jobs"]  # from the builders' Roles
     assert ("", "nodes", "list") in needs["cluster"]
     assert ("batch", "jobs", "create") in needs["gate"]
     assert ("coordination.k8s.io", "leases", "update") in needs["lease"]
@@ -198,29 +258,45 @@ def test_derivation_sees_the_calls_it_must():
         api_calls("self.core.create_namespaced_persistent_volume_claim(ns, body)")
 
 
-@pytest.mark.parametrize("values", [[], ["-f", str(CHART / "ci" / "example-values.yaml")]],
-                         ids=["default", "example"])
+@pytest.mark.parametrize(
+    "values", [[], ["-f", str(CHART / "ci" / "example-values.yaml")]], ids=["default", "example"]
+)
 def test_chart_grants_exactly_what_the_code_needs(values):
     needs, have = derived_needs(), chart_grants(rendered(*values))
     problems = []
     for scope in needs:
-        problems += [f"{scope}: code needs {n} but the chart does not grant it"
-                     for n in sorted(needs[scope] - have[scope])]
-        problems += [f"{scope}: chart grants {n} that no code needs (least privilege)"
-                     for n in sorted(have[scope] - needs[scope])]
+        problems += [
+            f"{scope}: code needs {n} but the chart does not grant it"
+            for n in sorted(needs[scope] - have[scope])
+        ]
+        problems += [
+            f"{scope}: chart grants {n} that no code needs (least privilege)"
+            for n in sorted(have[scope] - needs[scope])
+        ]
     assert not problems, "\n".join(problems)
 
 
 def test_no_grant_reaches_secrets_nodes_write_or_rbac_escalation():
     docs = rendered()
     everything = set().union(*(grants(d) for d in docs if d["kind"] in ("Role", "ClusterRole")))
-    assert not {n for n in everything if n[1] in ("secrets", "namespaces", "clusterroles",
-                                                  "clusterrolebindings", "pods/exec")}
+    assert not {
+        n
+        for n in everything
+        if n[1] in ("secrets", "namespaces", "clusterroles", "clusterrolebindings", "pods/exec")
+    }
     assert not {n for n in everything if n[1] == "nodes" and n[2] not in ("list", "watch")}
-    assert not {n for n in everything if n[2] in ("escalate", "bind", "impersonate", "deletecollection")}
+    assert not {
+        n for n in everything if n[2] in ("escalate", "bind", "impersonate", "deletecollection")
+    }
     # the lease update is pinned to the one Lease by name
-    (le,) = [d for d in docs if d["metadata"]["name"] == "rel-moe-operator-leader-election" and d["kind"] == "Role"]
-    assert [r.get("resourceNames") for r in le["rules"] if "update" in r["verbs"]] == [["moe-operator-leader"]]
+    (le,) = [
+        d
+        for d in docs
+        if d["metadata"]["name"] == "rel-moe-operator-leader-election" and d["kind"] == "Role"
+    ]
+    assert [r.get("resourceNames") for r in le["rules"] if "update" in r["verbs"]] == [
+        ["moe-operator-leader"]
+    ]
     # cluster-wide binding only without watchNamespaces
     binds = defaultdict(list)
     for d in docs:

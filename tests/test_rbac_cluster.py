@@ -22,27 +22,66 @@ CHART = Path(__file__).resolve().parents[1] / "charts" / "moe-operator"
 def release(kube, kubectl):
     ns = create_namespace(kube, unique_name("moe-sys"))
     name = unique_name("rb", 20)
-    out = subprocess.run([kubectl.helm, "install", name, str(CHART), "-n", ns, "--set", "replicaCount=0",
-                          # v1.20 does not know the CRD's CEL rules: server-side apply refuses them
-                          "--server-side=false"],
-                         env=kubectl.env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            kubectl.helm,
+            "install",
+            name,
+            str(CHART),
+            "-n",
+            ns,
+            "--set",
+            "replicaCount=0",
+            # v1.20 does not know the CRD's CEL rules: server-side apply refuses them
+            "--server-side=false",
+        ],
+        env=kubectl.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     try:
         yield name, ns, f"system:serviceaccount:{ns}:{name}-moe-operator"
     finally:
-        subprocess.run([kubectl.helm, "uninstall", name, "-n", ns], env=kubectl.env,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [kubectl.helm, "uninstall", name, "-n", ns],
+            env=kubectl.env,
+            capture_output=True,
+            timeout=120,
+        )
         delete_namespace(kube, ns)
 
 
-def allowed(kube, user: str, verb: str, group: str, resource: str, namespace: str | None = None,
-            name: str | None = None) -> bool:
+def allowed(
+    kube,
+    user: str,
+    verb: str,
+    group: str,
+    resource: str,
+    namespace: str | None = None,
+    name: str | None = None,
+) -> bool:
     res, _, sub = resource.partition("/")
-    attrs = k8s.V1ResourceAttributes(verb=verb, group=group, resource=res, subresource=sub or None,
-                                     namespace=namespace, name=name)
-    body = k8s.V1SubjectAccessReview(spec=k8s.V1SubjectAccessReviewSpec(
-        user=user, groups=["system:serviceaccounts", f"system:serviceaccounts:{user.split(':')[2]}",
-                           "system:authenticated"], resource_attributes=attrs))
+    attrs = k8s.V1ResourceAttributes(
+        verb=verb,
+        group=group,
+        resource=res,
+        subresource=sub or None,
+        namespace=namespace,
+        name=name,
+    )
+    body = k8s.V1SubjectAccessReview(
+        spec=k8s.V1SubjectAccessReviewSpec(
+            user=user,
+            groups=[
+                "system:serviceaccounts",
+                f"system:serviceaccounts:{user.split(':')[2]}",
+                "system:authenticated",
+            ],
+            resource_attributes=attrs,
+        )
+    )
     return k8s.AuthorizationV1Api(kube.api_client).create_subject_access_review(body).status.allowed
 
 
@@ -50,7 +89,12 @@ def test_every_needed_verb_is_allowed(kube, release, namespace):
     _, rel_ns, user = release
     needs = derived_needs()
     denied = []
-    for scope, where in (("jobs", namespace), ("cluster", None), ("gate", rel_ns), ("lease", rel_ns)):
+    for scope, where in (
+        ("jobs", namespace),
+        ("cluster", None),
+        ("gate", rel_ns),
+        ("lease", rel_ns),
+    ):
         for group, resource, verb in sorted(needs[scope]):
             name = "moe-operator-leader" if scope == "lease" and verb != "create" else None
             if not allowed(kube, user, verb, group, resource, where, name):
@@ -59,29 +103,32 @@ def test_every_needed_verb_is_allowed(kube, release, namespace):
     assert len(needs["jobs"]) >= 20
 
 
-@pytest.mark.parametrize(("verb", "group", "resource", "where"), [
-    ("get", "", "secrets", "other"),
-    ("list", "", "secrets", "other"),
-    ("get", "", "secrets", "kube-system"),
-    ("list", "", "secrets", None),
-    ("update", "", "nodes", None),
-    ("patch", "", "nodes", None),
-    ("delete", "", "nodes", None),
-    ("delete", "", "namespaces", None),
-    ("create", "", "namespaces", None),
-    ("*", "*", "*", None),                                          # cluster-admin
-    ("create", "rbac.authorization.k8s.io", "clusterrolebindings", None),
-    ("create", "rbac.authorization.k8s.io", "clusterroles", None),
-    ("escalate", "rbac.authorization.k8s.io", "roles", "other"),
-    ("bind", "rbac.authorization.k8s.io", "clusterroles", None),
-    ("impersonate", "", "serviceaccounts", "other"),
-    ("create", "", "pods/exec", "other"),
-    ("create", "", "serviceaccounts/token", "other"),
-    ("update", "coordination.k8s.io", "leases", "kube-system"),
-    ("create", "batch", "jobs", "other"),                        # smoke Jobs only in its own namespace
-    ("create", "apps", "deployments", "other"),
-    ("delete", "apiextensions.k8s.io", "customresourcedefinitions", None),
-])
+@pytest.mark.parametrize(
+    ("verb", "group", "resource", "where"),
+    [
+        ("get", "", "secrets", "other"),
+        ("list", "", "secrets", "other"),
+        ("get", "", "secrets", "kube-system"),
+        ("list", "", "secrets", None),
+        ("update", "", "nodes", None),
+        ("patch", "", "nodes", None),
+        ("delete", "", "nodes", None),
+        ("delete", "", "namespaces", None),
+        ("create", "", "namespaces", None),
+        ("*", "*", "*", None),  # cluster-admin
+        ("create", "rbac.authorization.k8s.io", "clusterrolebindings", None),
+        ("create", "rbac.authorization.k8s.io", "clusterroles", None),
+        ("escalate", "rbac.authorization.k8s.io", "roles", "other"),
+        ("bind", "rbac.authorization.k8s.io", "clusterroles", None),
+        ("impersonate", "", "serviceaccounts", "other"),
+        ("create", "", "pods/exec", "other"),
+        ("create", "", "serviceaccounts/token", "other"),
+        ("update", "coordination.k8s.io", "leases", "kube-system"),
+        ("create", "batch", "jobs", "other"),  # smoke Jobs only in its own namespace
+        ("create", "apps", "deployments", "other"),
+        ("delete", "apiextensions.k8s.io", "customresourcedefinitions", None),
+    ],
+)
 def test_forbidden_things_are_denied(kube, release, verb, group, resource, where):
     _, _rel_ns, user = release
     namespace = {"other": "default", "kube-system": "kube-system", None: None}[where]
@@ -90,5 +137,9 @@ def test_forbidden_things_are_denied(kube, release, verb, group, resource, where
 
 def test_lease_update_only_for_its_own_lease(kube, release):
     _, rel_ns, user = release
-    assert allowed(kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "moe-operator-leader")
-    assert not allowed(kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "someone-else")
+    assert allowed(
+        kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "moe-operator-leader"
+    )
+    assert not allowed(
+        kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "someone-else"
+    )

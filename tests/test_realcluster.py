@@ -71,8 +71,12 @@ def cluster(images, tmp_path_factory):
 
     t0 = time.monotonic()
     cp = ControlPlane(tmp_path_factory.mktemp("realcp")).start()
-    nodes = RealNodes(cp, [RealNodeSpec(n) for n in NODES], images=list(images.values()),
-                      run_dir=tmp_path_factory.mktemp("realnodes"))
+    nodes = RealNodes(
+        cp,
+        [RealNodeSpec(n) for n in NODES],
+        images=list(images.values()),
+        run_dir=tmp_path_factory.mktemp("realnodes"),
+    )
     try:
         nodes.start()
         TIMINGS["cluster up (s)"] = round(time.monotonic() - t0, 2)
@@ -98,11 +102,20 @@ def _write_results() -> None:
     doc = json.loads(path.read_text()) if path.exists() else {}
     # warm: every image cached; code change: images rebuilt on a cached base (docker's layer
     # cache keeps the dependency layers); cold: the base image too (an empty cache)
-    kind = "warm" if TIMINGS.get("images cached") else \
-        "cold" if TIMINGS.get("base image (s)", 0) > 1 else "code change"
-    doc[kind] = {"command": f"MOE_REALCLUSTER_RESULTS={dst} python -m pytest -m realnodes "
-                            "tests/test_realcluster.py", "cpus": os.cpu_count(),
-                 "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "timings": dict(TIMINGS)}
+    kind = (
+        "warm"
+        if TIMINGS.get("images cached")
+        else "cold"
+        if TIMINGS.get("base image (s)", 0) > 1
+        else "code change"
+    )
+    doc[kind] = {
+        "command": f"MOE_REALCLUSTER_RESULTS={dst} python -m pytest -m realnodes "
+        "tests/test_realcluster.py",
+        "cpus": os.cpu_count(),
+        "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "timings": dict(TIMINGS),
+    }
     path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
@@ -111,21 +124,31 @@ class Cli:
         self.env = cp.kubectl_env()
         self.kubectl, self.helm = str(binaries.kubectl_binary()), str(binaries.helm_binary())
 
-    def run(self, tool: str, *args: str, input: str | None = None, timeout: float = 120,
-            check: bool = True) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        tool: str,
+        *args: str,
+        input: str | None = None,
+        timeout: float = 120,
+        check: bool = True,
+    ) -> subprocess.CompletedProcess:
         exe = self.helm if tool == "helm" else self.kubectl
-        res = subprocess.run([exe, *args], env=self.env, input=input, text=True, capture_output=True,
-                             timeout=timeout)
+        res = subprocess.run(
+            [exe, *args], env=self.env, input=input, text=True, capture_output=True, timeout=timeout
+        )
         if check and res.returncode != 0:
-            raise AssertionError(f"{tool} {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
+            raise AssertionError(
+                f"{tool} {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}"
+            )
         return res
 
 
 def _security_facts(cli: Cli, ns: str, pod: str, container: str) -> dict:
     """Run PROBE inside the running container (kubectl exec: API server -> kubelet ->
     containerd)."""
-    out = cli.run("kubectl", "exec", "-n", ns, pod, "-c", container, "--", "python3", "-c", PROBE,
-                  timeout=60).stdout
+    out = cli.run(
+        "kubectl", "exec", "-n", ns, pod, "-c", container, "--", "python3", "-c", PROBE, timeout=60
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -133,13 +156,17 @@ def _promised(pod) -> dict:
     """What the pod spec promises for its first container (pod + container securityContext)."""
     psc, c = pod.spec.security_context, pod.spec.containers[0]
     csc = c.security_context
-    return {"uid": (csc and csc.run_as_user) or (psc and psc.run_as_user),
-            "gid": (csc and csc.run_as_group) or (psc and psc.run_as_group),
-            "nonRoot": bool((csc and csc.run_as_non_root) or (psc and psc.run_as_non_root)),
-            "readOnlyRoot": bool(csc and csc.read_only_root_filesystem),
-            "noNewPrivs": csc is not None and csc.allow_privilege_escalation is False,
-            "dropAll": bool(csc and csc.capabilities and "ALL" in (csc.capabilities.drop or [])),
-            "seccompDefault": bool(psc and psc.seccomp_profile and psc.seccomp_profile.type == "RuntimeDefault")}
+    return {
+        "uid": (csc and csc.run_as_user) or (psc and psc.run_as_user),
+        "gid": (csc and csc.run_as_group) or (psc and psc.run_as_group),
+        "nonRoot": bool((csc and csc.run_as_non_root) or (psc and psc.run_as_non_root)),
+        "readOnlyRoot": bool(csc and csc.read_only_root_filesystem),
+        "noNewPrivs": csc is not None and csc.allow_privilege_escalation is False,
+        "dropAll": bool(csc and csc.capabilities and "ALL" in (csc.capabilities.drop or [])),
+        "seccompDefault": bool(
+            psc and psc.seccomp_profile and psc.seccomp_profile.type == "RuntimeDefault"
+        ),
+    }
 
 
 def _check_security(facts: dict, promised: dict, what: str) -> None:
@@ -155,14 +182,20 @@ def _check_security(facts: dict, promised: dict, what: str) -> None:
     if promised["dropAll"]:
         assert facts["capEff"] == 0, (what, facts)
     if promised["seccompDefault"]:
-        assert facts["seccomp"] == 2, (what, facts)   # SECCOMP_MODE_FILTER
+        assert facts["seccomp"] == 2, (what, facts)  # SECCOMP_MODE_FILTER
 
 
 # What the dev package (operator/dev) and the old in-product test tooling would put in an image.
-DEV_PATHS = ("site-packages/moe_localkube/", "site-packages/moe_fake_nvml/", "site-packages/moe_faults.py",
-             "site-packages/moejob_operator/demo.py", "site-packages/moe_trainer/discovery/fake_nvml.py",
-             "site-packages/moe_trainer/discovery/synth.py", "site-packages/moe_trainer/discovery/recordings/",
-             "site-packages/moe_operator_dev")
+DEV_PATHS = (
+    "site-packages/moe_localkube/",
+    "site-packages/moe_fake_nvml/",
+    "site-packages/moe_faults.py",
+    "site-packages/moejob_operator/demo.py",
+    "site-packages/moe_trainer/discovery/fake_nvml.py",
+    "site-packages/moe_trainer/discovery/synth.py",
+    "site-packages/moe_trainer/discovery/recordings/",
+    "site-packages/moe_operator_dev",
+)
 
 
 def test_images_hold_the_product_only(images):
@@ -175,7 +208,9 @@ def test_images_hold_the_product_only(images):
         site = [p for p in paths if "site-packages/" in p]
         assert any(p.endswith("site-packages/moejob_operator/handlers.py") for p in site), name
         assert any(p.endswith("site-packages/moe_trainer/discovery/main.py") for p in site), name
-        assert any(p.endswith("site-packages/moe_trainer/discovery/nvml_record.py") for p in site), name
+        assert any(
+            p.endswith("site-packages/moe_trainer/discovery/nvml_record.py") for p in site
+        ), name
         assert any(p.endswith("site-packages/moe_contracts/plan.py") for p in site), name
         dev = sorted(p for p in site if any(d in p for d in DEV_PATHS))
         assert not dev, (name, dev[:20])
@@ -185,7 +220,7 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
     cp, _nodes = cluster
     kube = Kube.from_api_client(cp.api_client())
     cli = Cli(cp)
-    op_image = images["operator"].ref          # moe-operator:<content key>
+    op_image = images["operator"].ref  # moe-operator:<content key>
 
     # ---- real nodes, GPU-like: labels, nvidia.com/gpu capacity, kubectl logs through the kubelet
     for name in NODES:
@@ -203,30 +238,72 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
     # ---- helm install with the built operator image; Ready through its probes; lease taken
     t0 = time.monotonic()
     repo, tag = op_image.rsplit(":", 1)
-    cli.run("helm", "install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace",
-            "--server-side=false", "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",
-            "--set", "image.pullPolicy=Never", "--set", f"hostPathPolicy.allowedPrefixes={{{ckpt}}}",
-            "--wait", "--timeout", "5m", timeout=360)
-    cli.run("kubectl", "rollout", "status", "-n", RELEASE_NS, f"deployment/{RELEASE}-moe-operator",
-            "--timeout=120s", timeout=150)
-    (op_pod,) = kube.core.list_namespaced_pod(RELEASE_NS, label_selector="app.kubernetes.io/component=operator").items
+    cli.run(
+        "helm",
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        RELEASE_NS,
+        "--create-namespace",
+        "--server-side=false",
+        "--set",
+        f"image.repository={repo}",
+        "--set",
+        f"image.tag={tag}",
+        "--set",
+        "image.pullPolicy=Never",
+        "--set",
+        f"hostPathPolicy.allowedPrefixes={{{ckpt}}}",
+        "--wait",
+        "--timeout",
+        "5m",
+        timeout=360,
+    )
+    cli.run(
+        "kubectl",
+        "rollout",
+        "status",
+        "-n",
+        RELEASE_NS,
+        f"deployment/{RELEASE}-moe-operator",
+        "--timeout=120s",
+        timeout=150,
+    )
+    (op_pod,) = kube.core.list_namespaced_pod(
+        RELEASE_NS, label_selector="app.kubernetes.io/component=operator"
+    ).items
     (st,) = op_pod.status.container_statuses
     assert st.ready and st.restart_count == 0 and st.image.endswith(op_image), st
     assert op_pod.spec.containers[0].readiness_probe.http_get.path == "/readyz"
-    wait_for(lambda: kube.coordination.read_namespaced_lease("moe-operator-leader", RELEASE_NS)
-             .spec.holder_identity == op_pod.metadata.name, timeout=60, message="operator lease")
+    wait_for(
+        lambda: (
+            kube.coordination.read_namespaced_lease(
+                "moe-operator-leader", RELEASE_NS
+            ).spec.holder_identity
+            == op_pod.metadata.name
+        ),
+        timeout=60,
+        message="operator lease",
+    )
     TIMINGS["install: helm install -> Ready + lease (s)"] = round(time.monotonic() - t0, 2)
     logs = cli.run("kubectl", "logs", "-n", RELEASE_NS, op_pod.metadata.name).stdout
     assert logs.strip(), "kubectl logs of the operator pod is empty"
-    _check_security(_security_facts(cli, RELEASE_NS, op_pod.metadata.name, "operator"),
-                    _promised(op_pod), "operator")
+    _check_security(
+        _security_facts(cli, RELEASE_NS, op_pod.metadata.name, "operator"),
+        _promised(op_pod),
+        "operator",
+    )
 
     # ---- kubectl apply -f examples/tiny-cpu.yaml (checkpoints on a hostPath the workers may write)
     t0 = time.monotonic()
     ns = create_namespace(kube, "moe-e2e")
     job = yaml.safe_load(EXAMPLE.read_text())
     job["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = str(ckpt)
-    assert job["spec"]["image"] == "moe-trainer:local" and "moe-trainer:local" in images["trainer"].tags
+    assert (
+        job["spec"]["image"] == "moe-trainer:local"
+        and "moe-trainer:local" in images["trainer"].tags
+    )
     try:
         # as JSON: a YAML dump would turn the quoted learningRate "1e-3" into a number
         cli.run("kubectl", "apply", "-n", ns, "-f", "-", input=json.dumps(job))
@@ -234,26 +311,44 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
         worker_seen: dict[str, dict] = {}
 
         def workers_checked():
-            pods = kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker").items
+            pods = kube.core.list_namespaced_pod(
+                ns, label_selector=f"{C.LABEL_COMPONENT}=worker"
+            ).items
             for p in pods:
                 if p.metadata.name in worker_seen or p.status.phase != "Running":
                     continue
                 if any(s.state.running for s in p.status.container_statuses or ()):
                     # AssertionError: it just exited; the next running one, or the gang's retry
                     with contextlib.suppress(AssertionError):
-                        worker_seen[p.metadata.name] = {"facts": _security_facts(cli, ns, p.metadata.name, "trainer"),
-                                                        "promised": _promised(p), "node": p.spec.node_name}
+                        worker_seen[p.metadata.name] = {
+                            "facts": _security_facts(cli, ns, p.metadata.name, "trainer"),
+                            "promised": _promised(p),
+                            "node": p.spec.node_name,
+                        }
             return len(worker_seen) >= 1 and len(pods) >= 2
 
         try:
-            wait_for(workers_checked, timeout=900, interval=0.5, message=f"worker pods running in {ns}")
+            wait_for(
+                workers_checked, timeout=900, interval=0.5, message=f"worker pods running in {ns}"
+            )
         except AssertionError as exc:
-            raise AssertionError(f"{exc}\njob conditions: {_job_status(kube, ns, name)}\n"
-                                 f"operator log:\n{_operator_log(cli)}") from None
+            raise AssertionError(
+                f"{exc}\njob conditions: {_job_status(kube, ns, name)}\n"
+                f"operator log:\n{_operator_log(cli)}"
+            ) from None
         for pod_name, seen in worker_seen.items():
             _check_security(seen["facts"], seen["promised"], f"worker {pod_name}")
-        res = cli.run("kubectl", "wait", "-n", ns, f"{C.PLURAL}/{name}", "--for=condition=Succeeded",
-                      "--timeout=900s", timeout=960, check=False)
+        res = cli.run(
+            "kubectl",
+            "wait",
+            "-n",
+            ns,
+            f"{C.PLURAL}/{name}",
+            "--for=condition=Succeeded",
+            "--timeout=900s",
+            timeout=960,
+            check=False,
+        )
         assert res.returncode == 0, (res.stderr, _job_status(kube, ns, name), _operator_log(cli))
         TIMINGS["job: apply -> Succeeded (s)"] = round(time.monotonic() - t0, 2)
 
@@ -261,13 +356,18 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
         for node in NODES:
             cm = kube.core.read_namespaced_config_map(f"moe-topology-{node}", ns)
             report = json.loads(cm.data[C.TOPOLOGY_KEY])
-            assert len(report["gpus"]) == 8, report          # moe-discover read the node's (recorded) NVML
+            assert len(report["gpus"]) == 8, report  # moe-discover read the node's (recorded) NVML
             # ... through the fake driver the node mounted (the image has no fake NVML)
             assert (report["source"], report["fixture"]) == ("fake-nvml", "nvswitch-h100-8"), report
-        smoke = [j for j in kube.batch.list_namespaced_job(RELEASE_NS).items
-                 if (j.metadata.labels or {}).get(C.LABEL_COMPONENT) == "smoke"]
+        smoke = [
+            j
+            for j in kube.batch.list_namespaced_job(RELEASE_NS).items
+            if (j.metadata.labels or {}).get(C.LABEL_COMPONENT) == "smoke"
+        ]
         assert smoke and smoke[0].status.succeeded == 1, [j.status for j in smoke]
-        workers = kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_COMPONENT}=worker").items
+        workers = kube.core.list_namespaced_pod(
+            ns, label_selector=f"{C.LABEL_COMPONENT}=worker"
+        ).items
         assert {p.spec.node_name for p in workers} == set(NODES)
         for p in workers:
             (cs,) = p.status.container_statuses
@@ -281,36 +381,68 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
 
     # ---- helm uninstall: no operator objects left (the CRD stays, as docs/install.md says)
     t0 = time.monotonic()
-    cli.run("helm", "uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "3m", timeout=240)
+    cli.run(
+        "helm", "uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout", "3m", timeout=240
+    )
     inst = f"app.kubernetes.io/instance={RELEASE}"
     from kubernetes import client as k8s
 
     apps = k8s.AppsV1Api(kube.api_client)
-    left = [d.metadata.name for d in apps.list_deployment_for_all_namespaces(label_selector=inst).items]
-    left += [s.metadata.name for s in kube.core.list_service_account_for_all_namespaces(label_selector=inst).items]
-    left += [s.metadata.name for s in kube.core.list_service_for_all_namespaces(label_selector=inst).items]
+    left = [
+        d.metadata.name for d in apps.list_deployment_for_all_namespaces(label_selector=inst).items
+    ]
+    left += [
+        s.metadata.name
+        for s in kube.core.list_service_account_for_all_namespaces(label_selector=inst).items
+    ]
+    left += [
+        s.metadata.name
+        for s in kube.core.list_service_for_all_namespaces(label_selector=inst).items
+    ]
     left += [r.metadata.name for r in kube.rbac.list_cluster_role(label_selector=inst).items]
-    left += [r.metadata.name for r in kube.rbac.list_cluster_role_binding(label_selector=inst).items]
-    left += [r.metadata.name for r in kube.rbac.list_role_binding_for_all_namespaces(label_selector=inst).items]
+    left += [
+        r.metadata.name for r in kube.rbac.list_cluster_role_binding(label_selector=inst).items
+    ]
+    left += [
+        r.metadata.name
+        for r in kube.rbac.list_role_binding_for_all_namespaces(label_selector=inst).items
+    ]
     assert not left, f"helm uninstall left {left}"
-    wait_for(lambda: not kube.core.list_namespaced_pod(
-        RELEASE_NS, label_selector="app.kubernetes.io/component=operator").items,
-        timeout=120, message="the operator pod to go")
+    wait_for(
+        lambda: (
+            not kube.core.list_namespaced_pod(
+                RELEASE_NS, label_selector="app.kubernetes.io/component=operator"
+            ).items
+        ),
+        timeout=120,
+        message="the operator pod to go",
+    )
     assert kube.apiext.read_custom_resource_definition(f"{C.PLURAL}.{C.GROUP}")
     TIMINGS["uninstall (s)"] = round(time.monotonic() - t0, 2)
     shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def _operator_log(cli: Cli) -> str:
-    res = cli.run("kubectl", "logs", "-n", RELEASE_NS, f"deployment/{RELEASE}-moe-operator", "--tail=60",
-                  check=False)
+    res = cli.run(
+        "kubectl",
+        "logs",
+        "-n",
+        RELEASE_NS,
+        f"deployment/{RELEASE}-moe-operator",
+        "--tail=60",
+        check=False,
+    )
     return res.stdout + res.stderr
 
 
 def _job_status(kube, ns, name) -> str:
     try:
         obj = kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, name)
-        return json.dumps([(c["type"], c["status"], c.get("reason"), c.get("message", "")[:200])
-                           for c in obj.get("status", {}).get("conditions", [])])
+        return json.dumps(
+            [
+                (c["type"], c["status"], c.get("reason"), c.get("message", "")[:200])
+                for c in obj.get("status", {}).get("conditions", [])
+            ]
+        )
     except Exception as exc:  # noqa: BLE001 - diagnostics only
         return repr(exc)

@@ -23,7 +23,7 @@ from moejob_operator.reconcile.client import Rejected
 from moejob_operator.reconcile.settings import Settings
 from test_deferred_launch import SETTINGS, MemoryClient
 
-job = test_deferred_launch.job      # the fixture, shared with the deferred-launch tests
+job = test_deferred_launch.job  # the fixture, shared with the deferred-launch tests
 
 
 class Client(MemoryClient):
@@ -36,16 +36,23 @@ class Client(MemoryClient):
 
     def create(self, obj):
         if obj["kind"] == self.reject_kind:
-            raise Rejected(obj["kind"], obj["metadata"]["name"], 403,
-                           'pods "x" is forbidden: no PriorityClass with name gold was found')
+            raise Rejected(
+                obj["kind"],
+                obj["metadata"]["name"],
+                403,
+                'pods "x" is forbidden: no PriorityClass with name gold was found',
+            )
         if self.fail is not None and obj["kind"] == self.fail[0]:
             raise self.fail[1]
         return super().create(obj)
 
     def list_pods(self, namespace, selector):
-        return [dict(o, status=o.get("status") or {"phase": "Pending"})
-                for (kind, _), o in self.objects.items()
-                if kind == "Pod" and all(o["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+        return [
+            dict(o, status=o.get("status") or {"phase": "Pending"})
+            for (kind, _), o in self.objects.items()
+            if kind == "Pod"
+            and all(o["metadata"]["labels"].get(k) == v for k, v in selector.items())
+        ]
 
     def delete_pod(self, namespace, name, *, uid=None, grace_seconds=None):
         self.objects.pop(("Pod", name), None)
@@ -71,32 +78,45 @@ def test_a_refused_child_fails_the_job_naming_it(job):
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: 99.0) is None
     failed = cond(c, C.COND_FAILED)
     assert failed["status"] == "True" and failed["reason"] == C.R_CHILD_REJECTED
-    assert "Pod j-worker-" in failed["message"] and "no PriorityClass with name gold" in failed["message"]
-    assert not any(w.startswith("Service/") for w in c.writes)   # no trainer children after it
+    assert (
+        "Pod j-worker-" in failed["message"]
+        and "no PriorityClass with name gold" in failed["message"]
+    )
+    assert not any(w.startswith("Service/") for w in c.writes)  # no trainer children after it
     assert c.status["phase"] == "Failed"
 
 
 def test_a_transient_error_is_visible_and_retried_with_backoff(job):
     c = Client(fail=("ServiceAccount", ApiException(status=503, reason="Service Unavailable")))
     delays = iter([4.0, 8.0])
-    assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job,
-                       backoff=lambda: next(delays)) == 4.0
+    assert (
+        J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: next(delays)) == 4.0
+    )
     rec = cond(c, C.COND_RECONCILED)
     assert rec["status"] == "False" and rec["reason"] == C.R_TRANSIENT_ERROR
     assert "503" in rec["message"] and "retrying in 4 s" in rec["message"]
-    assert (("Warning", C.R_TRANSIENT_ERROR) in {(e[0], e[1]) for e in c.events})
+    assert ("Warning", C.R_TRANSIENT_ERROR) in {(e[0], e[1]) for e in c.events}
     assert cond(c, C.COND_FAILED).get("status") != "True"
     # the server recovers: the next pass launches and says so
     c.fail = None
-    J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, c.status),
-                backoff=lambda: next(delays))
+    J.reconcile(
+        c,
+        "ns",
+        "j",
+        settings=SETTINGS,
+        body=with_status(job, c.status),
+        backoff=lambda: next(delays),
+    )
     assert cond(c, C.COND_RECONCILED)["status"] == "True"
     assert "Pod/j-worker-0" in c.writes
 
 
 def test_a_timeout_of_the_client_is_transient(job):
     import urllib3
-    c = Client(fail=("ServiceAccount", urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out")))
+
+    c = Client(
+        fail=("ServiceAccount", urllib3.exceptions.ReadTimeoutError(None, "/api", "read timed out"))
+    )
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job, backoff=lambda: 2.0) == 2.0
     assert cond(c, C.COND_RECONCILED)["reason"] == C.R_TRANSIENT_ERROR
 
@@ -108,7 +128,7 @@ def test_an_unexpected_exception_is_reported_and_retried(job):
     rec = cond(c, C.COND_RECONCILED)
     assert rec["reason"] == C.R_RECONCILE_ERROR and "KeyError" in rec["message"]
     assert any(e[1] == C.R_RECONCILE_ERROR for e in c.events)
-    with pytest.raises(KeyError):                 # without a backoff the caller handles it
+    with pytest.raises(KeyError):  # without a backoff the caller handles it
         J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
 
 
@@ -126,8 +146,11 @@ def test_an_immutable_edit_after_launch_keeps_the_launched_values(job):
     c = Client()
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     edited = with_status(job, c.status)
-    edited["spec"] = {**job["spec"], "image": "moe-trainer:other",
-                      "runPolicy": {**job["spec"].get("runPolicy", {}), "backoffLimit": 7}}
+    edited["spec"] = {
+        **job["spec"],
+        "image": "moe-trainer:other",
+        "runPolicy": {**job["spec"].get("runPolicy", {}), "backoffLimit": 7},
+    }
     spec = J._accept_spec(J.Pass(c, edited, J.dt.datetime.now(J.dt.timezone.utc), SETTINGS))
     assert spec.image == job["spec"]["image"] and spec.run_policy.backoff_limit == 7
     # an object written by an operator before the hash (status.launchedSpec copy) still works
@@ -141,17 +164,34 @@ def test_an_immutable_edit_after_launch_keeps_the_launched_values(job):
     assert "image" in cond(p, C.COND_SPEC_ACCEPTED)["message"]
 
 
-@pytest.mark.parametrize("patch", [{"attempt": "x"}, {"launchedSpec": "garbage"},
-                                   {"restarts": -3, "failedRestarts": [1]}, {"launchedFields": 5},
-                                   {"startTime": "yesterday"}, {"startTime": 5},
-                                   {"conditions": ["x", 5, {"type": 1}]}, {"conditions": "Running"},
-                                   {"health": "x"}, {"health": [3, {"type": "DeadExpert"}]},
-                                   {"plan": 7}, {"progress": []}])
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"attempt": "x"},
+        {"launchedSpec": "garbage"},
+        {"restarts": -3, "failedRestarts": [1]},
+        {"launchedFields": 5},
+        {"startTime": "yesterday"},
+        {"startTime": 5},
+        {"conditions": ["x", 5, {"type": 1}]},
+        {"conditions": "Running"},
+        {"health": "x"},
+        {"health": [3, {"type": "DeadExpert"}]},
+        {"plan": 7},
+        {"progress": []},
+    ],
+)
 def test_hand_patched_status_fields_are_rederived(job, patch):
     c = Client()
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
-    J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, {**c.status, **patch}),
-                backoff=lambda: 1.0)
+    J.reconcile(
+        c,
+        "ns",
+        "j",
+        settings=SETTINGS,
+        body=with_status(job, {**c.status, **patch}),
+        backoff=lambda: 1.0,
+    )
     assert cond(c, C.COND_RECONCILED).get("status") != "False", c.status
     assert isinstance(c.status["attempt"], int) and cond(c, C.COND_FAILED).get("status") != "True"
 
@@ -159,9 +199,14 @@ def test_hand_patched_status_fields_are_rederived(job, patch):
 def test_a_hand_patched_succeeded_is_undone_while_workers_run(job):
     c = Client()
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
-    lie = dict(c.status, completionTime="2026-01-01T00:00:00Z", conditions=[
-        *[x for x in c.status["conditions"] if x["type"] != C.COND_SUCCEEDED],
-        {"type": C.COND_SUCCEEDED, "status": "True", "reason": "Patched", "message": "by hand"}])
+    lie = dict(
+        c.status,
+        completionTime="2026-01-01T00:00:00Z",
+        conditions=[
+            *[x for x in c.status["conditions"] if x["type"] != C.COND_SUCCEEDED],
+            {"type": C.COND_SUCCEEDED, "status": "True", "reason": "Patched", "message": "by hand"},
+        ],
+    )
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=with_status(job, lie))
     succeeded = cond(c, C.COND_SUCCEEDED)
     assert succeeded["status"] == "False" and succeeded["reason"] == C.R_STATUS_CORRECTED
@@ -171,8 +216,9 @@ def test_a_hand_patched_succeeded_is_undone_while_workers_run(job):
 def test_fault_annotations_only_in_test_mode(job):
     job["metadata"]["annotations"] = {f"{C.GROUP}/fault-exit-at-step": "3"}
     for mode, expected in (("", set()), ("1", {"MOE_FAULT_EXIT_AT_STEP"})):
-        settings = Settings.from_env({**os.environ, "MOE_GATE_ENABLED": "false",
-                                      "MOE_OPERATOR_TEST_MODE": mode})
+        settings = Settings.from_env(
+            {**os.environ, "MOE_GATE_ENABLED": "false", "MOE_OPERATOR_TEST_MODE": mode}
+        )
         c = Client()
         J.reconcile(c, "ns", "j", settings=settings, body=job)
         env = {e["name"] for e in c.objects[("Pod", "j-worker-0")]["spec"]["containers"][0]["env"]}
@@ -187,7 +233,9 @@ def test_cpu_mode_checks_memory_against_the_nodes(job):
     c = Client()
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
     failed = cond(c, C.COND_FAILED)
-    assert failed["reason"] == C.R_INSUFFICIENT_MEMORY and "GiB per process" in failed["message"], failed
+    assert failed["reason"] == C.R_INSUFFICIENT_MEMORY and "GiB per process" in failed["message"], (
+        failed
+    )
     tiny = Client()
     job["spec"]["model"] = {"preset": "tiny-mixtral"}
     job["spec"]["resources"] = {"limits": {"memory": "64Mi"}}
@@ -195,10 +243,16 @@ def test_cpu_mode_checks_memory_against_the_nodes(job):
     assert cond(tiny, C.COND_FAILED)["reason"] == C.R_INSUFFICIENT_MEMORY
 
 
-@pytest.mark.parametrize(("nodes", "sched"), [
-    ({"count": 3}, {}),                                                   # more than the cluster has
-    ({"count": 2, "nodeNames": ["node-a", "node-b"]}, {"nodeSelector": {"pool": "x"}}),  # contradiction
-])
+@pytest.mark.parametrize(
+    ("nodes", "sched"),
+    [
+        ({"count": 3}, {}),  # more than the cluster has
+        (
+            {"count": 2, "nodeNames": ["node-a", "node-b"]},
+            {"nodeSelector": {"pool": "x"}},
+        ),  # contradiction
+    ],
+)
 def test_too_few_matching_nodes_is_insufficient_nodes_not_discovery(job, nodes, sched):
     job["spec"]["nodes"] = {**job["spec"]["nodes"], **nodes}
     job["spec"]["training"]["globalBatch"] = 6 if nodes["count"] == 3 else 4
@@ -220,7 +274,9 @@ def test_an_invalid_edit_after_launch_keeps_the_gang_tracked(job):
     edited["spec"] = {**job["spec"], "image": "not an image", "runPolicy": {"backoffLimit": 1}}
     for rank in (0, 1):
         c.objects[("Pod", f"j-worker-{rank}")]["status"] = {
-            "phase": "Succeeded", "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]}
+            "phase": "Succeeded",
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}],
+        }
     J.reconcile(c, "ns", "j", settings=SETTINGS, body=edited)
     accepted = cond(c, C.COND_SPEC_ACCEPTED)
     assert accepted["status"] == "False" and accepted["message"].startswith("spec.image:")

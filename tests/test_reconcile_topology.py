@@ -15,19 +15,29 @@ from moejob_operator.reconcile.outcome import NotYet
 from moejob_operator.reconcile.topology import ensure_reports
 from moejob_operator.spec import parse_spec
 
-FIXTURE = Path(__file__).parents[1] / "operator/moejob_operator/core/fixtures/topology/nvswitch-h100-8.json"
-NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.timezone.utc)
+FIXTURE = (
+    Path(__file__).parents[1]
+    / "operator/moejob_operator/core/fixtures/topology/nvswitch-h100-8.json"
+)
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 
 
 def node(name: str) -> dict:
-    return {"metadata": {"name": name, "labels": {}},
-            "status": {"conditions": [{"type": "Ready", "status": "True"}], "nodeInfo": {}}}
+    return {
+        "metadata": {"name": name, "labels": {}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "nodeInfo": {}},
+    }
 
 
 def report_cm(name: str) -> dict:
     doc = json.loads(FIXTURE.read_text())
-    doc.update(node=name, collectedAt=(NOW - dt.timedelta(seconds=5)).isoformat().replace("+00:00", "Z"))
-    return {"metadata": {"name": D.topology_configmap_name(name)}, "data": {C.TOPOLOGY_KEY: json.dumps(doc)}}
+    doc.update(
+        node=name, collectedAt=(NOW - dt.timedelta(seconds=5)).isoformat().replace("+00:00", "Z")
+    )
+    return {
+        "metadata": {"name": D.topology_configmap_name(name)},
+        "data": {C.TOPOLOGY_KEY: json.dumps(doc)},
+    }
 
 
 class Client:
@@ -58,16 +68,28 @@ class Client:
 
 
 def job_body() -> dict:
-    spec = {"image": "img", "device": "CPU", "model": {"preset": "tiny-mixtral"},
-            "nodes": {"count": 2, "gpusPerNode": 1}}
-    return {"apiVersion": C.API_VERSION, "kind": C.KIND,
-            "metadata": {"name": "j", "namespace": "ns", "uid": "u-1"}, "spec": spec}
+    spec = {
+        "image": "img",
+        "device": "CPU",
+        "model": {"preset": "tiny-mixtral"},
+        "nodes": {"count": 2, "gpusPerNode": 1},
+    }
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "metadata": {"name": "j", "namespace": "ns", "uid": "u-1"},
+        "spec": spec,
+    }
 
 
 def succeeded_pod(name: str) -> dict:
-    return {"metadata": {"name": D.discovery_pod_name(name), "uid": f"uid-{name}"},
-            "status": {"phase": "Succeeded",
-                       "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}]}}
+    return {
+        "metadata": {"name": D.discovery_pod_name(name), "uid": f"uid-{name}"},
+        "status": {
+            "phase": "Succeeded",
+            "containerStatuses": [{"state": {"terminated": {"exitCode": 0}}}],
+        },
+    }
 
 
 def test_a_succeeded_pod_whose_report_the_cache_has_not_seen_is_not_rerun():
@@ -90,21 +112,30 @@ def test_a_succeeded_pod_without_any_report_is_rerun():
     body = job_body()
     with pytest.raises(NotYet, match=r"discovery running on node-a") as exc:
         ensure_reports(client, body, parse_spec(body["spec"]), NOW)
-    assert (exc.value.reason, exc.value.delay, exc.value.failed) == (C.R_DISCOVERY_PENDING, 1.0, False)
+    assert (exc.value.reason, exc.value.delay, exc.value.failed) == (
+        C.R_DISCOVERY_PENDING,
+        1.0,
+        False,
+    )
     assert client.deleted == [D.discovery_pod_name("node-a")]
 
 
 def test_reports_are_parsed_once_per_configmap_version(monkeypatch):
     """Every pass reads the same reports: parse each (uid, resourceVersion) once."""
     import json as _json
+
     from moejob_operator.core.topology import load_topology
     from moejob_operator.reconcile import topology as T
+
     calls = []
     real = T.parse_topology
     monkeypatch.setattr(T, "parse_topology", lambda doc: calls.append(1) or real(doc))
     monkeypatch.setattr(T, "_parsed", {})
     doc = load_topology("nvswitch-h100-8").model_dump(mode="json", by_alias=True)
-    cm = {"metadata": {"uid": "u1", "resourceVersion": "7"}, "data": {C.TOPOLOGY_KEY: _json.dumps(doc)}}
+    cm = {
+        "metadata": {"uid": "u1", "resourceVersion": "7"},
+        "data": {C.TOPOLOGY_KEY: _json.dumps(doc)},
+    }
     first = T._parse_cached(cm)
     assert T._parse_cached(cm) is first and len(calls) == 1
     cm2 = {**cm, "metadata": {"uid": "u1", "resourceVersion": "8"}}

@@ -39,16 +39,32 @@ class FakeClient:
 
 
 def job_b(**source):
-    spec = parse_spec({"image": "moe-trainer:local", "device": "CPU", "model": {"preset": "tiny-mixtral"},
-                       "nodes": {"count": 1},
-                       "placement": {"strategy": "TopologyAware", "routingStatsFrom": source}})
+    spec = parse_spec(
+        {
+            "image": "moe-trainer:local",
+            "device": "CPU",
+            "model": {"preset": "tiny-mixtral"},
+            "nodes": {"count": 1},
+            "placement": {"strategy": "TopologyAware", "routingStatsFrom": source},
+        }
+    )
     return JobRef.from_body({"metadata": {"name": "b", "namespace": "ns", "uid": "u" * 36}}), spec
 
 
 def body(created_ago: float, *conds, completion_ago: float | None = None, phase="Running"):
-    status = {"phase": phase, "conditions": [
-        {"type": t, "status": s, "reason": r, "message": m, "lastTransitionTime": iso(created_ago / 2)}
-        for t, s, r, m in conds]}
+    status = {
+        "phase": phase,
+        "conditions": [
+            {
+                "type": t,
+                "status": s,
+                "reason": r,
+                "message": m,
+                "lastTransitionTime": iso(created_ago / 2),
+            }
+            for t, s, r, m in conds
+        ],
+    }
     if completion_ago is not None:
         status["completionTime"] = iso(completion_ago)
     return {"metadata": {"creationTimestamp": iso(created_ago)}, "status": status}
@@ -61,7 +77,10 @@ def read(client, **source):
 
 def test_source_still_training_is_a_bounded_wait():
     client = FakeClient(jobs={"a": body(600), "b": body(100)})
-    with pytest.raises(planning.NotYet, match=r"waiting for source job a \(phase Running\).*waited 100 s of 86400 s") as exc:
+    with pytest.raises(
+        planning.NotYet,
+        match=r"waiting for source job a \(phase Running\).*waited 100 s of 86400 s",
+    ) as exc:
         read(client, jobName="a")
     assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE and exc.value.delay == 30.0
     client.jobs["b"] = body(planning.SOURCE_ACTIVE_WAIT_SECONDS + 5)
@@ -79,34 +98,71 @@ def test_missing_source_job_waits_less():
 
 
 def test_failed_source_job_is_permanent_at_once():
-    client = FakeClient(jobs={"b": body(10), "a": body(600, ("Failed", "True", "BackoffLimitExceeded", "3 restarts"))})
-    with pytest.raises(planning.Refused, match=r"source job a failed .BackoffLimitExceeded: 3 restarts. and will "
-                                               "never publish") as exc:
+    client = FakeClient(
+        jobs={
+            "b": body(10),
+            "a": body(600, ("Failed", "True", "BackoffLimitExceeded", "3 restarts")),
+        }
+    )
+    with pytest.raises(
+        planning.Refused,
+        match=r"source job a failed .BackoffLimitExceeded: 3 restarts. and will "
+        "never publish",
+    ) as exc:
         read(client, jobName="a")
     assert exc.value.reason == C.R_ROUTING_STATS_UNAVAILABLE
 
 
 def test_succeeded_source_without_stats_quotes_its_trainer():
-    progress = dict(progress_doc(phase="Finished", step=20, total_steps=20, loss=1.0, tokens_per_second=1.0,
-                                 eta_seconds=0.0, checkpoint=None, moe={}, health=[]), routingStats={
-        "message": "routing statistics too large for ConfigMap a-routing-stats: 4749633 bytes"})
-    client = FakeClient(jobs={"b": body(10), "a": body(600, ("Succeeded", "True", "Finished", "done"),
-                                                       completion_ago=3)},
-                        configmaps={"a-progress": {"data": {C.PROGRESS_KEY: json.dumps(progress)}},
-                                    "a-routing-stats": {"data": {}}})
-    with pytest.raises(planning.NotYet, match="succeeded; waiting"):       # grace: publish precedes exit
+    progress = dict(
+        progress_doc(
+            phase="Finished",
+            step=20,
+            total_steps=20,
+            loss=1.0,
+            tokens_per_second=1.0,
+            eta_seconds=0.0,
+            checkpoint=None,
+            moe={},
+            health=[],
+        ),
+        routingStats={
+            "message": "routing statistics too large for ConfigMap a-routing-stats: 4749633 bytes"
+        },
+    )
+    client = FakeClient(
+        jobs={
+            "b": body(10),
+            "a": body(600, ("Succeeded", "True", "Finished", "done"), completion_ago=3),
+        },
+        configmaps={
+            "a-progress": {"data": {C.PROGRESS_KEY: json.dumps(progress)}},
+            "a-routing-stats": {"data": {}},
+        },
+    )
+    with pytest.raises(planning.NotYet, match="succeeded; waiting"):  # grace: publish precedes exit
         read(client, jobName="a")
     client.jobs["a"] = body(600, ("Succeeded", "True", "Finished", "done"), completion_ago=120)
-    with pytest.raises(planning.Refused, match=r"succeeded but .* no routing statistics; its trainer reported: "
-                                               "routing statistics too large"):
+    with pytest.raises(
+        planning.Refused,
+        match=r"succeeded but .* no routing statistics; its trainer reported: "
+        "routing statistics too large",
+    ):
         read(client, jobName="a")
 
 
 def test_config_map_name_source_and_bad_payloads():
-    client = FakeClient(jobs={"b": body(10)}, configmaps={"mine": {"binaryData": {"routing_stats.json.gz": "bm90IGd6"}}})
-    with pytest.raises(planning.SpecError, match=r"ConfigMap ns/mine: binaryData.routing_stats.json.gz is not gzip"):
+    client = FakeClient(
+        jobs={"b": body(10)},
+        configmaps={"mine": {"binaryData": {"routing_stats.json.gz": "bm90IGd6"}}},
+    )
+    with pytest.raises(
+        planning.SpecError, match=r"ConfigMap ns/mine: binaryData.routing_stats.json.gz is not gzip"
+    ):
         read(client, configMapName="mine")
-    client.configmaps["mine"] = {"data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 3}'}}
+    client.configmaps["mine"] = {
+        "data": {C.ROUTING_STATS_KEY: '{"kind": "RoutingStats", "version": 3}'}
+    }
     with pytest.raises(planning.SpecError, match=r"ns/mine: .*version"):
         read(client, configMapName="mine")
     del client.configmaps["mine"]
@@ -120,32 +176,62 @@ operator_proc = module_operator()
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_proc, wait_for, tmp_path):
+def test_job_b_plans_from_job_a_statistics(
+    kube, kubectl, namespace, operator_proc, wait_for, tmp_path
+):
     from moe_contracts.routing import decode_configmap
     from operator_harness import apply_job, condition, example, get_job
-    a = example("tiny-cpu.yaml", checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}})
+
+    a = example(
+        "tiny-cpu.yaml",
+        checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}},
+    )
     a["metadata"]["name"] = "stats-a"
     a["spec"]["training"]["steps"] = 2
     apply_job(kube, namespace, a)
-    out = kubectl.run("wait", "--for=condition=Succeeded", "moejob/stats-a", "-n", namespace,
-                      "--timeout=400s", check=False, timeout=420)
-    assert out.returncode == 0, f"{out.stderr}\n{get_job(kube, namespace, 'stats-a').get('status')}\n" \
-                                f"{operator_proc.logs()}"
+    out = kubectl.run(
+        "wait",
+        "--for=condition=Succeeded",
+        "moejob/stats-a",
+        "-n",
+        namespace,
+        "--timeout=400s",
+        check=False,
+        timeout=420,
+    )
+    assert out.returncode == 0, (
+        f"{out.stderr}\n{get_job(kube, namespace, 'stats-a').get('status')}\n{operator_proc.logs()}"
+    )
     cm = kube.core.read_namespaced_config_map("stats-a-routing-stats", namespace).to_dict()
     stats = decode_configmap({"data": cm.get("data"), "binaryData": cm.get("binary_data")})
     assert stats is not None, cm
     assert stats.steps == 2 and stats.num_experts == 8 and stats.tokens > 0
-    progress = json.loads(kube.core.read_namespaced_config_map("stats-a-progress", namespace).data[C.PROGRESS_KEY])
+    progress = json.loads(
+        kube.core.read_namespaced_config_map("stats-a-progress", namespace).data[C.PROGRESS_KEY]
+    )
     assert progress["routingStats"]["published"] is True and progress["routingStats"]["step"] == 2
 
-    b = example("tiny-cpu.yaml", placement={"strategy": "TopologyAware", "expertParallelSize": 2,
-                                            "routingStatsFrom": {"jobName": "stats-a"}})
+    b = example(
+        "tiny-cpu.yaml",
+        placement={
+            "strategy": "TopologyAware",
+            "expertParallelSize": 2,
+            "routingStatsFrom": {"jobName": "stats-a"},
+        },
+    )
     b["metadata"]["name"] = "stats-b"
     b["spec"].setdefault("runPolicy", {})["suspend"] = True
     apply_job(kube, namespace, b)
-    wait_for(lambda: condition(get_job(kube, namespace, "stats-b"), C.COND_PLANNED).get("status") == "True",
-             timeout=120, message="B planned\n" + operator_proc.logs())
-    plan = json.loads(kube.core.read_namespaced_config_map("stats-b-plan", namespace).data[C.PLAN_KEY])
+    wait_for(
+        lambda: (
+            condition(get_job(kube, namespace, "stats-b"), C.COND_PLANNED).get("status") == "True"
+        ),
+        timeout=120,
+        message="B planned\n" + operator_proc.logs(),
+    )
+    plan = json.loads(
+        kube.core.read_namespaced_config_map("stats-b-plan", namespace).data[C.PLAN_KEY]
+    )
     placement = plan["placement"]
     assert placement["routingStatsFrom"]["job"] == "stats-a"
     assert placement["routingStatsFrom"]["tokens"] == stats.tokens
@@ -153,13 +239,16 @@ def test_job_b_plans_from_job_a_statistics(kube, kubectl, namespace, operator_pr
     contiguous = [list(range(8)) for _ in range(placement["numLayers"])]
     assert placement["permutation"] != contiguous
     assert get_job(kube, namespace, "stats-b")["status"]["plan"]["routingStatsFrom"] == "stats-a"
-    pods = kube.core.list_namespaced_pod(namespace, label_selector=f"{C.LABEL_JOB}=stats-b,"
-                                                                   f"{C.LABEL_COMPONENT}=worker").items
+    pods = kube.core.list_namespaced_pod(
+        namespace, label_selector=f"{C.LABEL_JOB}=stats-b,{C.LABEL_COMPONENT}=worker"
+    ).items
     assert pods == []
 
 
 @pytest.mark.cluster
-def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, control_plane, tmp_path, monkeypatch):
+def test_gzip_and_json_patches_with_the_worker_scoped_token(
+    kube, namespace, control_plane, tmp_path, monkeypatch
+):
     """The real API server takes both encodings (and the nulls that clear the other key) from a
     token that may only get/update/patch the ConfigMap; the operator's reader reads them back."""
     import base64
@@ -171,18 +260,35 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
     from moe_trainer import progress
     from moe_trainer.routing_publish import RoutingStatsPublisher
     from test_trainer_routing_publish import stats_doc
+
     name = "a-routing-stats"
     kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": name}, "data": {}})
-    kube.rbac.create_namespaced_role(namespace, {"metadata": {"name": "stats"}, "rules": [
-        {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [name],
-         "verbs": ["get", "update", "patch"]}]})
-    kube.rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "stats"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "stats"},
-        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
+    kube.rbac.create_namespaced_role(
+        namespace,
+        {
+            "metadata": {"name": "stats"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [name],
+                    "verbs": ["get", "update", "patch"],
+                }
+            ],
+        },
+    )
+    kube.rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "stats"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "stats"},
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+        },
+    )
     secret = kube.core.read_namespaced_service_account("default", namespace).secrets[0].name
-    (tmp_path / "token").write_text(base64.b64decode(
-        kube.core.read_namespaced_secret(secret, namespace).data["token"]).decode())
+    (tmp_path / "token").write_text(
+        base64.b64decode(kube.core.read_namespaced_secret(secret, namespace).data["token"]).decode()
+    )
     (tmp_path / "namespace").write_text(namespace)
     (tmp_path / "ca.crt").write_bytes(Path(control_plane.ca_path).read_bytes())
     url = urlparse(control_plane.server)
@@ -199,6 +305,6 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(kube, namespace, con
         status = pub.publish(doc, step=3, file_path=None)
         assert status["published"] and status["key"] == key, status
         cm = stored()
-        assert set(cm["data"]) | set(cm["binaryData"]) == {key}      # the other key was cleared
+        assert set(cm["data"]) | set(cm["binaryData"]) == {key}  # the other key was cleared
         got = json.loads(configmap_text(cm))
         assert got == doc

@@ -33,18 +33,18 @@ def test_lease_acquire_block_takeover_release(kube, control_plane, namespace):
     a = LeaseElector(api, namespace, "leader", "a", lease_seconds=10, clock=ca)
     b = LeaseElector(api, namespace, "leader", "b", lease_seconds=10, clock=cb)
     assert a.try_acquire_or_renew() is True
-    assert b.try_acquire_or_renew() is False          # held and fresh
-    assert a.try_acquire_or_renew() is True           # renew moves renewTime
+    assert b.try_acquire_or_renew() is False  # held and fresh
+    assert a.try_acquire_or_renew() is True  # renew moves renewTime
     cb.t += 9
-    assert b.try_acquire_or_renew() is False          # b saw a new record 9 s ago: not expired
-    cb.t += 10                                        # a stopped renewing for a lease duration
+    assert b.try_acquire_or_renew() is False  # b saw a new record 9 s ago: not expired
+    cb.t += 10  # a stopped renewing for a lease duration
     assert b.try_acquire_or_renew() is True
     lease = kube.coordination.read_namespaced_lease("leader", namespace)
     assert lease.spec.holder_identity == "b" and lease.spec.lease_transitions == 1
-    assert a.try_acquire_or_renew() is False and a.leading is False   # a notices it lost
+    assert a.try_acquire_or_renew() is False and a.leading is False  # a notices it lost
     b.release()
     assert kube.coordination.read_namespaced_lease("leader", namespace).spec.holder_identity == ""
-    assert a.try_acquire_or_renew() is True           # released: no need to wait it out
+    assert a.try_acquire_or_renew() is True  # released: no need to wait it out
     assert kube.coordination.read_namespaced_lease("leader", namespace).spec.lease_transitions == 2
 
 
@@ -81,22 +81,47 @@ def test_two_replicas_hand_over_on_sigterm(kube, control_plane, namespace, wait_
     for ident in ("old", "new"):
         hp, mp = _free_port(), _free_port()
         ports.append((hp, mp))
-        ps.append(procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator",
-                               "-n", namespace, "--lease-namespace", namespace,
-                               "--identity", ident, "--health-port", str(hp),
-                               "--metrics-port", str(mp), "--bind-address", "127.0.0.1",
-                               "--retry-period", "0.5"], tmp_path / f"{ident}.log", env=env))
+        ps.append(
+            procs.spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "moejob_operator.cli",
+                    "operator",
+                    "-n",
+                    namespace,
+                    "--lease-namespace",
+                    namespace,
+                    "--identity",
+                    ident,
+                    "--health-port",
+                    str(hp),
+                    "--metrics-port",
+                    str(mp),
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--retry-period",
+                    "0.5",
+                ],
+                tmp_path / f"{ident}.log",
+                env=env,
+            )
+        )
         if ident == "old":
-            wait_for(lambda: _leader_metric(mp) == 1, timeout=60,
-                     message=(tmp_path / "old.log").read_text(errors="replace"))
+            wait_for(
+                lambda: _leader_metric(mp) == 1,
+                timeout=60,
+                message=(tmp_path / "old.log").read_text(errors="replace"),
+            )
     logs = lambda: "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp_path.glob("*.log"))  # noqa: E731 - a one-line reader
     try:
         (hp_old, _mp_old), (hp_new, mp_new) = ports
-        wait_for(lambda: _get(f"http://127.0.0.1:{hp_new}/healthz")[0] == 200, timeout=60,
-                 message=logs())
-        time.sleep(2)                                  # several election rounds of the standby
+        wait_for(
+            lambda: _get(f"http://127.0.0.1:{hp_new}/healthz")[0] == 200, timeout=60, message=logs()
+        )
+        time.sleep(2)  # several election rounds of the standby
         assert _leader_metric(mp_new) == 0
-        assert _get(f"http://127.0.0.1:{hp_new}/readyz")[0] == 200    # a standby is ready
+        assert _get(f"http://127.0.0.1:{hp_new}/readyz")[0] == 200  # a standby is ready
         assert "starting kopf" not in (tmp_path / "new.log").read_text()
         assert _get(f"http://127.0.0.1:{hp_old}/healthz")[0] == 200
 
@@ -114,17 +139,38 @@ def test_two_replicas_hand_over_on_sigterm(kube, control_plane, namespace, wait_
             procs.stop(p, grace_seconds=10)
 
 
-def test_without_leader_election_the_process_says_it_leads(kube, control_plane, namespace, wait_for, tmp_path):
+def test_without_leader_election_the_process_says_it_leads(
+    kube, control_plane, namespace, wait_for, tmp_path
+):
     """``--no-leader-election``: the one process reconciles, so ``moe_operator_leader`` is 1."""
     install_crd(kube)
     env = dict(os.environ, KUBECONFIG=str(control_plane.kubeconfig))
     hp, mp = _free_port(), _free_port()
-    p = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-n", namespace,
-                     "--no-leader-election", "--health-port", str(hp), "--metrics-port", str(mp),
-                     "--bind-address", "127.0.0.1"], tmp_path / "op.log", env=env)
+    p = procs.spawn(
+        [
+            sys.executable,
+            "-m",
+            "moejob_operator.cli",
+            "operator",
+            "-n",
+            namespace,
+            "--no-leader-election",
+            "--health-port",
+            str(hp),
+            "--metrics-port",
+            str(mp),
+            "--bind-address",
+            "127.0.0.1",
+        ],
+        tmp_path / "op.log",
+        env=env,
+    )
     try:
-        wait_for(lambda: "starting kopf" in (tmp_path / "op.log").read_text(), timeout=60,
-                 message=(tmp_path / "op.log").read_text(errors="replace"))
+        wait_for(
+            lambda: "starting kopf" in (tmp_path / "op.log").read_text(),
+            timeout=60,
+            message=(tmp_path / "op.log").read_text(errors="replace"),
+        )
         wait_for(lambda: _leader_metric(mp) == 1, timeout=60, message="moe_operator_leader 1")
     finally:
         procs.stop(p, grace_seconds=10)
@@ -139,8 +185,12 @@ def test_the_passes_settings_are_read_once_from_the_operators_environment():
     from moejob_operator.run import controller_config
 
     args = build_parser().parse_args(["operator", "-n", "team-a", "--workers", "3"])
-    env = {"MOE_ALLOWED_HOST_PATH_PREFIXES": "/mnt/ckpt/", "MOE_OPERATOR_TEST_MODE": "",
-           "MOE_GATE_ENABLED": "false", "POD_NAMESPACE": "moe-system"}
+    env = {
+        "MOE_ALLOWED_HOST_PATH_PREFIXES": "/mnt/ckpt/",
+        "MOE_OPERATOR_TEST_MODE": "",
+        "MOE_GATE_ENABLED": "false",
+        "POD_NAMESPACE": "moe-system",
+    }
     cfg = controller_config(args, env)
     assert (cfg.namespaces, cfg.workers) == (("team-a",), 3)
     assert cfg.settings.policy.host_path_prefixes == ("/mnt/ckpt",)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_trainer import smoke
 from moe_contracts import gate as contract_gate
+from moe_trainer import smoke
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
 
@@ -36,12 +36,38 @@ def run_smoke(tmp_path, plans_file, *args, fault=None, timeout=400):
     term.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOE_FAULT", "SMOKE_FAULT"))}
     if fault:
-        env.update(SMOKE_FAULT=fault, PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]))
+        env.update(
+            SMOKE_FAULT=fault, PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")])
+        )
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "moe_trainer.smoke", "--cpu", "--plans", str(plans_file),
-                        "-o", str(out), "--termination-log", str(term), "--workdir", str(tmp_path / "work"), *args],
-                       capture_output=True, text=True, timeout=timeout, env=env)
-    return p, json.loads(p.stdout), json.loads(out.read_text()), term.read_text(), time.monotonic() - t0
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_trainer.smoke",
+            "--cpu",
+            "--plans",
+            str(plans_file),
+            "-o",
+            str(out),
+            "--termination-log",
+            str(term),
+            "--workdir",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return (
+        p,
+        json.loads(p.stdout),
+        json.loads(out.read_text()),
+        term.read_text(),
+        time.monotonic() - t0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +80,21 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     p, stdout_doc, file_doc, term, wall = passing
     assert p.returncode == 0, p.stderr[-3000:]
     assert stdout_doc == file_doc
-    v = contract_gate.parse_smoke_verdict(stdout_doc)              # the operator's reader accepts it
-    assert v["passed"] and v["failedCheck"] is None and v["exception"] is None and v["cases"] == CASES
+    v = contract_gate.parse_smoke_verdict(stdout_doc)  # the operator's reader accepts it
+    assert (
+        v["passed"] and v["failedCheck"] is None and v["exception"] is None and v["cases"] == CASES
+    )
     assert [(c["name"], c["case"]) for c in v["checks"]] == contract_gate.expected_checks(CASES)
     assert all(c["passed"] for c in v["checks"])
     assert v["versions"]["deepspeed"] == "0.19.8" and v["versions"]["transformers"] == "5.17.0"
-    assert v["versions"]["torch"].startswith("2.13") and v["versions"]["device"] == "cpu" and v["worldSize"] == 2
+    assert (
+        v["versions"]["torch"].startswith("2.13")
+        and v["versions"]["device"] == "cpu"
+        and v["worldSize"] == 2
+    )
     by = {(c["name"], c["case"]): c["message"] for c in v["checks"]}
     assert "EP size 2 of world 2, grad accum 2" in by[("initialize", "mixtral")]
-    assert "EP size 1 of world 2" in by[("initialize", "qwen3-moe-edp")]        # expert-data-parallel
+    assert "EP size 1 of world 2" in by[("initialize", "qwen3-moe-edp")]  # expert-data-parallel
     assert "activation checkpointing on" in by[("initialize", "qwen3-moe-edp")]
     # EP > 1: the dedup dispatcher (the planner's default there) runs; EP 1: AutoEP's own layer.
     assert by[("initialize", "qwen3-moe-edp")].endswith("AutoEPMoELayer, dispatcher autoep")
@@ -70,29 +102,49 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
         assert by[("initialize", case)].endswith("DedupEPMoELayer, dispatcher dedup")
     for case in CASES:
         part, total = map(int, by[("partition", case)].split(" tensors")[0].split(" of "))
-        assert part / total >= 0.5, by[("partition", case)]                     # ZeRO-3 partitions most
+        assert part / total >= 0.5, by[("partition", case)]  # ZeRO-3 partitions most
         assert "as planned" in by[("permutation", case)]
         for group in ("router", "experts", "attention", "embeddings"):
             assert group in by[("numerics", case)].split(" (")[0]
         assert "balance mode per_layer_aux" in by[("train", case)]
-        assert "tensors identical" in by[("resume", case)] and "= uninterrupted" in by[("resume", case)]
+        assert (
+            "tensors identical" in by[("resume", case)]
+            and "= uninterrupted" in by[("resume", case)]
+        )
     assert "shared_experts" in by[("numerics", "deepseek-v3")]
     assert "28 expert slots moved" in by[("permutation", "mixtral")]
     assert by[("fused_adam", None)].startswith("fallback")
-    short = contract_gate.parse_smoke_verdict(term)              # the termination log holds it, compacted to 4 KiB
+    short = contract_gate.parse_smoke_verdict(
+        term
+    )  # the termination log holds it, compacted to 4 KiB
     assert len(term.encode()) <= smoke.TERMINATION_LIMIT and short["passed"]
     assert [(c["name"], c["case"]) for c in short["checks"]] == contract_gate.expected_checks(CASES)
-    assert 0 < v["durationSeconds"] <= wall + 1      # how long it takes is the benchmark's business
-    print(f"\nmoe-smoke --cpu: {v['durationSeconds']}s (wall {wall:.1f}s, load " f"{os.getloadavg()[0]:.1f})")
+    assert 0 < v["durationSeconds"] <= wall + 1  # how long it takes is the benchmark's business
+    print(
+        f"\nmoe-smoke --cpu: {v['durationSeconds']}s (wall {wall:.1f}s, load "
+        f"{os.getloadavg()[0]:.1f})"
+    )
 
 
 # One simulated broken upgrade per gap the old gate had (issue 18); each must fail the named check
 # of the named case with a message that says what broke.
 FAULT_CASES = {
-    "drop-planner-key": ("initialize", "mixtral", ["stage3_max_reuse_distance", "Extra inputs are not permitted"]),
-    "zero-expert-grads": ("numerics", "mixtral", ["experts: grad is zero", "the group does not move"]),
+    "drop-planner-key": (
+        "initialize",
+        "mixtral",
+        ["stage3_max_reuse_distance", "Extra inputs are not permitted"],
+    ),
+    "zero-expert-grads": (
+        "numerics",
+        "mixtral",
+        ["experts: grad is zero", "the group does not move"],
+    ),
     "edp-reduction": ("numerics", "qwen3-moe-edp", ["experts: grad differs from the reference"]),
-    "deepseek-routing": ("permutation", "deepseek-v3", ["computes a different function than the plain model"]),
+    "deepseek-routing": (
+        "permutation",
+        "deepseek-v3",
+        ["computes a different function than the plain model"],
+    ),
 }
 
 
@@ -108,9 +160,14 @@ def test_each_broken_upgrade_fails_the_gate_naming_the_cause(tmp_path, plans_fil
     for w in words:
         assert w in last["message"], last["message"]
     assert all(c["passed"] for c in v["checks"][:-1])  # the cases before it passed
-    rec = G.decide(G.identity_for("reg.io/t:1", None, "CPU"), None,
-                   G.SmokeObservation("moe-smoke-k-1", True, 1, term), dt.datetime.now(dt.UTC),
-                   G.GateConfig(), cases=CASES)
+    rec = G.decide(
+        G.identity_for("reg.io/t:1", None, "CPU"),
+        None,
+        G.SmokeObservation("moe-smoke-k-1", True, 1, term),
+        dt.datetime.now(dt.UTC),
+        G.GateConfig(),
+        cases=CASES,
+    )
     assert rec.status == "False" and f"check '{check}' of case '{case}' failed" in rec.message
 
 
@@ -123,9 +180,22 @@ def test_expected_deepspeed_mismatch_fails_imports(tmp_path, plans_file):
 def test_gpu_required_but_absent_fails_imports(tmp_path):
     plans = tmp_path / "gpu-plans.json"
     plans.write_text(json.dumps(smoke_plans("cuda")))
-    p = subprocess.run([sys.executable, "-m", "moe_trainer.smoke", "--gpu", "--plans", str(plans),
-                        "--termination-log", str(tmp_path / "none")],
-                       capture_output=True, text=True, timeout=120, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_trainer.smoke",
+            "--gpu",
+            "--plans",
+            str(plans),
+            "--termination-log",
+            str(tmp_path / "none"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+    )
     v = json.loads(p.stdout)
     assert p.returncode == 1 and v["failedCheck"] == "imports"
     assert "no CUDA device is visible" in v["checks"][0]["message"]
@@ -140,15 +210,26 @@ def test_usage_errors_exit_2(tmp_path, plans_file, capsys):
     del doc["cases"][1]["plan"]["deepspeed"]
     bad.write_text(json.dumps(doc))
     assert smoke.run(["--cpu", "--plans", str(bad)]) == smoke.EXIT_USAGE
-    assert "cases[1] (qwen3-moe-edp).plan: MoEPlan deepspeed: required field is missing" in capsys.readouterr().err
-    assert smoke.run(["--gpu", "--plans", str(plans_file)]) == smoke.EXIT_USAGE   # CPU plans, GPU run
+    assert (
+        "cases[1] (qwen3-moe-edp).plan: MoEPlan deepspeed: required field is missing"
+        in capsys.readouterr().err
+    )
+    assert (
+        smoke.run(["--gpu", "--plans", str(plans_file)]) == smoke.EXIT_USAGE
+    )  # CPU plans, GPU run
     assert smoke.run(["--nproc", "2"]) == smoke.EXIT_USAGE
 
 
 # ---- pure pieces ---------------------------------------------------------------------------
 def _rank(checks, exception=None):
-    return {"checks": [{"name": n, "case": c, "passed": ok, "seconds": 1.0, "message": m} for n, c, ok, m in checks],
-            "versions": {"deepspeed": "0.19.8"}, "exception": exception}
+    return {
+        "checks": [
+            {"name": n, "case": c, "passed": ok, "seconds": 1.0, "message": m}
+            for n, c, ok, m in checks
+        ],
+        "versions": {"deepspeed": "0.19.8"},
+        "exception": exception,
+    }
 
 
 EXPECTED = smoke.expected_checks(["a", "b"])
@@ -159,7 +240,12 @@ def test_merge_a_check_passes_only_when_every_rank_passed_it():
     v = smoke.merge([_rank(ok), _rank(ok)], [0, 0], [[], []], False, 600, 10.0, EXPECTED)
     assert v["passed"] and len(v["checks"]) == len(EXPECTED) and v["cases"] == ["a", "b"]
     r1 = _rank([*ok[:3], ("permutation", "a", False, "misplaced")], "Tb\nX")
-    r0 = _rank([*ok[:3], ("permutation", "a", False, "RuntimeError: Connection closed by peer [127.0.0.1]")])
+    r0 = _rank(
+        [
+            *ok[:3],
+            ("permutation", "a", False, "RuntimeError: Connection closed by peer [127.0.0.1]"),
+        ]
+    )
     v = smoke.merge([r0, r1], [1, 1], [[], []], False, 600, 10.0, EXPECTED)
     assert not v["passed"] and (v["failedCheck"], v["failedCase"]) == ("permutation", "a")
     # the rank that broke is reported, not the one that lost its peer
@@ -168,8 +254,15 @@ def test_merge_a_check_passes_only_when_every_rank_passed_it():
 
 def test_merge_a_rank_that_died_names_the_unfinished_check_and_keeps_its_output():
     r0 = _rank([("imports", None, True, "ok"), ("initialize", "a", True, "ok")])
-    v = smoke.merge([r0, None], [-9, 139], [["a"], ["free(): invalid pointer", "Segmentation fault"]], False, 600,
-                    3.0, EXPECTED)
+    v = smoke.merge(
+        [r0, None],
+        [-9, 139],
+        [["a"], ["free(): invalid pointer", "Segmentation fault"]],
+        False,
+        600,
+        3.0,
+        EXPECTED,
+    )
     assert v["failedCheck"] == "imports" and "rank 1: did not finish" in v["checks"][0]["message"]
     v = smoke.merge([r0, r0], [139, -9], [["boom"], []], False, 600, 3.0, EXPECTED)
     assert (v["failedCheck"], v["failedCase"]) == ("partition", "a")
@@ -185,7 +278,16 @@ def test_compact_fits_the_termination_message_limit():
     text = smoke.compact(v)
     assert len(text.encode()) <= smoke.TERMINATION_LIMIT
     doc = contract_gate.parse_smoke_verdict(text)
-    assert doc["failedCheck"] == "numerics" and doc["checks"][-1]["message"].startswith("rank 0: yyy")
-    real = smoke.merge([_rank([(n, c, True, "ok " * 40) for n, c in smoke.expected_checks(CASES)])], [0], [[]],
-                       False, 600, 1.0, smoke.expected_checks(CASES))
+    assert doc["failedCheck"] == "numerics" and doc["checks"][-1]["message"].startswith(
+        "rank 0: yyy"
+    )
+    real = smoke.merge(
+        [_rank([(n, c, True, "ok " * 40) for n, c in smoke.expected_checks(CASES)])],
+        [0],
+        [[]],
+        False,
+        600,
+        1.0,
+        smoke.expected_checks(CASES),
+    )
     assert contract_gate.parse_smoke_verdict(smoke.compact(real))["passed"]

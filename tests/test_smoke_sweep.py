@@ -23,16 +23,34 @@ def stamp(hours_ago: float) -> str:
 def smoke_job(name: str, finished_hours_ago: float | None, kind: str = "Complete") -> dict:
     status = {}
     if finished_hours_ago is not None:
-        status = {"completionTime": stamp(finished_hours_ago),
-                  "conditions": [{"type": kind, "status": "True", "lastTransitionTime": stamp(finished_hours_ago)}]}
+        status = {
+            "completionTime": stamp(finished_hours_ago),
+            "conditions": [
+                {"type": kind, "status": "True", "lastTransitionTime": stamp(finished_hours_ago)}
+            ],
+        }
     return {"metadata": {"name": name}, "status": status}
 
 
 def verdict(key: str, attempt: int) -> dict:
-    return {"data": {G.VERDICT_KEY: json.dumps({
-        "kind": "GateVerdict", "version": 1, "identity": {"image": "x", "key": key}, "attempt": attempt,
-        "passed": True, "failedCheck": None, "message": "ok", "smokeJob": f"moe-smoke-{key}-{attempt}",
-        "verifiedAt": stamp(3), "expiresAt": stamp(-100)})}}
+    return {
+        "data": {
+            G.VERDICT_KEY: json.dumps(
+                {
+                    "kind": "GateVerdict",
+                    "version": 1,
+                    "identity": {"image": "x", "key": key},
+                    "attempt": attempt,
+                    "passed": True,
+                    "failedCheck": None,
+                    "message": "ok",
+                    "smokeJob": f"moe-smoke-{key}-{attempt}",
+                    "verifiedAt": stamp(3),
+                    "expiresAt": stamp(-100),
+                }
+            )
+        }
+    }
 
 
 class Batch:
@@ -43,24 +61,34 @@ class Batch:
         return SimpleNamespace(data=json.dumps({"items": self.jobs}).encode())
 
     def delete_namespaced_job(self, name, namespace, propagation_policy, _preload_content):
-        assert propagation_policy == "Background"       # its pod goes with it
+        assert propagation_policy == "Background"  # its pod goes with it
         self.deleted.append(name)
         return SimpleNamespace(data=b"{}")
 
 
 def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict():
     config = G.GateConfig(enabled=True, namespace="gate-ns")
-    store = {"moe-gate-aaaa": verdict("aaaa", 1), "moe-gate-bbbb": verdict("bbbb", 2),
-             "moe-gate-dddd": {"data": {G.VERDICT_KEY: "not json"}}}
-    client = SimpleNamespace(api=k8s.ApiClient(), get_configmap=lambda ns, name: store.get(name),
-                             delete_configmap=lambda ns, name: None)   # the smoke plans ConfigMap
-    batch = Batch([smoke_job("moe-smoke-aaaa-1", 2),           # verdict stored, 2 h old: goes
-                   smoke_job("moe-smoke-bbbb-1", 5, "Failed"),  # superseded by attempt 2: goes
-                   smoke_job("moe-smoke-bbbb-2", 0.2),          # recent: stays (logs readable)
-                   smoke_job("moe-smoke-cccc-1", None),         # running: stays
-                   smoke_job("moe-smoke-dddd-1", 4),            # verdict unreadable: stays
-                   smoke_job("moe-smoke-eeee-1", 4),            # no verdict yet: stays
-                   smoke_job("moe-smoke-odd", 4)])              # not ours by name: stays
+    store = {
+        "moe-gate-aaaa": verdict("aaaa", 1),
+        "moe-gate-bbbb": verdict("bbbb", 2),
+        "moe-gate-dddd": {"data": {G.VERDICT_KEY: "not json"}},
+    }
+    client = SimpleNamespace(
+        api=k8s.ApiClient(),
+        get_configmap=lambda ns, name: store.get(name),
+        delete_configmap=lambda ns, name: None,
+    )  # the smoke plans ConfigMap
+    batch = Batch(
+        [
+            smoke_job("moe-smoke-aaaa-1", 2),  # verdict stored, 2 h old: goes
+            smoke_job("moe-smoke-bbbb-1", 5, "Failed"),  # superseded by attempt 2: goes
+            smoke_job("moe-smoke-bbbb-2", 0.2),  # recent: stays (logs readable)
+            smoke_job("moe-smoke-cccc-1", None),  # running: stays
+            smoke_job("moe-smoke-dddd-1", 4),  # verdict unreadable: stays
+            smoke_job("moe-smoke-eeee-1", 4),  # no verdict yet: stays
+            smoke_job("moe-smoke-odd", 4),
+        ]
+    )  # not ours by name: stays
     deleted = RG.sweep_smoke_jobs(client, config, NOW, batch=batch)
     assert deleted == batch.deleted == ["moe-smoke-aaaa-1", "moe-smoke-bbbb-1"]
 

@@ -37,8 +37,14 @@ def _walk(schema: dict, model: type, path: str):
             assert field.default == sub["default"], f"{path}.{name}: default differs"
         if sub.get("type") == "object" and "properties" in sub:
             ann = field.annotation
-            inner = next((a for a in getattr(ann, "__args__", (ann,)) if isinstance(a, type)
-                          and hasattr(a, "model_fields")), None)
+            inner = next(
+                (
+                    a
+                    for a in getattr(ann, "__args__", (ann,))
+                    if isinstance(a, type) and hasattr(a, "model_fields")
+                ),
+                None,
+            )
             assert inner is not None, f"{path}.{name} has no model"
             _walk(sub, inner, f"{path}.{name}")
 
@@ -53,7 +59,9 @@ def test_crd_required_fields_are_required_in_model():
         assert field.is_required()
 
 
-@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_examples_parse(example):
     doc = yaml.safe_load(example.read_text())
     assert doc["kind"] == C.KIND
@@ -66,36 +74,53 @@ def test_defaults_fill_in():
     spec = parse_spec(MINIMAL)
     assert spec.device == "GPU"
     assert spec.placement.strategy == "TopologyAware"
-    assert spec.placement.dispatcher is None          # the planner picks (Dedup when EP > 1)
+    assert spec.placement.dispatcher is None  # the planner picks (Dedup when EP > 1)
     assert spec.run_policy.backoff_limit == 3
     assert spec.training.lr == pytest.approx(3e-4)
     assert spec.data.kind == "Synthetic"
 
 
-@pytest.mark.parametrize(("patch", "field", "text"), [
-    ({"image": 5}, "spec.image", "5 is invalid"),
-    ({"model": {}}, "spec.model", "exactly one"),
-    ({"model": {"preset": "a", "path": "/x"}}, "spec.model", "exactly one"),
-    ({"nodes": {"count": -1}}, "spec.nodes.count", "-1"),
-    ({"nodes": {"count": "2"}}, "spec.nodes.count", "'2'"),
-    ({"nodes": {"count": 2, "nodeNames": ["a"]}}, "spec.nodes.nodeNames", "count is 2"),
-    ({"nodes": {"count": 2, "nodeNames": ["a", "a"]}}, "spec.nodes.nodeNames", "twice"),
-    ({"training": {"learningRate": "fast"}}, "spec.training.learningRate", "'fast'"),
-    ({"training": {"learningRate": "100"}}, "spec.training.learningRate", "<= 10"),
-    ({"training": {"globalBatch": 2, "microBatch": 4}}, "spec.training.microBatch", "larger"),
-    ({"training": {"globalBatch": 3}, "nodes": {"count": 2}}, "spec.training.globalBatch", "multiple"),
-    ({"placement": {"expertParallelSize": 3}, "nodes": {"count": 2}, "training": {"globalBatch": 2}},
-     "spec.placement.expertParallelSize", "does not divide"),
-    ({"placement": {"strategy": "contiguous"}}, "spec.placement.strategy", "'contiguous'"),
-    ({"placement": {"dispatcher": "dedup"}}, "spec.placement.dispatcher", "'dedup'"),
-    ({"gate": {"skip": True}}, "spec.gate.skipReason", "audited"),
-    ({"deepspeedOverrides": {"zero_optimization": {"stage": 2}}},
-     "spec.deepspeedOverrides.zero_optimization.stage", "cannot be overridden"),
-    ({"data": {"kind": "Text"}}, "spec.data.volume", "Text"),
-    ({"resources": {"limits": {"memory": "lots"}}}, "spec.resources.limits.memory", "quantity"),
-    ({"runPolicy": {"backoffLimit": 1000}}, "spec.runPolicy.backoffLimit", "1000"),
-    ({"surprise": 1}, "spec.surprise", "unknown field"),
-])
+@pytest.mark.parametrize(
+    ("patch", "field", "text"),
+    [
+        ({"image": 5}, "spec.image", "5 is invalid"),
+        ({"model": {}}, "spec.model", "exactly one"),
+        ({"model": {"preset": "a", "path": "/x"}}, "spec.model", "exactly one"),
+        ({"nodes": {"count": -1}}, "spec.nodes.count", "-1"),
+        ({"nodes": {"count": "2"}}, "spec.nodes.count", "'2'"),
+        ({"nodes": {"count": 2, "nodeNames": ["a"]}}, "spec.nodes.nodeNames", "count is 2"),
+        ({"nodes": {"count": 2, "nodeNames": ["a", "a"]}}, "spec.nodes.nodeNames", "twice"),
+        ({"training": {"learningRate": "fast"}}, "spec.training.learningRate", "'fast'"),
+        ({"training": {"learningRate": "100"}}, "spec.training.learningRate", "<= 10"),
+        ({"training": {"globalBatch": 2, "microBatch": 4}}, "spec.training.microBatch", "larger"),
+        (
+            {"training": {"globalBatch": 3}, "nodes": {"count": 2}},
+            "spec.training.globalBatch",
+            "multiple",
+        ),
+        (
+            {
+                "placement": {"expertParallelSize": 3},
+                "nodes": {"count": 2},
+                "training": {"globalBatch": 2},
+            },
+            "spec.placement.expertParallelSize",
+            "does not divide",
+        ),
+        ({"placement": {"strategy": "contiguous"}}, "spec.placement.strategy", "'contiguous'"),
+        ({"placement": {"dispatcher": "dedup"}}, "spec.placement.dispatcher", "'dedup'"),
+        ({"gate": {"skip": True}}, "spec.gate.skipReason", "audited"),
+        (
+            {"deepspeedOverrides": {"zero_optimization": {"stage": 2}}},
+            "spec.deepspeedOverrides.zero_optimization.stage",
+            "cannot be overridden",
+        ),
+        ({"data": {"kind": "Text"}}, "spec.data.volume", "Text"),
+        ({"resources": {"limits": {"memory": "lots"}}}, "spec.resources.limits.memory", "quantity"),
+        ({"runPolicy": {"backoffLimit": 1000}}, "spec.runPolicy.backoffLimit", "1000"),
+        ({"surprise": 1}, "spec.surprise", "unknown field"),
+    ],
+)
 def test_invalid_specs_name_the_field(patch, field, text):
     with pytest.raises(SpecError, match=text) as info:
         parse_spec({**MINIMAL, **patch})

@@ -4,7 +4,6 @@ the operator's own checks, with the field the header names. The cluster test
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import re
 from pathlib import Path
@@ -12,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moejob_operator.core.topology import load_topology
 from moejob_operator.admission import Policy
-from moejob_operator.reconcile import planning
 from moejob_operator.builders.common import JobRef
+from moejob_operator.core.topology import load_topology
+from moejob_operator.reconcile import planning
 from moejob_operator.reconcile.outcome import Refused
 
 BAD = sorted((Path(__file__).parent / "badspecs").glob("*.yaml"))
@@ -25,7 +24,7 @@ POLICY = Policy.from_env(os.environ)
 
 
 def expectation(path: Path) -> tuple[str, str | None]:
-    m = re.search(r"^# expect: (\S+)(?: (\S+))?$", path.read_text(), re.M)
+    m = re.search(r"^# expect: (\S+)(?: (\S+))?$", path.read_text(), re.MULTILINE)
     assert m, f"{path.name} has no '# expect:' header"
     return m.group(1), m.group(2)
 
@@ -60,5 +59,5 @@ def test_operator_refuses_every_bad_spec(path):
     elif kind == "InsufficientMemory":
         assert exc.reason == "InsufficientMemory" and exc.field is None, repr(exc)
         assert "GiB" in exc.message
-    else:   # the server's schema refuses these; the operator must too (rules enforced twice)
+    else:  # the server's schema refuses these; the operator must too (rules enforced twice)
         assert exc.reason == "InvalidSpec" and exc.field and exc.field.startswith("spec"), repr(exc)

@@ -22,7 +22,7 @@ from moejob_operator.spec import parse_spec
 from test_deferred_launch import SETTINGS
 from test_reconcile_errors import Client, cond
 
-job = test_deferred_launch.job      # the fixture: examples/tiny-cpu.yaml, gate disabled
+job = test_deferred_launch.job  # the fixture: examples/tiny-cpu.yaml, gate disabled
 
 
 def request(**over) -> PlanRequest:
@@ -31,16 +31,22 @@ def request(**over) -> PlanRequest:
     return PlanRequest("j", "ns", models.resolve_model("tiny-mixtral"), None, **args)
 
 
-@pytest.mark.parametrize(("over", "field"), [
-    ({"ep_size": 3}, "epSize"),
-    ({"global_batch": 6}, "globalBatch"),
-    ({"micro_batch": 3}, "microBatch"),
-    ({"strategy": "best"}, "strategy"),
-    ({"dispatcher": "fast"}, "dispatcher"),
-    ({"device": "tpu"}, "device"),
-    ({"ds_overrides": {"zero_optimization": {"stage": 7}}}, "deepspeed.zero_optimization.stage"),
-    ({"procs_per_node": 0}, "nodes/procsPerNode"),
-])
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"ep_size": 3}, "epSize"),
+        ({"global_batch": 6}, "globalBatch"),
+        ({"micro_batch": 3}, "microBatch"),
+        ({"strategy": "best"}, "strategy"),
+        ({"dispatcher": "fast"}, "dispatcher"),
+        ({"device": "tpu"}, "device"),
+        (
+            {"ds_overrides": {"zero_optimization": {"stage": 7}}},
+            "deepspeed.zero_optimization.stage",
+        ),
+        ({"procs_per_node": 0}, "nodes/procsPerNode"),
+    ],
+)
 def test_planner_errors_carry_their_field(over, field):
     with pytest.raises(FieldError) as exc:
         build_plan(request(**over))
@@ -53,20 +59,32 @@ def test_a_job_that_does_not_fit_is_does_not_fit():
     assert exc.value.field == "memory"
 
 
-@pytest.mark.parametrize(("error", "reason", "field"), [
-    (FieldError("epSize", "3 does not divide the number of experts 8"), C.R_INVALID_SPEC,
-     "spec.placement.expertParallelSize"),
-    (FieldError("globalBatch", "6 is not divisible"), C.R_INVALID_SPEC,
-     "spec.training.globalBatch"),
-    (FieldError("deepspeed.zero_optimization.stage", "7 is not 0, 1, 2 or 3"), C.R_PLAN_FAILED,
-     None),
-    (FieldError("worldSize", "0 must be >= 1"), C.R_PLAN_FAILED, None),
-    (DoesNotFit("the job needs 9.0 GiB per GPU"), C.R_INSUFFICIENT_MEMORY, None),
-])
+@pytest.mark.parametrize(
+    ("error", "reason", "field"),
+    [
+        (
+            FieldError("epSize", "3 does not divide the number of experts 8"),
+            C.R_INVALID_SPEC,
+            "spec.placement.expertParallelSize",
+        ),
+        (
+            FieldError("globalBatch", "6 is not divisible"),
+            C.R_INVALID_SPEC,
+            "spec.training.globalBatch",
+        ),
+        (
+            FieldError("deepspeed.zero_optimization.stage", "7 is not 0, 1, 2 or 3"),
+            C.R_PLAN_FAILED,
+            None,
+        ),
+        (FieldError("worldSize", "0 must be >= 1"), C.R_PLAN_FAILED, None),
+        (DoesNotFit("the job needs 9.0 GiB per GPU"), C.R_INSUFFICIENT_MEMORY, None),
+    ],
+)
 def test_the_plan_stage_maps_the_field_not_the_message(error, reason, field):
     out = planning.refusal(error)
     assert (out.reason, out.field) == (reason, field)
-    if field:       # the condition names the spec field, then the core's detail
+    if field:  # the condition names the spec field, then the core's detail
         assert out.message == f"{field}: {error.detail}"
     else:
         assert out.message == str(error)
@@ -83,12 +101,13 @@ def test_the_plan_stage_refuses_with_the_spec_field(job):
     with pytest.raises(Refused) as exc:
         planning.make_plan(None, JobRef("ns", "j", "u"), spec, reports)
     assert (exc.value.reason, exc.value.field) == (C.R_INVALID_SPEC, "spec.nodes.gpusPerNode")
-    assert exc.value.message == ("spec.nodes.gpusPerNode: 16 requested but node 'a' has 8 GPU(s) "
-                                 "discovered")
+    assert exc.value.message == (
+        "spec.nodes.gpusPerNode: 16 requested but node 'a' has 8 GPU(s) discovered"
+    )
 
 
 def test_a_refused_plan_fails_the_job_with_one_event(job):
-    job["spec"]["model"] = {"preset": "deepseek-v3"}      # does not fit in the nodes' memory
+    job["spec"]["model"] = {"preset": "deepseek-v3"}  # does not fit in the nodes' memory
     job["spec"].pop("placement", None)
     c = Client()
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) is None
@@ -114,28 +133,36 @@ def test_discovery_not_yet_sets_its_condition_and_the_delay(job, monkeypatch):
         raise NotYet(C.R_DISCOVERY_PENDING, "discovery running on node-a", 2.0)
 
     def failing(*_a, **_k):
-        raise NotYet(C.R_DISCOVERY_FAILED, "discovery failed on node-a (exit code 1)", 10.0,
-                     failed=True)
+        raise NotYet(
+            C.R_DISCOVERY_FAILED, "discovery failed on node-a (exit code 1)", 10.0, failed=True
+        )
+
     c = Client()
     monkeypatch.setattr(topology, "ensure_reports", pending)
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) == 2.0
-    assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == \
-        ("Unknown", C.R_DISCOVERY_PENDING)
+    assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == (
+        "Unknown",
+        C.R_DISCOVERY_PENDING,
+    )
     assert cond(c, C.COND_PLANNED) == {} and cond(c, C.COND_FAILED) == {}
     monkeypatch.setattr(topology, "ensure_reports", failing)
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body={**job, "status": c.status}) == 10.0
-    assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == \
-        ("False", C.R_DISCOVERY_FAILED)
+    assert (cond(c, C.COND_TOPOLOGY)["status"], cond(c, C.COND_TOPOLOGY)["reason"]) == (
+        "False",
+        C.R_DISCOVERY_FAILED,
+    )
 
 
 def test_gate_outcomes(job, monkeypatch):
     """NotYet: UpgradeVerified=Unknown and the gate's delay; Refused: UpgradeVerified=False with
     its own Event, then Failed; the plan is kept either way, no worker pod."""
+
     def waiting(*_a, **_k):
         raise NotYet(C.R_GATE_PENDING, "smoke test running", 5.0)
 
     def refused(*_a, **_k):
         raise Refused("SmokeTestFailed", "the smoke test failed: train")
+
     c = Client()
     monkeypatch.setattr(gate, "check", waiting)
     assert J.reconcile(c, "ns", "j", settings=SETTINGS, body=job) == 5.0

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_trainer.launch import launch
 from moe_contracts.routing import parse_routing_stats as check_routing_stats
+from moe_trainer.launch import launch
 
 pytestmark = pytest.mark.slow
 PLAN = Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json"
@@ -20,22 +20,39 @@ PLAN = Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json"
 
 def run(ckpt: Path, plan: Path = PLAN, nproc: int = 2, **env) -> list[int]:
     e = dict(os.environ, **env)
-    for k in ("MOE_FAULT_EXIT_AT_STEP", "MOE_FAULT_EXIT_CODE", "MOE_FAULT_NAN_AT_STEP", "MOE_PROGRESS_CONFIGMAP"):
+    for k in (
+        "MOE_FAULT_EXIT_AT_STEP",
+        "MOE_FAULT_EXIT_CODE",
+        "MOE_FAULT_NAN_AT_STEP",
+        "MOE_PROGRESS_CONFIGMAP",
+    ):
         if k not in env:
             e.pop(k, None)
-    return launch(nproc, ["--plan", str(plan), "--checkpoint-dir", str(ckpt), "--cpu"], env=e, timeout=400,
-                  log_prefix=str(ckpt) + "-log")
+    return launch(
+        nproc,
+        ["--plan", str(plan), "--checkpoint-dir", str(ckpt), "--cpu"],
+        env=e,
+        timeout=400,
+        log_prefix=str(ckpt) + "-log",
+    )
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("autoep")
     straight, resumed = base / "straight", base / "resumed"
-    codes = {"straight": run(straight, MOE_VERIFY_PLACEMENT="1"),
-             "killed": run(resumed, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75")}
+    codes = {
+        "straight": run(straight, MOE_VERIFY_PLACEMENT="1"),
+        "killed": run(resumed, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75"),
+    }
     killed_progress = json.loads((resumed / "progress.json").read_text())
     codes["restarted"] = run(resumed, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75")
-    return {"codes": codes, "straight": straight, "resumed": resumed, "killed_progress": killed_progress}
+    return {
+        "codes": codes,
+        "straight": straight,
+        "resumed": resumed,
+        "killed_progress": killed_progress,
+    }
 
 
 def test_exit_codes(runs):
@@ -56,19 +73,25 @@ def test_each_rank_holds_the_planned_experts(runs):
     for rank in range(2):
         report = json.loads((runs["straight"] / f"placement_check_rank{rank}.json").read_text())
         assert report["ok"]
-        assert [x["experts"] for x in report["layers"]] == [row[rank * 2:rank * 2 + 2] for row in perm]
+        assert [x["experts"] for x in report["layers"]] == [
+            row[rank * 2 : rank * 2 + 2] for row in perm
+        ]
         assert all(x["epRank"] == rank for x in report["layers"])
 
 
 def test_resume_continues_bitwise_identically(runs):
     a = json.loads((runs["straight"] / "losses.json").read_text())["losses"]
     b = json.loads((runs["resumed"] / "losses.json").read_text())["losses"]
-    assert a == b                                   # exact float equality, steps 1..10
+    assert a == b  # exact float equality, steps 1..10
     for name in sorted(os.listdir(runs["straight"] / "ds" / "step-10")):
         if not name.startswith("zero_pp_rank"):
             continue
-        sa = torch.load(runs["straight"] / "ds" / "step-10" / name, weights_only=False, map_location="cpu")
-        sb = torch.load(runs["resumed"] / "ds" / "step-10" / name, weights_only=False, map_location="cpu")
+        sa = torch.load(
+            runs["straight"] / "ds" / "step-10" / name, weights_only=False, map_location="cpu"
+        )
+        sb = torch.load(
+            runs["resumed"] / "ds" / "step-10" / name, weights_only=False, map_location="cpu"
+        )
         n = assert_tensors_equal(sa, sb, name)
         if "optim_states" in name:
             assert n > 0
@@ -83,10 +106,16 @@ def assert_tensors_equal(a, b, path) -> int:
         assert isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b), path
         return 1
     if isinstance(a, dict):
-        return sum(assert_tensors_equal(v, b[k], f"{path}.{k}") for k, v in a.items()
-                   if k not in ("ds_config", "ds_version", "global_samples"))
+        return sum(
+            assert_tensors_equal(v, b[k], f"{path}.{k}")
+            for k, v in a.items()
+            if k not in ("ds_config", "ds_version", "global_samples")
+        )
     if isinstance(a, (list, tuple)):
-        return sum(assert_tensors_equal(x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True)))
+        return sum(
+            assert_tensors_equal(x, y, f"{path}[{i}]")
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+        )
     return 0
 
 
@@ -95,14 +124,16 @@ def test_routing_stats_progress_and_heatmap(runs):
     stats = json.loads((d / "routing_stats.json").read_text())
     check_routing_stats(stats)
     assert (stats["numLayers"], stats["numExperts"], stats["topK"], stats["steps"]) == (2, 4, 2, 10)
-    assert stats["tokens"] == 10 * 2 * 2 * 64               # steps x ranks x microBatch x seqLen
+    assert stats["tokens"] == 10 * 2 * 2 * 64  # steps x ranks x microBatch x seqLen
     prog = json.loads((d / "progress.json").read_text())
     assert prog["kind"] == "TrainerProgress" and prog["phase"] == "Finished" and prog["step"] == 10
     assert prog["checkpoint"]["step"] == 10 and prog["tokensPerSecond"] > 0
     moe = prog["moe"]
-    assert len(moe["maxMeanLoadPerLayer"]) == 2 and all(x >= 1.0 for x in moe["maxMeanLoadPerLayer"])
+    assert len(moe["maxMeanLoadPerLayer"]) == 2 and all(
+        x >= 1.0 for x in moe["maxMeanLoadPerLayer"]
+    )
     assert moe["allToAllSecondsPerStep"] > 0 and moe["allGatherSecondsPerStep"] > 0
-    assert moe["fragmentation"] is None                     # CPU
+    assert moe["fragmentation"] is None  # CPU
     assert moe["peakMemoryAllocatedBytesByRank"] is None
     # bytes each rank sent in the last step's all-to-alls vs the planner's AutoEP model on this
     # run's own routing (per-step mean; fwd + bwd, fp32 rows); the total is placement-independent
@@ -110,6 +141,7 @@ def test_routing_stats_progress_and_heatmap(runs):
 
     from moejob_operator.core.cost import autoep_sends
     from moejob_operator.core.placement import Placement
+
     plan = json.loads(PLAN.read_text())
     perm = np.array(plan["placement"]["permutation"])
     pl = Placement("plan", perm, np.arange(2), 2)
@@ -118,17 +150,25 @@ def test_routing_stats_progress_and_heatmap(runs):
     predicted = 2 * autoep_sends(pl, load) * row
     measured = np.array(moe["allToAllBytesPerStepByRank"], dtype=float)
     assert len(measured) == 2 and (measured > 0).all()
-    assert 0.9 < measured.sum() / predicted.sum() < 1.1, (measured, predicted)   # 0.98 here
+    assert 0.9 < measured.sum() / predicted.sum() < 1.1, (measured, predicted)  # 0.98 here
     assert (d / "ds" / "latest").read_text().strip() == "step-10"
 
 
-@pytest.mark.parametrize(("preset", "family"), [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
+@pytest.mark.parametrize(
+    ("preset", "family"), [("tiny-qwen3-moe", "qwen3_moe"), ("tiny-deepseek-v3", "deepseek_v3")]
+)
 def test_other_families_train_under_autoep(tmp_path, preset, family):
     """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3
     steps."""
     from moe_trainer.models import TINY_HF_CONFIGS
+
     doc = json.loads(PLAN.read_text())
-    doc["model"] = {"family": family, "preset": preset, "path": None, "hfConfig": TINY_HF_CONFIGS[preset]}
+    doc["model"] = {
+        "family": family,
+        "preset": preset,
+        "path": None,
+        "hfConfig": TINY_HF_CONFIGS[preset],
+    }
     doc["deepspeed"]["expert_parallel"]["preset_model"] = family
     doc["training"]["steps"] = 3
     plan = tmp_path / "plan.json"
@@ -140,6 +180,8 @@ def test_other_families_train_under_autoep(tmp_path, preset, family):
     perm = doc["placement"]["permutation"]
     for rank in range(2):
         rep = json.loads((tmp_path / "ck" / f"placement_check_rank{rank}.json").read_text())
-        assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [r[rank * 2:rank * 2 + 2] for r in perm]
+        assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [
+            r[rank * 2 : rank * 2 + 2] for r in perm
+        ]
     log = (tmp_path / "ck-log.rank0.log").read_text()
     assert "MoE blocks after initialize: 2 x AutoEPMoELayer" in log

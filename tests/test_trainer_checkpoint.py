@@ -22,14 +22,14 @@ def test_latest_step(tmp_path):
 def test_fault_fires_once_per_checkpoint_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_FAULT_EXIT_AT_STEP", "7")
     monkeypatch.setenv("MOE_FAULT_EXIT_CODE", "42")
-    assert ckpt.test_faults() is moe_faults       # the trainer's one way to the dev package's hooks
+    assert ckpt.test_faults() is moe_faults  # the trainer's one way to the dev package's hooks
     assert moe_faults.exit_due(6, tmp_path) is None
     assert moe_faults.exit_due(7, tmp_path) == 42
-    moe_faults.mark_exit(7, tmp_path, rank=1)          # only rank 0 writes the marker
+    moe_faults.mark_exit(7, tmp_path, rank=1)  # only rank 0 writes the marker
     assert moe_faults.exit_due(7, tmp_path) == 42
     moe_faults.mark_exit(7, tmp_path, rank=0)
     assert (tmp_path / "fault-injected-step-7").exists()
-    assert moe_faults.exit_due(7, tmp_path) is None    # the restarted attempt runs through
+    assert moe_faults.exit_due(7, tmp_path) is None  # the restarted attempt runs through
     monkeypatch.delenv("MOE_FAULT_EXIT_CODE")
     assert moe_faults.exit_due(7, tmp_path / "other") == 75
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moe_contracts import routing as contract_routing
-from moe_trainer import routing
 from moe_contracts.plan import parse_plan
+from moe_trainer import routing
 
 core_plan = pytest.importorskip("moejob_operator.core.plan")
 core_models = pytest.importorskip("moejob_operator.core.models")
@@ -22,12 +22,27 @@ RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
 def cpu_plan(steps=4):
     """Core plan for 2 CPU processes, with clustered routing stats so the permutation is not the
     identity."""
-    stats = core_routing.synthetic_trace(4, 8, 2, 4096, zipf_s=0.6, num_clusters=2, cluster_affinity=0.9,
-                                         seed=3).without_tokens()
-    return core_plan.build_plan(core_plan.PlanRequest(
-        "demo", "default", core_models.resolve_model("tiny-mixtral"), None, device="cpu", nodes=["node-a"],
-        procs_per_node=2, cpu_memory_bytes=4 << 30, global_batch=4, seq_len=64, routing_stats=stats,
-        training=core_plan.TrainingOptions(steps=steps, checkpoint_every_steps=2, data={"kind": "corpus"})))
+    stats = core_routing.synthetic_trace(
+        4, 8, 2, 4096, zipf_s=0.6, num_clusters=2, cluster_affinity=0.9, seed=3
+    ).without_tokens()
+    return core_plan.build_plan(
+        core_plan.PlanRequest(
+            "demo",
+            "default",
+            core_models.resolve_model("tiny-mixtral"),
+            None,
+            device="cpu",
+            nodes=["node-a"],
+            procs_per_node=2,
+            cpu_memory_bytes=4 << 30,
+            global_batch=4,
+            seq_len=64,
+            routing_stats=stats,
+            training=core_plan.TrainingOptions(
+                steps=steps, checkpoint_every_steps=2, data={"kind": "corpus"}
+            ),
+        )
+    )
 
 
 def test_trainer_reads_a_core_plan():
@@ -47,6 +62,7 @@ def test_core_reads_trainer_routing_stats():
 
     class Probe:
         logits = [None] * 3
+
     Probe.topk = [__import__("torch").as_tensor(t) for t in topk]
     Probe.logits = [__import__("torch").zeros(T, E)] * 3
     load, coact, _ = routing.step_counts(Probe, E)
@@ -57,7 +73,9 @@ def test_core_reads_trainer_routing_stats():
     assert stats.load.sum() == 3 * T * K and stats.top_k == K
 
 
-@pytest.mark.parametrize("name", ["routing_stats_real_text.json", "routing_stats_real_text_global_aux.json"])
+@pytest.mark.parametrize(
+    "name", ["routing_stats_real_text.json", "routing_stats_real_text_global_aux.json"]
+)
 def test_core_reads_recorded_real_text_stats(name):
     if not (RESULTS / name).exists():
         pytest.skip(f"{name} not recorded")
@@ -68,17 +86,25 @@ def test_core_reads_recorded_real_text_stats(name):
 @pytest.mark.slow
 def test_core_plan_trains_on_two_cpu_processes(tmp_path):
     from moe_trainer.launch import launch
+
     p = cpu_plan(steps=4)
     perm = p.document["placement"]["permutation"]
     assert any(row != sorted(row) for row in perm)
     (tmp_path / "plan.json").write_text(json.dumps(p.document))
     env = dict(os.environ, MOE_VERIFY_PLACEMENT="1")
-    codes = launch(2, ["--plan", str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "ck")],
-                   env=env, timeout=400, log_prefix=str(tmp_path / "log"))
+    codes = launch(
+        2,
+        ["--plan", str(tmp_path / "plan.json"), "--checkpoint-dir", str(tmp_path / "ck")],
+        env=env,
+        timeout=400,
+        log_prefix=str(tmp_path / "log"),
+    )
     assert codes == [0, 0], (tmp_path / "log.rank0.log").read_text()[-3000:]
     for rank in range(2):
         rep = json.loads((tmp_path / "ck" / f"placement_check_rank{rank}.json").read_text())
-        assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [r[rank * 4:rank * 4 + 4] for r in perm]
+        assert rep["ok"] and [x["experts"] for x in rep["layers"]] == [
+            r[rank * 4 : rank * 4 + 4] for r in perm
+        ]
     stats = contract_routing.read_routing_stats(tmp_path / "ck" / "routing_stats.json")
     assert (stats.num_layers, stats.num_experts, stats.top_k, stats.steps) == (4, 8, 2, 4)
-    assert stats.tokens == 4 * 4 * 64                 # steps x global batch x seqLen
+    assert stats.tokens == 4 * 4 * 64  # steps x global batch x seqLen

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from moe_trainer import corpus, data
 from moe_contracts.plan import DataSpec
+from moe_trainer import corpus, data
 
 
 def test_byte_tokenizer_roundtrip():
@@ -20,8 +20,8 @@ def test_corpus_is_real_text_and_deterministic(tmp_path):
     text = a.read_text()
     assert a.read_bytes() == b.read_bytes()
     assert 150_000 < len(text.encode()) <= 200_000
-    assert text.count(" the ") > 500            # English prose, not noise
-    assert corpus.build_corpus(max_bytes=200_000, cache_dir=tmp_path / "a") == a   # cached
+    assert text.count(" the ") > 500  # English prose, not noise
+    assert corpus.build_corpus(max_bytes=200_000, cache_dir=tmp_path / "a") == a  # cached
 
 
 def test_batches_are_deterministic_and_disjoint_across_ranks(tmp_path):
@@ -37,9 +37,16 @@ def test_batches_are_deterministic_and_disjoint_across_ranks(tmp_path):
     np.testing.assert_array_equal(again.batch(3, 1, 2, 0, 2), b0)
     assert not np.array_equal(b0, b1)
     # within one epoch the windows of all (step, micro, rank, row) are distinct: token i == i
-    ids = data.BatchSource(np.arange(32 * 40 + 1), seq_len=32, micro_batch=2, seed=7, vocab_size=10**6)
-    starts = [int(row[0]) for step in range(5) for micro in range(2) for r in range(2)
-              for row in ids.batch(step, micro, 2, r, 2)]
+    ids = data.BatchSource(
+        np.arange(32 * 40 + 1), seq_len=32, micro_batch=2, seed=7, vocab_size=10**6
+    )
+    starts = [
+        int(row[0])
+        for step in range(5)
+        for micro in range(2)
+        for r in range(2)
+        for row in ids.batch(step, micro, 2, r, 2)
+    ]
     assert len(set(starts)) == len(starts) == 40 and all(s % 32 == 0 for s in starts)
 
 
@@ -59,11 +66,19 @@ def test_npy_and_synthetic_and_errors(tmp_path):
 def test_hf_tokenizer_from_a_local_directory(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "tok")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk, unk_token="[UNK]", eos_token="</s>"
+    ).save_pretrained(tmp_path / "tok")
     (tmp_path / "text.txt").write_text("hello world" + corpus.DOC_SEPARATOR + "world hello zzz")
-    src = data.make_batch_source(DataSpec(kind="text", path=str(tmp_path / "text.txt"), tokenizer=str(tmp_path / "tok")),
-                                 seq_len=3, micro_batch=1, seed=0, vocab_size=4)
+    src = data.make_batch_source(
+        DataSpec(kind="text", path=str(tmp_path / "text.txt"), tokenizer=str(tmp_path / "tok")),
+        seq_len=3,
+        micro_batch=1,
+        seed=0,
+        vocab_size=4,
+    )
     assert src.tokens.tolist() == [2, 3, 1, 3, 2, 0, 1]

@@ -6,8 +6,14 @@ from moe_trainer.health import HealthMonitor
 
 
 def monitor(**kw):
-    args = dict(dead_steps=3, dead_fraction=0.1, router_logit_limit=30.0, straggler_factor=2.0,
-                straggler_steps=2, fragmentation_limit=0.3)
+    args = dict(
+        dead_steps=3,
+        dead_fraction=0.1,
+        router_logit_limit=30.0,
+        straggler_factor=2.0,
+        straggler_steps=2,
+        fragmentation_limit=0.3,
+    )
     args.update(kw)
     return HealthMonitor(2, 4, 3, **args)
 
@@ -19,7 +25,7 @@ def test_dead_expert_needs_a_streak_and_recovers():
     found = m.update_dead(starved)
     assert [f.type for f in found] == ["DeadExpert"] and "layer 0 expert 3" in found[0].message
     assert m.dead_experts() == [[0, 3]]
-    m.update_dead([[100, 100, 100, 50], [100] * 4])    # recovers: streak resets
+    m.update_dead([[100, 100, 100, 50], [100] * 4])  # recovers: streak resets
     assert m.dead_experts() == []
 
 

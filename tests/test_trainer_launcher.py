@@ -49,10 +49,13 @@ def _h200_plan_and_pods():
     from moejob_operator.core.topology import load_topology
     from moejob_operator.reconcile import planning
     from moejob_operator.spec import parse_spec
+
     spec = parse_spec(yaml.safe_load((ROOT / "examples" / "gpu-h200.yaml").read_text())["spec"])
     job = common.JobRef("team-a", "mixtral-small-h200", "0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11")
-    reports = {n: parse_topology({**report_to_json(load_topology("nvswitch-h200-8")), "node": n})
-               for n in ("h200-a", "h200-b")}
+    reports = {
+        n: parse_topology({**report_to_json(load_topology("nvswitch-h200-8")), "node": n})
+        for n in ("h200-a", "h200-b")
+    }
     stats = routing.synthetic_trace(4, 8, 2, 4096, num_clusters=2, seed=3).to_json()
     plan = planning.make_plan(_Stats(stats), job, spec, reports)
     pods = workers.worker_pods(job, spec, planning.rank2node(plan), attempt=0, spec_hash="h")
@@ -61,8 +64,9 @@ def _h200_plan_and_pods():
 
 def _pod_env(pod) -> dict[str, str]:
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
-    env["NODE_NAME"] = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
-        "nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
+    env["NODE_NAME"] = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"][0]["matchFields"][0]["values"][0]
     return env
 
 
@@ -81,44 +85,81 @@ def test_gpu_h200_example_every_pods_ranks_match_the_plan():
         ranks = launch.node_ranks(env, trainer_plan.ranks, trainer_plan.world_size)
         assert [r.rank for r in ranks] == [node_rank * 8 + lr for lr in range(8)]
         assert [r.local_rank for r in ranks] == list(range(8))
-        assert sorted(r.gpu for r in ranks) == list(range(8))          # each visible GPU once
+        assert sorted(r.gpu for r in ranks) == list(range(8))  # each visible GPU once
         for r in ranks:
             doc = plan["ranks"][r.rank]
-            assert (doc["nodeRank"], doc["localRank"], doc["gpu"]) == (node_rank, r.local_rank, r.gpu)
+            assert (doc["nodeRank"], doc["localRank"], doc["gpu"]) == (
+                node_rank,
+                r.local_rank,
+                r.gpu,
+            )
             assert doc["node"] == env["NODE_NAME"]
-            child = launch.rank_env(env, rank=r.rank, local_rank=r.local_rank, local_world=8,
-                                    world=trainer_plan.world_size)
-            assert (child["RANK"], child["LOCAL_RANK"], child["LOCAL_WORLD_SIZE"], child["WORLD_SIZE"]) == (
-                str(node_rank * 8 + r.local_rank), str(r.local_rank), "8", "16")
+            child = launch.rank_env(
+                env,
+                rank=r.rank,
+                local_rank=r.local_rank,
+                local_world=8,
+                world=trainer_plan.world_size,
+            )
+            assert (
+                child["RANK"],
+                child["LOCAL_RANK"],
+                child["LOCAL_WORLD_SIZE"],
+                child["WORLD_SIZE"],
+            ) == (str(node_rank * 8 + r.local_rank), str(r.local_rank), "8", "16")
         seen += [r.rank for r in ranks]
     assert sorted(seen) == list(range(16))
 
 
-@pytest.mark.parametrize(("env", "plan_world", "match"), [
-    ({"NPROC_PER_NODE": "2", "NODE_RANK": "0", "NNODES": "2", "WORLD_SIZE": "3"}, 3,
-     "WORLD_SIZE=3 is not NNODES x NPROC_PER_NODE = 2 x 2"),
-    ({"NPROC_PER_NODE": "2", "NODE_RANK": "2", "NNODES": "2", "WORLD_SIZE": "4"}, 4,
-     r"NODE_RANK=2 is outside 0..1"),
-    ({"NPROC_PER_NODE": "2", "NODE_RANK": "0", "NNODES": "2", "WORLD_SIZE": "4"}, 2,
-     "WORLD_SIZE=4 differs from the plan's worldSize=2"),
-    ({"NPROC_PER_NODE": "x", "NODE_RANK": "0", "NNODES": "1", "WORLD_SIZE": "1"}, 1,
-     "NPROC_PER_NODE='x' is not an integer"),
-    ({"NODE_RANK": "0", "NNODES": "1", "WORLD_SIZE": "1"}, 1, "NPROC_PER_NODE is not set"),
-])
+@pytest.mark.parametrize(
+    ("env", "plan_world", "match"),
+    [
+        (
+            {"NPROC_PER_NODE": "2", "NODE_RANK": "0", "NNODES": "2", "WORLD_SIZE": "3"},
+            3,
+            "WORLD_SIZE=3 is not NNODES x NPROC_PER_NODE = 2 x 2",
+        ),
+        (
+            {"NPROC_PER_NODE": "2", "NODE_RANK": "2", "NNODES": "2", "WORLD_SIZE": "4"},
+            4,
+            r"NODE_RANK=2 is outside 0..1",
+        ),
+        (
+            {"NPROC_PER_NODE": "2", "NODE_RANK": "0", "NNODES": "2", "WORLD_SIZE": "4"},
+            2,
+            "WORLD_SIZE=4 differs from the plan's worldSize=2",
+        ),
+        (
+            {"NPROC_PER_NODE": "x", "NODE_RANK": "0", "NNODES": "1", "WORLD_SIZE": "1"},
+            1,
+            "NPROC_PER_NODE='x' is not an integer",
+        ),
+        ({"NODE_RANK": "0", "NNODES": "1", "WORLD_SIZE": "1"}, 1, "NPROC_PER_NODE is not set"),
+    ],
+)
 def test_launcher_refuses_env_that_disagrees(env, plan_world, match):
     from moe_contracts.plan import RankSpec
-    ranks = [RankSpec(rank=r, node="n", node_rank=r // 2, local_rank=r % 2, gpu=r % 2) for r in range(plan_world)]
+
+    ranks = [
+        RankSpec(rank=r, node="n", node_rank=r // 2, local_rank=r % 2, gpu=r % 2)
+        for r in range(plan_world)
+    ]
     with pytest.raises(launch.LaunchError, match=match):
         launch.node_ranks(env, ranks, plan_world)
 
 
 def test_launcher_refuses_a_plan_with_another_rank_layout():
     from moe_contracts.plan import RankSpec
+
     env = {"NPROC_PER_NODE": "2", "NODE_RANK": "1", "NNODES": "2", "WORLD_SIZE": "4"}
-    ranks = [RankSpec(rank=r, node="n", node_rank=r % 2, local_rank=r // 2, gpu=0) for r in range(4)]
+    ranks = [
+        RankSpec(rank=r, node="n", node_rank=r % 2, local_rank=r // 2, gpu=0) for r in range(4)
+    ]
     with pytest.raises(launch.LaunchError, match=r"expected rank 2 = 1 x 2 \+ 0"):
         launch.node_ranks(env, ranks, 4)
-    same_gpu = [RankSpec(rank=r, node="n", node_rank=r // 2, local_rank=r % 2, gpu=3) for r in range(4)]
+    same_gpu = [
+        RankSpec(rank=r, node="n", node_rank=r // 2, local_rank=r % 2, gpu=3) for r in range(4)
+    ]
     with pytest.raises(launch.LaunchError, match="one rank per GPU"):
         launch.node_ranks(env, same_gpu, 4)
 
@@ -127,7 +168,10 @@ def test_pod_termination_message_is_the_first_failing_ranks_document(tmp_path):
     """Two ranks: rank 1 writes a TrainerExit document and exits 78, rank 0 is stopped. The pod's
     message is rank 1's document with the gang's summary; a rank killed without a document gets
     cause Signalled."""
-    ranks = [launch.NodeRank(rank=2, local_rank=0, gpu=0), launch.NodeRank(rank=3, local_rank=1, gpu=1)]
+    ranks = [
+        launch.NodeRank(rank=2, local_rank=0, gpu=0),
+        launch.NodeRank(rank=3, local_rank=1, gpu=1),
+    ]
     files = [tmp_path / "r0", tmp_path / "r1"]
     writer = _py("""
         import json, os, sys
@@ -135,25 +179,39 @@ def test_pod_termination_message_is_the_first_failing_ranks_document(tmp_path):
                "rank": int(os.environ["RANK"]), "message": "data.path /data does not exist"}
         open(os.environ["MOE_TERMINATION_LOG"], "w").write(json.dumps(doc))
         sys.exit(78)""")
-    envs = [dict(os.environ, RANK=str(r.rank), MOE_TERMINATION_LOG=str(f)) for r, f in zip(ranks, files, strict=True)]
+    envs = [
+        dict(os.environ, RANK=str(r.rank), MOE_TERMINATION_LOG=str(f))
+        for r, f in zip(ranks, files, strict=True)
+    ]
     for f in files:
         f.touch()
     with open(tmp_path / "out", "w") as out:
-        res = gang.Gang([_py("import time; time.sleep(600)"), writer], envs, labels=["rank2", "rank3"],
-                        stop_seconds=2, out=out).run()
+        res = gang.Gang(
+            [_py("import time; time.sleep(600)"), writer],
+            envs,
+            labels=["rank2", "rank3"],
+            stop_seconds=2,
+            out=out,
+        ).run()
     doc = launch.failure_document(res, ["rank2", "rank3"], ranks, 1, [f.read_text() for f in files])
-    assert (doc["cause"], doc["exitCode"], doc["rank"], doc["nodeRank"]) == ("DataNotFound", 78, 3, 1)
+    assert (doc["cause"], doc["exitCode"], doc["rank"], doc["nodeRank"]) == (
+        "DataNotFound",
+        78,
+        3,
+        1,
+    )
     assert doc["message"].startswith("node rank 1: rank3 exited with code 78 first")
     assert doc["message"].endswith("data.path /data does not exist")
 
     with open(tmp_path / "out2", "w") as out:
-        killed = gang.Gang([_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")], envs[:1],
-                           out=out).run()
+        killed = gang.Gang(
+            [_py("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")], envs[:1], out=out
+        ).run()
     doc = launch.failure_document(killed, ["rank2"], ranks[:1], 1, [""])
     assert (doc["cause"], doc["exitCode"], doc["rank"]) == ("Signalled", 137, 2)
     term = tmp_path / "termination-log"
     launch.write_termination_message(doc, str(term))
-    assert not term.exists()                               # only where the kubelet made one
+    assert not term.exists()  # only where the kubelet made one
     term.touch()
     launch.write_termination_message(dict(doc, message="x" * 10000), str(term))
     assert len(term.read_bytes()) <= 4096 and json.loads(term.read_text())["cause"] == "Signalled"
@@ -165,8 +223,10 @@ def test_first_failure_stops_the_others_and_is_the_exit_code(code, tmp_path):
     """Rank 1 fails, ranks 0 and 2 would run for 10 minutes (one ignores SIGTERM): all stopped
     within STOP_SECONDS (+ margin), the gang's code is rank 1's."""
     slow = _py("import time; print('working', flush=True); time.sleep(600)")
-    stubborn = _py("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                   "print('working', flush=True); time.sleep(600)")
+    stubborn = _py(
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('working', flush=True); time.sleep(600)"
+    )
     fail = _py(f"import sys, time; time.sleep(0.5); print('failing', flush=True); sys.exit({code})")
     t0 = time.monotonic()
     with open(tmp_path / "out", "w") as out:
@@ -181,8 +241,12 @@ def test_first_failure_stops_the_others_and_is_the_exit_code(code, tmp_path):
 def test_output_is_prefixed_per_rank(tmp_path):
     out = tmp_path / "out"
     with open(out, "w") as f:
-        res = gang.Gang([_py("import os; print('hello from', os.environ['RANK'])")] * 2, _envs(2),
-                        labels=["rank4", "rank5"], out=f).run()
+        res = gang.Gang(
+            [_py("import os; print('hello from', os.environ['RANK'])")] * 2,
+            _envs(2),
+            labels=["rank4", "rank5"],
+            out=f,
+        ).run()
     assert res.exit_code == 0 and res.codes == [0, 0]
     lines = set(out.read_text().splitlines())
     assert {"[rank4] hello from 0", "[rank5] hello from 1"} <= lines
@@ -202,9 +266,13 @@ sys.exit(res.exit_code)
 def _driver(tmp_path, child: str, grace: float):
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    return subprocess.Popen([sys.executable, str(script), textwrap.dedent(child), str(grace)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, TMP=str(tmp_path)))
+    return subprocess.Popen(
+        [sys.executable, str(script), textwrap.dedent(child), str(grace)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, TMP=str(tmp_path)),
+    )
 
 
 def _wait_lines(proc, want: str, count: int) -> list[str]:
@@ -270,7 +338,11 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        return (
+            Path(f"/proc/{pid}/stat").exists()
+            and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        )
+
     deadline = time.monotonic() + 10
     while not all(gone(x) for x in pids):
         assert time.monotonic() < deadline, f"ranks {pids} outlived their launcher"
@@ -286,27 +358,49 @@ def test_moe_train_as_pod_entry_runs_two_gloo_ranks(tmp_path):
     plan["training"]["steps"] = 2
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    (tmp_path / "term").touch()                           # the kubelet creates it in a pod
-    env.update(NPROC_PER_NODE="2", NODE_RANK="0", NNODES="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(launch.free_port()), MOE_PLAN=str(tmp_path / "plan.json"),
-               MOE_CHECKPOINT_DIR=str(tmp_path / "ck"), MOE_TERMINATION_LOG=str(tmp_path / "term"),
-               NODE_NAME=plan["ranks"][0]["node"])
-    out = subprocess.run([sys.executable, "-m", "moe_trainer.train", "--cpu"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    (tmp_path / "term").touch()  # the kubelet creates it in a pod
+    env.update(
+        NPROC_PER_NODE="2",
+        NODE_RANK="0",
+        NNODES="1",
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(launch.free_port()),
+        MOE_PLAN=str(tmp_path / "plan.json"),
+        MOE_CHECKPOINT_DIR=str(tmp_path / "ck"),
+        MOE_TERMINATION_LOG=str(tmp_path / "term"),
+        NODE_NAME=plan["ranks"][0]["node"],
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "moe_trainer.train", "--cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
     assert "node rank 0: starting rank 0 (local 0, CPU), rank 1 (local 1, CPU)" in log
-    assert any(x.startswith("[rank0] ") and "step 2/2 loss" in x for x in log.splitlines()), log[-3000:]
+    assert any(x.startswith("[rank0] ") and "step 2/2 loss" in x for x in log.splitlines()), log[
+        -3000:
+    ]
     for rank in (0, 1):
-        assert any(x.startswith(f"[rank{rank}] ") and f"rank {rank} trained steps 1..2 of 2" in x
-                   for x in log.splitlines()), log[-3000:]
+        assert any(
+            x.startswith(f"[rank{rank}] ") and f"rank {rank} trained steps 1..2 of 2" in x
+            for x in log.splitlines()
+        ), log[-3000:]
     prog = json.loads((tmp_path / "ck" / "progress.json").read_text())
     assert prog["phase"] == "Finished" and len(prog["moe"]["allToAllBytesPerStepByRank"]) == 2
-    assert (tmp_path / "term").read_text() == ""          # success: no failure document
+    assert (tmp_path / "term").read_text() == ""  # success: no failure document
 
     env["WORLD_SIZE"] = "4"
-    bad = subprocess.run([sys.executable, "-m", "moe_trainer.train", "--cpu"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "moe_trainer.train", "--cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 78, bad.stderr[-2000:]
     doc = json.loads((tmp_path / "term").read_text())
     assert (doc["kind"], doc["cause"], doc["exitCode"]) == ("TrainerExit", "BadConfig", 78)

@@ -13,7 +13,7 @@ def test_permutation_preserves_function_and_moves_experts(preset):
     E = models.num_experts_of(model)
     assert len(layers) == 2 and E == 4
     with torch.no_grad():
-        for ref in layers:   # make the router decisive and DeepSeek's correction bias non-trivial
+        for ref in layers:  # make the router decisive and DeepSeek's correction bias non-trivial
             ref.gate.weight.mul_(20.0)
             if getattr(ref.gate, "e_score_correction_bias", None) is not None:
                 ref.gate.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
@@ -27,7 +27,9 @@ def test_permutation_preserves_function_and_moves_experts(preset):
     with torch.no_grad():
         after = model(input_ids=x).logits
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
-    for ref, row, orig, router in zip(models.find_moe_layers(model), perm, originals, routers, strict=True):
+    for ref, row, orig, router in zip(
+        models.find_moe_layers(model), perm, originals, routers, strict=True
+    ):
         for slot, e in enumerate(row):
             assert torch.equal(ref.gate.weight[slot], router[e])
             assert torch.equal(ref.experts.gate_up_proj[slot], orig["gate_up_proj"][e])
@@ -64,9 +66,12 @@ def test_swap_seam_replaces_every_block():
 
         def forward(self, h):
             return self.inner(h)
+
     assert models.swap_moe_blocks(model, Wrapped) == 2
     assert all(isinstance(r.block, Wrapped) for r in models.find_moe_layers(model))
-    with pytest.raises(models.ModelError, match=r"training.moeImpl: 'fast' is not 'hf' or 'grouped'"):
+    with pytest.raises(
+        models.ModelError, match=r"training.moeImpl: 'fast' is not 'hf' or 'grouped'"
+    ):
         models.apply_moe_impl(model, "fast")
 
 

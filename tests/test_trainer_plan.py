@@ -28,25 +28,62 @@ def test_fixture_parses(doc):
     assert not plan.placement.is_identity()
 
 
-@pytest.mark.parametrize(("mutate", "match"), [
-    (lambda d: d.update(kind="TopologyReport"), r"kind: 'TopologyReport' is not 'MoEPlan'"),
-    (lambda d: d.update(version=2), r"version: 2 is not a known version"),
-    (lambda d: d.pop("worldSize"), r"worldSize: required field is missing"),
-    (lambda d: d.update(worldSize="2"), r"worldSize: '2' is invalid \(Input should be a valid integer\)"),
-    (lambda d: d["placement"]["permutation"].__setitem__(1, [0, 0, 1, 2]),
-     r"placement.permutation\[1\]: \[0, 0, 1, 2\] is not a permutation of 0..3"),
-    (lambda d: d["placement"].update(numLayers=3), r"placement.permutation: has 2 rows, numLayers is 3"),
-    (lambda d: d["placement"].update(epSize=3), r"placement.epSize: 3 does not divide numExperts=4"),
-    (lambda d: d["deepspeed"]["expert_parallel"].update(autoep_size=1),
-     r"deepspeed.expert_parallel.autoep_size: 1 differs from epSize 2"),
-    (lambda d: d["model"].update(hfConfig=None), r"model.hfConfig: required when model.path is null"),
-    (lambda d: d["model"]["hfConfig"].pop("model_type"), r"model.hfConfig.model_type: required"),
-    (lambda d: d["ranks"][1].update(rank=5), r"ranks\[1\].rank: 5 out of order"),
-    (lambda d: d["training"]["balance"].update(mode="magic"), (r"training.balance.mode: 'magic' is invalid \(Input should be 'per_layer_aux', " r"'global_aux' or 'none'\)")),
-    (lambda d: d["training"].update(moeImpl="fast"), r"training.moeImpl: 'fast' is invalid \(Input should be 'hf' or 'grouped'\)"),
-    (lambda d: d["training"].update(steps=0), r"training.steps: 0 is invalid \(Input should be greater than or equal to 1\)"),
-    (lambda d: d["training"]["data"].update(kind="text"), r"training.data.path: required when data.kind is 'text'"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda d: d.update(kind="TopologyReport"), r"kind: 'TopologyReport' is not 'MoEPlan'"),
+        (lambda d: d.update(version=2), r"version: 2 is not a known version"),
+        (lambda d: d.pop("worldSize"), r"worldSize: required field is missing"),
+        (
+            lambda d: d.update(worldSize="2"),
+            r"worldSize: '2' is invalid \(Input should be a valid integer\)",
+        ),
+        (
+            lambda d: d["placement"]["permutation"].__setitem__(1, [0, 0, 1, 2]),
+            r"placement.permutation\[1\]: \[0, 0, 1, 2\] is not a permutation of 0..3",
+        ),
+        (
+            lambda d: d["placement"].update(numLayers=3),
+            r"placement.permutation: has 2 rows, numLayers is 3",
+        ),
+        (
+            lambda d: d["placement"].update(epSize=3),
+            r"placement.epSize: 3 does not divide numExperts=4",
+        ),
+        (
+            lambda d: d["deepspeed"]["expert_parallel"].update(autoep_size=1),
+            r"deepspeed.expert_parallel.autoep_size: 1 differs from epSize 2",
+        ),
+        (
+            lambda d: d["model"].update(hfConfig=None),
+            r"model.hfConfig: required when model.path is null",
+        ),
+        (
+            lambda d: d["model"]["hfConfig"].pop("model_type"),
+            r"model.hfConfig.model_type: required",
+        ),
+        (lambda d: d["ranks"][1].update(rank=5), r"ranks\[1\].rank: 5 out of order"),
+        (
+            lambda d: d["training"]["balance"].update(mode="magic"),
+            (
+                r"training.balance.mode: 'magic' is invalid \(Input should be 'per_layer_aux', "
+                r"'global_aux' or 'none'\)"
+            ),
+        ),
+        (
+            lambda d: d["training"].update(moeImpl="fast"),
+            r"training.moeImpl: 'fast' is invalid \(Input should be 'hf' or 'grouped'\)",
+        ),
+        (
+            lambda d: d["training"].update(steps=0),
+            r"training.steps: 0 is invalid \(Input should be greater than or equal to 1\)",
+        ),
+        (
+            lambda d: d["training"]["data"].update(kind="text"),
+            r"training.data.path: required when data.kind is 'text'",
+        ),
+    ],
+)
 def test_bad_plans_name_the_field(doc, mutate, match):
     bad = copy.deepcopy(doc)
     mutate(bad)
@@ -73,5 +110,7 @@ def test_plan_path_resolution(monkeypatch):
 
 def test_grouped_impl_refused_with_autoep(doc):
     doc["training"]["moeImpl"] = "grouped"
-    with pytest.raises(PlanError, match=r"training.moeImpl: 'grouped' replaces the MoE blocks AutoEP"):
+    with pytest.raises(
+        PlanError, match=r"training.moeImpl: 'grouped' replaces the MoE blocks AutoEP"
+    ):
         parse_plan(doc)

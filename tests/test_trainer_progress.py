@@ -11,8 +11,17 @@ from moe_trainer.trainer import lr_lambda
 
 
 def doc(**kw):
-    args = dict(phase="Training", step=3, total_steps=10, loss=float("nan"), tokens_per_second=10.0,
-                eta_seconds=1.0, checkpoint=None, moe={}, health=[])
+    args = dict(
+        phase="Training",
+        step=3,
+        total_steps=10,
+        loss=float("nan"),
+        tokens_per_second=10.0,
+        eta_seconds=1.0,
+        checkpoint=None,
+        moe={},
+        health=[],
+    )
     args.update(kw)
     return progress_doc(**args)
 
@@ -21,7 +30,7 @@ def test_progress_doc_is_json_and_nulls_non_finite():
     d = doc()
     assert d["kind"] == "TrainerProgress" and d["version"] == 1 and d["loss"] is None
     json.dumps(d, allow_nan=False)
-    back = parse_progress(json.dumps(d))                 # what the operator reads
+    back = parse_progress(json.dumps(d))  # what the operator reads
     assert (back.phase, back.step, back.total_steps, back.loss) == ("Training", 3, 10, None)
     with pytest.raises(ValueError, match=r"phase: 'Running' is not one of"):
         doc(phase="Running")
@@ -32,7 +41,7 @@ def test_configmap_request_and_failure_is_not_fatal(tmp_path, monkeypatch):
     (tmp_path / "token").write_text("tok123\n")
     (tmp_path / "ca.crt").write_text("not a cert")
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
-    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")          # nothing listens there
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "1")  # nothing listens there
     pub = progress.ConfigMapPublisher("job-progress", sa_dir=tmp_path, interval_s=60, timeout_s=1)
     req = pub.request(doc(loss=1.5))
     assert req.full_url == "https://127.0.0.1:1/api/v1/namespaces/team-a/configmaps/job-progress"
@@ -43,9 +52,13 @@ def test_configmap_request_and_failure_is_not_fatal(tmp_path, monkeypatch):
     assert json.loads(body["data"]["progress.json"])["loss"] == 1.5
     slept = []
     retries = len(pub.FINAL_RETRY_SECONDS)
-    assert pub.publish(doc(), force=True, sleep=slept.append) is False and pub.failures == 1 + retries
+    assert (
+        pub.publish(doc(), force=True, sleep=slept.append) is False and pub.failures == 1 + retries
+    )
     assert slept == list(pub.FINAL_RETRY_SECONDS)
-    assert pub.publish(doc()) is False and pub.failures == 1 + retries   # rate-limited: not even tried
+    assert (
+        pub.publish(doc()) is False and pub.failures == 1 + retries
+    )  # rate-limited: not even tried
 
 
 def test_the_final_document_survives_a_short_api_outage(tmp_path):
@@ -79,8 +92,10 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     from moe_trainer import commtime
     from moe_trainer.commtime import CommTimer
 
-    clock = [100.0]      # the calls "take" fixed times: what is counted does not depend on the load
-    monkeypatch.setattr(commtime, "time", type("T", (), {"perf_counter": staticmethod(lambda: clock[0])}))
+    clock = [100.0]  # the calls "take" fixed times: what is counted does not depend on the load
+    monkeypatch.setattr(
+        commtime, "time", type("T", (), {"perf_counter": staticmethod(lambda: clock[0])})
+    )
 
     class Handle:
         def wait(self):
@@ -92,13 +107,14 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     def fake_ag(*a, async_op=False, **kw):
         clock[0] += 0.001
         return Handle()
+
     monkeypatch.setattr(dscomm, "all_to_all_single", fake_a2a)
     monkeypatch.setattr(dscomm, "allgather_fn", fake_ag)
     timer = CommTimer().install()
     try:
         dscomm.all_to_all_single(None, None)
         h = dscomm.allgather_fn(None, None, async_op=True)
-        clock[0] += 1.0                    # compute overlapping the async gather is not counted
+        clock[0] += 1.0  # compute overlapping the async gather is not counted
         h.wait()
         took = timer.take()
     finally:
@@ -106,8 +122,12 @@ def test_comm_timer_counts_sync_and_async(monkeypatch):
     assert took["allToAll"] == pytest.approx(0.02)
     assert took["allGather"] == pytest.approx(0.051)
     assert dscomm.all_to_all_single is fake_a2a
-    assert timer.take() == {"allToAll": 0.0, "allGather": 0.0, "allToAllBytes": 0,
-                            "allToAllTierBytes": {"intraGroup": 0, "crossGroup": 0, "crossNode": 0}}
+    assert timer.take() == {
+        "allToAll": 0.0,
+        "allGather": 0.0,
+        "allToAllBytes": 0,
+        "allToAllTierBytes": {"intraGroup": 0, "crossGroup": 0, "crossNode": 0},
+    }
 
 
 def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
@@ -123,15 +143,22 @@ def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
     monkeypatch.setattr(dscomm, "get_world_size", lambda group=None: 4)
     timer = CommTimer().install()
     try:
-        x = torch.zeros(10, 8, dtype=torch.bfloat16)            # 16-byte rows
-        dscomm.all_to_all_single(torch.empty(0), x, output_split_sizes=[1, 2, 3, 4],
-                                 input_split_sizes=[2, 5, 1, 2], group=None)
+        x = torch.zeros(10, 8, dtype=torch.bfloat16)  # 16-byte rows
+        dscomm.all_to_all_single(
+            torch.empty(0),
+            x,
+            output_split_sizes=[1, 2, 3, 4],
+            input_split_sizes=[2, 5, 1, 2],
+            group=None,
+        )
         first = timer.take()["allToAllBytes"]
-        dscomm.all_to_all_single(torch.empty(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32))
+        dscomm.all_to_all_single(
+            torch.empty(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+        )
         second = timer.take()["allToAllBytes"]
     finally:
         timer.uninstall()
-    assert first == (2 + 1 + 2) * 16       # rank 1's own 5 rows are not sent
+    assert first == (2 + 1 + 2) * 16  # rank 1's own 5 rows are not sent
     assert second == 8 * 4 * 3 // 4
 
 
@@ -151,12 +178,21 @@ def test_comm_timer_splits_bytes_by_the_receivers_tier(monkeypatch):
     timer = CommTimer().set_tiers(group_of=[0, 0, 1, 2], node_of=[0, 0, 0, 1]).install()
     try:
         x = torch.zeros(10, 8, dtype=torch.bfloat16)
-        dscomm.all_to_all_single(torch.empty(0), x, output_split_sizes=[1, 2, 3, 4],
-                                 input_split_sizes=[2, 5, 1, 2], group=None)
+        dscomm.all_to_all_single(
+            torch.empty(0),
+            x,
+            output_split_sizes=[1, 2, 3, 4],
+            input_split_sizes=[2, 5, 1, 2],
+            group=None,
+        )
         took = timer.take()
     finally:
         timer.uninstall()
-    assert took["allToAllTierBytes"] == {"intraGroup": 2 * 16, "crossGroup": 3 * 16, "crossNode": 2 * 16}
+    assert took["allToAllTierBytes"] == {
+        "intraGroup": 2 * 16,
+        "crossGroup": 3 * 16,
+        "crossNode": 2 * 16,
+    }
     assert took["allToAllBytes"] == 5 * 16
 
 
@@ -164,14 +200,28 @@ def test_prometheus_metrics_are_served():
     import urllib.request
 
     from moe_trainer.launch import free_port
+
     port = free_port()
     m = progress.Metrics(port, "tiny")
     try:
-        m.update(doc(loss=2.5, moe={"maxMeanLoadPerLayer": [1.5, 1.2], "deadExperts": [[0, 1]],
-                                    "allToAllSecondsPerStep": 0.01, "allGatherSecondsPerStep": 0.02,
-                                    "fragmentation": None,
-                                    "allToAllBytesPerStepByTier": {"intraGroup": 10, "crossGroup": 7,
-                                                                   "crossNode": 3}}), tokens=256)
+        m.update(
+            doc(
+                loss=2.5,
+                moe={
+                    "maxMeanLoadPerLayer": [1.5, 1.2],
+                    "deadExperts": [[0, 1]],
+                    "allToAllSecondsPerStep": 0.01,
+                    "allGatherSecondsPerStep": 0.02,
+                    "fragmentation": None,
+                    "allToAllBytesPerStepByTier": {
+                        "intraGroup": 10,
+                        "crossGroup": 7,
+                        "crossNode": 3,
+                    },
+                },
+            ),
+            tokens=256,
+        )
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()

@@ -39,7 +39,9 @@ def test_per_layer_loss_sees_imbalance_the_global_loss_hides():
     E = 4
     l0 = [[0, 1]] * 16
     l1 = [[2, 3]] * 16
-    probe = FakeProbe([onehot_logits(l0, E), onehot_logits(l1, E)], [torch.tensor(l0), torch.tensor(l1)])
+    probe = FakeProbe(
+        [onehot_logits(l0, E), onehot_logits(l1, E)], [torch.tensor(l0), torch.tensor(l1)]
+    )
     per_layer = routing.balance_loss(probe, E, "per_layer_aux").item()
     glob = routing.balance_loss(probe, E, "global_aux").item()
     assert glob == pytest.approx(1.0, abs=0.02)
@@ -61,7 +63,10 @@ def test_per_layer_loss_gradient_lowers_the_overloaded_expert():
 def test_counts_invariants_and_original_ids():
     E, K = 4, 2
     rng = np.random.default_rng(0)
-    topk = [torch.tensor(np.stack([rng.choice(E, K, replace=False) for _ in range(50)])) for _ in range(2)]
+    topk = [
+        torch.tensor(np.stack([rng.choice(E, K, replace=False) for _ in range(50)]))
+        for _ in range(2)
+    ]
     probe = FakeProbe([torch.randn(50, E), torch.randn(50, E)], topk)
     load, coact, maxlog = routing.step_counts(probe, E)
     assert load.shape == (2, E) and coact.shape == (2, E, E) and maxlog.shape == (2,)
@@ -74,7 +79,7 @@ def test_counts_invariants_and_original_ids():
                 assert ocoact[layer, e, e2] == coact[layer, s, s2]
     np.testing.assert_array_equal(routing.load_to_original_ids(load.numpy(), perm), oload)
     doc = routing_stats_doc(oload, ocoact, tokens=50, steps=1, top_k=K, model="t")
-    parse_routing_stats(doc)      # sums, symmetry, zero diagonal, row sums
+    parse_routing_stats(doc)  # sums, symmetry, zero diagonal, row sums
     doc["coactivation"][0][0][1] += 1
     with pytest.raises(DocumentError, match=r"coactivation\[0\]\[0\]\[1\]: .* \(not symmetric\)"):
         parse_routing_stats(doc)

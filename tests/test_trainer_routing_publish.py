@@ -7,9 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY, ROUTING_STATS_KEY as KEY
-from moe_contracts.routing import (configmap_text, decode_configmap, encode_configmap as encode,
-                                   parse_routing_stats, routing_stats_doc)
+from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY
+from moe_contracts.env import ROUTING_STATS_KEY as KEY
+from moe_contracts.routing import (
+    configmap_text,
+    decode_configmap,
+    parse_routing_stats,
+    routing_stats_doc,
+)
+from moe_contracts.routing import encode_configmap as encode
 from moe_trainer import progress, routing_publish
 from moe_trainer.routing_publish import RoutingStatsPublisher
 
@@ -45,7 +51,7 @@ def test_small_document_goes_to_data_and_clears_the_gzip_key():
 
 def test_large_document_is_gzipped_under_binary_data_and_round_trips():
     doc = stats_doc(layers=2, experts=16)
-    limit = encode(doc).json_bytes - 1          # one byte too big for plain JSON
+    limit = encode(doc).json_bytes - 1  # one byte too big for plain JSON
     enc = encode(doc, limit)
     assert enc.key == GZ_KEY and enc.body["data"] == {KEY: None}
     assert enc.stored_bytes < enc.json_bytes and enc.stored_bytes <= limit
@@ -108,24 +114,41 @@ def test_patch_request_carries_nulls_for_the_other_key(tmp_path, monkeypatch):
     req = pub.patch_request(encode(stats_doc()).body)
     assert req.full_url.endswith("/namespaces/team-a/configmaps/a-routing-stats")
     assert json.loads(req.data)["binaryData"] == {GZ_KEY: None}
-    assert req.get_method() == "PATCH" and req.headers["Content-type"] == "application/merge-patch+json"
+    assert (
+        req.get_method() == "PATCH"
+        and req.headers["Content-type"] == "application/merge-patch+json"
+    )
 
 
-@pytest.mark.parametrize(("layers", "experts", "top_k", "fits"), [
-    (32, 8, 2, KEY),          # Mixtral-8x7B shape
-    (32, 64, 8, KEY),
-    (24, 128, 8, GZ_KEY),
-    (48, 128, 8, None),       # Qwen3-30B-A3B shape: too large even gzipped
-])
+@pytest.mark.parametrize(
+    ("layers", "experts", "top_k", "fits"),
+    [
+        (32, 8, 2, KEY),  # Mixtral-8x7B shape
+        (32, 64, 8, KEY),
+        (24, 128, 8, GZ_KEY),
+        (48, 128, 8, None),  # Qwen3-30B-A3B shape: too large even gzipped
+    ],
+)
 def test_which_model_sizes_fit(layers, experts, top_k, fits):
     """Realistic counts over 4M tokens (the sizes docs/trainer.md quotes)."""
     rng = np.random.default_rng(1)
     tokens = 1 << 22
     load = rng.multinomial(tokens * top_k, np.ones(experts) / experts, size=layers)
-    coact = rng.poisson(tokens * top_k * (top_k - 1) / experts / (experts - 1), size=(layers, experts, experts))
+    coact = rng.poisson(
+        tokens * top_k * (top_k - 1) / experts / (experts - 1), size=(layers, experts, experts)
+    )
     coact = (coact + coact.transpose(0, 2, 1)) // 2
     for layer in range(layers):
         np.fill_diagonal(coact[layer], 0)
-    doc = {"kind": "RoutingStats", "version": 1, "numLayers": layers, "numExperts": experts, "topK": top_k,
-           "tokens": tokens, "steps": 1, "load": load.tolist(), "coactivation": coact.tolist()}
+    doc = {
+        "kind": "RoutingStats",
+        "version": 1,
+        "numLayers": layers,
+        "numExperts": experts,
+        "topK": top_k,
+        "tokens": tokens,
+        "steps": 1,
+        "load": load.tolist(),
+        "coactivation": coact.tolist(),
+    }
     assert encode(doc).key == fits

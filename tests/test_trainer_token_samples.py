@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moe_contracts.env import ROUTING_STATS_KEY as KEY
-from moe_contracts.routing import encode_configmap as encode, parse_routing_stats, routing_stats_doc
+from moe_contracts.routing import encode_configmap as encode
+from moe_contracts.routing import parse_routing_stats, routing_stats_doc
 from moe_trainer.token_samples import TokenSampler, to_original_ids
 
 L, K, E = 3, 2, 8
@@ -35,7 +36,9 @@ def _all_tokens(ranks, steps=6, micros=2):
         for step in range(1, steps + 1):
             for micro in range(micros):
                 s = TokenSampler(L, K, 1, 7, rank, 1)
-                g = torch.Generator().manual_seed(hash((s.seed, rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+                g = torch.Generator().manual_seed(
+                    hash((s.seed, rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF
+                )
                 tk = _topk(step, micro, rank)
                 keys.append(torch.rand(tk[0].shape[0], generator=g, dtype=torch.float64))
                 ex.append(torch.stack(tk, 1))
@@ -52,7 +55,7 @@ def test_cuda_expert_ids_reach_the_sample_without_a_host_sync():
             tk = _topk(step, micro, 0)
             cpu.add(tk, step, micro)
             on_gpu = [t.cuda() for t in tk]
-            torch.cuda.set_sync_debug_mode("error")     # any synchronising call in add() raises
+            torch.cuda.set_sync_debug_mode("error")  # any synchronising call in add() raises
             try:
                 gpu.add(on_gpu, step, micro)
             finally:
@@ -69,7 +72,9 @@ def test_single_rank_keeps_the_smallest_keys_and_survives_resume():
     order = torch.argsort(keys)[:64]
     merged = s.merge("cpu")
     assert torch.equal(merged["keys"], keys[order])
-    assert torch.equal(merged["experts"].long(), ex[order]) and torch.equal(merged["steps"].long(), steps[order])
+    assert torch.equal(merged["experts"].long(), ex[order]) and torch.equal(
+        merged["steps"].long(), steps[order]
+    )
     # resume half way from the saved state: the same final sample
     r = TokenSampler(L, K, 64, 7, 0, 1)
     for step in range(1, 4):
@@ -84,7 +89,7 @@ def test_single_rank_keeps_the_smallest_keys_and_survives_resume():
 
 
 def test_original_ids_and_document():
-    ex = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=torch.int16)       # [S=2, L=2, k=2]
+    ex = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], dtype=torch.int16)  # [S=2, L=2, k=2]
     perm = [[7, 6, 5, 4, 3, 2, 1, 0], list(range(8))]
     assert to_original_ids(ex, perm) == [[[6, 7], [2, 3]], [[2, 3], [6, 7]]]
     load = np.array([[1, 1, 0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 0, 0]] * 1)
@@ -98,11 +103,13 @@ def test_original_ids_and_document():
 
 
 def _worker(rank, world, port, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     s = TokenSampler(L, K, 40, 7, rank, world)
     _feed(s, rank)
     merged = s.merge("cpu")
-    again = s.merge("cpu")                  # holdings after a merge are disjoint shares: same result
+    again = s.merge("cpu")  # holdings after a merge are disjoint shares: same result
     if rank == 0:
         torch.save({"first": merged, "again": again}, out)
     dist.destroy_process_group()
@@ -136,4 +143,4 @@ def test_too_large_document_publishes_a_cut_sample():
     assert enc.key is not None and 0 < enc.samples < 2000
     sent = json.loads(enc.body["data"][KEY]) if enc.key == KEY else None
     if sent is not None:
-        assert sent["tokenSamples"]["experts"][0] == te.tolist()[:enc.samples]
+        assert sent["tokenSamples"]["experts"][0] == te.tolist()[: enc.samples]

@@ -44,9 +44,11 @@ CRASH_POINTS = ("after-plan", "after-rbac", "after-first-worker", "after-restart
 CRASH_EXIT_CODE = 3
 
 GROUP = "moe-operator.io"
-FAULT_ANNOTATIONS = {f"{GROUP}/fault-exit-at-step": E.FAULT_EXIT_AT_STEP,
-                     f"{GROUP}/fault-exit-code": E.FAULT_EXIT_CODE,
-                     f"{GROUP}/fault-hold-checkpoint-at-step": E.FAULT_HOLD_CHECKPOINT_AT_STEP}
+FAULT_ANNOTATIONS = {
+    f"{GROUP}/fault-exit-at-step": E.FAULT_EXIT_AT_STEP,
+    f"{GROUP}/fault-exit-code": E.FAULT_EXIT_CODE,
+    f"{GROUP}/fault-hold-checkpoint-at-step": E.FAULT_HOLD_CHECKPOINT_AT_STEP,
+}
 
 
 def crash_at(env: Mapping[str, str] = os.environ) -> str | None:
@@ -106,8 +108,9 @@ def mark_exit(step: int, ckpt_dir: str | os.PathLike | None, rank: int) -> None:
         _marker(ckpt_dir, step).write_text(f"{step}\n")
 
 
-def hold_checkpoint(step: int, ckpt_dir: str | os.PathLike, rank: int,
-                    signalled: Callable[[], bool]) -> None:
+def hold_checkpoint(
+    step: int, ckpt_dir: str | os.PathLike, rank: int, signalled: Callable[[], bool]
+) -> None:
     """Rank 0 stops half-way through writing checkpoint ``step`` (its own files written,
     DeepSpeed's shards not yet), leaves ``checkpoint-write-started-step-<n>`` in the checkpoint
     dir and waits there until ``signalled()`` (a test deletes the pod), once per checkpoint dir

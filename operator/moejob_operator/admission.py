@@ -32,8 +32,8 @@ from .spec import JobSpec, SpecError
 ENV_HOST_PATH_PREFIXES = "MOE_ALLOWED_HOST_PATH_PREFIXES"
 ENV_TEST_MODE = "MOE_OPERATOR_TEST_MODE"
 
-MAX_SPEC_BYTES = 128 * 1024           # the spec as JSON; children copy parts of it (pods, plan)
-MAX_POD_METADATA_BYTES = 64 * 1024    # podAnnotations + podLabels, copied onto every worker pod
+MAX_SPEC_BYTES = 128 * 1024  # the spec as JSON; children copy parts of it (pods, plan)
+MAX_POD_METADATA_BYTES = 64 * 1024  # podAnnotations + podLabels, copied onto every worker pod
 
 # Pod annotations that change the pod's security profile or the container runtime's behaviour:
 # AppArmor off, a seccomp profile fighting the pod's own, CRI-O / Kata / containerd runtime knobs
@@ -56,8 +56,11 @@ RESERVED_MOUNTS = (C.PLAN_MOUNT_DIR, "/dev/shm", SA_TOKEN_DIR)
 FORBIDDEN_MOUNT_ROOTS = ("/proc", "/sys", "/dev")
 
 # Upper bounds of resource quantities (a typo's 1e308 is refused, a real machine fits).
-QUANTITY_LIMITS = {"cpu": Decimal(100_000), "memory": Decimal(2) ** 50,
-                   "ephemeral-storage": Decimal(2) ** 60}
+QUANTITY_LIMITS = {
+    "cpu": Decimal(100_000),
+    "memory": Decimal(2) ** 50,
+    "ephemeral-storage": Decimal(2) ** 60,
+}
 DEFAULT_QUANTITY_LIMIT = Decimal(2) ** 50
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -71,14 +74,33 @@ _ALNUM = r"[a-z0-9]+"
 _COMPONENT = rf"{_ALNUM}(?:(?:[._]|__|-+){_ALNUM})*"
 _DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _DOMAIN = rf"(?:{_DOMAIN_PART}(?:\.{_DOMAIN_PART})*(?::[0-9]+)?)"
-_IMAGE = re.compile(rf"^(?:{_DOMAIN}/)?{_COMPONENT}(?:/{_COMPONENT})*"
-                    r"(?::[\w][\w.-]{0,127})?"
-                    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$")
+_IMAGE = re.compile(
+    rf"^(?:{_DOMAIN}/)?{_COMPONENT}(?:/{_COMPONENT})*"
+    r"(?::[\w][\w.-]{0,127})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
+)
 
-_SUFFIX = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
-           "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
-           "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_QUANTITY = re.compile(r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$")
+_SUFFIX = {
+    "": 1,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+}
+_QUANTITY = re.compile(
+    r"^\+?([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:([eE][-+]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]))?$"
+)
 
 
 @dataclass(frozen=True)
@@ -91,10 +113,13 @@ class Policy:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Policy:
         raw = env.get(ENV_HOST_PATH_PREFIXES, "")
-        prefixes = tuple(posixpath.normpath(p.strip()) for p in raw.split(",")
-                         if p.strip().startswith("/"))
-        return cls(host_path_prefixes=prefixes,
-                   test_mode=env.get(ENV_TEST_MODE, "").lower() in ("1", "true", "yes"))
+        prefixes = tuple(
+            posixpath.normpath(p.strip()) for p in raw.split(",") if p.strip().startswith("/")
+        )
+        return cls(
+            host_path_prefixes=prefixes,
+            test_mode=env.get(ENV_TEST_MODE, "").lower() in ("1", "true", "yes"),
+        )
 
 
 def test_faults(policy: Policy) -> ModuleType | None:
@@ -116,12 +141,18 @@ def check_job_name(name: str) -> None:
     """The Service ``<name>-workers`` must be a DNS-1035 label and ``<name>-worker-<rank>`` a
     pod hostname: no dots, a letter first, at most MAX_JOB_NAME characters."""
     if len(name) > MAX_JOB_NAME:
-        raise SpecError("metadata.name", f"{name!r} is longer than {MAX_JOB_NAME} characters "
-                        "(worker pod hostnames must fit in 63)")
+        raise SpecError(
+            "metadata.name",
+            f"{name!r} is longer than {MAX_JOB_NAME} characters "
+            "(worker pod hostnames must fit in 63)",
+        )
     if not _DNS1035.match(name):
-        raise SpecError("metadata.name", f"{name!r} must start with a lowercase letter and hold only "
-                        "lowercase letters, digits and '-' (no dots): the job's Service name "
-                        f"{name}-workers must be a DNS-1035 label")
+        raise SpecError(
+            "metadata.name",
+            f"{name!r} must start with a lowercase letter and hold only "
+            "lowercase letters, digits and '-' (no dots): the job's Service name "
+            f"{name}-workers must be a DNS-1035 label",
+        )
 
 
 def _qualified_name(field: str, key: str) -> None:
@@ -130,14 +161,20 @@ def _qualified_name(field: str, key: str) -> None:
     if sep and (not prefix or len(prefix) > 253 or not _DNS1123_SUBDOMAIN.match(prefix)):
         raise SpecError(field, f"key {key!r}: the prefix must be a DNS subdomain (lowercase, dots)")
     if not name or len(name) > 63 or not _NAME_PART.match(name):
-        raise SpecError(field, f"key {key!r}: the name must be 1-63 characters of [A-Za-z0-9-_.], "
-                        "beginning and ending with a letter or digit")
+        raise SpecError(
+            field,
+            f"key {key!r}: the name must be 1-63 characters of [A-Za-z0-9-_.], "
+            "beginning and ending with a letter or digit",
+        )
 
 
 def _label_value(field: str, key: str, value: str) -> None:
     if value and (len(value) > 63 or not _NAME_PART.match(value)):
-        raise SpecError(f"{field}.{key}", f"{value!r} is not a label value (at most 63 characters "
-                        "of [A-Za-z0-9-_.], beginning and ending with a letter or digit)")
+        raise SpecError(
+            f"{field}.{key}",
+            f"{value!r} is not a label value (at most 63 characters "
+            "of [A-Za-z0-9-_.], beginning and ending with a letter or digit)",
+        )
 
 
 def _labels(field: str, labels: dict[str, str] | None) -> None:
@@ -148,7 +185,9 @@ def _labels(field: str, labels: dict[str, str] | None) -> None:
 
 def _object_name(field: str, name: str) -> None:
     if not _DNS1123_SUBDOMAIN.match(name):
-        raise SpecError(field, f"{name!r} is not an object name (lowercase letters, digits, '-', '.')")
+        raise SpecError(
+            field, f"{name!r} is not an object name (lowercase letters, digits, '-', '.')"
+        )
 
 
 def _starts(key: str, prefixes: tuple[str, ...]) -> str | None:
@@ -162,21 +201,32 @@ def _scheduling(spec: JobSpec) -> None:
     for key, value in (spec.nodes.node_selector or {}).items():
         other = (s.node_selector or {}).get(key)
         if other is not None and other != value:
-            raise SpecError(f"spec.scheduling.nodeSelector.{key}", f"{other!r} contradicts "
-                            f"spec.nodes.nodeSelector.{key} = {value!r}: no node can match both")
+            raise SpecError(
+                f"spec.scheduling.nodeSelector.{key}",
+                f"{other!r} contradicts "
+                f"spec.nodes.nodeSelector.{key} = {value!r}: no node can match both",
+            )
     _labels("spec.scheduling.podLabels", s.pod_labels)
     for key in s.pod_labels or {}:
         if _starts(key, RESERVED_LABEL_PREFIXES):
-            raise SpecError("spec.scheduling.podLabels", f"key {key!r} is reserved for the operator")
+            raise SpecError(
+                "spec.scheduling.podLabels", f"key {key!r} is reserved for the operator"
+            )
     for key in s.pod_annotations or {}:
         _qualified_name("spec.scheduling.podAnnotations", key)
         if _starts(key, RESERVED_ANNOTATION_PREFIXES):
-            raise SpecError("spec.scheduling.podAnnotations", f"key {key!r} is reserved: it changes "
-                            "the pod's security profile or runtime (or belongs to the operator)")
+            raise SpecError(
+                "spec.scheduling.podAnnotations",
+                f"key {key!r} is reserved: it changes "
+                "the pod's security profile or runtime (or belongs to the operator)",
+            )
     size = len(json.dumps([s.pod_annotations or {}, s.pod_labels or {}]))
     if size > MAX_POD_METADATA_BYTES:
-        raise SpecError("spec.scheduling.podAnnotations", f"podAnnotations and podLabels take "
-                        f"{size} bytes; at most {MAX_POD_METADATA_BYTES} are copied onto pods")
+        raise SpecError(
+            "spec.scheduling.podAnnotations",
+            f"podAnnotations and podLabels take "
+            f"{size} bytes; at most {MAX_POD_METADATA_BYTES} are copied onto pods",
+        )
     for i, t in enumerate(s.tolerations or ()):
         where = f"spec.scheduling.tolerations[{i}]"
         if t.key:
@@ -184,7 +234,9 @@ def _scheduling(spec: JobSpec) -> None:
         elif t.operator != "Exists":
             raise SpecError(f"{where}.operator", "must be 'Exists' when the key is empty")
         if t.operator == "Exists" and t.value:
-            raise SpecError(f"{where}.value", f"{t.value!r}: must be empty when operator is 'Exists'")
+            raise SpecError(
+                f"{where}.value", f"{t.value!r}: must be empty when operator is 'Exists'"
+            )
         if t.value:
             _label_value(where, "value", t.value)
         if t.toleration_seconds is not None and t.effect != "NoExecute":
@@ -192,8 +244,11 @@ def _scheduling(spec: JobSpec) -> None:
     if s.priority_class_name is not None:
         _object_name("spec.scheduling.priorityClassName", s.priority_class_name)
         if s.priority_class_name.startswith(RESERVED_PRIORITY_PREFIX):
-            raise SpecError("spec.scheduling.priorityClassName", f"{s.priority_class_name!r}: "
-                            "the system-* classes are reserved for cluster components")
+            raise SpecError(
+                "spec.scheduling.priorityClassName",
+                f"{s.priority_class_name!r}: "
+                "the system-* classes are reserved for cluster components",
+            )
     if s.scheduler_name is not None:
         _object_name("spec.scheduling.schedulerName", s.scheduler_name)
 
@@ -201,16 +256,23 @@ def _scheduling(spec: JobSpec) -> None:
 # ---- volumes and mounts -------------------------------------------------------------------
 def _host_path(field: str, path: str, policy: Policy) -> None:
     norm = posixpath.normpath(path)
-    if ".." in path.split("/") or norm != path.rstrip("/") and path != "/":
+    if ".." in path.split("/") or (norm != path.rstrip("/") and path != "/"):
         raise SpecError(field, f"{path!r} is not a normalised absolute path")
-    allowed = [p for p in policy.host_path_prefixes
-               if norm == p or norm.startswith(p.rstrip("/") + "/")]
+    allowed = [
+        p for p in policy.host_path_prefixes if norm == p or norm.startswith(p.rstrip("/") + "/")
+    ]
     if not allowed:
-        where = (f"allowed prefixes: {', '.join(policy.host_path_prefixes)}"
-                 if policy.host_path_prefixes else "no host path is allowed on this cluster")
-        raise SpecError(field, f"{path!r}: hostPath volumes are refused by the operator's policy "
-                        f"({where}; the chart value hostPathPolicy.allowedPrefixes, the operator's "
-                        f"${ENV_HOST_PATH_PREFIXES})")
+        where = (
+            f"allowed prefixes: {', '.join(policy.host_path_prefixes)}"
+            if policy.host_path_prefixes
+            else "no host path is allowed on this cluster"
+        )
+        raise SpecError(
+            field,
+            f"{path!r}: hostPath volumes are refused by the operator's policy "
+            f"({where}; the chart value hostPathPolicy.allowedPrefixes, the operator's "
+            f"${ENV_HOST_PATH_PREFIXES})",
+        )
 
 
 def _mount_path(field: str, path: str) -> str:
@@ -230,22 +292,29 @@ def _volumes(spec: JobSpec, policy: Policy) -> None:
     if ck is not None and ck.host_path is not None:
         _host_path("spec.checkpoint.volume.hostPath.path", ck.host_path.path, policy)
     if ck is not None and ck.persistent_volume_claim is not None:
-        _object_name("spec.checkpoint.volume.persistentVolumeClaim.claimName",
-                     ck.persistent_volume_claim.claim_name)
+        _object_name(
+            "spec.checkpoint.volume.persistentVolumeClaim.claimName",
+            ck.persistent_volume_claim.claim_name,
+        )
     if dv is not None:
         if dv.host_path is not None:
             _host_path("spec.data.volume.hostPath.path", dv.host_path.path, policy)
         if dv.persistent_volume_claim is not None:
-            _object_name("spec.data.volume.persistentVolumeClaim.claimName",
-                         dv.persistent_volume_claim.claim_name)
+            _object_name(
+                "spec.data.volume.persistentVolumeClaim.claimName",
+                dv.persistent_volume_claim.claim_name,
+            )
         if dv.config_map is not None:
             _object_name("spec.data.volume.configMap.name", dv.config_map.name)
     ckpt = _mount_path("spec.checkpoint.path", spec.checkpoint.path)
     if dv is not None:
         data = _mount_path("spec.data.path", spec.data.path)
         if data == ckpt:
-            raise SpecError("spec.data.path", f"{spec.data.path!r} is also spec.checkpoint.path: "
-                            "two volumes cannot be mounted at one path")
+            raise SpecError(
+                "spec.data.path",
+                f"{spec.data.path!r} is also spec.checkpoint.path: "
+                "two volumes cannot be mounted at one path",
+            )
 
 
 # ---- quantities ---------------------------------------------------------------------------
@@ -278,8 +347,11 @@ def _resources(spec: JobSpec) -> None:
             standard = bool(_RESOURCE_STANDARD.match(name))
             if not standard:
                 if "/" not in name:
-                    raise SpecError(field, f"{name!r} is neither cpu, memory, ephemeral-storage, "
-                                    "hugepages-<size> nor a domain-qualified extended resource")
+                    raise SpecError(
+                        field,
+                        f"{name!r} is neither cpu, memory, ephemeral-storage, "
+                        "hugepages-<size> nor a domain-qualified extended resource",
+                    )
                 _qualified_name(field, name)
             try:
                 value = parse_quantity(q)
@@ -294,25 +366,36 @@ def _resources(spec: JobSpec) -> None:
     for name, req in parsed["requests"].items():
         lim = parsed["limits"].get(name)
         if lim is not None and req > lim:
-            raise SpecError(f"spec.resources.requests.{name}", f"{spec.resources.requests[name]!r} "
-                            f"is larger than the limit {spec.resources.limits[name]!r}")
+            raise SpecError(
+                f"spec.resources.requests.{name}",
+                f"{spec.resources.requests[name]!r} "
+                f"is larger than the limit {spec.resources.limits[name]!r}",
+            )
         if lim is not None and not _RESOURCE_STANDARD.match(name) and req != lim:
-            raise SpecError(f"spec.resources.requests.{name}", "an extended resource's request must "
-                            "equal its limit")
+            raise SpecError(
+                f"spec.resources.requests.{name}",
+                "an extended resource's request must equal its limit",
+            )
 
 
 # ---- the rest -----------------------------------------------------------------------------
 def _image(spec: JobSpec) -> None:
     if not _IMAGE.match(spec.image) or len(spec.image) > 512:
-        raise SpecError("spec.image", f"{spec.image[:80]!r} is not an image reference "
-                        "([registry/]repository[:tag][@digest], lowercase repository)")
+        raise SpecError(
+            "spec.image",
+            f"{spec.image[:80]!r} is not an image reference "
+            "([registry/]repository[:tag][@digest], lowercase repository)",
+        )
 
 
 def _size(raw: Any) -> None:
     size = len(json.dumps(raw, separators=(",", ":")))
     if size > MAX_SPEC_BYTES:
-        raise SpecError("spec", f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} are accepted "
-                        "(the plan and every worker pod copy parts of it)")
+        raise SpecError(
+            "spec",
+            f"is {size} bytes as JSON; at most {MAX_SPEC_BYTES} are accepted "
+            "(the plan and every worker pod copy parts of it)",
+        )
 
 
 def _overrides(spec: JobSpec) -> None:
@@ -326,19 +409,36 @@ def _overrides(spec: JobSpec) -> None:
         for key in path[:-1]:
             node = node.get(key) if isinstance(node, dict) else None
         if isinstance(node, dict) and path[-1] in node:
-            raise SpecError(f"spec.deepspeedOverrides.{'.'.join(path)}", "the plan sets this key; "
-                            "it cannot be overridden (not even with null)")
+            raise SpecError(
+                f"spec.deepspeedOverrides.{'.'.join(path)}",
+                "the plan sets this key; it cannot be overridden (not even with null)",
+            )
     for key in SECTIONS:
         if key in ov and not isinstance(ov[key], dict):
-            raise SpecError(f"spec.deepspeedOverrides.{key}", f"{_short(ov[key])} must be an object "
-                            f"(the generated config has {key} as one)")
+            raise SpecError(
+                f"spec.deepspeedOverrides.{key}",
+                f"{_short(ov[key])} must be an object (the generated config has {key} as one)",
+            )
 
 
 # Sections of the generated DeepSpeed config that are objects (core/dsconfig.py).
-SECTIONS = ("zero_optimization", "expert_parallel", "bf16", "fp16", "optimizer", "scheduler",
-            "gradient_clipping_config", "activation_checkpointing", "comms_logger",
-            "flops_profiler", "wall_clock_breakdown_config", "data_types", "checkpoint",
-            "aio", "moe")
+SECTIONS = (
+    "zero_optimization",
+    "expert_parallel",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+    "gradient_clipping_config",
+    "activation_checkpointing",
+    "comms_logger",
+    "flops_profiler",
+    "wall_clock_breakdown_config",
+    "data_types",
+    "checkpoint",
+    "aio",
+    "moe",
+)
 
 
 def _short(value: Any) -> str:

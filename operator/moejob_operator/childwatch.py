@@ -29,8 +29,8 @@ from .reconcile.client import Client
 
 log = logging.getLogger("moejob_operator")
 
-WATCH_TIMEOUT_SECONDS = 60      # the server closes the stream after this; we resume at once
-RETRY_SECONDS = (1.0, 30.0)     # after an error: first retry, doubling up to the cap
+WATCH_TIMEOUT_SECONDS = 60  # the server closes the stream after this; we resume at once
+RETRY_SECONDS = (1.0, 30.0)  # after an error: first retry, doubling up to the cap
 
 Handler = Callable[[str, dict[str, Any]], None]
 
@@ -38,8 +38,15 @@ Handler = Callable[[str, dict[str, Any]], None]
 class ChildWatch:
     """Watch ``kind`` ("pods" or "configmaps") with ``selector`` in ``namespaces`` (None = all)."""
 
-    def __init__(self, api: k8s.ApiClient, kind: str, selector: str, handler: Handler, *,
-                 namespaces: list[str] | None = None):
+    def __init__(
+        self,
+        api: k8s.ApiClient,
+        kind: str,
+        selector: str,
+        handler: Handler,
+        *,
+        namespaces: list[str] | None = None,
+    ):
         self.core = k8s.CoreV1Api(api)
         if kind == "pods":
             self._list_all = self.core.list_pod_for_all_namespaces
@@ -56,8 +63,12 @@ class ChildWatch:
 
     def start(self) -> ChildWatch:
         for ns in self.namespaces or [None]:
-            t = threading.Thread(target=self._run, args=(ns,), daemon=True,
-                                 name=f"moe-watch-{self.kind}-{ns or 'all'}")
+            t = threading.Thread(
+                target=self._run,
+                args=(ns,),
+                daemon=True,
+                name=f"moe-watch-{self.kind}-{ns or 'all'}",
+            )
             t.start()
             self._threads.append(t)
         return self
@@ -88,12 +99,20 @@ class ChildWatch:
                 if exc.status == 410:
                     version = None
                     continue
-                log.warning("watch %s %s: API server said %s %s; again in %.0f s", self.kind,
-                            self.selector, exc.status, exc.reason, delay)
+                log.warning(
+                    "watch %s %s: API server said %s %s; again in %.0f s",
+                    self.kind,
+                    self.selector,
+                    exc.status,
+                    exc.reason,
+                    delay,
+                )
             except Exception as exc:  # noqa: BLE001 - a dropped stream must not end the watch
                 if self._stop.is_set():
                     return
-                log.warning("watch %s %s: %s; again in %.0f s", self.kind, self.selector, exc, delay)
+                log.warning(
+                    "watch %s %s: %s; again in %.0f s", self.kind, self.selector, exc, delay
+                )
             else:
                 continue
             self._stop.wait(delay)
@@ -101,9 +120,14 @@ class ChildWatch:
 
     def _stream(self, ns: str | None, version: str) -> str | None:
         """Stream events from ``version``; returns the version to resume from (None: re-list)."""
-        resp = self._call(ns, watch=True, resource_version=version, allow_watch_bookmarks=True,
-                          timeout_seconds=WATCH_TIMEOUT_SECONDS,
-                          _request_timeout=(10, WATCH_TIMEOUT_SECONDS + 30))
+        resp = self._call(
+            ns,
+            watch=True,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=WATCH_TIMEOUT_SECONDS,
+            _request_timeout=(10, WATCH_TIMEOUT_SECONDS + 30),
+        )
         try:
             for line in iter_resp_lines(resp):
                 if self._stop.is_set():
@@ -124,6 +148,5 @@ class ChildWatch:
                         log.exception("watch %s: handler failed on %s", self.kind, etype)
             return version
         finally:
-            resp.close()          # a stream left mid-way must not go back to the pool unread
+            resp.close()  # a stream left mid-way must not go back to the pool unread
             resp.release_conn()
-

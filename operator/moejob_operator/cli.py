@@ -26,11 +26,12 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # noqa: D102 - argparse hook
+    def error(self, message: str):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
 # ---- moectl plan ---------------------------------------------------------------------------
+
 
 def _load_reports(refs: Sequence[str]):
     """``FILE``, ``FIXTURE`` or ``FILE|FIXTURE@NODE`` (renames the node: one fixture, many
@@ -69,26 +70,49 @@ def _run_plan(args: argparse.Namespace) -> int:
         overrides = dsconfig.deep_merge(overrides, _json_arg(text, "--ds-override"))
     nodes = [n for n in (args.nodes or "").split(",") if n] or None
     training = plan.TrainingOptions(
-        steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
-        checkpoint_every_steps=args.checkpoint_every, grad_clip=args.grad_clip,
+        steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        checkpoint_every_steps=args.checkpoint_every,
+        grad_clip=args.grad_clip,
         activation_checkpointing=args.activation_checkpointing,
-        data=_json_arg(args.data, "--data") if args.data else {"kind": "synthetic"})
+        data=_json_arg(args.data, "--data") if args.data else {"kind": "synthetic"},
+    )
     procs, memory, reports = 1, 0, None
     if args.cpu:
         procs = args.procs_per_node
-        memory = int(args.cpu_memory_gib * 2**30) if args.cpu_memory_gib else \
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs
+        memory = (
+            int(args.cpu_memory_gib * 2**30)
+            if args.cpu_memory_gib
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // procs
+        )
     elif not args.topology:
         raise UsageError("moectl plan: error: --topology is required (or --cpu)")
     else:
         reports = _load_reports(args.topology)
     request = plan.PlanRequest(
-        args.job, args.namespace, model, reports, nodes=nodes, device="cpu" if args.cpu else "cuda",
-        gpus_per_node=None if args.cpu else args.gpus_per_node, procs_per_node=procs,
-        cpu_memory_bytes=memory, strategy=args.strategy, routing_stats=stats,
-        global_batch=args.global_batch, micro_batch=args.micro_batch, seq_len=args.seq_len,
-        ep_size=args.ep_size, training=training, autoep=not args.no_autoep,
-        ds_overrides=overrides, performance=not args.no_performance, dispatcher=args.dispatcher)
+        args.job,
+        args.namespace,
+        model,
+        reports,
+        nodes=nodes,
+        device="cpu" if args.cpu else "cuda",
+        gpus_per_node=None if args.cpu else args.gpus_per_node,
+        procs_per_node=procs,
+        cpu_memory_bytes=memory,
+        strategy=args.strategy,
+        routing_stats=stats,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        seq_len=args.seq_len,
+        ep_size=args.ep_size,
+        training=training,
+        autoep=not args.no_autoep,
+        ds_overrides=overrides,
+        performance=not args.no_performance,
+        dispatcher=args.dispatcher,
+    )
     result = plan.build_plan(request)
     print(result.summary())
     if args.output:
@@ -100,18 +124,27 @@ def _run_plan(args: argparse.Namespace) -> int:
 def add_plan(sub) -> None:
     from .core.placement import STRATEGIES
 
-    p = sub.add_parser("plan", help="plan a training job: placement, DeepSpeed config, memory",
-                       description="Plan a MoE training job offline from topology reports and "
-                                   "write the MoEPlan v1 document (docs/planning.md).")
-    p.add_argument("--topology", action="append", default=[], metavar="FILE|FIXTURE[@NODE]",
-                   help="a TopologyReport file or shipped fixture, once per node; @NODE renames")
+    p = sub.add_parser(
+        "plan",
+        help="plan a training job: placement, DeepSpeed config, memory",
+        description="Plan a MoE training job offline from topology reports and "
+        "write the MoEPlan v1 document (docs/planning.md).",
+    )
+    p.add_argument(
+        "--topology",
+        action="append",
+        default=[],
+        metavar="FILE|FIXTURE[@NODE]",
+        help="a TopologyReport file or shipped fixture, once per node; @NODE renames",
+    )
     p.add_argument("--model", required=True, help="preset name or path of a HF config.json")
     p.add_argument("--stats", help="RoutingStats v1 file of an earlier run")
     p.add_argument("--strategy", default="topology_aware", choices=STRATEGIES)
     p.add_argument("--nodes", help="comma-separated node names to use (default: all)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all)")
-    p.add_argument("--ep-size", type=int, help="expert-parallel size (default: largest inside "
-                                               "NVLink groups)")
+    p.add_argument(
+        "--ep-size", type=int, help="expert-parallel size (default: largest inside NVLink groups)"
+    )
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, help="sequences per rank per forward")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -123,13 +156,24 @@ def add_plan(sub) -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-autoep", action="store_true", help="ZeRO-3 without expert parallelism")
-    p.add_argument("--no-performance", action="store_true",
-                   help="stock configuration: no planner speed choices (training.performance, "
-                        "moeImpl, one-rank ZeRO-3 knobs); see docs/performance.md")
-    p.add_argument("--dispatcher", choices=["autoep", "dedup"],
-                   help="expert-parallel dispatcher (default: dedup when EP > 1, docs/dispatch.md)")
-    p.add_argument("--ds-override", action="append", default=[], metavar="JSON|@FILE",
-                   help="DeepSpeed config merged last (repeatable)")
+    p.add_argument(
+        "--no-performance",
+        action="store_true",
+        help="stock configuration: no planner speed choices (training.performance, "
+        "moeImpl, one-rank ZeRO-3 knobs); see docs/performance.md",
+    )
+    p.add_argument(
+        "--dispatcher",
+        choices=["autoep", "dedup"],
+        help="expert-parallel dispatcher (default: dedup when EP > 1, docs/dispatch.md)",
+    )
+    p.add_argument(
+        "--ds-override",
+        action="append",
+        default=[],
+        metavar="JSON|@FILE",
+        help="DeepSpeed config merged last (repeatable)",
+    )
     p.add_argument("--data", metavar="JSON|@FILE", help='training.data, e.g. {"kind": "synthetic"}')
     p.add_argument("--cpu", action="store_true", help="CPU mode (local demo): gloo, fp32")
     p.add_argument("--procs-per-node", type=int, default=2, help="CPU mode: processes per node")

@@ -12,11 +12,11 @@ SHORT_NAMES = ("moejob",)
 
 # Labels and annotations on everything the operator creates.
 LABEL_PREFIX = GROUP
-LABEL_JOB = f"{GROUP}/job"                # owning MoETrainingJob name
-LABEL_COMPONENT = f"{GROUP}/component"    # discovery | worker | plan | smoke | progress
+LABEL_JOB = f"{GROUP}/job"  # owning MoETrainingJob name
+LABEL_COMPONENT = f"{GROUP}/component"  # discovery | worker | plan | smoke | progress
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
-LABEL_NODE = f"{GROUP}/node"              # node a discovery pod / topology ConfigMap is about
-ANNOTATION_BOOT_ID = f"{GROUP}/boot-id"   # on moe-topology-<node>, by moe-discover: host boot id
+LABEL_NODE = f"{GROUP}/node"  # node a discovery pod / topology ConfigMap is about
+ANNOTATION_BOOT_ID = f"{GROUP}/boot-id"  # on moe-topology-<node>, by moe-discover: host boot id
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "moe-operator"
 
@@ -24,28 +24,28 @@ MANAGED_BY = "moe-operator"
 GPU_RESOURCE = "nvidia.com/gpu"
 GFD_PRODUCT = "nvidia.com/gpu.product"
 GFD_COUNT = "nvidia.com/gpu.count"
-GFD_MEMORY = "nvidia.com/gpu.memory"      # MiB
+GFD_MEMORY = "nvidia.com/gpu.memory"  # MiB
 GFD_CLIQUE = "nvidia.com/gpu.clique"
 
 # Documents (docs/contracts.md): the names are the contracts package's (moe_contracts.env)
 TOPOLOGY_CONFIGMAP_PREFIX = "moe-topology-"
 TOPOLOGY_KEY = E.TOPOLOGY_KEY
 PLAN_KEY = E.PLAN_KEY
-LAUNCHED_SPEC_KEY = "spec.json"     # in the plan ConfigMap: the immutable spec the plan was made from
+LAUNCHED_SPEC_KEY = "spec.json"  # in the plan ConfigMap: the immutable spec the plan was made from
 PROGRESS_KEY = E.PROGRESS_KEY
 ROUTING_STATS_KEY = E.ROUTING_STATS_KEY
 PLAN_MOUNT_DIR = E.PLAN_MOUNT_DIR
 
 # Trainer exit codes (docs/contracts.md)
 EXIT_OK = 0
-EXIT_DATAERR = 65      # permanent: non-finite loss
+EXIT_DATAERR = 65  # permanent: non-finite loss
 EXIT_RETRYABLE = 75
-EXIT_CONFIG = 78       # permanent: bad plan / config / model
+EXIT_CONFIG = 78  # permanent: bad plan / config / model
 PERMANENT_EXIT_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
 
 # ---- MoETrainingJob status (docs/operator.md has the table) --------------------------------
-FINALIZER = f"{GROUP}/cleanup"             # reserved; the operator relies on ownerReferences
-LABEL_ATTEMPT = f"{GROUP}/attempt"         # gang attempt (0 = first launch, +1 per restart)
+FINALIZER = f"{GROUP}/cleanup"  # reserved; the operator relies on ownerReferences
+LABEL_ATTEMPT = f"{GROUP}/attempt"  # gang attempt (0 = first launch, +1 per restart)
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"  # immutable-spec hash a child was built from
 
 COND_SPEC_ACCEPTED = "SpecAccepted"
@@ -57,10 +57,19 @@ COND_SUCCEEDED = "Succeeded"
 COND_FAILED = "Failed"
 COND_SUSPENDED = "Suspended"
 COND_HEALTHY = "Healthy"
-COND_RECONCILED = "Reconciled"     # only after a pass failed: False while retrying, True once past
-CONDITION_TYPES = (COND_SPEC_ACCEPTED, COND_TOPOLOGY, COND_PLANNED, COND_UPGRADE_VERIFIED,
-                   COND_RUNNING, COND_SUCCEEDED, COND_FAILED, COND_SUSPENDED, COND_HEALTHY,
-                   COND_RECONCILED)
+COND_RECONCILED = "Reconciled"  # only after a pass failed: False while retrying, True once past
+CONDITION_TYPES = (
+    COND_SPEC_ACCEPTED,
+    COND_TOPOLOGY,
+    COND_PLANNED,
+    COND_UPGRADE_VERIFIED,
+    COND_RUNNING,
+    COND_SUCCEEDED,
+    COND_FAILED,
+    COND_SUSPENDED,
+    COND_HEALTHY,
+    COND_RECONCILED,
+)
 
 # Reasons (CamelCase). Grouped by the condition that usually carries them.
 R_ACCEPTED = "Accepted"
@@ -94,12 +103,12 @@ R_NODE_LOST = "NodeLost"
 R_NO_FINDINGS = "NoFindings"
 R_NO_PROGRESS_YET = "NoProgressYet"
 R_HEALTH_FINDINGS = "HealthFindings"
-R_CHILD_REJECTED = "ChildRejected"          # the API server refuses a child for good (4xx)
+R_CHILD_REJECTED = "ChildRejected"  # the API server refuses a child for good (4xx)
 R_PLAN_TOO_LARGE = "PlanTooLarge"
-R_TRANSIENT_ERROR = "TransientError"        # 5xx, timeouts, conflicts: retried with backoff
-R_RECONCILE_ERROR = "ReconcileError"        # an unexpected exception in a pass: retried with backoff
+R_TRANSIENT_ERROR = "TransientError"  # 5xx, timeouts, conflicts: retried with backoff
+R_RECONCILE_ERROR = "ReconcileError"  # an unexpected exception in a pass: retried with backoff
 R_PASS_COMPLETED = "PassCompleted"
-R_STATUS_CORRECTED = "StatusCorrected"      # a status claim the cluster contradicts was undone
+R_STATUS_CORRECTED = "StatusCorrected"  # a status claim the cluster contradicts was undone
 # Known causes of a worker's exit, from its termination message (docs/contracts.md)
 R_CHECKPOINT_NOT_WRITABLE = "CheckpointNotWritable"
 R_CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
@@ -107,7 +116,9 @@ R_DATA_NOT_FOUND = "DataNotFound"
 R_OUT_OF_MEMORY = "OutOfMemory"
 
 # Reconcile timing (seconds)
-TOPOLOGY_REPORT_MAX_AGE_SECONDS = 24 * 3600   # a cached moe-topology-<node> report younger than this is reused
+TOPOLOGY_REPORT_MAX_AGE_SECONDS = (
+    24 * 3600
+)  # a cached moe-topology-<node> report younger than this is reused
 DISCOVERY_TIMEOUT_SECONDS = 300
 # Rendezvous and metrics ports: per job, not constant (builders.common.job_ports): on the local
 # node agent every pod shares the host network, so two jobs with one fixed port collide. Even

@@ -43,10 +43,17 @@ PROGRESS_SELECTOR = f"{C.LABEL_COMPONENT}=progress,{C.LABEL_MANAGED_BY}={C.MANAG
 
 
 class Reconcile(Protocol):
-    def __call__(self, client: Client, namespace: str, name: str, *, settings: Settings,
-                 body: dict[str, Any] | None = ...,
-                 defer: Callable[[Callable[[], None]], None] | None = ...,
-                 backoff: Callable[[], float] | None = ...) -> float | None: ...
+    def __call__(
+        self,
+        client: Client,
+        namespace: str,
+        name: str,
+        *,
+        settings: Settings,
+        body: dict[str, Any] | None = ...,
+        defer: Callable[[Callable[[], None]], None] | None = ...,
+        backoff: Callable[[], float] | None = ...,
+    ) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,7 @@ class ControllerConfig:
     """What ``moectl operator``'s flags (and, for ``settings``, its environment, read once at
     start-up) decide about the loop."""
 
-    namespaces: tuple[str, ...] = ()      # watched namespaces; empty: all
+    namespaces: tuple[str, ...] = ()  # watched namespaces; empty: all
     # kopf's threads for sync handlers (new jobs' first passes). Where a burst is CPU-bound (API
     # server and operator on one small machine) fewer threads keep passes closer to first-in
     # first-out; with a remote API server a pass mostly waits on round trips and more help.
@@ -66,7 +73,7 @@ class ControllerConfig:
     finish_quiet_seconds: float = 0.1
     finish_max_delay_seconds: float = 2.0
     finish_threads: int = 4
-    smoke_sweep_seconds: float = 300.0    # finished smoke Jobs are looked at this often
+    smoke_sweep_seconds: float = 300.0  # finished smoke Jobs are looked at this often
     # every pass's admission policy and gate settings (the defaults: no host path, gate on)
     settings: Settings = field(default_factory=Settings)
 
@@ -84,20 +91,28 @@ class _JobLock:
 
 
 class Controller:
-    def __init__(self, config: ControllerConfig | None = None, *, client: Client | None = None,
-                 reconcile: Reconcile = reconcile_job):
+    def __init__(
+        self,
+        config: ControllerConfig | None = None,
+        *,
+        client: Client | None = None,
+        reconcile: Reconcile = reconcile_job,
+    ):
         self.config = config or ControllerConfig()
         self._client = client
         self._client_guard = threading.Lock()
         self._reconcile = reconcile
-        self.requeue = Requeue(self.run_pass, threads=self.config.requeue_threads,
-                               resync_seconds=self.config.resync_seconds)
+        self.requeue = Requeue(
+            self.run_pass,
+            threads=self.config.requeue_threads,
+            resync_seconds=self.config.resync_seconds,
+        )
         self._locks: dict[Key, _JobLock] = {}
         self._locks_guard = threading.Lock()
         self._pending: dict[Key, Callable[[], None]] = {}
         self._pending_guard = threading.Lock()
         self._finisher: YieldingQueue | None = None
-        self._pod_seen: dict[Key, dict[str, tuple[Any, ...]]] = {}   # job -> pod uid -> signature
+        self._pod_seen: dict[Key, dict[str, tuple[Any, ...]]] = {}  # job -> pod uid -> signature
         self._pod_seen_guard = threading.Lock()
         self._watches: list[ChildWatch] = []
         self._sweeper_stop = threading.Event()
@@ -121,8 +136,10 @@ class Controller:
         ns = self.namespaces
         self._watches = [
             ChildWatch(api, "pods", POD_SELECTOR, self.on_child_pod, namespaces=ns).start(),
-            ChildWatch(api, "configmaps", PROGRESS_SELECTOR, self.on_progress,
-                       namespaces=ns).start()]
+            ChildWatch(
+                api, "configmaps", PROGRESS_SELECTOR, self.on_progress, namespaces=ns
+            ).start(),
+        ]
         self._start_smoke_sweeper()
 
     def stop(self, drain_seconds: float = 5.0) -> None:
@@ -142,8 +159,9 @@ class Controller:
             while not self._sweeper_stop.wait(self.config.smoke_sweep_seconds):
                 try:
                     gate_reconcile.sweep_smoke_jobs(self.client, self.config.settings.gate)
-                except Exception:   # housekeeping; tried again next round
+                except Exception:  # housekeeping; tried again next round
                     log.exception("smoke Job sweep failed")
+
         threading.Thread(target=loop, name="moe-smoke-sweep", daemon=True).start()
 
     # ---- triggers ------------------------------------------------------------------------
@@ -205,8 +223,9 @@ class Controller:
         return old != sig if old is not None else sig[0] != "Pending"
 
     # ---- passes --------------------------------------------------------------------------
-    def run_pass(self, namespace: str, name: str,
-                 body: dict[str, Any] | None = None) -> float | None:
+    def run_pass(
+        self, namespace: str, name: str, body: dict[str, Any] | None = None
+    ) -> float | None:
         """One serialised pass (after the remainder of the job's previous pass, if one is still
         deferred); schedules the next one it asks for (or a retry after an error)."""
         key = (namespace, name)
@@ -218,9 +237,16 @@ class Controller:
 
         def once() -> float | None:
             self._finish_pending(key)
-            return self._reconcile(self.client, namespace, name, settings=self.config.settings,
-                                   body=body,
-                                   defer=lambda f: self._defer(key, f), backoff=backoff)
+            return self._reconcile(
+                self.client,
+                namespace,
+                name,
+                settings=self.config.settings,
+                body=body,
+                defer=lambda f: self._defer(key, f),
+                backoff=backoff,
+            )
+
         return self._serialised(key, once, errored)
 
     @contextmanager
@@ -245,8 +271,9 @@ class Controller:
         with self._locks_guard:
             return len(self._locks)
 
-    def _serialised(self, key: Key, work: Callable[[], float | None],
-                    errored: list[bool] | None = None) -> float | None:
+    def _serialised(
+        self, key: Key, work: Callable[[], float | None], errored: list[bool] | None = None
+    ) -> float | None:
         """``work`` under the job's lock; schedules the pass it asks for, or a retry after an
         error. ``errored`` non-empty after ``work``: it reported an error on the job and asked
         for a backoff delay itself (the error count keeps growing until a pass goes through)."""
@@ -258,15 +285,27 @@ class Controller:
                 if not errored:
                     self.requeue.succeeded(key)
             except ApiException as exc:
-                if exc.status in (409, 429) or exc.status >= 500:   # conflicts, overload: soon
+                if exc.status in (409, 429) or exc.status >= 500:  # conflicts, overload: soon
                     delay = self.requeue.failed(key, first=TRANSIENT_RETRY_SECONDS)
-                    log.info("%s/%s: API server said %s %s; again in %.0f s", namespace, name,
-                             exc.status, exc.reason, delay)
+                    log.info(
+                        "%s/%s: API server said %s %s; again in %.0f s",
+                        namespace,
+                        name,
+                        exc.status,
+                        exc.reason,
+                        delay,
+                    )
                 else:
                     delay = self.requeue.failed(key)
-                    log.error("%s/%s: pass failed (%s %s); again in %.0f s", namespace, name,
-                              exc.status, exc.reason, delay)
-            except Exception:   # a bug must not stop this job's passes for good
+                    log.error(
+                        "%s/%s: pass failed (%s %s); again in %.0f s",
+                        namespace,
+                        name,
+                        exc.status,
+                        exc.reason,
+                        delay,
+                    )
+            except Exception:  # a bug must not stop this job's passes for good
                 delay = self.requeue.failed(key)
                 log.exception("%s/%s: pass failed; again in %.0f s", namespace, name, delay)
         if delay is not None:
@@ -283,12 +322,16 @@ class Controller:
             self._pending[key] = finish
             if self._finisher is None:
                 self._finisher = YieldingQueue(
-                    "moe-finish", self._run_finish, self.client.clock,
-                    quiet=cfg.finish_quiet_seconds, max_delay=cfg.finish_max_delay_seconds,
-                    threads=cfg.finish_threads)
+                    "moe-finish",
+                    self._run_finish,
+                    self.client.clock,
+                    quiet=cfg.finish_quiet_seconds,
+                    max_delay=cfg.finish_max_delay_seconds,
+                    threads=cfg.finish_threads,
+                )
             finisher = self._finisher
         if not finisher.put(key):
-            self._finish_pending(key)      # queue full: now, in this pass
+            self._finish_pending(key)  # queue full: now, in this pass
 
     def _run_finish(self, key: Key) -> None:
         self._serialised(key, lambda: self._finish_pending(key))
@@ -308,9 +351,15 @@ class Controller:
 
 def _pod_signature(body: dict[str, Any]) -> tuple[Any, ...]:
     status = body.get("status") or {}
-    states = tuple(sorted(
-        (cs.get("name", ""), tuple(sorted((cs.get("state") or {}).keys())),
-         ((cs.get("state") or {}).get("terminated") or {}).get("exitCode"))
-        for cs in status.get("containerStatuses") or ()))
+    states = tuple(
+        sorted(
+            (
+                cs.get("name", ""),
+                tuple(sorted((cs.get("state") or {}).keys())),
+                ((cs.get("state") or {}).get("terminated") or {}).get("exitCode"),
+            )
+            for cs in status.get("containerStatuses") or ()
+        )
+    )
     deleting = bool((body.get("metadata") or {}).get("deletionTimestamp"))
     return (status.get("phase"), states, deleting)

@@ -37,15 +37,16 @@ def controller(memo: Any) -> Controller:
     if not isinstance(ctl, Controller):
         raise kopf.PermanentError(
             "moejob_operator.handlers needs the controller that `moectl operator` creates "
-            "(run the operator with `moectl operator`, not `kopf run`)")
+            "(run the operator with `moectl operator`, not `kopf run`)"
+        )
     return ctl
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     ctl = controller(memo)
-    settings.posting.enabled = False               # the reconciler posts its own Events
-    settings.execution.max_workers = ctl.config.workers     # sync handlers: new jobs' first passes
+    settings.posting.enabled = False  # the reconciler posts its own Events
+    settings.execution.max_workers = ctl.config.workers  # sync handlers: new jobs' first passes
     # kopf waits this long after an object's event for more events to batch (default 0.1 s):
     # on every pass's path, and the reconciler re-reads the job anyway.
     settings.batching.batch_window = 0.02
@@ -75,9 +76,10 @@ def _job_event_wanted(type: str | None, body: kopf.Body, **_: Any) -> bool:
 
 
 @kopf.on.event(C.GROUP, C.VERSION, C.PLURAL, when=_job_event_wanted)
-def on_job(type: str, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo,
-           **_: Any) -> None:
-    ctl, namespace = controller(memo), namespace or ""    # a namespaced resource: always set
+def on_job(
+    type: str, namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any
+) -> None:
+    ctl, namespace = controller(memo), namespace or ""  # a namespaced resource: always set
     if type == "DELETED":
         ctl.job_deleted(namespace, name)
         return

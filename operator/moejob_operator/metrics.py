@@ -48,38 +48,61 @@ ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
 RECONCILE_SECONDS = Histogram(
-    f"{PREFIX}_reconcile_duration_seconds", "Seconds one reconcile pass of a MoETrainingJob took",
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0), registry=REGISTRY)
+    f"{PREFIX}_reconcile_duration_seconds",
+    "Seconds one reconcile pass of a MoETrainingJob took",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    registry=REGISTRY,
+)
 RECONCILE_ERRORS = Counter(
-    f"{PREFIX}_reconcile_errors", "Reconcile passes that raised, by exception type",
-    ["error"], registry=REGISTRY)
+    f"{PREFIX}_reconcile_errors",
+    "Reconcile passes that raised, by exception type",
+    ["error"],
+    registry=REGISTRY,
+)
 SMOKE_VERDICTS = Counter(
-    f"{PREFIX}_smoke_verdicts", "Smoke-test gate verdicts reached or reused (cached)",
-    ["verdict", "cached"], registry=REGISTRY)
+    f"{PREFIX}_smoke_verdicts",
+    "Smoke-test gate verdicts reached or reused (cached)",
+    ["verdict", "cached"],
+    registry=REGISTRY,
+)
 SMOKE_CURRENT = Gauge(
-    f"{PREFIX}_smoke_verdict", "1 for the current verdict of each trainer image",
-    ["image", "verdict"], registry=REGISTRY)
-LEADER = Gauge(f"{PREFIX}_leader", "1 while this process reconciles (holds the leader Lease, "
-               "or runs with leader election off)",
-               registry=REGISTRY)
-BUILD_INFO = Gauge(f"{PREFIX}_build_info", "Version of the running operator", ["version"],
-                   registry=REGISTRY)
+    f"{PREFIX}_smoke_verdict",
+    "1 for the current verdict of each trainer image",
+    ["image", "verdict"],
+    registry=REGISTRY,
+)
+LEADER = Gauge(
+    f"{PREFIX}_leader",
+    "1 while this process reconciles (holds the leader Lease, or runs with leader election off)",
+    registry=REGISTRY,
+)
+BUILD_INFO = Gauge(
+    f"{PREFIX}_build_info", "Version of the running operator", ["version"], registry=REGISTRY
+)
 
 VERDICTS = ("Passed", "Failed")
 
 # status.plan (and MoEPlan placement.quality / memory) keys -> per-job gauge names
 _PLAN_GAUGES = {
-    "crossGroupVsContiguous": ("plan_cross_group_vs_contiguous",
-                               "Cross-NVLink-group bytes of the plan / those of contiguous placement"),
+    "crossGroupVsContiguous": (
+        "plan_cross_group_vs_contiguous",
+        "Cross-NVLink-group bytes of the plan / those of contiguous placement",
+    ),
     "maxMeanLoad": ("plan_max_mean_load", "Max/mean expected GPU load of the plan's placement"),
-    "crossGroupBytesPerStep": ("plan_cross_group_bytes_per_step",
-                               "Bytes per step the plan sends across NVLink groups"),
-    "crossNodeBytesPerStep": ("plan_cross_node_bytes_per_step",
-                              "Bytes per step the plan sends across nodes"),
+    "crossGroupBytesPerStep": (
+        "plan_cross_group_bytes_per_step",
+        "Bytes per step the plan sends across NVLink groups",
+    ),
+    "crossNodeBytesPerStep": (
+        "plan_cross_node_bytes_per_step",
+        "Bytes per step the plan sends across nodes",
+    ),
     "worldSize": ("plan_world_size", "Ranks in the plan"),
     "epSize": ("plan_ep_size", "Expert-parallel size of the plan"),
-    "estimatedPeakBytesPerGpu": ("plan_estimated_peak_bytes",
-                                 "Estimated peak memory per GPU (or process) of the plan"),
+    "estimatedPeakBytesPerGpu": (
+        "plan_estimated_peak_bytes",
+        "Estimated peak memory per GPU (or process) of the plan",
+    ),
     "fits": ("plan_fits", "1 when the plan's memory estimate fits the device"),
 }
 
@@ -102,8 +125,9 @@ class JobCollector(Collector):
 
     def update(self, namespace: str, name: str, status: dict[str, Any] | None) -> None:
         status = status or {}
-        conditions = {c.get("type"): c.get("status") for c in status.get("conditions") or ()
-                      if c.get("type")}
+        conditions = {
+            c.get("type"): c.get("status") for c in status.get("conditions") or () if c.get("type")
+        }
         plan = _numbers(status.get("plan") or {})
         with self._lock:
             st = self._jobs.setdefault((namespace, name), _JobState())
@@ -127,20 +151,27 @@ class JobCollector(Collector):
         with self._lock:
             jobs = {k: (dict(v.conditions), v.phase, dict(v.plan)) for k, v in self._jobs.items()}
         by_cond = _Tally((t, s) for conds, _, _ in jobs.values() for t, s in conds.items())
-        fam = GaugeMetricFamily(f"{PREFIX}_jobs", "MoETrainingJobs by condition type and status",
-                                labels=["condition", "status"])
-        for ctype in C.CONDITION_TYPES:            # a stable series set: zeros included
+        fam = GaugeMetricFamily(
+            f"{PREFIX}_jobs",
+            "MoETrainingJobs by condition type and status",
+            labels=["condition", "status"],
+        )
+        for ctype in C.CONDITION_TYPES:  # a stable series set: zeros included
             for cstatus in ("True", "False", "Unknown"):
                 fam.add_metric([ctype, cstatus], by_cond.get((ctype, cstatus), 0))
         yield fam
         by_phase = _Tally(phase or "Pending" for _, phase, _ in jobs.values())
-        fam = GaugeMetricFamily(f"{PREFIX}_jobs_by_phase", "MoETrainingJobs by status.phase",
-                                labels=["phase"])
+        fam = GaugeMetricFamily(
+            f"{PREFIX}_jobs_by_phase", "MoETrainingJobs by status.phase", labels=["phase"]
+        )
         for phase, n in sorted(by_phase.items()):
             fam.add_metric([phase], n)
         yield fam
-        fam = GaugeMetricFamily(f"{PREFIX}_job_phase", "1 for each job's current phase",
-                                labels=["namespace", "job", "phase"])
+        fam = GaugeMetricFamily(
+            f"{PREFIX}_job_phase",
+            "1 for each job's current phase",
+            labels=["namespace", "job", "phase"],
+        )
         for (ns, name), (_, phase, _) in sorted(jobs.items()):
             fam.add_metric([ns, name, phase or "Pending"], 1)
         yield fam
@@ -184,10 +215,15 @@ def observe_plan(namespace: str, name: str, plan: dict[str, Any]) -> None:
     """Record a full MoEPlan document's placement quality and memory estimate."""
     placement = plan.get("placement") or {}
     memory = plan.get("memory") or {}
-    values = _numbers({**(placement.get("quality") or {}),
-                       "worldSize": plan.get("worldSize"), "epSize": plan.get("epSize"),
-                       "estimatedPeakBytesPerGpu": memory.get("estimatedPeakBytes"),
-                       "fits": memory.get("fits")})
+    values = _numbers(
+        {
+            **(placement.get("quality") or {}),
+            "worldSize": plan.get("worldSize"),
+            "epSize": plan.get("epSize"),
+            "estimatedPeakBytesPerGpu": memory.get("estimatedPeakBytes"),
+            "fits": memory.get("fits"),
+        }
+    )
     JOBS.update_plan(namespace, name, values)
 
 

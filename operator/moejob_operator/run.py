@@ -37,10 +37,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("moejob_operator.run")
 
@@ -63,15 +63,23 @@ class LeaseElector:
     afterwards. Conflicts (another process wrote first) are a lost round, never an error.
     """
 
-    def __init__(self, api_client, namespace: str, name: str, identity: str, *,
-                 lease_seconds: int = 15, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        api_client,
+        namespace: str,
+        name: str,
+        identity: str,
+        *,
+        lease_seconds: int = 15,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         from kubernetes import client as k8s
 
         self.api = k8s.CoordinationV1Api(api_client)
         self.namespace, self.name, self.identity = namespace, name, identity
         self.lease_seconds = lease_seconds
         self.clock = clock
-        self._observed: tuple[Any, ...] | None = None   # (holder, renewTime, transitions)
+        self._observed: tuple[Any, ...] | None = None  # (holder, renewTime, transitions)
         self._observed_at = 0.0
         self.leading = False
 
@@ -87,9 +95,14 @@ class LeaseElector:
             raise
 
     def _spec(self, transitions: int, acquire: str | None) -> dict[str, Any]:
-        now = _micro(dt.datetime.now(dt.timezone.utc))
-        return {"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_seconds,
-                "acquireTime": acquire or now, "renewTime": now, "leaseTransitions": transitions}
+        now = _micro(dt.datetime.now(dt.UTC))
+        return {
+            "holderIdentity": self.identity,
+            "leaseDurationSeconds": self.lease_seconds,
+            "acquireTime": acquire or now,
+            "renewTime": now,
+            "leaseTransitions": transitions,
+        }
 
     def try_acquire_or_renew(self) -> bool:
         from kubernetes.client.rest import ApiException
@@ -97,9 +110,12 @@ class LeaseElector:
         lease = self._read()
         try:
             if lease is None:
-                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                        "metadata": {"name": self.name, "namespace": self.namespace},
-                        "spec": self._spec(0, None)}
+                body = {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace},
+                    "spec": self._spec(0, None),
+                }
                 self.api.create_namespaced_lease(self.namespace, body, _preload_content=False)
                 return self._set(True)
             spec = lease.get("spec") or {}
@@ -114,11 +130,13 @@ class LeaseElector:
             transitions = int(spec.get("leaseTransitions") or 0)
             if holder != self.identity:
                 transitions += 1
-            lease["spec"] = self._spec(transitions, spec.get("acquireTime")
-                                       if holder == self.identity else None)
+            lease["spec"] = self._spec(
+                transitions, spec.get("acquireTime") if holder == self.identity else None
+            )
             # resourceVersion stays in metadata: a concurrent writer makes this a 409
-            self.api.replace_namespaced_lease(self.name, self.namespace, lease,
-                                              _preload_content=False)
+            self.api.replace_namespaced_lease(
+                self.name, self.namespace, lease, _preload_content=False
+            )
             return self._set(True)
         except ApiException as exc:
             if exc.status == 409:
@@ -134,18 +152,25 @@ class LeaseElector:
             lease["spec"]["holderIdentity"] = ""
             lease["spec"]["leaseDurationSeconds"] = 1
             try:
-                self.api.replace_namespaced_lease(self.name, self.namespace, lease,
-                                                  _preload_content=False)
+                self.api.replace_namespaced_lease(
+                    self.name, self.namespace, lease, _preload_content=False
+                )
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("releasing Lease %s/%s failed: %s", self.namespace, self.name, exc)
         self._set(False)
 
     def _set(self, leading: bool) -> bool:
         if leading != self.leading:
-            log.info("%s Lease %s/%s as %s", "acquired" if leading else "not holding",
-                     self.namespace, self.name, self.identity)
+            log.info(
+                "%s Lease %s/%s as %s",
+                "acquired" if leading else "not holding",
+                self.namespace,
+                self.name,
+                self.identity,
+            )
         self.leading = leading
         from . import metrics
+
         metrics.set_leader(leading)
         return leading
 
@@ -170,7 +195,7 @@ class Health:
 
 def start_health_server(health: Health, port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server hook
+        def do_GET(self):
             if self.path not in ("/healthz", "/readyz"):
                 self.send_error(404)
                 return
@@ -182,7 +207,7 @@ def start_health_server(health: Health, port: int, addr: str = "0.0.0.0") -> Thr
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *_):   # probes every few seconds: keep the log for real events
+        def log_message(self, *_):  # probes every few seconds: keep the log for real events
             pass
 
     server = ThreadingHTTPServer((addr, port), Handler)
@@ -203,8 +228,9 @@ def _lease_namespace(given: str | None) -> str | None:
         return None
 
 
-def _renew_loop(elector: LeaseElector, args, stop: threading.Event, lost: threading.Event,
-                health: Health) -> None:
+def _renew_loop(
+    elector: LeaseElector, args, stop: threading.Event, lost: threading.Event, health: Health
+) -> None:
     """Renew until ``stop``; set ``lost`` when renewal failed for ``renew_deadline`` seconds."""
     last_ok = time.monotonic()
     while not stop.wait(args.retry_period):
@@ -217,10 +243,12 @@ def _renew_loop(elector: LeaseElector, args, stop: threading.Event, lost: thread
             last_ok = time.monotonic()
             continue
         if not elector.leading or time.monotonic() - last_ok >= args.renew_deadline:
-            log.error("lost the leader Lease (another holder or no renewal for %ss): stopping",
-                      args.renew_deadline)
+            log.error(
+                "lost the leader Lease (another holder or no renewal for %ss): stopping",
+                args.renew_deadline,
+            )
             health.failed = "lost leadership"
-            lost.set()                       # kopf's loop sees it within a second and stops
+            lost.set()  # kopf's loop sees it within a second and stops
             return
 
 
@@ -240,17 +268,21 @@ def controller_config(args: argparse.Namespace, env: Mapping[str, str] | None = 
     from .core.gate import GateError
     from .reconcile.settings import Settings
 
-    settings = Settings.from_env(os.environ if env is None else env,
-                                 default_namespace=_own_namespace())
+    settings = Settings.from_env(
+        os.environ if env is None else env, default_namespace=_own_namespace()
+    )
     if isinstance(settings.gate, GateError):
-        log.error("upgrade gate settings are invalid (%s): jobs that need the gate wait",
-                  settings.gate)
-    return ControllerConfig(namespaces=tuple(args.namespace), workers=args.workers,
-                            settings=settings)
+        log.error(
+            "upgrade gate settings are invalid (%s): jobs that need the gate wait", settings.gate
+        )
+    return ControllerConfig(
+        namespaces=tuple(args.namespace), workers=args.workers, settings=settings
+    )
 
 
-async def _run_kopf(args: argparse.Namespace, controller: Any, lost: threading.Event,
-                    health: Health) -> None:
+async def _run_kopf(
+    args: argparse.Namespace, controller: Any, lost: threading.Event, health: Health
+) -> None:
     """kopf until a signal (kopf's own handlers) or until the Lease is lost; the handlers reach
     ``controller`` through kopf's memo.
 
@@ -268,7 +300,7 @@ async def _run_kopf(args: argparse.Namespace, controller: Any, lost: threading.E
                 stop_flag.set()
             await asyncio.sleep(1)
 
-    settings = kopf.OperatorSettings()     # handlers.configure() adjusts it at startup
+    settings = kopf.OperatorSettings()  # handlers.configure() adjusts it at startup
     if args.namespace:
         # Watched namespaces are exact names: kopf need not list/watch namespaces (which would
         # need a cluster-wide grant and retries ~20 s on 403 before falling back).
@@ -277,11 +309,17 @@ async def _run_kopf(args: argparse.Namespace, controller: Any, lost: threading.E
     beat = asyncio.get_running_loop().create_task(heartbeat())
     try:
         if args.namespace:
-            await kopf.operator(standalone=True, namespaces=args.namespace, stop_flag=stop_flag,
-                                settings=settings, memo=memo)
+            await kopf.operator(
+                standalone=True,
+                namespaces=args.namespace,
+                stop_flag=stop_flag,
+                settings=settings,
+                memo=memo,
+            )
         else:
-            await kopf.operator(standalone=True, clusterwide=True, stop_flag=stop_flag,
-                                settings=settings, memo=memo)
+            await kopf.operator(
+                standalone=True, clusterwide=True, stop_flag=stop_flag, settings=settings, memo=memo
+            )
     finally:
         beat.cancel()
 
@@ -290,8 +328,11 @@ def run_operator(args: argparse.Namespace) -> int:
     import kopf
 
     from . import metrics
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json"
-                   else kopf.LogFormat.FULL)
+
+    kopf.configure(
+        verbose=args.verbose,
+        log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
+    )
     metrics.set_build_info(_version())
     health = Health()
     servers: list[Any] = []
@@ -299,29 +340,38 @@ def run_operator(args: argparse.Namespace) -> int:
         servers.append(metrics.start_server(args.metrics_port, args.bind_address)[0])
     if args.health_port:
         servers.append(start_health_server(health, args.health_port, args.bind_address))
-    importlib.import_module(HANDLERS_MODULE)           # registers the @kopf handlers
+    importlib.import_module(HANDLERS_MODULE)  # registers the @kopf handlers
     from .controller import Controller
+
     controller = Controller(controller_config(args))
 
     stopping = threading.Event()
-    previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {
+        s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)
+    }
     elector = None
     try:
         if args.leader_election:
             elector = _elect(args, health, stopping)
             if elector is None:
-                return 0                                   # asked to stop while waiting
+                return 0  # asked to stop while waiting
         else:
-            metrics.set_leader(True)                       # no election: this process reconciles
-        for s, h in previous.items():                      # kopf installs its own handlers
+            metrics.set_leader(True)  # no election: this process reconciles
+        for s, h in previous.items():  # kopf installs its own handlers
             signal.signal(s, h)
         done = threading.Event()
         lost = threading.Event()
         if elector is not None:
-            threading.Thread(target=_renew_loop, name="lease-renew", daemon=True,
-                             args=(elector, args, done, lost, health)).start()
-        log.info("starting kopf (%s)", f"namespaces {', '.join(args.namespace)}"
-                 if args.namespace else "all namespaces")
+            threading.Thread(
+                target=_renew_loop,
+                name="lease-renew",
+                daemon=True,
+                args=(elector, args, done, lost, health),
+            ).start()
+        log.info(
+            "starting kopf (%s)",
+            f"namespaces {', '.join(args.namespace)}" if args.namespace else "all namespaces",
+        )
         asyncio.run(_run_kopf(args, controller, lost, health))
         done.set()
         if lost.is_set():
@@ -340,10 +390,17 @@ def _elect(args, health: Health, stopping: threading.Event) -> LeaseElector | No
 
     namespace = _lease_namespace(args.lease_namespace)
     if namespace is None:
-        raise SystemExit("moectl operator: error: leader election needs --lease-namespace "
-                         "(or POD_NAMESPACE, or an in-cluster ServiceAccount)")
-    elector = LeaseElector(api_client_from_env(), namespace, args.lease_name, args.identity,
-                           lease_seconds=args.lease_duration)
+        raise SystemExit(
+            "moectl operator: error: leader election needs --lease-namespace "
+            "(or POD_NAMESPACE, or an in-cluster ServiceAccount)"
+        )
+    elector = LeaseElector(
+        api_client_from_env(),
+        namespace,
+        args.lease_name,
+        args.identity,
+        lease_seconds=args.lease_duration,
+    )
     log.info("waiting for the leader Lease %s/%s as %s", namespace, args.lease_name, args.identity)
     while not stopping.is_set():
         health.touch()
@@ -359,6 +416,7 @@ def _elect(args, health: Health, stopping: threading.Event) -> LeaseElector | No
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("moe-operator")
     except Exception:  # noqa: BLE001 - no package metadata (a source checkout): say unknown
         return "unknown"
@@ -379,30 +437,53 @@ def _positive_int(text: str) -> int:
 
 
 def add_operator(sub) -> None:
-    p = sub.add_parser("operator", help="run the operator (the container entrypoint)",
-                       description="Run the moe-operator controller: leader election on a Lease, "
-                                   "kopf (standalone), /healthz and /metrics (docs/install.md).")
+    p = sub.add_parser(
+        "operator",
+        help="run the operator (the container entrypoint)",
+        description="Run the moe-operator controller: leader election on a Lease, "
+        "kopf (standalone), /healthz and /metrics (docs/install.md).",
+    )
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-A", "--all-namespaces", action="store_true",
-                       help="watch MoETrainingJobs in every namespace (the default)")
-    scope.add_argument("-n", "--namespace", action="append", default=[],
-                       help="watch only this namespace (repeatable)")
+    scope.add_argument(
+        "-A",
+        "--all-namespaces",
+        action="store_true",
+        help="watch MoETrainingJobs in every namespace (the default)",
+    )
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable)",
+    )
     p.add_argument("--health-port", type=int, default=8080, help="/healthz and /readyz (0: off)")
     p.add_argument("--metrics-port", type=int, default=9090, help="/metrics (0: off)")
     p.add_argument("--bind-address", default="0.0.0.0")
-    p.add_argument("--no-leader-election", dest="leader_election", action="store_false",
-                   help="run at once, without the Lease (one replica only, e.g. local dev)")
+    p.add_argument(
+        "--no-leader-election",
+        dest="leader_election",
+        action="store_false",
+        help="run at once, without the Lease (one replica only, e.g. local dev)",
+    )
     p.add_argument("--lease-name", default=DEFAULT_LEASE)
     p.add_argument("--lease-namespace", help="default: $POD_NAMESPACE, else the pod's namespace")
     p.add_argument("--lease-duration", type=int, default=15, help="seconds")
     p.add_argument("--renew-deadline", type=float, default=10.0, help="seconds")
     p.add_argument("--retry-period", type=float, default=2.0, help="seconds")
-    p.add_argument("--identity", default=_default_identity(),
-                   help="holder identity (default: $POD_NAME, else hostname_random)")
-    p.add_argument("--workers", type=_positive_int, default=8,
-                   help="threads for new jobs' first reconcile passes (default 8: best on a "
-                        "small machine that also runs the API server; more when passes wait on "
-                        "a remote one)")
+    p.add_argument(
+        "--identity",
+        default=_default_identity(),
+        help="holder identity (default: $POD_NAME, else hostname_random)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=8,
+        help="threads for new jobs' first reconcile passes (default 8: best on a "
+        "small machine that also runs the API server; more when passes wait on "
+        "a remote one)",
+    )
     p.add_argument("--log-format", choices=("plain", "json"), default="plain")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=run_operator)

@@ -40,8 +40,16 @@ def local_gpu(compute_capability: str | None = None) -> GpuCaps:
     """The first GPU as nvidia-smi reports it (name, memory, compute capability)."""
     name, mem, cc = "gpu", 0, compute_capability
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,compute_cap",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,memory.total,compute_cap",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         first = out.stdout.strip().splitlines()[0].split(", ")
         name, mem, cc = first[0], int(float(first[1])) * 2**20, cc or first[2]
     except (OSError, IndexError, ValueError, subprocess.TimeoutExpired):
@@ -56,7 +64,9 @@ def render_plans(args: argparse.Namespace) -> dict:
     return smoke_plans("cuda", local_gpu(args.compute_capability))
 
 
-def smoke_command(args: argparse.Namespace, plans_file: str, python: str = sys.executable) -> list[str]:
+def smoke_command(
+    args: argparse.Namespace, plans_file: str, python: str = sys.executable
+) -> list[str]:
     """The command line that runs `moe-smoke` on ``plans_file`` with the options given to moectl."""
     opts: list[str] = []
     if args.cpu:
@@ -67,10 +77,20 @@ def smoke_command(args: argparse.Namespace, plans_file: str, python: str = sys.e
         opts += ["--expect-deepspeed", args.expect_deepspeed]
     opts += ["--timeout", f"{args.timeout:g}"]
     if args.image:
-        runtime = [args.runtime, "run", "--rm", "--entrypoint", "moe-smoke", "--ipc=host",
-                   "-v", f"{os.path.abspath(plans_file)}:{IMAGE_PLANS}:ro"]
-        if not args.cpu:      # and no silent CPU fallback when the runtime hands over no GPU
-            runtime += ["--gpus", "1"] if args.runtime == "docker" else ["--device", "nvidia.com/gpu=all"]
+        runtime = [
+            args.runtime,
+            "run",
+            "--rm",
+            "--entrypoint",
+            "moe-smoke",
+            "--ipc=host",
+            "-v",
+            f"{os.path.abspath(plans_file)}:{IMAGE_PLANS}:ro",
+        ]
+        if not args.cpu:  # and no silent CPU fallback when the runtime hands over no GPU
+            runtime += (
+                ["--gpus", "1"] if args.runtime == "docker" else ["--device", "nvidia.com/gpu=all"]
+            )
             opts = ["--gpu"] + [o for o in opts if o != "--gpu"]
         return [*runtime, args.image, *opts, "--plans", IMAGE_PLANS]
     exe = shutil.which("moe-smoke")
@@ -86,9 +106,15 @@ def format_verdict(doc: dict) -> str:
         mark = "PASS" if c["passed"] else "FAIL"
         lines.append(f"  {mark}  {name:<{width}} {c['seconds']:7.1f}s  {c['message']}")
     v = doc.get("versions") or {}
-    stack = ", ".join(f"{k} {v[k]}" for k in ("deepspeed", "torch", "transformers", "cuda", "gpu") if v.get(k))
-    head = [(f"smoke test of {stack or 'unknown versions'} on {v.get('device', '?')} "
-            f"({doc.get('worldSize', '?')} rank(s))")]
+    stack = ", ".join(
+        f"{k} {v[k]}" for k in ("deepspeed", "torch", "transformers", "cuda", "gpu") if v.get(k)
+    )
+    head = [
+        (
+            f"smoke test of {stack or 'unknown versions'} on {v.get('device', '?')} "
+            f"({doc.get('worldSize', '?')} rank(s))"
+        )
+    ]
     if doc["passed"]:
         tail = [f"PASSED in {doc['durationSeconds']:.1f}s"]
     else:
@@ -113,8 +139,11 @@ def run_smoke(args: argparse.Namespace) -> int:
         print(f"wrote {len(plans['cases'])} smoke plans ({plans['device']}) to {args.write_plans}")
         return 0
     if args.image and shutil.which(args.runtime) is None:
-        print(f"moectl smoke: error: {args.runtime} is not installed (run without --image to use the "
-              "local moe-smoke)", file=sys.stderr)
+        print(
+            f"moectl smoke: error: {args.runtime} is not installed (run without --image to use the "
+            "local moe-smoke)",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory(prefix="moectl-smoke-") as tmp:
         plans_file = str(Path(tmp) / "plans.json")
@@ -126,8 +155,13 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     if args.verbose:
         print("+ " + " ".join(cmd), file=sys.stderr)
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if args.verbose else subprocess.PIPE,
-                           text=True, timeout=args.timeout + 60)
+        p = subprocess.run(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=None if args.verbose else subprocess.PIPE,
+            text=True,
+            timeout=args.timeout + 60,
+        )
     except FileNotFoundError as exc:
         print(f"moectl smoke: error: cannot run {cmd[0]}: {exc}", file=sys.stderr)
         return 2
@@ -137,8 +171,10 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     try:
         doc = parse_smoke_verdict(p.stdout)
     except DocumentError as exc:
-        print(f"moectl smoke: error: {cmd[0]} exited with {p.returncode} and no verdict ({exc})",
-              file=sys.stderr)
+        print(
+            f"moectl smoke: error: {cmd[0]} exited with {p.returncode} and no verdict ({exc})",
+            file=sys.stderr,
+        )
         if p.stderr:
             print("\n".join(p.stderr.rstrip().splitlines()[-20:]), file=sys.stderr)
         return 1
@@ -150,19 +186,31 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
 
 
 def add_smoke(sub) -> None:
-    p = sub.add_parser("smoke", help="run the DeepSpeed upgrade smoke test locally",
-                       description="Run moe-smoke on the planner's smoke plans (ZeRO-3 + AutoEP, every "
-                                   "model family: initialize, partitioning, expert placement, numerics "
-                                   "against plain PyTorch, train, checkpoint, resume in a new process, "
-                                   "FusedAdam) and print its verdict. Exit 0 passed, 1 failed, 2 usage.")
-    p.add_argument("--image", help="run this trainer image with --runtime instead of the local moe-smoke")
+    p = sub.add_parser(
+        "smoke",
+        help="run the DeepSpeed upgrade smoke test locally",
+        description="Run moe-smoke on the planner's smoke plans (ZeRO-3 + AutoEP, every "
+        "model family: initialize, partitioning, expert placement, numerics "
+        "against plain PyTorch, train, checkpoint, resume in a new process, "
+        "FusedAdam) and print its verdict. Exit 0 passed, 1 failed, 2 usage.",
+    )
+    p.add_argument(
+        "--image", help="run this trainer image with --runtime instead of the local moe-smoke"
+    )
     p.add_argument("--runtime", default="docker", choices=("docker", "podman"))
     p.add_argument("--cpu", action="store_true", help="CPU + gloo (2 ranks; the CPU plans)")
     p.add_argument("--gpu", action="store_true", help="fail unless a GPU is used (the GPU plans)")
-    p.add_argument("--compute-capability", metavar="X.Y",
-                   help="GPU plans for this compute capability (default: what nvidia-smi reports)")
-    p.add_argument("--write-plans", metavar="FILE", help="only write the SmokePlans document to FILE")
-    p.add_argument("--expect-deepspeed", metavar="VERSION", help="fail unless the image has this DeepSpeed")
+    p.add_argument(
+        "--compute-capability",
+        metavar="X.Y",
+        help="GPU plans for this compute capability (default: what nvidia-smi reports)",
+    )
+    p.add_argument(
+        "--write-plans", metavar="FILE", help="only write the SmokePlans document to FILE"
+    )
+    p.add_argument(
+        "--expect-deepspeed", metavar="VERSION", help="fail unless the image has this DeepSpeed"
+    )
     p.add_argument("--timeout", type=float, default=600, help="seconds (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the SmokeVerdict JSON instead")
     p.add_argument("-o", "--output", help="also write the SmokeVerdict JSON here")

@@ -40,7 +40,7 @@ MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _MAX_LR = Decimal(10)
-_MIN_LR = Decimal("1e-12")    # smaller rounds to nothing in a float32 optimizer (1e-400 is 0.0)
+_MIN_LR = Decimal("1e-12")  # smaller rounds to nothing in a float32 optimizer (1e-400 is 0.0)
 
 
 class SpecError(FieldError):
@@ -56,8 +56,9 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True,
-                              alias_generator=to_camel, populate_by_name=True)
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", strict=True, alias_generator=to_camel, populate_by_name=True
+    )
 
 
 # ---- volumes -------------------------------------------------------------------------------
@@ -148,8 +149,9 @@ class Nodes(_Model):
             if len(set(self.node_names)) != len(self.node_names):
                 raise ValueError(f"nodeNames: {list(self.node_names)!r} lists a node twice")
             if len(self.node_names) != self.count:
-                raise ValueError(f"nodeNames: {len(self.node_names)} names given, "
-                                 f"count is {self.count}")
+                raise ValueError(
+                    f"nodeNames: {len(self.node_names)} names given, count is {self.count}"
+                )
             for n in self.node_names:
                 if not _NAME_RE.match(n) or len(n) > 253:
                     raise ValueError(f"nodeNames: {n!r} is not a node name")
@@ -177,7 +179,7 @@ class RoutingStatsFrom(_Model):
 
 class Placement(_Model):
     strategy: Literal["Contiguous", "RoundRobin", "Balanced", "TopologyAware"] = "TopologyAware"
-    dispatcher: Literal["AutoEP", "Dedup"] | None = None   # None: Dedup when EP > 1 (planner)
+    dispatcher: Literal["AutoEP", "Dedup"] | None = None  # None: Dedup when EP > 1 (planner)
     expert_parallel_size: int | None = Field(default=None, ge=1, le=8192)
     routing_stats_from: RoutingStatsFrom | None = None
 
@@ -187,8 +189,9 @@ class Training(_Model):
     seq_len: int = Field(default=512, ge=8, le=1_048_576)
     global_batch: int = Field(default=8, ge=1, le=1_048_576)
     micro_batch: int = Field(default=1, ge=1, le=65_536)
-    learning_rate: str = Field(default="0.0003", max_length=32,
-                               pattern=r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$")
+    learning_rate: str = Field(
+        default="0.0003", max_length=32, pattern=r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
+    )
     warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
     seed: int = Field(default=1234, ge=0, le=4_294_967_295)
 
@@ -199,11 +202,13 @@ class Training(_Model):
         except InvalidOperation:  # pattern already refuses these; keep the message clear anyway
             raise ValueError(f"learningRate: {self.learning_rate!r} is not a number") from None
         if not (_MIN_LR <= lr <= _MAX_LR):
-            raise ValueError(f"learningRate: {self.learning_rate!r} must be >= {_MIN_LR} and "
-                             f"<= {_MAX_LR}")
+            raise ValueError(
+                f"learningRate: {self.learning_rate!r} must be >= {_MIN_LR} and <= {_MAX_LR}"
+            )
         if self.micro_batch > self.global_batch:
-            raise ValueError(f"microBatch: {self.micro_batch} is larger than globalBatch "
-                             f"{self.global_batch}")
+            raise ValueError(
+                f"microBatch: {self.micro_batch} is larger than globalBatch {self.global_batch}"
+            )
         return self
 
     @property
@@ -270,8 +275,9 @@ class JobSpec(_Model):
 
     image: str = Field(min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    deepspeed_version: str | None = Field(default=None, max_length=64,
-                                          pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+-]*)$")
+    deepspeed_version: str | None = Field(
+        default=None, max_length=64, pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+-]*)$"
+    )
     device: Literal["GPU", "CPU"] = "GPU"
     model: ModelRef
     data: Data = Data()
@@ -292,21 +298,28 @@ class JobSpec(_Model):
         if self.training.global_batch % per_step:
             raise ValueError(
                 f"training.globalBatch: {self.training.global_batch} is not a multiple of "
-                f"microBatch * world size = {self.training.micro_batch} * {world}")
+                f"microBatch * world size = {self.training.micro_batch} * {world}"
+            )
         ep = self.placement.expert_parallel_size
         if ep is not None and world % ep:
-            raise ValueError(f"placement.expertParallelSize: {ep} does not divide the world size "
-                             f"{world} (nodes.count * nodes.gpusPerNode)")
+            raise ValueError(
+                f"placement.expertParallelSize: {ep} does not divide the world size "
+                f"{world} (nodes.count * nodes.gpusPerNode)"
+            )
         for path in PROTECTED_DEEPSPEED_KEYS:
             node: Any = self.deepspeed_overrides or {}
             for key in path:
                 node = node.get(key) if isinstance(node, dict) else None
             if node is not None:
-                raise ValueError(f"deepspeedOverrides.{'.'.join(path)}: the plan sets this key; "
-                                 "it cannot be overridden")
+                raise ValueError(
+                    f"deepspeedOverrides.{'.'.join(path)}: the plan sets this key; "
+                    "it cannot be overridden"
+                )
         if self.training.warmup_steps > self.training.steps:
-            raise ValueError(f"training.warmupSteps: {self.training.warmup_steps} exceeds "
-                             f"steps {self.training.steps}")
+            raise ValueError(
+                f"training.warmupSteps: {self.training.warmup_steps} exceeds "
+                f"steps {self.training.steps}"
+            )
         return self
 
     # ---- derived -----------------------------------------------------------------------
@@ -327,8 +340,12 @@ class JobSpec(_Model):
 def field_hashes(view: dict[str, Any]) -> dict[str, str]:
     """A short hash per top-level field of an ``immutable_view()``: ``status.launchedFields``,
     which says which fields changed after launch without copying the spec into status."""
-    return {k: hashlib.sha256(json.dumps(v, sort_keys=True, separators=(",", ":")).encode())
-            .hexdigest()[:12] for k, v in view.items()}
+    return {
+        k: hashlib.sha256(
+            json.dumps(v, sort_keys=True, separators=(",", ":")).encode()
+        ).hexdigest()[:12]
+        for k, v in view.items()
+    }
 
 
 def changed_immutable_fields(launched: dict[str, Any], current: JobSpec) -> list[str]:
@@ -339,9 +356,9 @@ def changed_immutable_fields(launched: dict[str, Any], current: JobSpec) -> list
 
 def _value_at(obj: Any, loc: tuple[Any, ...]) -> Any:
     for part in loc:
-        if isinstance(obj, dict) and part in obj:
-            obj = obj[part]
-        elif isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj):
+        if (isinstance(obj, dict) and part in obj) or (
+            isinstance(obj, list) and isinstance(part, int) and 0 <= part < len(obj)
+        ):
             obj = obj[part]
         else:
             return None
@@ -350,7 +367,11 @@ def _value_at(obj: Any, loc: tuple[Any, ...]) -> Any:
 
 def _to_spec_error(raw: Any, exc: ValidationError) -> SpecError:
     err = exc.errors(include_url=False)[0]
-    loc = tuple(p for p in err.get("loc", ()) if not (isinstance(p, str) and p.startswith(("function-", "json-", "tagged-"))))
+    loc = tuple(
+        p
+        for p in err.get("loc", ())
+        if not (isinstance(p, str) and p.startswith(("function-", "json-", "tagged-")))
+    )
     # pydantic reports union branches as extra loc parts ('int', 'str'): drop them from the path.
     loc = tuple(p for p in loc if p not in ("int", "str", "bool", "float"))
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")

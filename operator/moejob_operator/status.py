@@ -51,8 +51,16 @@ class Transition:
     previous: str | None
 
 
-def set_condition(conditions: list[dict[str, Any]] | None, ctype: str, status: str, reason: str,
-                  message: str, *, generation: int, now: str) -> tuple[list[dict[str, Any]], Transition | None]:
+def set_condition(
+    conditions: list[dict[str, Any]] | None,
+    ctype: str,
+    status: str,
+    reason: str,
+    message: str,
+    *,
+    generation: int,
+    now: str,
+) -> tuple[list[dict[str, Any]], Transition | None]:
     """Return a new condition list with ``ctype`` set, and the transition if the status flipped
     or the reason changed (both worth an Event). Order of the list is kept; new types go last.
     """
@@ -65,23 +73,31 @@ def set_condition(conditions: list[dict[str, Any]] | None, ctype: str, status: s
             found = cond
         else:
             out.append(dict(cond))
-    new = {"type": ctype, "status": status, "reason": reason, "message": message,
-           "observedGeneration": generation,
-           "lastTransitionTime": now if found is None or found.get("status") != status
-           else found.get("lastTransitionTime", now)}
+    new = {
+        "type": ctype,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+        "lastTransitionTime": now
+        if found is None or found.get("status") != status
+        else found.get("lastTransitionTime", now),
+    }
     if found is None:
         out.append(new)
     else:
         out.insert([c.get("type") for c in conditions or ()].index(ctype), new)
     transition = None
     if found is None or found.get("status") != status or found.get("reason") != reason:
-        transition = Transition(ctype, status, reason, message,
-                                None if found is None else found.get("status"))
+        transition = Transition(
+            ctype, status, reason, message, None if found is None else found.get("status")
+        )
     return out, transition
 
 
 def phase_of(conditions: list[dict[str, Any]] | None) -> str:
     """One word for ``kubectl get``: derived from the conditions, never stored on its own."""
+
     def cond(t: str) -> dict[str, Any]:
         return get_condition(conditions, t) or {}
 
@@ -109,10 +125,14 @@ def phase_of(conditions: list[dict[str, Any]] | None) -> str:
 
 def event_type_for(t: Transition) -> str:
     """Kubernetes Event type: Warning for things a person should look at."""
-    bad = (t.type == C.COND_FAILED and t.status == TRUE) or \
-          (t.type == C.COND_HEALTHY and t.status == FALSE) or \
-          (t.type in (C.COND_SPEC_ACCEPTED, C.COND_PLANNED, C.COND_TOPOLOGY, C.COND_RECONCILED)
-           and t.status == FALSE) or \
-          (t.type == C.COND_UPGRADE_VERIFIED and t.reason == C.R_GATE_SKIPPED) or \
-          (t.type == C.COND_RUNNING and t.reason == C.R_RESTARTING)
+    bad = (
+        (t.type == C.COND_FAILED and t.status == TRUE)
+        or (t.type == C.COND_HEALTHY and t.status == FALSE)
+        or (
+            t.type in (C.COND_SPEC_ACCEPTED, C.COND_PLANNED, C.COND_TOPOLOGY, C.COND_RECONCILED)
+            and t.status == FALSE
+        )
+        or (t.type == C.COND_UPGRADE_VERIFIED and t.reason == C.R_GATE_SKIPPED)
+        or (t.type == C.COND_RUNNING and t.reason == C.R_RESTARTING)
+    )
     return "Warning" if bad else "Normal"

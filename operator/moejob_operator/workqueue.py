@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 log = logging.getLogger("moejob_operator")
 
-Key = tuple[str, str]               # (namespace, name) of a job
+Key = tuple[str, str]  # (namespace, name) of a job
 
-RESYNC_SECONDS = 30.0               # every known job gets a pass this often
-ERROR_RETRY_SECONDS = (5.0, 60.0)   # first retry after an unexpected error, doubling up to the cap
+RESYNC_SECONDS = 30.0  # every known job gets a pass this often
+ERROR_RETRY_SECONDS = (5.0, 60.0)  # first retry after an unexpected error, doubling up to the cap
 REQUEUE_THREADS = 8
 
 
@@ -30,8 +30,13 @@ class Requeue:
     waiting in the pool, and a request that arrives while its pass runs gets exactly one more
     pass afterwards (the running one may have missed the change that asked for it)."""
 
-    def __init__(self, run: Callable[[str, str], object], *, threads: int = REQUEUE_THREADS,
-                 resync_seconds: float = RESYNC_SECONDS):
+    def __init__(
+        self,
+        run: Callable[[str, str], object],
+        *,
+        threads: int = REQUEUE_THREADS,
+        resync_seconds: float = RESYNC_SECONDS,
+    ):
         self._run, self._resync = run, resync_seconds
         self._heap: list[tuple[float, Key]] = []
         self._due: dict[Key, float] = {}
@@ -79,7 +84,7 @@ class Requeue:
     def forget(self, key: Key) -> None:
         with self._cv:
             self.known.discard(key)
-            self._due.pop(key, None)      # its heap entry is skipped when it comes up
+            self._due.pop(key, None)  # its heap entry is skipped when it comes up
             self._errors.pop(key, None)
 
     def failed(self, key: Key, first: float | None = None) -> float:
@@ -117,7 +122,7 @@ class Requeue:
                 try:
                     for key in ready:
                         self._submit(key)
-                except RuntimeError:          # the pool refuses work: the interpreter is exiting
+                except RuntimeError:  # the pool refuses work: the interpreter is exiting
                     log.info("requeue: pool closed; timer stops")
                     return
                 if not ready:
@@ -146,4 +151,5 @@ class Requeue:
                     if key in self._rerun:
                         self._rerun.discard(key)
                         self._submit(key)
+
         self._pool.submit(job)

@@ -32,6 +32,7 @@ def _drop_planner_key(mod) -> None:
 
 def _zero_expert_grads(mod) -> None:
     import torch
+
     cls = mod.AutoEPMoELayer
     init = cls.__init__
 
@@ -39,28 +40,37 @@ def _zero_expert_grads(mod) -> None:
         init(self, *args, **kwargs)
         for p in self.experts.parameters():
             p.register_hook(lambda g: torch.zeros_like(g))
+
     cls.__init__ = __init__
 
 
 def _edp_reduction(mod) -> None:
     import deepspeed.comm as dist
+
     cls = mod.DeepSpeedZeroOptimizer_Stage3
     name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
     orig = getattr(cls, name)
 
     def avg_scatter(self, params, dtype):
         group = self._get_param_partition_group(params[0])
-        if self._autoep_expert_parallel_group(params) is not None and dist.get_world_size(group) > 1 \
-                and dist.get_rank(group) != 0:
+        if (
+            self._autoep_expert_parallel_group(params) is not None
+            and dist.get_world_size(group) > 1
+            and dist.get_rank(group) != 0
+        ):
             for p in params:
                 p.grad.zero_()
         return orig(self, params, dtype)
+
     setattr(cls, name, avg_scatter)
 
 
 def _deepseek_routing(mod) -> None:
     from dataclasses import replace
-    mod.PRESET_MODELS["deepseek_v3"] = replace(mod.PRESET_MODELS["deepseek_v3"], score_func="softmax")
+
+    mod.PRESET_MODELS["deepseek_v3"] = replace(
+        mod.PRESET_MODELS["deepseek_v3"], score_func="softmax"
+    )
 
 
 PATCHES = {

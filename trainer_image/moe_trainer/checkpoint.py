@@ -32,7 +32,7 @@ import torch
 TAG_RE = re.compile(r"^step-(\d+)$")
 log = logging.getLogger("moe_trainer.checkpoint")
 
-_writing = 0                     # > 0 while this process is inside save()
+_writing = 0  # > 0 while this process is inside save()
 _pending_signal: int | None = None
 
 
@@ -40,15 +40,17 @@ def _exit_on(signum: int) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(128 + signum)       # no interpreter teardown: process-group destructors can hang
+    os._exit(128 + signum)  # no interpreter teardown: process-group destructors can hang
 
 
 def _on_signal(signum, _frame) -> None:
     global _pending_signal
     if _writing:
         if _pending_signal is None:
-            log.warning("%s during a checkpoint write: finishing the write, then exiting",
-                        signal.Signals(signum).name)
+            log.warning(
+                "%s during a checkpoint write: finishing the write, then exiting",
+                signal.Signals(signum).name,
+            )
         _pending_signal = signum
         return
     log.warning("%s: exiting", signal.Signals(signum).name)
@@ -70,7 +72,9 @@ def _write_guard(step: int):
     finally:
         _writing -= 1
     if not _writing and _pending_signal is not None:
-        log.warning("checkpoint step-%d written; exiting on %s", step, signal.Signals(_pending_signal).name)
+        log.warning(
+            "checkpoint step-%d written; exiting on %s", step, signal.Signals(_pending_signal).name
+        )
         _exit_on(_pending_signal)
 
 
@@ -106,7 +110,11 @@ def latest_step(ckpt_dir: str | os.PathLike | None) -> int | None:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -123,6 +131,7 @@ def set_rng_state(state: dict) -> None:
 def save(engine, ckpt_dir: str | os.PathLike, step: int, rank: int, trainer_state: dict) -> Path:
     """Collective: every rank calls it. Returns the tag directory."""
     import torch.distributed as dist
+
     tag = tag_for(step)
     tag_dir = ds_dir(ckpt_dir) / tag
     with _write_guard(step):
@@ -132,7 +141,9 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, rank: int, trainer_stat
             torch.save(trainer_state, tag_dir / "trainer_state.pt")
         faults = test_faults()
         if faults is not None:
-            faults.hold_checkpoint(step, ckpt_dir, rank, signalled=lambda: _pending_signal is not None)
+            faults.hold_checkpoint(
+                step, ckpt_dir, rank, signalled=lambda: _pending_signal is not None
+            )
         dist.barrier()
         engine.save_checkpoint(str(ds_dir(ckpt_dir)), tag=tag, client_state={"step": step})
     return tag_dir

@@ -53,6 +53,7 @@ TIERS = ("intraGroup", "crossGroup", "crossNode")
 def _rows_per_peer(args: tuple, kwargs: dict) -> tuple[list[int], int, object] | None:
     """(rows sent to each rank of the group, bytes per row, group) of an ``all_to_all_single``."""
     import deepspeed.comm as dscomm
+
     tensor = kwargs.get("tensor", kwargs.get("input", args[1] if len(args) > 1 else None))
     if tensor is None or tensor.dim() == 0 or tensor.shape[0] == 0:
         return None
@@ -69,6 +70,7 @@ def all_to_all_sent_bytes(args: tuple, kwargs: dict) -> int:
     """Bytes an ``all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group)``
     call sends to ranks other than the caller."""
     import deepspeed.comm as dscomm
+
     got = _rows_per_peer(args, kwargs)
     if got is None:
         return 0
@@ -77,15 +79,22 @@ def all_to_all_sent_bytes(args: tuple, kwargs: dict) -> int:
     return int((sum(splits) - splits[me]) * row)
 
 
-def all_to_all_tier_bytes(args: tuple, kwargs: dict, group_of: list[int], node_of: list[int]) -> dict[str, int]:
+def all_to_all_tier_bytes(
+    args: tuple, kwargs: dict, group_of: list[int], node_of: list[int]
+) -> dict[str, int]:
     """The same bytes by tier of the receiver; ``group_of``/``node_of`` are per global rank."""
     import torch.distributed as dist
+
     out = dict.fromkeys(TIERS, 0)
     got = _rows_per_peer(args, kwargs)
     if got is None:
         return out
     splits, row, group = got
-    peers = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    peers = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     me = dist.get_rank()
     for peer, n in zip(peers, splits, strict=True):
         if peer == me or not n:
@@ -120,7 +129,9 @@ class CommTimer:
         """Seconds per kind, all-to-all bytes sent to other ranks (``allToAllBytes``) and the same
         by
         tier (``allToAllTierBytes``, zeros without `set_tiers`) since the last take()."""
-        out = dict(self.seconds, allToAllBytes=self.sent_bytes, allToAllTierBytes=dict(self.tier_bytes))
+        out = dict(
+            self.seconds, allToAllBytes=self.sent_bytes, allToAllTierBytes=dict(self.tier_bytes)
+        )
         for k in self.seconds:
             self.seconds[k] = 0.0
         self.sent_bytes = 0
@@ -149,10 +160,12 @@ class CommTimer:
             if out is not None and hasattr(out, "wait") and kwargs.get("async_op", False):
                 return _TimedHandle(out, timer, kind)
             return out
+
         return wrapper
 
     def install(self) -> CommTimer:
         import deepspeed.comm as dscomm
+
         for name, kind in KINDS.items():
             fn = getattr(dscomm, name, None)
             if fn is not None and name not in self._originals:
@@ -162,6 +175,7 @@ class CommTimer:
 
     def uninstall(self) -> None:
         import deepspeed.comm as dscomm
+
         for name, fn in self._originals.items():
             setattr(dscomm, name, fn)
         self._originals = {}

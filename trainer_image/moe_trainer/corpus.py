@@ -40,14 +40,20 @@ def _docstrings(path: Path) -> list[str]:
 def iter_texts(max_bytes: int) -> list[str]:
     """Corpus documents in a fixed order, at most `max_bytes` UTF-8 bytes in total."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in stdlib.rglob("*.py")
-                   if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts)
+    files = sorted(
+        p
+        for p in stdlib.rglob("*.py")
+        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
+    )
     texts: list[str] = []
     total = 0
     sources = [(_docstrings, f) for f in files]
     if LICENSE_DIR.is_dir():
-        sources += [(lambda p: [p.read_text(errors="replace")], p)
-                    for p in sorted(LICENSE_DIR.iterdir()) if p.is_file()]
+        sources += [
+            (lambda p: [p.read_text(errors="replace")], p)
+            for p in sorted(LICENSE_DIR.iterdir())
+            if p.is_file()
+        ]
     for reader, path in sources:
         for doc in reader(path):
             n = len(doc.encode("utf-8")) + len(DOC_SEPARATOR)
@@ -79,6 +85,7 @@ DOC_SEPARATOR = "\n\n\f"
 
 def main() -> None:
     import argparse
+
     ap = argparse.ArgumentParser(description="Build the real-text corpus and print its path")
     ap.add_argument("--max-bytes", type=int, default=4_000_000)
     ap.add_argument("--cache-dir", default=None)

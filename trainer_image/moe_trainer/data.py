@@ -41,6 +41,7 @@ class HFTokenizer:
     def __init__(self, path: str):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
+
         self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.vocab_size = len(self.tok)
         self.EOS = self.tok.eos_token_id if self.tok.eos_token_id is not None else 0
@@ -57,7 +58,9 @@ def _text_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ".text", ""))
+        return sorted(
+            p for p in path.rglob("*") if p.is_file() and p.suffix in (".txt", ".md", ".text", "")
+        )
     raise DataError(f"training.data.path: {str(path)!r} does not exist")
 
 
@@ -87,7 +90,7 @@ def tokens_from_npy(path: str | os.PathLike) -> np.ndarray:
 class BatchSource:
     """Deterministic [micro_batch, seq_len + 1] windows of a token stream (or synthetic tokens)."""
 
-    tokens: np.ndarray | None      # tokens[N], None for synthetic
+    tokens: np.ndarray | None  # tokens[N], None for synthetic
     seq_len: int
     micro_batch: int
     seed: int
@@ -97,11 +100,15 @@ class BatchSource:
         if self.tokens is not None:
             self.n_windows = (len(self.tokens) - 1) // self.seq_len
             if self.n_windows < 1:
-                raise DataError(f"training.data: {len(self.tokens)} tokens are fewer than seqLen+1="
-                                f"{self.seq_len + 1}")
+                raise DataError(
+                    f"training.data: {len(self.tokens)} tokens are fewer than seqLen+1="
+                    f"{self.seq_len + 1}"
+                )
             if self.tokens.max() >= self.vocab_size:
-                raise DataError(f"training.data: token id {int(self.tokens.max())} >= model vocab_size "
-                                f"{self.vocab_size}")
+                raise DataError(
+                    f"training.data: token id {int(self.tokens.max())} >= model vocab_size "
+                    f"{self.vocab_size}"
+                )
         self._orders: dict[int, np.ndarray] = {}
 
     def _window(self, sample: int) -> np.ndarray:
@@ -114,16 +121,20 @@ class BatchSource:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
             self._orders = {epoch: order}
         start = int(order[i]) * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
-    def batch(self, step: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int) -> np.ndarray:
+    def batch(
+        self, step: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int
+    ) -> np.ndarray:
         """batch[micro_batch, seq_len + 1] for optimizer step `step` (0-based), micro step
         `micro`."""
         first = ((step * grad_accum + micro) * dp_size + dp_rank) * self.micro_batch
         return np.stack([self._window(first + b) for b in range(self.micro_batch)])
 
 
-def make_batch_source(data_spec, seq_len: int, micro_batch: int, seed: int, vocab_size: int) -> BatchSource:
+def make_batch_source(
+    data_spec, seq_len: int, micro_batch: int, seed: int, vocab_size: int
+) -> BatchSource:
     """From the plan's `training.data`: kind text | tokens | corpus | synthetic."""
     kind = data_spec.kind
     if kind == "synthetic":

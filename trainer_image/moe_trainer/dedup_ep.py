@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-ID_BYTES = 4        # int32 expert ids per stage-A/B row
-WEIGHT_BYTES = 4    # fp32 router weights per stage-A/B row
+ID_BYTES = 4  # int32 expert ids per stage-A/B row
+WEIGHT_BYTES = 4  # fp32 router weights per stage-A/B row
 
 
 class DispatchError(ValueError):
@@ -99,24 +99,35 @@ class Layout:
     def check(self, ep_size: int, num_experts: int, num_local_experts: int) -> Layout:
         P = ep_size
         if len(self.expert2rank) != num_experts or len(self.expert2local) != num_experts:
-            raise DispatchError(f"expert2rank/expert2local have {len(self.expert2rank)}/{len(self.expert2local)} "
-                                f"entries, the layer has {num_experts} experts")
+            raise DispatchError(
+                f"expert2rank/expert2local have {len(self.expert2rank)}/{len(self.expert2local)} "
+                f"entries, the layer has {num_experts} experts"
+            )
         seen = set(zip(self.expert2rank, self.expert2local, strict=True))
         want = {(r, j) for r in range(P) for j in range(num_local_experts)}
         if seen != want:
-            raise DispatchError(f"expert2rank/expert2local do not give every EP rank of {P} exactly "
-                                f"{num_local_experts} local experts")
+            raise DispatchError(
+                f"expert2rank/expert2local do not give every EP rank of {P} exactly "
+                f"{num_local_experts} local experts"
+            )
         flat = sorted(r for g in self.group_ranks for r in g)
         if flat != list(range(P)) or len({len(g) for g in self.group_ranks}) != 1:
-            raise DispatchError(f"group_ranks {self.group_ranks!r} must split EP ranks 0..{P - 1} into "
-                                "groups of equal size")
+            raise DispatchError(
+                f"group_ranks {self.group_ranks!r} must split EP ranks 0..{P - 1} into "
+                "groups of equal size"
+            )
         if len(self.tier_group) != P or len(self.tier_node) != P:
             raise DispatchError(f"tier_group/tier_node need {P} entries")
         return self
 
 
-def contiguous_layout(num_experts: int, ep_size: int, rank_group: list[int] | None = None,
-                      rank_node: list[int] | None = None, flat: bool = False) -> Layout:
+def contiguous_layout(
+    num_experts: int,
+    ep_size: int,
+    rank_group: list[int] | None = None,
+    rank_node: list[int] | None = None,
+    flat: bool = False,
+) -> Layout:
     """AutoEP's slot layout (slot ``s`` on EP rank ``s // E_local``) with dispatch groups from
     ``rank_group[P]`` (EP rank -> NVLink group id). Unequal groups, or ``flat``, run R = 1."""
     n = num_experts // ep_size
@@ -128,14 +139,21 @@ def contiguous_layout(num_experts: int, ep_size: int, rank_group: list[int] | No
         groups = [(r,) for r in range(ep_size)]
     dense = [ids.index(g) for g in rank_group]
     node_ids = sorted(set(rank_node), key=rank_node.index)
-    return Layout(tuple(e // n for e in range(num_experts)), tuple(e % n for e in range(num_experts)),
-                  tuple(groups), tuple(dense), tuple(node_ids.index(x) for x in rank_node))
+    return Layout(
+        tuple(e // n for e in range(num_experts)),
+        tuple(e % n for e in range(num_experts)),
+        tuple(groups),
+        tuple(dense),
+        tuple(node_ids.index(x) for x in rank_node),
+    )
 
 
 class Plan:
     """One EP group's process groups and tables for a `Layout`, on one rank."""
 
-    def __init__(self, layout: Layout, ep_rank: int, ep_group, rail_group, group_group, device: torch.device):
+    def __init__(
+        self, layout: Layout, ep_rank: int, ep_group, rail_group, group_group, device: torch.device
+    ):
         self.layout, self.ep_group = layout, ep_group
         self.me = ep_rank
         G, R = len(layout.group_ranks), len(layout.group_ranks[0])
@@ -146,8 +164,10 @@ class Plan:
             for i, r in enumerate(ranks):
                 self.group_of[r], self.local_of[r] = g, i
         self.my_group, self.my_local = self.group_of[ep_rank], self.local_of[ep_rank]
-        self.rail_ranks = [layout.group_ranks[g][self.my_local] for g in range(G)]    # rail peers, group order
-        self.group_members = list(layout.group_ranks[self.my_group])                 # my group, local order
+        self.rail_ranks = [
+            layout.group_ranks[g][self.my_local] for g in range(G)
+        ]  # rail peers, group order
+        self.group_members = list(layout.group_ranks[self.my_group])  # my group, local order
         self.rail_group, self.group_group = rail_group, group_group
         self.e2r = torch.tensor(layout.expert2rank, dtype=torch.long, device=device)
         self.e2l = torch.tensor(layout.expert2local, dtype=torch.long, device=device)
@@ -169,10 +189,12 @@ class Plan:
         return out
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group, plan: Plan,
-                peers: list[int]) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, send: list[int], recv: list[int], group, plan: Plan, peers: list[int]
+) -> torch.Tensor:
     """Variable-split all-to-all of rows of ``x`` over ``group`` (ranks ``peers``), counted."""
     import deepspeed.comm as dscomm
+
     x = x.contiguous()
     row = x.element_size() * math.prod(x.shape[1:])
     counters.add(plan.tier_bytes(peers, send, row))
@@ -216,14 +238,15 @@ def _local_counts(plan: Plan, sel: torch.Tensor):
     hit_rank = torch.zeros(T, plan.P, dtype=torch.bool, device=dev).scatter_(1, dest_rank, True)
     hit_group = torch.zeros(T, plan.G, dtype=torch.bool, device=dev).scatter_(1, dest_group, True)
     assigned = torch.zeros(plan.P, dtype=torch.long, device=dev).scatter_add_(
-        0, dest_rank.reshape(-1), torch.ones(T * K, dtype=torch.long, device=dev))
+        0, dest_rank.reshape(-1), torch.ones(T * K, dtype=torch.long, device=dev)
+    )
     return dest_group, hit_group, torch.cat([hit_rank.sum(0), assigned, hit_group.sum(0)])
 
 
 def _stage_a_rows(sel, dest_group, hit_group, n: int):
     """One row per (token, group hit), group-major: (token[n], ids[n, K] with -1 outside the
     group)."""
-    ga_t = _nonzero(hit_group.t(), n)                                      # [n, 2]: (group, token)
+    ga_t = _nonzero(hit_group.t(), n)  # [n, 2]: (group, token)
     tok = ga_t[:, 1]
     return tok, torch.where(dest_group[tok] == ga_t[:, :1], sel[tok], -1).to(torch.int32)
 
@@ -232,9 +255,13 @@ def _stage_b_rows(plan: Plan, ids_a: torch.Tensor, n: int):
     """One row per (stage-A row, local rank it needs), rank-major: (row[n], ids[n, K] masked to
     it)."""
     R = plan.R
-    local_b = torch.where(ids_a >= 0, plan.r2local[plan.e2r[ids_a.long().clamp(min=0)]], R)     # [NA, K]
-    hit_b = torch.zeros(ids_a.shape[0], R + 1, dtype=torch.bool, device=ids_a.device).scatter_(1, local_b, True)
-    lr = _nonzero(hit_b[:, :R].t(), n)                                     # [n, 2]: (local rank, row)
+    local_b = torch.where(
+        ids_a >= 0, plan.r2local[plan.e2r[ids_a.long().clamp(min=0)]], R
+    )  # [NA, K]
+    hit_b = torch.zeros(ids_a.shape[0], R + 1, dtype=torch.bool, device=ids_a.device).scatter_(
+        1, local_b, True
+    )
+    lr = _nonzero(hit_b[:, :R].t(), n)  # [n, 2]: (local rank, row)
     row = lr[:, 1]
     return row, torch.where(local_b[row] == lr[:, :1], ids_a[row], -1)
 
@@ -242,13 +269,14 @@ def _stage_b_rows(plan: Plan, ids_a: torch.Tensor, n: int):
 def _expert_rows(plan: Plan, ids_b: torch.Tensor, n: int, num_local_experts: int, counts_dtype):
     """One GEMM row per (arrived row, local expert), sorted by local expert: (row, k,
     counts[E_local])."""
-    rk = _nonzero(ids_b >= 0, n)                                           # [n, 2]: (row, k)
+    rk = _nonzero(ids_b >= 0, n)  # [n, 2]: (row, k)
     row, k = rk[:, 0], rk[:, 1]
     local = plan.e2l[ids_b[row, k].long()]
     order = torch.argsort(local, stable=True)
     row, k, local = row[order], k[order], local[order]
-    local_counts = torch.zeros(num_local_experts, dtype=counts_dtype, device=ids_b.device).scatter_add_(
-        0, local, torch.ones_like(local, dtype=counts_dtype))
+    local_counts = torch.zeros(
+        num_local_experts, dtype=counts_dtype, device=ids_b.device
+    ).scatter_add_(0, local, torch.ones_like(local, dtype=counts_dtype))
     return row, k, local_counts
 
 
@@ -260,13 +288,23 @@ def index_work(plan: Plan, selected: torch.Tensor):
     P = plan.P
     dest_group, hit_group, mine = _local_counts(plan, sel)
     counts = mine.cpu()
-    _tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P:].sum()))
+    _tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P :].sum()))
     _row_b, ids_b = _stage_b_rows(plan, ids_a, int(counts[:P].sum()))
-    return _expert_rows(plan, ids_b, int(counts[P:2 * P].sum()), len(plan.layout.expert2rank) // P, torch.int32)
+    return _expert_rows(
+        plan, ids_b, int(counts[P : 2 * P].sum()), len(plan.layout.expert2rank) // P, torch.int32
+    )
 
 
-def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch.Tensor, experts,
-          num_local_experts: int, score_apply: str, counts_dtype: torch.dtype) -> torch.Tensor:
+def route(
+    plan: Plan,
+    x: torch.Tensor,
+    top_scores: torch.Tensor,
+    selected: torch.Tensor,
+    experts,
+    num_local_experts: int,
+    score_apply: str,
+    counts_dtype: torch.dtype,
+) -> torch.Tensor:
     """Dispatch ``x[T, H]`` to the experts picked in ``selected[T, K]`` with weights
     ``top_scores[T, K]``, run ``experts`` and combine; returns ``y[T, H]`` (= sum_k w_k f_k(x))."""
     import torch.distributed as dist
@@ -288,7 +326,7 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
         counts = torch.stack(parts).cpu()
     else:
         counts = mine.reshape(1, -1).cpu()
-    ranks_hit, assigned_to, groups_hit = counts[:, :P], counts[:, P:2 * P], counts[:, 2 * P:]
+    ranks_hit, assigned_to, groups_hit = counts[:, :P], counts[:, P : 2 * P], counts[:, 2 * P :]
 
     # ---- stage A: one row per (token, group), over the rail
     rail = plan.rail_ranks
@@ -296,37 +334,61 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
     recv_a = [int(groups_hit[rail[g], plan.my_group]) for g in range(G)]
     tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, sum(send_a))
     x_a = _Exchange.apply(x.index_select(0, tok_a), send_a, recv_a, plan.rail_group, plan, rail)
-    w_a = _Exchange.apply(top_scores.float().index_select(0, tok_a), send_a, recv_a, plan.rail_group, plan, rail)
+    w_a = _Exchange.apply(
+        top_scores.float().index_select(0, tok_a), send_a, recv_a, plan.rail_group, plan, rail
+    )
     ids_a = _all_to_all(ids_a, send_a, recv_a, plan.rail_group, plan, rail)
 
     # ---- stage B: one row per (stage-A row, rank of this group it needs)
     members = plan.group_members
     send_b = [int(sum(ranks_hit[s, d] for s in rail)) for d in members]
-    recv_b = [int(sum(ranks_hit[s, me] for s in [plan.layout.group_ranks[g][plan.local_of[m]]
-                                                  for g in range(G)])) for m in members]
+    recv_b = [
+        int(
+            sum(
+                ranks_hit[s, me]
+                for s in [plan.layout.group_ranks[g][plan.local_of[m]] for g in range(G)]
+            )
+        )
+        for m in members
+    ]
     row_b, ids_b = _stage_b_rows(plan, ids_a, sum(send_b))
-    x_b = _Exchange.apply(x_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members)
-    w_b = _Exchange.apply(w_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members)
+    x_b = _Exchange.apply(
+        x_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members
+    )
+    w_b = _Exchange.apply(
+        w_a.index_select(0, row_b), send_b, recv_b, plan.group_group, plan, members
+    )
     ids_b = _all_to_all(ids_b, send_b, recv_b, plan.group_group, plan, members)
 
     # ---- experts: one GEMM row per (arrived row, local expert); partial sums per arrived row
-    row, k, local_counts = _expert_rows(plan, ids_b, int(assigned_to[:, me].sum()), num_local_experts,
-                                        counts_dtype)
+    row, k, local_counts = _expert_rows(
+        plan, ids_b, int(assigned_to[:, me].sum()), num_local_experts, counts_dtype
+    )
     inp = x_b.index_select(0, row)
-    w = w_b[row, k].unsqueeze(1)                                           # [N, 1] fp32
+    w = w_b[row, k].unsqueeze(1)  # [N, 1] fp32
     if score_apply == "pre":
         inp = (inp.float() * w).to(inp.dtype)
     permuted, perm, aligned, n = permute_by_local_expert(inp, local_counts)
     out = unpermute_by_local_expert(experts(permuted, aligned), perm, n).float()
     if score_apply == "post":
         out = out * w
-    y_b = torch.zeros(x_b.shape[0], H, dtype=torch.float32, device=dev).index_add(0, row, out).to(x.dtype)
+    y_b = (
+        torch.zeros(x_b.shape[0], H, dtype=torch.float32, device=dev)
+        .index_add(0, row, out)
+        .to(x.dtype)
+    )
 
     # ---- combine: back through stage B, pre-reduce per (token, group), back through stage A
     y_b = _Exchange.apply(y_b, recv_b, send_b, plan.group_group, plan, members)
-    y_a = torch.zeros(x_a.shape[0], H, dtype=torch.float32, device=dev).index_add(0, row_b, y_b.float())
+    y_a = torch.zeros(x_a.shape[0], H, dtype=torch.float32, device=dev).index_add(
+        0, row_b, y_b.float()
+    )
     y_a = _Exchange.apply(y_a.to(x.dtype), recv_a, send_a, plan.rail_group, plan, rail)
-    return torch.zeros(T, H, dtype=torch.float32, device=dev).index_add(0, tok_a, y_a.float()).to(x.dtype)
+    return (
+        torch.zeros(T, H, dtype=torch.float32, device=dev)
+        .index_add(0, tok_a, y_a.float())
+        .to(x.dtype)
+    )
 
 
 # ---------------------------------------------------------------- process groups and the layer
@@ -334,8 +396,12 @@ def route(plan: Plan, x: torch.Tensor, top_scores: torch.Tensor, selected: torch
 
 def ep_global_ranks(ep_group) -> list[int]:
     import torch.distributed as dist
-    return list(dist.get_process_group_ranks(ep_group)) if ep_group is not None \
+
+    return (
+        list(dist.get_process_group_ranks(ep_group))
+        if ep_group is not None
         else list(range(dist.get_world_size()))
+    )
 
 
 _GROUPS: dict = {}
@@ -353,6 +419,7 @@ def make_groups(layout: Layout, ep_group) -> tuple:
 
 def _new_groups(layout: Layout, ep_group) -> tuple:
     import torch.distributed as dist
+
     P, G = layout.num_ranks, len(layout.group_ranks)
     R = len(layout.group_ranks[0])
     ranks = ep_global_ranks(ep_group)
@@ -396,8 +463,16 @@ def _layer_class():
             ro = RouterOutput(*self.router(x, self.expert_bias))
             with torch.no_grad():
                 self.tokens_per_expert.add_(ro.num_tokens_per_expert)
-            out = route(self.dedup_plan, x, ro.top_scores, ro.selected_experts, self.experts,
-                        self.num_local_experts, self.score_apply, ro.num_tokens_per_expert.dtype)
+            out = route(
+                self.dedup_plan,
+                x,
+                ro.top_scores,
+                ro.selected_experts,
+                self.experts,
+                self.num_local_experts,
+                self.score_apply,
+                ro.num_tokens_per_expert.dtype,
+            )
             return self._finalize_output(out.reshape(bsz, seqlen, hdim), x, hidden_states, hdim)
 
     return DedupEPMoELayer
@@ -417,20 +492,26 @@ def install(blocks, layouts: list[Layout]) -> list:
     """Swap AutoEP layers ``blocks[l]`` to the dedup dispatcher with ``layouts[l]`` (one per
     layer). Collective (creates process groups): every rank calls it with the same layouts."""
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
     if len(layouts) != len(blocks):
         raise DispatchError(f"{len(layouts)} layouts for {len(blocks)} MoE layers")
     cls = layer_class()
     for block, layout in zip(blocks, layouts, strict=True):
         if not isinstance(block, AutoEPMoELayer):
-            raise DispatchError(f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}")
+            raise DispatchError(
+                f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}"
+            )
         if block.ep_size == 1:
             continue
         if block.comm_backend != "comm" or block.folding_group_handles is not None:
-            raise DispatchError("dispatcher 'dedup' replaces AutoEP's default all-to-all path; it does not "
-                                "combine with comm_backend 'deepep' or folded tensor parallelism")
+            raise DispatchError(
+                "dispatcher 'dedup' replaces AutoEP's default all-to-all path; it does not "
+                "combine with comm_backend 'deepep' or folded tensor parallelism"
+            )
         layout.check(block.ep_size, block.num_experts, block.num_local_experts)
         rail, group = make_groups(layout, block.ep_group)
         block.__class__ = cls
-        block.dedup_plan = Plan(layout, block.ep_rank, block.ep_group, rail, group,
-                                block.router.gate.weight.device)
+        block.dedup_plan = Plan(
+            layout, block.ep_rank, block.ep_group, rail, group, block.router.gate.weight.device
+        )
     return blocks

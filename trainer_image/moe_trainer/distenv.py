@@ -54,15 +54,21 @@ def read_env(plan_world_size: int, rank_gpus: list[int | None], force_cpu: bool 
     rank = _int_env("RANK", 0)
     local_rank = _int_env("LOCAL_RANK", rank)
     if world != plan_world_size:
-        raise RendezvousError(f"WORLD_SIZE={world} differs from the plan's worldSize={plan_world_size}")
+        raise RendezvousError(
+            f"WORLD_SIZE={world} differs from the plan's worldSize={plan_world_size}"
+        )
     if not 0 <= rank < world:
         raise RendezvousError(f"RANK={rank} is outside 0..{world - 1}")
     use_cuda = torch.cuda.is_available() and not force_cpu
     if use_cuda:
-        gpu = rank_gpus[rank] if rank < len(rank_gpus) and rank_gpus[rank] is not None else local_rank
+        gpu = (
+            rank_gpus[rank] if rank < len(rank_gpus) and rank_gpus[rank] is not None else local_rank
+        )
         if gpu >= torch.cuda.device_count():
-            raise RendezvousError(f"plan puts rank {rank} on GPU {gpu}, this pod sees "
-                                  f"{torch.cuda.device_count()} GPU(s)")
+            raise RendezvousError(
+                f"plan puts rank {rank} on GPU {gpu}, this pod sees "
+                f"{torch.cuda.device_count()} GPU(s)"
+            )
         return DistEnv(rank, world, local_rank, torch.device("cuda", gpu), "nccl")
     return DistEnv(rank, world, local_rank, torch.device("cpu"), "gloo")
 
@@ -80,12 +86,14 @@ def extension_build_dir(name: str = SHM_OP_NAME) -> Path:
     """Where torch JIT-builds extension `name` (TORCH_EXTENSIONS_DIR, else
     ~/.cache/torch_extensions/<py>_<acc>)."""
     from torch.utils import cpp_extension
+
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
 def guarded_build(build, build_dir: Path | None = None):
     """`build` wrapped so that builders on this machine take turns under an flock next to the build
     dir, and a baton `lock` file found while holding it (left by a killed build) is removed."""
+
     def wrapped(*args, **kwargs):
         d = Path(build_dir) if build_dir is not None else extension_build_dir()
         d.mkdir(parents=True, exist_ok=True)
@@ -94,11 +102,15 @@ def guarded_build(build, build_dir: Path | None = None):
             try:
                 baton = d / "lock"
                 if baton.exists():
-                    log.warning("removing stale %s (a killed build left it; no trainer is building now)", baton)
+                    log.warning(
+                        "removing stale %s (a killed build left it; no trainer is building now)",
+                        baton,
+                    )
                     baton.unlink(missing_ok=True)
                 return build(*args, **kwargs)
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
     return wrapped
 
 
@@ -118,15 +130,22 @@ def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
     import importlib
 
     import deepspeed
+
     # Not `import deepspeed.comm.torch as m`: `deepspeed.comm` star-exports PyTorch as `torch`,
     # so that spelling binds the torch package instead of DeepSpeed's backend module.
     ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
     if env.device.type == "cpu" and os.environ.get("MOE_DS_SHM_OP", "0") != "1":
         ds_torch_comm.build_shm_op = _no_shm_op
-    elif env.device.type == "cpu" and getattr(ds_torch_comm.build_shm_op, "__name__", "") != "wrapped":
+    elif (
+        env.device.type == "cpu"
+        and getattr(ds_torch_comm.build_shm_op, "__name__", "") != "wrapped"
+    ):
         ds_torch_comm.build_shm_op = guarded_build(ds_torch_comm.build_shm_op)
-    deepspeed.init_distributed(dist_backend=env.backend, auto_mpi_discovery=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
+    deepspeed.init_distributed(
+        dist_backend=env.backend,
+        auto_mpi_discovery=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def set_cpu_threads(env: DistEnv) -> None:

@@ -36,19 +36,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-GRACE_SECONDS = 25.0      # worker pods get 30 s (terminationGracePeriodSeconds) before SIGKILL
-STOP_SECONDS = 5.0        # after a rank failed: how long the others get to exit on SIGTERM
+GRACE_SECONDS = 25.0  # worker pods get 30 s (terminationGracePeriodSeconds) before SIGKILL
+STOP_SECONDS = 5.0  # after a rank failed: how long the others get to exit on SIGTERM
 TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 
-try:                                       # resolved here: the child must not dlopen after fork
+try:  # resolved here: the child must not dlopen after fork
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):           # not Linux
+except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
-def _die_with_parent() -> None:           # runs in the child between fork and exec
+def _die_with_parent() -> None:  # runs in the child between fork and exec
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -60,9 +60,9 @@ def exit_code(returncode: int) -> int:
 
 @dataclass
 class Result:
-    codes: list[int | None]                  # by rank; None: still running when the wait ended
-    first_failure: int | None = None         # the rank that exited non-zero first
-    signal: int | None = None                # SIGTERM / SIGINT this process received
+    codes: list[int | None]  # by rank; None: still running when the wait ended
+    first_failure: int | None = None  # the rank that exited non-zero first
+    signal: int | None = None  # SIGTERM / SIGINT this process received
     timed_out: bool = False
     tails: list[collections.deque] = field(default_factory=list)
 
@@ -94,13 +94,23 @@ class Result:
 class Gang:
     """``Gang(cmds, envs).run()``; ``cmds[r]`` / ``envs[r]``: rank r's argv and full environment."""
 
-    def __init__(self, cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *,
-                 labels: Sequence[str] | None = None, out: IO[str] | None = None,
-                 log_paths: Sequence[str | os.PathLike] | None = None,
-                 grace_seconds: float = GRACE_SECONDS, stop_seconds: float = STOP_SECONDS,
-                 timeout: float | None = None, forward_signals: bool = True):
+    def __init__(
+        self,
+        cmds: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        *,
+        labels: Sequence[str] | None = None,
+        out: IO[str] | None = None,
+        log_paths: Sequence[str | os.PathLike] | None = None,
+        grace_seconds: float = GRACE_SECONDS,
+        stop_seconds: float = STOP_SECONDS,
+        timeout: float | None = None,
+        forward_signals: bool = True,
+    ):
         if len(cmds) != len(envs) or not cmds:
-            raise ValueError(f"need one env per command, got {len(cmds)} commands, {len(envs)} envs")
+            raise ValueError(
+                f"need one env per command, got {len(cmds)} commands, {len(envs)} envs"
+            )
         self.cmds, self.envs = [list(c) for c in cmds], [dict(e) for e in envs]
         self.labels = list(labels or [f"rank{r}" for r in range(len(cmds))])
         self.out = out
@@ -151,17 +161,29 @@ class Gang:
         tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.cmds]
         try:
             for cmd, env in zip(self.cmds, self.envs, strict=True):
-                self.procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                   start_new_session=True, preexec_fn=_die_with_parent))
-            for r, p in enumerate(self.procs):     # threads only after every fork (preexec_fn)
+                self.procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=_die_with_parent,
+                    )
+                )
+            for r, p in enumerate(self.procs):  # threads only after every fork (preexec_fn)
                 if self.log_paths:
                     logs[r] = open(self.log_paths[r], "ab")  # noqa: SIM115 - closed in `finally`
-                t = threading.Thread(target=self._pump, args=(p.stdout, tails[r], self.labels[r], logs[r]),
-                                     daemon=True, name=f"gang-{self.labels[r]}")
+                t = threading.Thread(
+                    target=self._pump,
+                    args=(p.stdout, tails[r], self.labels[r], logs[r]),
+                    daemon=True,
+                    name=f"gang-{self.labels[r]}",
+                )
                 t.start()
                 pumps.append(t)
-            if self._signal is not None:              # arrived while starting: forward it now
+            if self._signal is not None:  # arrived while starting: forward it now
                 self._send(self._signal)
             res = self._wait()
         finally:
@@ -177,7 +199,9 @@ class Gang:
             for s, h in restore.items():
                 signal.signal(s, h)
         res.tails = tails
-        res.codes = [exit_code(p.returncode) if p.returncode is not None else None for p in self.procs]
+        res.codes = [
+            exit_code(p.returncode) if p.returncode is not None else None for p in self.procs
+        ]
         return res
 
     def _wait(self) -> Result:
@@ -200,7 +224,9 @@ class Gang:
             if not alive:
                 break
             now = time.monotonic()
-            if (stop_at is not None and now >= stop_at) or (self._kill_at is not None and now >= self._kill_at):
+            if (stop_at is not None and now >= stop_at) or (
+                self._kill_at is not None and now >= self._kill_at
+            ):
                 self._send(signal.SIGKILL)
             if deadline is not None and now >= deadline:
                 res.timed_out = True

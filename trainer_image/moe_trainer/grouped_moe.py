@@ -28,6 +28,7 @@ Statistics interface (agreed with the trainer; all tensors detached, on device, 
   routing (e.g. to accumulate load / co-activation on device). Reading a tensor on the host
   (`.cpu()`) syncs: do it once per logging interval, not per step.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -45,7 +46,13 @@ from moe_trainer.fast.ops import (
     swiglu,
 )
 
-__all__ = ["SUPPORTED_BLOCKS", "GroupedExperts", "GroupedMoeBlock", "from_hf_block", "swap_moe_blocks"]
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "GroupedExperts",
+    "GroupedMoeBlock",
+    "from_hf_block",
+    "swap_moe_blocks",
+]
 
 # HF block classes this block reproduces exactly: router `gate` -> (logits, weights, ids),
 # experts `gate_up_proj`/`down_proj` with SwiGLU, no shared experts, no bias.
@@ -57,15 +64,26 @@ IMPLS = ("auto", "grouped_mm", "loop")
 class GroupedExperts(nn.Module):
     """Stacked SwiGLU experts: x_sorted[S, H] (rows grouped by expert) -> y_sorted[S, H]."""
 
-    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter, act_fn: nn.Module,
-                 impl: str = "auto", fused_act: bool | None = None):
+    def __init__(
+        self,
+        gate_up_proj: nn.Parameter,
+        down_proj: nn.Parameter,
+        act_fn: nn.Module,
+        impl: str = "auto",
+        fused_act: bool | None = None,
+    ):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
-        if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[1] != 2 * down_proj.shape[2]:
+        if (
+            gate_up_proj.dim() != 3
+            or down_proj.dim() != 3
+            or gate_up_proj.shape[1] != 2 * down_proj.shape[2]
+        ):
             raise ValueError(
                 f"expert weights: expected gate_up_proj[E, 2F, H] and down_proj[E, H, F], got "
-                f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+                f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+            )
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
@@ -80,7 +98,9 @@ class GroupedExperts(nn.Module):
         return "grouped_mm" if grouped_mm_supported(x.device, x.dtype) else "loop"
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        linear = grouped_linear if self.resolved_impl(x_sorted) == "grouped_mm" else grouped_linear_loop
+        linear = (
+            grouped_linear if self.resolved_impl(x_sorted) == "grouped_mm" else grouped_linear_loop
+        )
         gate_up = linear(x_sorted, self.gate_up_proj, offsets)  # [S, 2F]
         if self._silu:
             fused = x_sorted.is_cuda if self.fused_act is None else self.fused_act
@@ -94,7 +114,9 @@ class GroupedExperts(nn.Module):
 class GroupedMoeBlock(nn.Module):
     """Router (HF module, unchanged) + grouped experts. hidden[B, L, H] -> [B, L, H]."""
 
-    def __init__(self, gate: nn.Module, experts: GroupedExperts, top_k: int, jitter_noise: float = 0.0):
+    def __init__(
+        self, gate: nn.Module, experts: GroupedExperts, top_k: int, jitter_noise: float = 0.0
+    ):
         super().__init__()
         self.gate = gate
         self.experts = experts
@@ -106,18 +128,28 @@ class GroupedMoeBlock(nn.Module):
         self.last_tokens_per_expert = None
 
     @classmethod
-    def from_hf(cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None) -> GroupedMoeBlock:
+    def from_hf(
+        cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None
+    ) -> GroupedMoeBlock:
         """Wrap an HF Mixtral/Qwen3-MoE block, sharing (not copying) its router and expert
         params."""
         name = type(block).__name__
         if name not in SUPPORTED_BLOCKS:
             raise TypeError(f"from_hf: {name} is not one of {SUPPORTED_BLOCKS}")
         hf_experts = block.experts
-        if getattr(hf_experts, "has_bias", False) or getattr(hf_experts, "is_transposed", False) \
-                or not getattr(hf_experts, "is_concatenated", True):
+        if (
+            getattr(hf_experts, "has_bias", False)
+            or getattr(hf_experts, "is_transposed", False)
+            or not getattr(hf_experts, "is_concatenated", True)
+        ):
             raise TypeError(f"from_hf: {name} experts use a layout this block does not reproduce")
-        experts = GroupedExperts(hf_experts.gate_up_proj, hf_experts.down_proj, hf_experts.act_fn,
-                                 impl=impl, fused_act=fused_act)
+        experts = GroupedExperts(
+            hf_experts.gate_up_proj,
+            hf_experts.down_proj,
+            hf_experts.act_fn,
+            impl=impl,
+            fused_act=fused_act,
+        )
         top_k = getattr(block, "top_k", None) or block.gate.top_k
         return cls(block.gate, experts, top_k, getattr(block, "jitter_noise", 0.0) or 0.0)
 
@@ -125,7 +157,8 @@ class GroupedMoeBlock(nn.Module):
         batch, seq, hidden = hidden_states.shape
         if self.training and self.jitter_noise > 0:  # Mixtral's input jitter (HF does it in place)
             hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+                1.0 - self.jitter_noise, 1.0 + self.jitter_noise
+            )
         x = hidden_states.reshape(-1, hidden)  # [T, H]
         router_logits, topk_weights, topk_ids = self.gate(x)  # [T, E], [T, k], [T, k]
         plan = plan_dispatch(topk_ids, self.num_experts)
@@ -140,7 +173,9 @@ class GroupedMoeBlock(nn.Module):
         return out.reshape(batch, seq, hidden)
 
 
-def from_hf_block(block: nn.Module, config=None, impl: str = "auto", fused_act: bool | None = None) -> GroupedMoeBlock:
+def from_hf_block(
+    block: nn.Module, config=None, impl: str = "auto", fused_act: bool | None = None
+) -> GroupedMoeBlock:
     """Factory for `moe_trainer.models.swap_moe_blocks(model, factory)`: `(block, config) ->
     block`."""
     return GroupedMoeBlock.from_hf(block, impl=impl, fused_act=fused_act)
@@ -153,7 +188,9 @@ def swap_moe_blocks(model: nn.Module, impl: str = "auto", fused_act: bool | None
     the placement permutation: both act on the same tensors). Unsupported MoE blocks (e.g.
     DeepSeek-V3 with shared experts) are left as they are.
     """
-    targets = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in SUPPORTED_BLOCKS]
+    targets = [
+        (name, mod) for name, mod in model.named_modules() if type(mod).__name__ in SUPPORTED_BLOCKS
+    ]
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

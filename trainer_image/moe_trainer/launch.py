@@ -57,25 +57,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(base: dict[str, str], *, rank: int, local_rank: int, local_world: int,
-             world: int) -> dict[str, str]:
+def rank_env(
+    base: dict[str, str], *, rank: int, local_rank: int, local_world: int, world: int
+) -> dict[str, str]:
     """``base`` plus one rank's torchrun-style variables."""
-    return dict(base, **{E.RANK: str(rank), E.LOCAL_RANK: str(local_rank), E.LOCAL_WORLD_SIZE: str(local_world),
-                         E.WORLD_SIZE: str(world)}, PYTHONUNBUFFERED="1")
+    return dict(
+        base,
+        **{
+            E.RANK: str(rank),
+            E.LOCAL_RANK: str(local_rank),
+            E.LOCAL_WORLD_SIZE: str(local_world),
+            E.WORLD_SIZE: str(world),
+        },
+        PYTHONUNBUFFERED="1",
+    )
 
 
 # ---- local runs --------------------------------------------------------------------------------
-def launch(nproc: int, trainer_args: list[str], env: dict | None = None, timeout: float | None = None,
-           log_prefix: str | None = None) -> list[int]:
+def launch(
+    nproc: int,
+    trainer_args: list[str],
+    env: dict | None = None,
+    timeout: float | None = None,
+    log_prefix: str | None = None,
+) -> list[int]:
     """Run ``nproc`` ranks of moe_trainer.train on this machine to completion; returns their exit
     codes by rank (128+N: killed by signal N). One failed rank stops the others. ``log_prefix``:
     each rank's output goes to ``<log_prefix>.rank<R>.log`` instead of this process's stdout."""
     base = dict(os.environ if env is None else env)
     base.update({E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(free_port())})
     base.pop(E.NPROC_PER_NODE, None)
-    envs = [rank_env(base, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)]
+    envs = [
+        rank_env(base, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)
+    ]
     logs = [f"{log_prefix}.rank{r}.log" for r in range(nproc)] if log_prefix else None
-    res = gang.Gang([[*TRAINER, *trainer_args]] * nproc, envs, log_paths=logs, timeout=timeout).run()
+    res = gang.Gang(
+        [[*TRAINER, *trainer_args]] * nproc, envs, log_paths=logs, timeout=timeout
+    ).run()
     if res.timed_out:
         raise TimeoutError(f"trainer ranks still running after {timeout}s")
     return [int(c) for c in res.codes]
@@ -114,14 +132,17 @@ def node_ranks(env: dict[str, str], plan_ranks: Sequence, plan_world_size: int) 
         raise LaunchError(f"NODE_RANK={node_rank} is outside 0..{nnodes - 1}")
     mine = sorted((r for r in plan_ranks if r.node_rank == node_rank), key=lambda r: r.local_rank)
     if len(mine) != nproc:
-        raise LaunchError(f"the plan puts {len(mine)} rank(s) on node rank {node_rank}, "
-                          f"NPROC_PER_NODE is {nproc}")
+        raise LaunchError(
+            f"the plan puts {len(mine)} rank(s) on node rank {node_rank}, NPROC_PER_NODE is {nproc}"
+        )
     out = []
     for local, r in enumerate(mine):
         want = node_rank * nproc + local
         if r.local_rank != local or r.rank != want:
-            raise LaunchError(f"plan ranks[{r.rank}] is local rank {r.local_rank} of node rank "
-                              f"{node_rank}; expected rank {want} = {node_rank} x {nproc} + {local}")
+            raise LaunchError(
+                f"plan ranks[{r.rank}] is local rank {r.local_rank} of node rank "
+                f"{node_rank}; expected rank {want} = {node_rank} x {nproc} + {local}"
+            )
         out.append(NodeRank(rank=r.rank, local_rank=local, gpu=r.gpu))
     gpus = [r.gpu for r in out if r.gpu is not None]
     if len(set(gpus)) != len(gpus):
@@ -138,7 +159,7 @@ def write_termination_message(doc: dict, path: str | None = None) -> None:
         return
     text = json.dumps(doc)
     if len(text.encode()) > TERMINATION_LIMIT:
-        doc = dict(doc, message=str(doc.get("message", ""))[-(TERMINATION_LIMIT // 2):])
+        doc = dict(doc, message=str(doc.get("message", ""))[-(TERMINATION_LIMIT // 2) :])
         text = json.dumps(doc)[:TERMINATION_LIMIT]
     try:
         with open(path, "w") as f:
@@ -147,8 +168,13 @@ def write_termination_message(doc: dict, path: str | None = None) -> None:
         log.warning("termination message not written: %s", exc)
 
 
-def failure_document(res: gang.Result, labels: Sequence[str], ranks: Sequence[NodeRank], node_rank: int,
-                     rank_docs: Sequence[str]) -> dict:
+def failure_document(
+    res: gang.Result,
+    labels: Sequence[str],
+    ranks: Sequence[NodeRank],
+    node_rank: int,
+    rank_docs: Sequence[str],
+) -> dict:
     """TrainerExit v1 for the pod: the first failing rank's own document (``rank_docs[i]``: what it
     wrote to its termination file), its message prefixed with the gang's summary; a rank that
     wrote none (killed by a signal) gets cause ``Signalled`` (128 + N) or ``Unexpected``."""
@@ -160,16 +186,23 @@ def failure_document(res: gang.Result, labels: Sequence[str], ranks: Sequence[No
         code = res.exit_code
         tail = "\n".join(list(res.tails[i])[-5:]) if i < len(res.tails) else ""
         doc = exit_doc("Signalled" if code > 128 else "Unexpected", code, tail, rank=ranks[i].rank)
-    return dict(doc, exitCode=res.exit_code, nodeRank=node_rank,
-                message=f"{summary}: {doc.get('message', '')}"[-3000:])
+    return dict(
+        doc,
+        exitCode=res.exit_code,
+        nodeRank=node_rank,
+        message=f"{summary}: {doc.get('message', '')}"[-3000:],
+    )
 
 
 def node_main(argv: Sequence[str] | None = None) -> int:
     """``moe-train`` in a worker pod: the ranks of this node; returns the pod's exit code."""
     from moe_contracts.plan import PlanError, load_plan, resolve_plan_path
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s launcher %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
+        format="%(asctime)s launcher %(levelname)s %(message)s",
+    )
     env = dict(os.environ)
     plan_arg = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--plan"), None)
     try:
@@ -182,18 +215,33 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     node_rank, nproc = int(env[E.NODE_RANK]), len(ranks)
     planned = plan.ranks[ranks[0].rank].node
     if env.get(E.NODE_NAME) and planned and env[E.NODE_NAME] != planned:
-        log.warning("node rank %d runs on node %s, the plan made it for %s: its GPU indices and "
-                    "NVLink groups are that node's", node_rank, env[E.NODE_NAME], planned)
+        log.warning(
+            "node rank %d runs on node %s, the plan made it for %s: its GPU indices and "
+            "NVLink groups are that node's",
+            node_rank,
+            env[E.NODE_NAME],
+            planned,
+        )
     env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     for name in (E.RANK, E.LOCAL_RANK, E.LOCAL_WORLD_SIZE):
         env.pop(name, None)
-    envs = [rank_env(env, rank=r.rank, local_rank=r.local_rank, local_world=nproc,
-                     world=plan.world_size) for r in ranks]
+    envs = [
+        rank_env(
+            env, rank=r.rank, local_rank=r.local_rank, local_world=nproc, world=plan.world_size
+        )
+        for r in ranks
+    ]
     labels = [f"rank{r.rank}" for r in ranks]
-    cpu = "--cpu" in argv or plan.raw.get("device") == "cpu"     # as moe_trainer.train decides
-    log.info("node rank %d: starting %s", node_rank,
-             ", ".join(f"rank {r.rank} (local {r.local_rank}, "
-                       f"{'CPU' if cpu or r.gpu is None else 'GPU ' + str(r.gpu)})" for r in ranks))
+    cpu = "--cpu" in argv or plan.raw.get("device") == "cpu"  # as moe_trainer.train decides
+    log.info(
+        "node rank %d: starting %s",
+        node_rank,
+        ", ".join(
+            f"rank {r.rank} (local {r.local_rank}, "
+            f"{'CPU' if cpu or r.gpu is None else 'GPU ' + str(r.gpu)})"
+            for r in ranks
+        ),
+    )
     # each rank reports its TrainerExit into a file of its own; the pod gets one message
     term_dir = Path(tempfile.mkdtemp(prefix="moe-launch-"))
     term_files = [term_dir / f"{label}.json" for label in labels]

@@ -25,30 +25,70 @@ from torch import nn
 # Tiny debug sizes for CPU tests; ~1-3 M parameters each.
 TINY_HF_CONFIGS: dict[str, dict] = {
     "tiny-mixtral": {
-        "model_type": "mixtral", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 512,
-        "router_aux_loss_coef": 0.0, "tie_word_embeddings": False, "rope_theta": 10000.0,
+        "model_type": "mixtral",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 512,
+        "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
     },
     "tiny-qwen3-moe": {
-        "model_type": "qwen3_moe", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
-        "max_position_embeddings": 512, "router_aux_loss_coef": 0.0, "tie_word_embeddings": False,
+        "model_type": "qwen3_moe",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "max_position_embeddings": 512,
+        "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": False,
     },
     "tiny-deepseek-v3": {
-        "model_type": "deepseek_v3", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 4, "n_routed_experts": 4, "n_shared_experts": 1,
-        "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 0,
-        "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-        "v_head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": False,
+        "model_type": "deepseek_v3",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
         "rope_scaling": None,
     },
 }
 
-FAMILY_TO_AUTOEP_PRESET = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3"}
+FAMILY_TO_AUTOEP_PRESET = {
+    "mixtral": "mixtral",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+}
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
 
 
@@ -59,9 +99,10 @@ class ModelError(ValueError):
 @dataclass
 class MoELayerRef:
     """One MoE block of the model, by MoE-layer index (0..numLayers-1, dense layers skipped)."""
+
     index: int
     decoder_layer: int
-    name: str          # module path, e.g. "model.layers.1.mlp"
+    name: str  # module path, e.g. "model.layers.1.mlp"
     block: nn.Module
 
     @property
@@ -75,6 +116,7 @@ class MoELayerRef:
 
 def build_hf_config(hf_config: dict):
     from transformers import AutoConfig
+
     cfg = dict(hf_config)
     model_type = cfg.pop("model_type")
     try:
@@ -86,18 +128,26 @@ def build_hf_config(hf_config: dict):
     return config
 
 
-def build_model(hf_config: dict | None = None, path: str | None = None, seed: int = 0,
-                dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> nn.Module:
+def build_model(
+    hf_config: dict | None = None,
+    path: str | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> nn.Module:
     """A causal-LM MoE model from a config dict (random init, seeded) or a local directory.
 
     `device`: where a config-built model is created and initialised (a multi-billion-parameter
     model initialises in seconds on a GPU, in minutes on the host CPU); None = CPU."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     if path:
         if not os.path.isdir(path):
-            raise ModelError(f"model.path: {path!r} is not a local directory (no hub access at run time)")
+            raise ModelError(
+                f"model.path: {path!r} is not a local directory (no hub access at run time)"
+            )
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     elif hf_config is not None:
         with torch.device(device or "cpu"):
@@ -116,9 +166,16 @@ def find_moe_layers(model: nn.Module) -> list[MoELayerRef]:
         parts = name.split(".")
         # HF blocks have `gate`; AutoEP layers have `router` (aliased as `gate` only for some
         # presets)
-        if len(parts) >= 3 and parts[-1] == "mlp" and parts[-3] == "layers" and hasattr(module, "experts") \
-                and (hasattr(module, "gate") or hasattr(module, "router")):
-            refs.append(MoELayerRef(index=len(refs), decoder_layer=int(parts[-2]), name=name, block=module))
+        if (
+            len(parts) >= 3
+            and parts[-1] == "mlp"
+            and parts[-3] == "layers"
+            and hasattr(module, "experts")
+            and (hasattr(module, "gate") or hasattr(module, "router"))
+        ):
+            refs.append(
+                MoELayerRef(index=len(refs), decoder_layer=int(parts[-2]), name=name, block=module)
+            )
     return refs
 
 
@@ -145,11 +202,16 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
     """
     layers = find_moe_layers(model)
     if len(permutation) != len(layers):
-        raise ModelError(f"placement.permutation: {len(permutation)} rows, the model has {len(layers)} MoE " "layers")
+        raise ModelError(
+            f"placement.permutation: {len(permutation)} rows, the model has {len(layers)} MoE "
+            "layers"
+        )
     num_experts = num_experts_of(model)
     for ref, row in zip(layers, permutation, strict=True):
         if sorted(row) != list(range(num_experts)):
-            raise ModelError(f"placement.permutation[{ref.index}]: not a permutation of 0..{num_experts - 1}")
+            raise ModelError(
+                f"placement.permutation[{ref.index}]: not a permutation of 0..{num_experts - 1}"
+            )
         idx = torch.as_tensor(list(row), dtype=torch.long)
         targets = [ref.gate.weight]
         bias = getattr(ref.gate, "e_score_correction_bias", None)
@@ -166,8 +228,10 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
 
 def original_expert_tensors(model: nn.Module) -> list[dict[str, torch.Tensor]]:
     """Detached copies of each MoE layer's expert tensors, indexed [layer][name][expert, ...]."""
-    return [{n: p.detach().clone() for n, p in ref.experts.named_parameters(recurse=False)}
-            for ref in find_moe_layers(model)]
+    return [
+        {n: p.detach().clone() for n, p in ref.experts.named_parameters(recurse=False)}
+        for ref in find_moe_layers(model)
+    ]
 
 
 BlockFactory = Callable[[nn.Module, object], nn.Module]
@@ -194,10 +258,14 @@ def apply_moe_impl(model: nn.Module, impl: str) -> None:
         try:
             from moe_trainer import grouped_moe  # part 2 of issue 5, owned by another engineer
         except ImportError as exc:
-            raise ModelError(f"training.moeImpl: 'grouped' needs moe_trainer.grouped_moe ({exc})") from exc
+            raise ModelError(
+                f"training.moeImpl: 'grouped' needs moe_trainer.grouped_moe ({exc})"
+            ) from exc
         factory = getattr(grouped_moe, "from_hf_block", None)
         if factory is None:
-            raise ModelError("training.moeImpl: moe_trainer.grouped_moe has no from_hf_block(block, config)")
+            raise ModelError(
+                "training.moeImpl: moe_trainer.grouped_moe has no from_hf_block(block, config)"
+            )
         swap_moe_blocks(model, factory)
         return
     raise ModelError(f"training.moeImpl: {impl!r} is not 'hf' or 'grouped'")

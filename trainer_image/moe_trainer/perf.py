@@ -13,6 +13,7 @@ docs/performance.md and docs/contracts.md).
 Everything here changes speed and memory only; the function trained is the same (the fused loss
 equals `F.cross_entropy(logits.float(), targets)` up to bf16 rounding of the logits matmul).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ class PerfError(ValueError):
 
 # ---- fused LM head + cross-entropy -----------------------------------------------------------
 
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """mean over valid tokens of CE(hidden @ weight.T, targets), chunked over tokens.
 
@@ -47,7 +49,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk):
         n = hidden.shape[0]
-        acc = torch.promote_types(hidden.dtype, torch.float32)   # bf16 -> fp32 math, fp64 stays
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # bf16 -> fp32 math, fp64 stays
         valid_all = targets != IGNORE_INDEX
         count = valid_all.sum().clamp(min=1).to(acc)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -55,37 +57,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for s in range(0, n, chunk):
-            h = hidden[s:s + chunk]
-            y = targets[s:s + chunk]
-            valid = valid_all[s:s + chunk]
+            h = hidden[s : s + chunk]
+            y = targets[s : s + chunk]
+            valid = valid_all[s : s + chunk]
             ysafe = y.clamp(min=0).unsqueeze(1)
-            logits = F.linear(h, weight).to(acc)                      # [c, V]
+            logits = F.linear(h, weight).to(acc)  # [c, V]
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, ysafe).squeeze(1)
             total = total + ((lse - picked) * valid).sum()
             if need_h or need_w:
-                probs = logits.sub_(lse.unsqueeze(1)).exp_()          # softmax, in place
+                probs = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place
                 probs.scatter_add_(1, ysafe, torch.full_like(picked, -1.0).unsqueeze(1))
                 probs.mul_((valid.to(probs.dtype) / count).unsqueeze(1))
                 g = probs.to(hidden.dtype)
                 if need_h:
-                    grad_h[s:s + chunk] = g @ weight
+                    grad_h[s : s + chunk] = g @ weight
                 if need_w:
-                    grad_w.add_(g.t() @ h)                     # bf16 matmul, fp32 sum
+                    grad_w.add_(g.t() @ h)  # bf16 matmul, fp32 sum
         ctx.save_for_backward(grad_h, grad_w.to(weight.dtype) if need_w else None)
         return total / count
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
-                grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None, None, None)
+        return (
+            grad_h * grad_out.to(grad_h.dtype) if grad_h is not None else None,
+            grad_w * grad_out.to(grad_w.dtype) if grad_w is not None else None,
+            None,
+            None,
+        )
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = 8192) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 8192
+) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `targets` without materialising logits."""
-    return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk)
+    return _LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk
+    )
 
 
 class FusedLossHead(nn.Linear):
@@ -124,14 +133,17 @@ def install_fused_loss(model: nn.Module, chunk: int) -> None:
     """Make `model(input_ids=..., targets=...)` return `.loss` through the fused head."""
     head = getattr(model, "lm_head", None)
     if type(head) is not nn.Linear or not hasattr(model, "model"):
-        raise PerfError("training.performance.fusedLoss: the model has no plain `lm_head` Linear "
-                        f"over `model` (lm_head is {type(head).__name__})")
+        raise PerfError(
+            "training.performance.fusedLoss: the model has no plain `lm_head` Linear "
+            f"over `model` (lm_head is {type(head).__name__})"
+        )
     head.__class__ = FusedLossHead
     head.loss_chunk_tokens = chunk
     model.forward = types.MethodType(_fused_causal_forward, model)
 
 
 # ---- ZeRO-3 leaves, compile ------------------------------------------------------------------
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     inner = getattr(model, "model", model)
@@ -144,12 +156,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def set_zero_leaves(model: nn.Module, class_names) -> int:
     """Mark every module whose class name is in `class_names` a ZeRO-3 leaf; returns how many."""
     from deepspeed.utils import set_z3_leaf_module
+
     names = set(class_names)
     hits = [m for m in model.modules() if type(m).__name__ in names]
     found = {type(m).__name__ for m in hits}
     if names - found:
-        raise PerfError(f"training.performance.zeroLeafModules: {sorted(names - found)} not in the model "
-                        f"(decoder layers are {sorted({type(m).__name__ for m in decoder_layers(model)})})")
+        raise PerfError(
+            f"training.performance.zeroLeafModules: {sorted(names - found)} not in the model "
+            f"(decoder layers are {sorted({type(m).__name__ for m in decoder_layers(model)})})"
+        )
     for m in hits:
         set_z3_leaf_module(m, True)
     return len(hits)
@@ -158,11 +173,16 @@ def set_zero_leaves(model: nn.Module, class_names) -> int:
 def compile_layers(model: nn.Module, backend: str | None = None) -> int:
     """torch.compile each decoder layer's `forward` (hooks on the layer module stay eager)."""
     import torch._dynamo
+
     layers = decoder_layers(model)
     # one compiled graph per layer object (guards on the module); keep them all cached
     cfg = torch._dynamo.config
-    for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
-                 "accumulated_recompile_limit"):
+    for knob in (
+        "cache_size_limit",
+        "recompile_limit",
+        "accumulated_cache_size_limit",
+        "accumulated_recompile_limit",
+    ):
         if hasattr(cfg, knob):
             setattr(cfg, knob, max(getattr(cfg, knob), 8 * len(layers) + 8))
     backend = backend or os.environ.get("MOE_COMPILE_BACKEND", "inductor")

@@ -20,31 +20,40 @@ def _same(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
     return torch.allclose(a.float(), b.to(a.dtype).float(), atol=atol, rtol=0)
 
 
-def verify_placement(blocks, permutation, originals: list[dict[str, torch.Tensor]], rank: int,
-                     atol: float = 0.0) -> dict:
+def verify_placement(
+    blocks, permutation, originals: list[dict[str, torch.Tensor]], rank: int, atol: float = 0.0
+) -> dict:
     """blocks: the MoE blocks after initialize; originals[l][name][E, ...] from before the
     permutation.
     Returns {"rank", "ok", "layers": [{"layer", "epRank", "experts", "ok"}]}."""
     import deepspeed
+
     layers = []
     for layer, block in enumerate(blocks):
         experts = block.experts
         params = list(experts.parameters(recurse=False))
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             orig = originals[layer]
-            if hasattr(experts, "w1") and hasattr(block, "ep_rank"):           # AutoEP GroupedExperts
+            if hasattr(experts, "w1") and hasattr(block, "ep_rank"):  # AutoEP GroupedExperts
                 ep_rank = int(block.ep_rank)
                 n_local = experts.w1.shape[0]
-                want = list(permutation[layer][ep_rank * n_local:(ep_rank + 1) * n_local])
+                want = list(permutation[layer][ep_rank * n_local : (ep_rank + 1) * n_local])
                 ffn = experts.w1.shape[1]
-                ok = all(_same(experts.w1[j], orig["gate_up_proj"][e][:ffn], atol)
-                         and _same(experts.w3[j], orig["gate_up_proj"][e][ffn:], atol)
-                         and _same(experts.w2[j], orig["down_proj"][e], atol)
-                         for j, e in enumerate(want))
-            else:                                                               # HF experts, all slots
+                ok = all(
+                    _same(experts.w1[j], orig["gate_up_proj"][e][:ffn], atol)
+                    and _same(experts.w3[j], orig["gate_up_proj"][e][ffn:], atol)
+                    and _same(experts.w2[j], orig["down_proj"][e], atol)
+                    for j, e in enumerate(want)
+                )
+            else:  # HF experts, all slots
                 ep_rank = 0
                 want = list(permutation[layer])
-                ok = all(_same(getattr(experts, name)[s], orig[name][e], atol)
-                         for name in orig for s, e in enumerate(want))
-        layers.append({"layer": layer, "epRank": ep_rank, "experts": [int(e) for e in want], "ok": bool(ok)})
+                ok = all(
+                    _same(getattr(experts, name)[s], orig[name][e], atol)
+                    for name in orig
+                    for s, e in enumerate(want)
+                )
+        layers.append(
+            {"layer": layer, "epRank": ep_rank, "experts": [int(e) for e in want], "ok": bool(ok)}
+        )
     return {"rank": rank, "ok": all(x["ok"] for x in layers), "layers": layers}

@@ -26,6 +26,8 @@ from moe_contracts import env as E
 log = logging.getLogger("moe_trainer.progress")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
 def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,8 +54,15 @@ class ConfigMapPublisher:
     ``publish`` sends a progress document, at most every ``interval_s`` unless forced. The routing
     statistics use ``send`` with their own ConfigMap (``moe_trainer.routing_publish``)."""
 
-    def __init__(self, name: str, sa_dir: Path = SA_DIR, interval_s: float = 5.0, timeout_s: float = 5.0):
-        self.name, self.sa_dir, self.interval_s, self.timeout_s = name, Path(sa_dir), interval_s, timeout_s
+    def __init__(
+        self, name: str, sa_dir: Path = SA_DIR, interval_s: float = 5.0, timeout_s: float = 5.0
+    ):
+        self.name, self.sa_dir, self.interval_s, self.timeout_s = (
+            name,
+            Path(sa_dir),
+            interval_s,
+            timeout_s,
+        )
         self._last = 0.0
         self.failures = 0
         self.last_error: str | None = None
@@ -64,15 +73,20 @@ class ConfigMapPublisher:
         return (SA_DIR / "token").is_file() and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     @classmethod
-    def from_env(cls, var: str = E.PROGRESS_CONFIGMAP, timeout_s: float = 5.0) -> ConfigMapPublisher | None:
+    def from_env(
+        cls, var: str = E.PROGRESS_CONFIGMAP, timeout_s: float = 5.0
+    ) -> ConfigMapPublisher | None:
         name = os.environ.get(var)
         if not name:
             return None
         if not cls.in_cluster():
             log.warning("%s=%s but no in-cluster credentials; file only", var, name)
             return None
-        return cls(name, interval_s=float(os.environ.get("MOE_PROGRESS_INTERVAL_SECONDS", "5")),
-                   timeout_s=timeout_s)
+        return cls(
+            name,
+            interval_s=float(os.environ.get("MOE_PROGRESS_INTERVAL_SECONDS", "5")),
+            timeout_s=timeout_s,
+        )
 
     def patch_request(self, body: dict) -> urllib.request.Request:
         ns = (self.sa_dir / "namespace").read_text().strip()
@@ -82,9 +96,16 @@ class ConfigMapPublisher:
         if ":" in host:
             host = f"[{host}]"
         url = f"https://{host}:{port}/api/v1/namespaces/{ns}/configmaps/{self.name}"
-        return urllib.request.Request(url, data=json.dumps(body).encode(), method="PATCH", headers={
-            "Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json",
-            "Accept": "application/json"})
+        return urllib.request.Request(
+            url,
+            data=json.dumps(body).encode(),
+            method="PATCH",
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Content-Type": "application/merge-patch+json",
+                "Accept": "application/json",
+            },
+        )
 
     def request(self, doc: dict) -> urllib.request.Request:
         return self.patch_request({"data": {E.PROGRESS_KEY: json.dumps(doc)}})
@@ -93,7 +114,9 @@ class ConfigMapPublisher:
         """One merge-patch; failures are logged and counted, never raised."""
         try:
             ctx = ssl.create_default_context(cafile=str(self.sa_dir / "ca.crt"))
-            with urllib.request.urlopen(self.patch_request(body), context=ctx, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(
+                self.patch_request(body), context=ctx, timeout=self.timeout_s
+            ) as resp:
                 resp.read()
             self.last_error = None
             return True
@@ -105,7 +128,12 @@ class ConfigMapPublisher:
             self.last_retryable = code is None or code >= 500 or code in (408, 429)
             detail = _http_detail(exc)
             self.last_error = f"{exc} {detail}".strip()
-            log.warning("ConfigMap %s patch failed (%d so far): %s", self.name, self.failures, self.last_error)
+            log.warning(
+                "ConfigMap %s patch failed (%d so far): %s",
+                self.name,
+                self.failures,
+                self.last_error,
+            )
             return False
 
     # A forced document is a last word (finished, failed): it is retried through a short API
@@ -133,26 +161,56 @@ class Metrics:
 
     def __init__(self, port: int, job: str):
         from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
         self.registry = CollectorRegistry()
         labels = ["job"]
         self.job = job
-        self.step = Gauge("moe_trainer_step", "Last finished optimizer step", labels, registry=self.registry)
-        self.loss = Gauge("moe_trainer_loss", "Language-model loss of the last step", labels,
-                          registry=self.registry)
-        self.tps = Gauge("moe_trainer_tokens_per_second", "Tokens per second, all ranks", labels,
-                         registry=self.registry)
-        self.tokens = Counter("moe_trainer_tokens", "Tokens trained on", labels, registry=self.registry)
-        self.comm = Gauge("moe_trainer_comm_seconds_per_step", "Seconds per step in a collective",
-                          [*labels, "op"], registry=self.registry)
-        self.maxmean = Gauge("moe_trainer_expert_load_max_mean", "Max/mean expert load of a layer (window)",
-                             [*labels, "layer"], registry=self.registry)
-        self.dead = Gauge("moe_trainer_dead_experts", "Experts flagged dead", labels, registry=self.registry)
-        self.frag = Gauge("moe_trainer_allocator_fragmentation", "1 - allocated/reserved (CUDA)", labels,
-                          registry=self.registry)
-        self.tier_bytes = Gauge("moe_trainer_all_to_all_bytes_per_step",
-                                "Expert all-to-all bytes sent to other ranks in the last step, all ranks, by "
-                                "the receiver's tier (crossNode is part of crossGroup)",
-                                [*labels, "tier"], registry=self.registry)
+        self.step = Gauge(
+            "moe_trainer_step", "Last finished optimizer step", labels, registry=self.registry
+        )
+        self.loss = Gauge(
+            "moe_trainer_loss",
+            "Language-model loss of the last step",
+            labels,
+            registry=self.registry,
+        )
+        self.tps = Gauge(
+            "moe_trainer_tokens_per_second",
+            "Tokens per second, all ranks",
+            labels,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "moe_trainer_tokens", "Tokens trained on", labels, registry=self.registry
+        )
+        self.comm = Gauge(
+            "moe_trainer_comm_seconds_per_step",
+            "Seconds per step in a collective",
+            [*labels, "op"],
+            registry=self.registry,
+        )
+        self.maxmean = Gauge(
+            "moe_trainer_expert_load_max_mean",
+            "Max/mean expert load of a layer (window)",
+            [*labels, "layer"],
+            registry=self.registry,
+        )
+        self.dead = Gauge(
+            "moe_trainer_dead_experts", "Experts flagged dead", labels, registry=self.registry
+        )
+        self.frag = Gauge(
+            "moe_trainer_allocator_fragmentation",
+            "1 - allocated/reserved (CUDA)",
+            labels,
+            registry=self.registry,
+        )
+        self.tier_bytes = Gauge(
+            "moe_trainer_all_to_all_bytes_per_step",
+            "Expert all-to-all bytes sent to other ranks in the last step, all ranks, by "
+            "the receiver's tier (crossNode is part of crossGroup)",
+            [*labels, "tier"],
+            registry=self.registry,
+        )
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
     def update(self, doc: dict, tokens: int) -> None:

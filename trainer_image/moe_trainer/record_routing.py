@@ -22,29 +22,57 @@ import time
 from pathlib import Path
 
 from moe_contracts.routing import parse_routing_stats, routing_stats_doc
-
 from moe_trainer.launch import launch
 from moe_trainer.routing import max_mean_per_layer
 
 
 def plan_doc(a) -> dict:
-    cfg = {"model_type": "mixtral", "vocab_size": 320, "hidden_size": a.hidden, "intermediate_size": a.ffn,
-           "num_hidden_layers": a.layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "num_local_experts": a.experts, "num_experts_per_tok": a.top_k, "max_position_embeddings": 1024,
-           "router_aux_loss_coef": 0.0, "tie_word_embeddings": False, "rope_theta": 10000.0}
+    cfg = {
+        "model_type": "mixtral",
+        "vocab_size": 320,
+        "hidden_size": a.hidden,
+        "intermediate_size": a.ffn,
+        "num_hidden_layers": a.layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": a.experts,
+        "num_experts_per_tok": a.top_k,
+        "max_position_embeddings": 1024,
+        "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    }
     return {
-        "kind": "MoEPlan", "version": 1, "job": {"namespace": "bench", "name": "record-routing"},
-        "model": {"family": "mixtral", "preset": f"mixtral-{a.layers}x{a.experts}e-top{a.top_k}-h{a.hidden}",
-                  "path": None, "hfConfig": cfg},
-        "worldSize": 1, "epSize": 1, "ranks": [{"rank": 0, "node": "local", "nodeRank": 0, "localRank": 0}],
+        "kind": "MoEPlan",
+        "version": 1,
+        "job": {"namespace": "bench", "name": "record-routing"},
+        "model": {
+            "family": "mixtral",
+            "preset": f"mixtral-{a.layers}x{a.experts}e-top{a.top_k}-h{a.hidden}",
+            "path": None,
+            "hfConfig": cfg,
+        },
+        "worldSize": 1,
+        "epSize": 1,
+        "ranks": [{"rank": 0, "node": "local", "nodeRank": 0, "localRank": 0}],
         "deepspeed": {"zero_optimization": {"stage": 3}},
-        "training": {"steps": a.steps, "seqLen": a.seq_len, "microBatch": a.micro_batch, "gradAccum": 1,
-                     "lr": a.lr, "warmupSteps": max(1, a.steps // 20), "checkpointEverySteps": a.window, "seed": a.seed, "moeImpl": a.impl,
-                     "balance": {"mode": a.balance, "coef": a.coef},
-                     "data": {"kind": "corpus"}, "deadExpertSteps": 50,
-                     # enough that each window keeps about --samples tokens (a uniform run-wide
-                     # sample)
-                     "routingSampleTokens": a.samples * max(1, a.steps // a.window)},
+        "training": {
+            "steps": a.steps,
+            "seqLen": a.seq_len,
+            "microBatch": a.micro_batch,
+            "gradAccum": 1,
+            "lr": a.lr,
+            "warmupSteps": max(1, a.steps // 20),
+            "checkpointEverySteps": a.window,
+            "seed": a.seed,
+            "moeImpl": a.impl,
+            "balance": {"mode": a.balance, "coef": a.coef},
+            "data": {"kind": "corpus"},
+            "deadExpertSteps": 50,
+            # enough that each window keeps about --samples tokens (a uniform run-wide
+            # sample)
+            "routingSampleTokens": a.samples * max(1, a.steps // a.window),
+        },
     }
 
 
@@ -61,7 +89,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--balance", default="per_layer_aux", choices=["per_layer_aux", "global_aux", "none"])
+    ap.add_argument(
+        "--balance", default="per_layer_aux", choices=["per_layer_aux", "global_aux", "none"]
+    )
     ap.add_argument("--coef", type=float, default=0.01)
     ap.add_argument("--impl", default="grouped", choices=["hf", "grouped"])
     ap.add_argument("--samples", type=int, default=32768, help="token expert sets kept per window")
@@ -75,28 +105,50 @@ def main() -> None:
         plan = work / "plan.json"
         plan.write_text(json.dumps(plan_doc(a)))
         t0 = time.time()
-        codes = launch(1, ["--plan", str(plan), "--checkpoint-dir", str(work / "ck"), "--cpu"],
-                       env=dict(os.environ, MOE_CPU_THREADS=os.environ.get("MOE_CPU_THREADS", "2")))
+        codes = launch(
+            1,
+            ["--plan", str(plan), "--checkpoint-dir", str(work / "ck"), "--cpu"],
+            env=dict(os.environ, MOE_CPU_THREADS=os.environ.get("MOE_CPU_THREADS", "2")),
+        )
         if codes != [0]:
             raise SystemExit(f"trainer failed: {codes}")
         full = json.loads((work / "ck" / "routing_stats.json").read_text())
         losses = json.loads((work / "ck" / "losses.json").read_text())["losses"]
-        outs = [(a.out, a.steps)] if not a.test_out else [(a.out, a.steps - a.window), (a.test_out, a.steps)]
+        outs = (
+            [(a.out, a.steps)]
+            if not a.test_out
+            else [(a.out, a.steps - a.window), (a.test_out, a.steps)]
+        )
         for out, end in outs:
             window = _window(work / "ck", full, a, end)
             parse_routing_stats(window)
             window["source"] = "trainer"
-            window["model"] += (f" balance={a.balance} coef={a.coef} real-text corpus, steps "
-                                f"{end - window['steps'] + 1}-{end} of {a.steps}")
+            window["model"] += (
+                f" balance={a.balance} coef={a.coef} real-text corpus, steps "
+                f"{end - window['steps'] + 1}-{end} of {a.steps}"
+            )
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps(window, separators=(",", ":")))
             mm = max_mean_per_layer(window["load"])
-            print(json.dumps({"out": out, "balance": a.balance, "seconds": round(time.time() - t0, 1),
-                              "lossFirst": round(losses[0], 3), "lossLast": round(sum(losses[-10:]) / 10, 3),
-                              "samples": len(window.get("tokenSamples", {}).get("experts", [[]])[0]),
-                              "maxMeanPerLayer": [round(x, 2) for x in mm],
-                              "maxMeanOfSummedLoad": round(max_mean_per_layer(
-                                  [list(map(sum, zip(*window["load"], strict=True)))])[0], 2)}))
+            print(
+                json.dumps(
+                    {
+                        "out": out,
+                        "balance": a.balance,
+                        "seconds": round(time.time() - t0, 1),
+                        "lossFirst": round(losses[0], 3),
+                        "lossLast": round(sum(losses[-10:]) / 10, 3),
+                        "samples": len(window.get("tokenSamples", {}).get("experts", [[]])[0]),
+                        "maxMeanPerLayer": [round(x, 2) for x in mm],
+                        "maxMeanOfSummedLoad": round(
+                            max_mean_per_layer([list(map(sum, zip(*window["load"], strict=True)))])[
+                                0
+                            ],
+                            2,
+                        ),
+                    }
+                )
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -107,6 +159,7 @@ def _window(ckpt: Path, full: dict, a, end: int) -> dict:
     uniform sample of the window), cut to ``--samples``."""
     import numpy as np
     import torch
+
     start = max(0, end - a.window)
 
     def state_at(step: int) -> dict:
@@ -123,9 +176,9 @@ def _window(ckpt: Path, full: dict, a, end: int) -> dict:
         load = load - np.rint(lo["routing"]["load"].numpy()).astype(np.int64)
         co = co - np.rint(lo["routing"]["coact"].numpy()).astype(np.int64)
         tokens, steps = tokens - lo["routing"]["tokens"], steps - lo["routing"]["steps"]
-    smp = last["samples"]                                   # sorted by key: any prefix is uniform
+    smp = last["samples"]  # sorted by key: any prefix is uniform
     keep = ((smp["steps"] > start) & (smp["steps"] <= end)).numpy()
-    ex = smp["experts"].numpy()[keep][:a.samples].astype(np.int64)          # [S, L, k]
+    ex = smp["experts"].numpy()[keep][: a.samples].astype(np.int64)  # [S, L, k]
     samples = np.sort(ex.transpose(1, 0, 2), axis=-1).tolist()
     return routing_stats_doc(load, co, tokens, steps, full["topK"], full["model"], samples=samples)
 

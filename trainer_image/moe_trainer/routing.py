@@ -27,10 +27,10 @@ class RouterProbe:
         self._handles = []
         for i, block in enumerate(blocks):
             router = getattr(block, "router", None)
-            if router is not None and hasattr(router, "gate"):        # AutoEP layer
+            if router is not None and hasattr(router, "gate"):  # AutoEP layer
                 self._handles.append(router.gate.register_forward_hook(self._logits_hook(i)))
                 self._handles.append(router.register_forward_hook(self._topk_hook(i, 1)))
-            elif hasattr(block, "gate"):                              # HF block (or a swapped one keeping `gate`)
+            elif hasattr(block, "gate"):  # HF block (or a swapped one keeping `gate`)
                 self._handles.append(block.gate.register_forward_hook(self._hf_hook(i)))
             else:
                 raise ValueError(f"MoE layer {i} ({type(block).__name__}) has no router to probe")
@@ -38,17 +38,20 @@ class RouterProbe:
     def _logits_hook(self, i):
         def hook(_m, _inp, out):
             self.logits[i] = out
+
         return hook
 
     def _topk_hook(self, i, index):
         def hook(_m, _inp, out):
             self.topk[i] = out[index].detach()
+
         return hook
 
     def _hf_hook(self, i):
         def hook(_m, _inp, out):
             self.logits[i] = out[0]
             self.topk[i] = out[2].detach()
+
         return hook
 
     def clear(self) -> None:
@@ -72,11 +75,12 @@ def switch_aux_loss(logits: torch.Tensor, topk: torch.Tensor, num_experts: int) 
     grows as routing concentrates; the gradient pushes probability away from overloaded experts.
     logits[T, E], topk[T, K].
     """
-    probs = torch.softmax(logits.float(), dim=-1)                       # [T, E]
+    probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
     # scatter_add, not bincount: CUDA bincount reads the max id back to the host (a sync per layer)
     ids = topk.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
-        0, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device))
+        0, ids, torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    )
     f = counts / counts.sum().clamp(min=1)
     return num_experts * (f * probs.mean(dim=0)).sum()
 
@@ -88,23 +92,28 @@ def balance_loss(probe: RouterProbe, num_experts: int, mode: str) -> torch.Tenso
     if mode == "none":
         return None
     if mode == "per_layer_aux":
-        losses = [switch_aux_loss(lg, tk, num_experts) for lg, tk in zip(probe.logits, probe.topk, strict=True)]
+        losses = [
+            switch_aux_loss(lg, tk, num_experts)
+            for lg, tk in zip(probe.logits, probe.topk, strict=True)
+        ]
         return torch.stack(losses).mean()
     if mode == "global_aux":
         return switch_aux_loss(torch.cat(probe.logits), torch.cat(probe.topk), num_experts)
     raise ValueError(f"training.balance.mode: {mode!r} is unknown")
 
 
-def step_counts(probe: RouterProbe, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def step_counts(
+    probe: RouterProbe, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Counts of one forward pass, in slot ids:
     load[L, E] (token->expert assignments), coact[L, E, E] (tokens whose top-k held both i and j,
     zero diagonal), max_abs_logit[L]."""
     loads, coacts, maxlog = [], [], []
     for lg, tk in zip(probe.logits, probe.topk, strict=True):
         onehot = torch.zeros(tk.shape[0], num_experts, dtype=torch.float64, device=tk.device)
-        onehot.scatter_(1, tk.long(), 1.0)                                # [T, E]
+        onehot.scatter_(1, tk.long(), 1.0)  # [T, E]
         loads.append(onehot.sum(0))
-        c = onehot.T @ onehot                                             # [E, E]
+        c = onehot.T @ onehot  # [E, E]
         c.fill_diagonal_(0)
         coacts.append(c)
         maxlog.append(lg.detach().abs().max().double())
@@ -116,7 +125,9 @@ class RoutingAccumulator:
 
     def __init__(self, num_layers: int, num_experts: int, device):
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-        self.coact = torch.zeros(num_layers, num_experts, num_experts, dtype=torch.float64, device=device)
+        self.coact = torch.zeros(
+            num_layers, num_experts, num_experts, dtype=torch.float64, device=device
+        )
         self.tokens = 0
         self.steps = 0
 
@@ -126,7 +137,12 @@ class RoutingAccumulator:
         self.tokens += tokens
 
     def state_dict(self) -> dict:
-        return {"load": self.load.cpu(), "coact": self.coact.cpu(), "tokens": self.tokens, "steps": self.steps}
+        return {
+            "load": self.load.cpu(),
+            "coact": self.coact.cpu(),
+            "tokens": self.tokens,
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         self.load.copy_(sd["load"])
@@ -138,6 +154,7 @@ class RoutingAccumulator:
 def to_original_ids(load_slot, coact_slot, permutation):
     """Reindex slot-id counts to original expert ids: orig[perm[s]] = slot[s]."""
     import numpy as np
+
     load_slot = np.asarray(load_slot)
     coact_slot = np.asarray(coact_slot)
     load = np.zeros_like(load_slot)
@@ -152,6 +169,7 @@ def to_original_ids(load_slot, coact_slot, permutation):
 def load_to_original_ids(load_slot, permutation):
     """load_slot[L, E] in slot ids -> load[L, E] in original expert ids."""
     import numpy as np
+
     load_slot = np.asarray(load_slot)
     load = np.zeros_like(load_slot)
     for layer, row in enumerate(permutation):
@@ -162,6 +180,7 @@ def load_to_original_ids(load_slot, permutation):
 def max_mean_per_layer(load) -> list[float]:
     """load[L, E] -> max/mean expert load of each layer (1.0 = perfectly balanced)."""
     import numpy as np
+
     load = np.asarray(load, dtype=np.float64)
     mean = load.mean(axis=1)
     return [float(m / a) if a > 0 else 0.0 for m, a in zip(load.max(axis=1), mean, strict=True)]

@@ -21,7 +21,6 @@ import logging
 
 from moe_contracts import env as E
 from moe_contracts.routing import LIMIT_BYTES, encode_configmap
-
 from moe_trainer.progress import ConfigMapPublisher
 
 log = logging.getLogger("moe_trainer.routing_publish")
@@ -44,15 +43,24 @@ class RoutingStatsPublisher:
 
     def publish(self, doc: dict, step: int, file_path: str | None) -> dict:
         enc = encode_configmap(doc, self.limit)
-        status = {"configMap": self.publisher.name, "key": enc.key, "step": int(step),
-                  "jsonBytes": enc.json_bytes, "storedBytes": enc.stored_bytes, "published": False,
-                  "file": file_path, "message": ""}
+        status = {
+            "configMap": self.publisher.name,
+            "key": enc.key,
+            "step": int(step),
+            "jsonBytes": enc.json_bytes,
+            "storedBytes": enc.stored_bytes,
+            "published": False,
+            "file": file_path,
+            "message": "",
+        }
         if enc.body is None:
             status["message"] = (
-                f"routing statistics too large for ConfigMap {self.publisher.name}: " f"{enc.json_bytes} bytes "
+                f"routing statistics too large for ConfigMap {self.publisher.name}: "
+                f"{enc.json_bytes} bytes "
                 f"of JSON, {enc.stored_bytes} gzip+base64 > limit {self.limit} "
                 f"({doc['numLayers']} layers x {doc['numExperts']}^2 co-activation); "
-                f"not published, kept in {file_path or 'no checkpoint dir'}")
+                f"not published, kept in {file_path or 'no checkpoint dir'}"
+            )
             if not self._warned_too_large:
                 log.warning("%s", status["message"])
                 self._warned_too_large = True
@@ -61,11 +69,20 @@ class RoutingStatsPublisher:
             status["message"] = f"published as {enc.key} ({enc.stored_bytes} bytes) at step {step}"
             full = len((doc.get("tokenSamples") or {}).get("experts", [[]])[0])
             if enc.samples < full:
-                status["message"] += (f", token samples cut from {full} to {enc.samples} to fit "
-                                      f"(all of them in {file_path or 'no checkpoint dir'})")
-            log.info("routing statistics of step %d -> ConfigMap %s key %s (%d bytes)", step,
-                     self.publisher.name, enc.key, enc.stored_bytes)
+                status["message"] += (
+                    f", token samples cut from {full} to {enc.samples} to fit "
+                    f"(all of them in {file_path or 'no checkpoint dir'})"
+                )
+            log.info(
+                "routing statistics of step %d -> ConfigMap %s key %s (%d bytes)",
+                step,
+                self.publisher.name,
+                enc.key,
+                enc.stored_bytes,
+            )
         else:
-            status["message"] = f"ConfigMap {self.publisher.name} patch failed: {self.publisher.last_error}"
+            status["message"] = (
+                f"ConfigMap {self.publisher.name} patch failed: {self.publisher.last_error}"
+            )
         self.status = status
         return status

@@ -32,13 +32,12 @@ from pathlib import Path
 from moe_contracts import env
 from moe_contracts.errors import DocumentError
 from moe_contracts.gate import SMOKE_KIND, SMOKE_VERSION, expected_checks, parse_smoke_plans
-
 from moe_trainer.gang import Gang
 from moe_trainer.launch import free_port, rank_env
 
 DEFAULT_PLANS = env.SMOKE_PLANS_PATH
 TERMINATION_LOG = "/dev/termination-log"
-TERMINATION_LIMIT = 4096          # bytes the kubelet keeps of a termination message
+TERMINATION_LIMIT = 4096  # bytes the kubelet keeps of a termination message
 EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "did not finish this check")
 
@@ -53,8 +52,10 @@ def read_plans(path: str) -> dict:
     try:
         doc = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise PlansError(f"cannot read the smoke plans {path}: {exc.strerror or exc} (the operator mounts "
-                         "them; locally `moectl smoke` renders them)") from None
+        raise PlansError(
+            f"cannot read the smoke plans {path}: {exc.strerror or exc} (the operator mounts "
+            "them; locally `moectl smoke` renders them)"
+        ) from None
     except ValueError as exc:
         raise PlansError(f"{path}: not JSON ({exc})") from None
     try:
@@ -67,44 +68,85 @@ def read_plans(path: str) -> dict:
 def worker_main(args: argparse.Namespace) -> int:
     import logging
     import warnings
+
     from moe_trainer.smoke_checks import Recorder, run_phase
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.basicConfig(level=os.environ.get("MOE_LOG_LEVEL", "WARNING"),
-                        format=f"%(asctime)s smoke rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MOE_LOG_LEVEL", "WARNING"),
+        format=f"%(asctime)s smoke rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s",
+    )
     warnings.filterwarnings("ignore")
     rank = int(os.environ.get("RANK", "0"))
     rec = Recorder(Path(args.workdir) / f"{args.phase}-rank{rank}.json", rank)
     plans = json.loads(Path(args.plans).read_text())
-    ok = run_phase(args.phase, plans, Path(args.workdir), rec, cpu=args.cpu,
-                   expect_deepspeed=args.expect_deepspeed)
+    ok = run_phase(
+        args.phase,
+        plans,
+        Path(args.workdir),
+        rec,
+        cpu=args.cpu,
+        expect_deepspeed=args.expect_deepspeed,
+    )
     return EXIT_PASS if ok else EXIT_FAIL
 
 
 # ---- the parent: start the ranks, merge their results into one verdict ---------------------
-def run_ranks(args: argparse.Namespace, nproc: int, phase: str,
-              timeout: float) -> tuple[list[int | None], list[collections.deque], bool]:
+def run_ranks(
+    args: argparse.Namespace, nproc: int, phase: str, timeout: float
+) -> tuple[list[int | None], list[collections.deque], bool]:
     """Start `nproc` worker ranks of `phase` (``moe_trainer.gang``: output prefixed
     ``[<phase> rank<R>]`` on stderr; when one rank fails the others are stopped after a few
     seconds: they may wait forever in a collective the failed rank never joins); returns exit
     codes (128+N: killed by signal N), output tails, and whether the timeout hit."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    cmd = [sys.executable, "-m", "moe_trainer.smoke", "--worker", phase, "--workdir", args.workdir,
-           "--plans", args.plans] + (["--cpu"] if args.cpu else []) \
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "moe_trainer.smoke",
+            "--worker",
+            phase,
+            "--workdir",
+            args.workdir,
+            "--plans",
+            args.plans,
+        ]
+        + (["--cpu"] if args.cpu else [])
         + (["--expect-deepspeed", args.expect_deepspeed] if args.expect_deepspeed else [])
-    envs = [rank_env(env, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)]
-    res = Gang([cmd] * nproc, envs, labels=[f"{phase} rank{r}" for r in range(nproc)], out=sys.stderr,
-               timeout=timeout).run()
+    )
+    envs = [
+        rank_env(env, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)
+    ]
+    res = Gang(
+        [cmd] * nproc,
+        envs,
+        labels=[f"{phase} rank{r}" for r in range(nproc)],
+        out=sys.stderr,
+        timeout=timeout,
+    ).run()
     return res.codes, res.tails, res.timed_out
 
 
-def merge(results: list[dict | None], codes: list[int | None], tails: list, timed_out: bool,
-          timeout: float, duration: float, expected: list[tuple[str, str | None]]) -> dict:
+def merge(
+    results: list[dict | None],
+    codes: list[int | None],
+    tails: list,
+    timed_out: bool,
+    timeout: float,
+    duration: float,
+    expected: list[tuple[str, str | None]],
+) -> dict:
     """One SmokeVerdict from the ranks' check lists (both phases concatenated per rank): a check
     passed when every rank passed it; `expected` is the (check, case) list of a passing run."""
     checks, failed, exception = [], None, None
     for name, case in expected:
-        entries = [(r, c) for r, res in enumerate(results) for c in (res or {}).get("checks", ())
-                   if c["name"] == name and c.get("case") == case]
+        entries = [
+            (r, c)
+            for r, res in enumerate(results)
+            for c in (res or {}).get("checks", ())
+            if c["name"] == name and c.get("case") == case
+        ]
         if not entries:
             break
         bad = [(r, c) for r, c in entries if not c["passed"]]
@@ -115,28 +157,59 @@ def merge(results: list[dict | None], codes: list[int | None], tails: list, time
             # the rank that broke, not one that lost its peer because of it
             r, c = min(bad, key=lambda rc: (any(s in rc[1]["message"] for s in _PEER_LOST), rc[0]))
             msg = c["message"] if len(results) == 1 else f"rank {r}: {c['message']}"
-            checks.append({"name": name, "case": case, "passed": False,
-                           "seconds": max(x["seconds"] for _, x in entries), "message": msg})
+            checks.append(
+                {
+                    "name": name,
+                    "case": case,
+                    "passed": False,
+                    "seconds": max(x["seconds"] for _, x in entries),
+                    "message": msg,
+                }
+            )
             failed = (name, case)
             exception = (results[r] or {}).get("exception")
             break
         main = entries[0][1]
-        checks.append({"name": name, "case": case, "passed": True,
-                       "seconds": max(c["seconds"] for _, c in entries), "message": main["message"]})
+        checks.append(
+            {
+                "name": name,
+                "case": case,
+                "passed": True,
+                "seconds": max(c["seconds"] for _, c in entries),
+                "message": main["message"],
+            }
+        )
     if failed is None and len(checks) < len(expected):
         failed = expected[len(checks)]
         dead = [(r, c) for r, c in enumerate(codes) if c != 0]
         r, code = dead[0] if dead else (0, None)
-        why = f"timed out after {timeout:.0f}s" if timed_out else f"rank {r} exited with code {code}"
-        checks.append({"name": failed[0], "case": failed[1], "passed": False, "seconds": 0.0,
-                       "message": f"{why} before finishing this check"})
+        why = (
+            f"timed out after {timeout:.0f}s" if timed_out else f"rank {r} exited with code {code}"
+        )
+        checks.append(
+            {
+                "name": failed[0],
+                "case": failed[1],
+                "passed": False,
+                "seconds": 0.0,
+                "message": f"{why} before finishing this check",
+            }
+        )
         exception = "\n".join(list(tails[r])[-15:])[-3000:] if tails else None
     versions = next((res["versions"] for res in results if res and res.get("versions")), {})
-    return {"kind": SMOKE_KIND, "version": SMOKE_VERSION, "passed": failed is None,
-            "failedCheck": failed[0] if failed else None, "failedCase": failed[1] if failed else None,
-            "cases": [c for c in dict.fromkeys(case for _, case in expected) if c],
-            "checks": checks, "exception": exception, "versions": versions,
-            "worldSize": len(results), "durationSeconds": round(duration, 2)}
+    return {
+        "kind": SMOKE_KIND,
+        "version": SMOKE_VERSION,
+        "passed": failed is None,
+        "failedCheck": failed[0] if failed else None,
+        "failedCase": failed[1] if failed else None,
+        "cases": [c for c in dict.fromkeys(case for _, case in expected) if c],
+        "checks": checks,
+        "exception": exception,
+        "versions": versions,
+        "worldSize": len(results),
+        "durationSeconds": round(duration, 2),
+    }
 
 
 def compact(verdict: dict, limit: int = TERMINATION_LIMIT) -> str:
@@ -150,7 +223,7 @@ def compact(verdict: dict, limit: int = TERMINATION_LIMIT) -> str:
             v["exception"] = v["exception"][-cap:] if cap else None
         for c in v["checks"]:
             if not c["passed"] and len(c["message"]) > max(cap, 200):
-                c["message"] = c["message"][:max(cap, 200)]
+                c["message"] = c["message"][: max(cap, 200)]
             elif c["passed"]:
                 c["message"] = c["message"][:cap]
         text = json.dumps(v, separators=(",", ":"))
@@ -159,16 +232,29 @@ def compact(verdict: dict, limit: int = TERMINATION_LIMIT) -> str:
 
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="moe-smoke", description=__doc__.splitlines()[0])
-    ap.add_argument("--plans", default=DEFAULT_PLANS,
-                    help="SmokePlans document (default %(default)s; `moectl smoke` renders one)")
+    ap.add_argument(
+        "--plans",
+        default=DEFAULT_PLANS,
+        help="SmokePlans document (default %(default)s; `moectl smoke` renders one)",
+    )
     ap.add_argument("--cpu", action="store_true", help="CPU + gloo even when a GPU is present")
-    ap.add_argument("--gpu", action="store_true",
-                    help="fail unless a GPU is used (no silent CPU fallback; the operator's GPU smoke Job)")
-    ap.add_argument("--expect-deepspeed", metavar="VERSION", help="fail unless this DeepSpeed is installed")
+    ap.add_argument(
+        "--gpu",
+        action="store_true",
+        help="fail unless a GPU is used (no silent CPU fallback; the operator's GPU smoke Job)",
+    )
+    ap.add_argument(
+        "--expect-deepspeed", metavar="VERSION", help="fail unless this DeepSpeed is installed"
+    )
     ap.add_argument("--output", "-o", help="also write the verdict JSON here")
-    ap.add_argument("--termination-log", default=TERMINATION_LOG,
-                    help="compact verdict here when the file exists (default %(default)s)")
-    ap.add_argument("--timeout", type=float, default=600, help="seconds before the ranks are killed")
+    ap.add_argument(
+        "--termination-log",
+        default=TERMINATION_LOG,
+        help="compact verdict here when the file exists (default %(default)s)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=600, help="seconds before the ranks are killed"
+    )
     ap.add_argument("--workdir", help="scratch dir (checkpoints, rank results); default a temp dir")
     ap.add_argument("--worker", choices=("train", "resume"), help=argparse.SUPPRESS)
     try:
@@ -192,8 +278,11 @@ def run(argv=None) -> int:
         print("moe-smoke: no GPU visible: running on CPU (gloo)", file=sys.stderr)
         args.cpu = True
     if args.cpu != (plans.get("device") == "cpu"):
-        print(f"moe-smoke: error: the plans are for device {plans.get('device')!r}, this run is on "
-              f"{'cpu' if args.cpu else 'cuda'}", file=sys.stderr)
+        print(
+            f"moe-smoke: error: the plans are for device {plans.get('device')!r}, this run is on "
+            f"{'cpu' if args.cpu else 'cuda'}",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     nproc = plans["cases"][0]["plan"]["worldSize"]
     expected = expected_checks([c["name"] for c in plans["cases"]])
@@ -219,7 +308,9 @@ def run(argv=None) -> int:
                     results[r]["exception"] = doc["exception"] or results[r]["exception"]
             if any(c != 0 for c in codes):
                 break
-    verdict = merge(results, codes, tails, timed_out, args.timeout, time.perf_counter() - t0, expected)
+    verdict = merge(
+        results, codes, tails, timed_out, args.timeout, time.perf_counter() - t0, expected
+    )
     text = json.dumps(verdict, indent=2)
     print(text, flush=True)
     if args.output:

@@ -32,8 +32,10 @@ GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "nor
 # choices of a few tokens (each expert sees ~16 tokens here) and the sign of tiny gradients, whose
 # Adam update is then +-lr instead of -+lr; still far from what a broken group gives (size 0 or
 # x2, cosine near 0).
-TOLERANCE = {"fp32": {"grad_ratio": 1e-3, "grad_cos": 1e-5, "update_ratio": 1e-3, "update_cos": 1e-4},
-             "half": {"grad_ratio": 0.2, "grad_cos": 0.1, "update_ratio": 0.25, "update_cos": 0.3}}
+TOLERANCE = {
+    "fp32": {"grad_ratio": 1e-3, "grad_cos": 1e-5, "update_ratio": 1e-3, "update_cos": 1e-4},
+    "half": {"grad_ratio": 0.2, "grad_cos": 0.1, "update_ratio": 0.25, "update_cos": 0.3},
+}
 
 
 def group_of(name: str) -> str:
@@ -64,7 +66,9 @@ class ExpertSlice:
     ffn: int
 
 
-def hf_view(name: str, ref: dict[str, torch.Tensor], experts: dict[str, ExpertSlice]) -> torch.Tensor:
+def hf_view(
+    name: str, ref: dict[str, torch.Tensor], experts: dict[str, ExpertSlice]
+) -> torch.Tensor:
     """The reference tensor matching the engine's parameter ``name`` (this rank's view).
 
     AutoEP renames `mlp.gate` -> `mlp.router.gate` and repacks `experts.gate_up_proj[E, 2F, H]`
@@ -79,15 +83,25 @@ def hf_view(name: str, ref: dict[str, torch.Tensor], experts: dict[str, ExpertSl
         if m.group(2) == "w2":
             return ref[f"{m.group(1)}.down_proj"][rows]
         gate_up = ref[f"{m.group(1)}.gate_up_proj"][rows]
-        return gate_up[:, :s.ffn] if m.group(2) == "w1" else gate_up[:, s.ffn:]
+        return gate_up[:, : s.ffn] if m.group(2) == "w1" else gate_up[:, s.ffn :]
     return ref[name]
 
 
-def reference_step(model, batches: list[torch.Tensor], *, num_experts: int, balance_mode: str,
-                   balance_coef: float, grad_clip: float, make_optimizer, make_scheduler):
+def reference_step(
+    model,
+    batches: list[torch.Tensor],
+    *,
+    num_experts: int,
+    balance_mode: str,
+    balance_coef: float,
+    grad_clip: float,
+    make_optimizer,
+    make_scheduler,
+):
     """One optimizer step of ``model`` (HF blocks, placement applied) on ``batches`` (every rank's
     micro-batches of step 0, each [micro, seq + 1]). Returns (grads, updates), name -> tensor."""
     from moe_trainer import models, routing
+
     model.train()
     blocks = [r.block for r in models.find_moe_layers(model)]
     probe = routing.RouterProbe(blocks)
@@ -96,15 +110,22 @@ def reference_step(model, batches: list[torch.Tensor], *, num_experts: int, bala
     for batch in batches:
         probe.clear()
         logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        )
         aux = routing.balance_loss(probe, num_experts, balance_mode)
         if aux is not None and balance_coef:
             loss = loss + balance_coef * aux
         (loss / len(batches)).backward()
     probe.remove()
-    grads = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in params.items()
+    }
     if grad_clip and grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], grad_clip)
+        torch.nn.utils.clip_grad_norm_(
+            [p for p in params.values() if p.grad is not None], grad_clip
+        )
     opt = make_optimizer([p for p in params.values() if p.requires_grad])
     sched = make_scheduler(opt)
     opt.step()
@@ -122,8 +143,9 @@ def _compare(ours: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return ratio, cos
 
 
-def compare_groups(ours: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict[str, float],
-                   what: str) -> tuple[list[dict], list[str]]:
+def compare_groups(
+    ours: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict[str, float], what: str
+) -> tuple[list[dict], list[str]]:
     """Per group: size ratio and cosine of ``ours`` vs ``want`` (same names, same shapes).
     Returns (rows, problems); a problem names the group and what is wrong with it."""
     by_group: dict[str, tuple[list, list]] = {}
@@ -144,10 +166,14 @@ def compare_groups(ours: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         if float(w.norm()) == 0:
             continue
         if float(o.norm()) == 0:
-            problems.append(f"{group}: {what} is zero (the reference's norm is {float(w.norm()):.3g}): "
-                            "the group does not move")
+            problems.append(
+                f"{group}: {what} is zero (the reference's norm is {float(w.norm()):.3g}): "
+                "the group does not move"
+            )
         elif abs(ratio - 1) > tol[f"{what}_ratio"] or 1 - cos > tol[f"{what}_cos"]:
-            problems.append(f"{group}: {what} differs from the reference: size x{ratio:.4g}, cosine {cos:.6f} "
-                            f"(tolerance: size within {tol[f'{what}_ratio']:g}, cosine >= "
-                            f"{1 - tol[f'{what}_cos']:g})")
+            problems.append(
+                f"{group}: {what} differs from the reference: size x{ratio:.4g}, cosine {cos:.6f} "
+                f"(tolerance: size within {tol[f'{what}_ratio']:g}, cosine >= "
+                f"{1 - tol[f'{what}_cos']:g})"
+            )
     return rows, problems

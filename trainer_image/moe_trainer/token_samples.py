@@ -23,7 +23,9 @@ import torch.distributed as dist
 class TokenSampler:
     """keys[n] float64, experts[n, L, k] int16 (slot ids), steps[n] int32 (the step, 1-based)."""
 
-    def __init__(self, num_layers: int, top_k: int, capacity: int, seed: int, rank: int, world: int):
+    def __init__(
+        self, num_layers: int, top_k: int, capacity: int, seed: int, rank: int, world: int
+    ):
         self.L, self.k, self.capacity = num_layers, top_k, int(capacity)
         self.seed, self.rank, self.world = int(seed), int(rank), int(world)
         self.keys = torch.empty(0, dtype=torch.float64)
@@ -45,8 +47,11 @@ class TokenSampler:
                 return
             event.synchronize()
             self._pending.pop(0)
-            self._keep(torch.cat([self.keys, keys]), torch.cat([self.experts, ex]),
-                       torch.cat([self.steps, steps]))
+            self._keep(
+                torch.cat([self.keys, keys]),
+                torch.cat([self.experts, ex]),
+                torch.cat([self.steps, steps]),
+            )
 
     def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
         """``topk[L]`` of ``[T, k]`` expert (slot) ids of one forward pass at 1-based ``step``."""
@@ -54,7 +59,9 @@ class TokenSampler:
             return
         self._settle(wait=False)
         T = topk[0].shape[0]
-        g = torch.Generator().manual_seed(hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF)
+        g = torch.Generator().manual_seed(
+            hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF
+        )
         keys = torch.rand(T, generator=g, dtype=torch.float64)
         # a pre-filter only (pending keys are not in self.keys yet): _keep picks the exact bottom-k
         if len(self.keys) >= self.capacity:
@@ -64,7 +71,7 @@ class TokenSampler:
         if not len(idx):
             return
         dev = idx.pin_memory().to(topk[0].device, non_blocking=True) if topk[0].is_cuda else idx
-        ex = torch.stack([tk[dev] for tk in topk], dim=1).to(torch.int16)    # [c, L, k]
+        ex = torch.stack([tk[dev] for tk in topk], dim=1).to(torch.int16)  # [c, L, k]
         steps = torch.full((len(idx),), step, dtype=torch.int32)
         if ex.device.type == "cuda":
             host = torch.empty(ex.shape, dtype=torch.int16, pin_memory=True)
@@ -73,12 +80,15 @@ class TokenSampler:
             event.record()
             self._pending.append((keys[idx], host, steps, event))
             return
-        self._keep(torch.cat([self.keys, keys[idx]]), torch.cat([self.experts, ex.cpu()]),
-                   torch.cat([self.steps, steps]))
+        self._keep(
+            torch.cat([self.keys, keys[idx]]),
+            torch.cat([self.experts, ex.cpu()]),
+            torch.cat([self.steps, steps]),
+        )
 
     def _keep(self, keys, experts, steps) -> None:
         if len(keys) > self.capacity:
-            order = torch.argsort(keys)[:self.capacity]
+            order = torch.argsort(keys)[: self.capacity]
             keys, experts, steps = keys[order], experts[order], steps[order]
         self.keys, self.experts, self.steps = keys, experts, steps
 
@@ -88,30 +98,40 @@ class TokenSampler:
         self._settle(wait=True)
         if self.world <= 1 or not dist.is_available() or not dist.is_initialized():
             order = torch.argsort(self.keys)
-            return {"keys": self.keys[order], "experts": self.experts[order], "steps": self.steps[order]}
+            return {
+                "keys": self.keys[order],
+                "experts": self.experts[order],
+                "steps": self.steps[order],
+            }
         cap = self.capacity
         pad = torch.full((cap,), float("inf"), dtype=torch.float64)
-        pad[:len(self)] = self.keys
+        pad[: len(self)] = self.keys
         all_keys = [torch.empty(cap, dtype=torch.float64, device=device) for _ in range(self.world)]
         dist.all_gather(all_keys, pad.to(device))
-        all_keys = torch.stack(all_keys).cpu()                                   # [W, cap]
+        all_keys = torch.stack(all_keys).cpu()  # [W, cap]
         flat = all_keys.flatten()
         n = int(torch.isfinite(flat).sum())
-        thr = torch.sort(flat).values[min(cap, n) - 1] if n else torch.tensor(-1.0, dtype=torch.float64)
+        thr = (
+            torch.sort(flat).values[min(cap, n) - 1]
+            if n
+            else torch.tensor(-1.0, dtype=torch.float64)
+        )
         wins = [int(((row <= thr) & torch.isfinite(row)).sum()) for row in all_keys]
         mine = torch.nonzero(self.keys <= thr).flatten()
         m = max(wins)
         width = self.L * self.k + 1
         buf = torch.zeros(m, width, dtype=torch.int32)
-        buf[:len(mine), :-1] = self.experts[mine].reshape(len(mine), -1).to(torch.int32)
-        buf[:len(mine), -1] = self.steps[mine]
-        gathered = [torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)]
+        buf[: len(mine), :-1] = self.experts[mine].reshape(len(mine), -1).to(torch.int32)
+        buf[: len(mine), -1] = self.steps[mine]
+        gathered = [
+            torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)
+        ]
         dist.all_gather(gathered, buf.to(device))
         keys, rows = [], []
         for row, g in zip(all_keys, gathered, strict=True):
             sel = torch.nonzero((row <= thr) & torch.isfinite(row)).flatten()
             keys.append(row[sel])
-            rows.append(g.cpu()[:len(sel)])
+            rows.append(g.cpu()[: len(sel)])
         keys, rows = torch.cat(keys), torch.cat(rows)
         order = torch.argsort(keys)
         keys, rows = keys[order], rows[order]
@@ -123,7 +143,11 @@ class TokenSampler:
 
     def _hold_share(self, merged: dict) -> None:
         sel = torch.arange(self.rank, len(merged["keys"]), self.world)
-        self.keys, self.experts, self.steps = merged["keys"][sel], merged["experts"][sel], merged["steps"][sel]
+        self.keys, self.experts, self.steps = (
+            merged["keys"][sel],
+            merged["experts"][sel],
+            merged["steps"][sel],
+        )
 
     def state_dict(self, merged: dict) -> dict:
         """What goes into the (rank 0) trainer state: the merged global sample."""
@@ -133,15 +157,21 @@ class TokenSampler:
         if not sd:
             return
         self._pending.clear()
-        self._hold_share({"keys": sd["keys"], "experts": sd["experts"].to(torch.int16),
-                          "steps": sd["steps"].to(torch.int32)})
+        self._hold_share(
+            {
+                "keys": sd["keys"],
+                "experts": sd["experts"].to(torch.int16),
+                "steps": sd["steps"].to(torch.int32),
+            }
+        )
         self._keep(self.keys, self.experts, self.steps)
 
 
 def to_original_ids(experts_slot: torch.Tensor, permutation) -> list[list[list[int]]]:
     """``experts_slot[S, L, k]`` slot ids -> ``tokenSamples.experts[L][S][k]`` original ids."""
     import numpy as np
-    ex = experts_slot.numpy().astype(np.int64).transpose(1, 0, 2)            # [L, S, k]
+
+    ex = experts_slot.numpy().astype(np.int64).transpose(1, 0, 2)  # [L, S, k]
     out = np.empty_like(ex)
     for layer, row in enumerate(permutation):
         out[layer] = np.asarray(row)[ex[layer]]

@@ -33,12 +33,23 @@ EXIT_OK, EXIT_DATAERR, EXIT_RETRYABLE, EXIT_CONFIG, EXIT_UNEXPECTED = 0, 65, 75,
 
 # Communication failures surface as plain RuntimeErrors from gloo (and sometimes NCCL): a lost
 # peer is retryable, the gang restarts from the latest checkpoint.
-COMM_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo",
-                        "NCCL", "ProcessGroup", "c10d", "remote worker", "timed out", "Timed out")
+COMM_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo",
+    "NCCL",
+    "ProcessGroup",
+    "c10d",
+    "remote worker",
+    "timed out",
+    "Timed out",
+)
 
 
 def is_comm_failure(exc: BaseException) -> bool:
     import torch.distributed as dist
+
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in COMM_FAILURE_MARKERS)
@@ -58,10 +69,10 @@ def classify(exc: BaseException, ckpt_dir: str | None) -> tuple[str, int]:
         if not ckpt_dir or where.startswith(str(ckpt_dir).rstrip("/").rsplit("/", 1)[0]):
             if exc.errno in _FULL:
                 return "CheckpointVolumeFull", EXIT_RETRYABLE
-            return "CheckpointNotWritable", EXIT_CONFIG     # a read-only volume stays read-only
+            return "CheckpointNotWritable", EXIT_CONFIG  # a read-only volume stays read-only
     if isinstance(exc, DataError):
         text = str(exc)
-        missing = ("does not exist" in text or "holds no text" in text or "no .npy" in text)
+        missing = "does not exist" in text or "holds no text" in text or "no .npy" in text
         return ("DataNotFound" if missing else "BadData"), EXIT_CONFIG
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return "OutOfMemory", EXIT_RETRYABLE
@@ -93,15 +104,20 @@ def _failed(cause: str, code: int, message: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", help="MoEPlan v1 JSON (default $MOE_PLAN, then /etc/moe/plan.json)")
-    ap.add_argument("--checkpoint-dir", help="default $MOE_CHECKPOINT_DIR, then the plan's training.checkpointDir")
+    ap.add_argument(
+        "--checkpoint-dir",
+        help="default $MOE_CHECKPOINT_DIR, then the plan's training.checkpointDir",
+    )
     ap.add_argument("--cpu", action="store_true", help="ignore GPUs (gloo on CPU)")
     return ap.parse_args(argv)
 
 
 def run(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s rank{os.environ.get('RANK', '0')} %(levelname)s %(message)s",
+    )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # torch 2.13 deprecates the collectives DeepSpeed 0.19.8 calls every step; keep logs readable.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
@@ -116,7 +132,9 @@ def run(argv=None) -> int:
     from moe_trainer.models import ModelError
     from moe_trainer.trainer import NonFiniteLoss, Trainer
 
-    ckpt_dir = args.checkpoint_dir or os.environ.get(E.CHECKPOINT_DIR) or plan.training.checkpoint_dir
+    ckpt_dir = (
+        args.checkpoint_dir or os.environ.get(E.CHECKPOINT_DIR) or plan.training.checkpoint_dir
+    )
     try:
         force_cpu = args.cpu or plan.raw.get("device") == "cpu"
         env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)
@@ -162,10 +180,12 @@ def run(argv=None) -> int:
 
 def main(argv=None) -> None:
     from moe_trainer import launch
+
     if launch.is_pod_entry():
         code = launch.node_main(argv)
     else:
         from moe_trainer.checkpoint import install_signal_handlers
+
         install_signal_handlers()
         code = run(argv)
     logging.shutdown()

@@ -47,12 +47,14 @@ class NonFiniteLoss(RuntimeError):
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
     """Linear warmup over `warmup` steps, then cosine decay to `min_ratio` x peak at `total`."""
+
     def f(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
         span = max(1, total - warmup)
         progress = min(1.0, (step - warmup) / span)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return f
 
 
@@ -64,15 +66,20 @@ def deepspeed_config(plan: MoEPlan) -> dict:
     cfg.setdefault("train_micro_batch_size_per_gpu", t.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", t.grad_accum)
     cfg.setdefault("gradient_clipping", t.grad_clip)
-    cfg.setdefault("steps_per_print", 10 ** 9)
+    cfg.setdefault("steps_per_print", 10**9)
     cfg.setdefault("wall_clock_breakdown", False)
-    if cfg["train_micro_batch_size_per_gpu"] != t.micro_batch or cfg["gradient_accumulation_steps"] != t.grad_accum:
-        raise ValueError("deepspeed.train_micro_batch_size_per_gpu/gradient_accumulation_steps differ from "
-                         f"training.microBatch={t.micro_batch}/gradAccum={t.grad_accum}")
+    if (
+        cfg["train_micro_batch_size_per_gpu"] != t.micro_batch
+        or cfg["gradient_accumulation_steps"] != t.grad_accum
+    ):
+        raise ValueError(
+            "deepspeed.train_micro_batch_size_per_gpu/gradient_accumulation_steps differ from "
+            f"training.microBatch={t.micro_batch}/gradAccum={t.grad_accum}"
+        )
     return cfg
 
 
-RATE_WINDOW = 10   # steps over which tokens/s and the ETA are measured
+RATE_WINDOW = 10  # steps over which tokens/s and the ETA are measured
 
 
 class Trainer:
@@ -88,16 +95,23 @@ class Trainer:
         device the trainer builds on (a GPU draws other random numbers than the CPU for the same
         seed), so a reference built here equals the trained model weight for weight."""
         p = self.plan
-        return models.build_model(p.model.hf_config, p.model.path, seed=self.t.seed,
-                                  device=self.env.device if self.env.device.type == "cuda" else None)
+        return models.build_model(
+            p.model.hf_config,
+            p.model.path,
+            seed=self.t.seed,
+            device=self.env.device if self.env.device.type == "cuda" else None,
+        )
 
     def build(self) -> None:
         import deepspeed
+
         p, t = self.plan, self.t
         model = self.initial_model()
         models.apply_moe_impl(model, t.moe_impl)
         if p.raw.get("training", {}).get("activationCheckpointing"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.perf = t.performance
         self.num_experts = models.num_experts_of(model)
         self.top_k = models.top_k_of(model)
@@ -107,14 +121,17 @@ class Trainer:
         if p.placement is not None:
             if (p.placement.num_layers, p.placement.num_experts) != (n_layers, self.num_experts):
                 raise models.ModelError(
-                    f"placement: plan says {p.placement.num_layers} layers x " f"{p.placement.num_experts} experts, "
-                    f"the model has {n_layers} x {self.num_experts}")
+                    f"placement: plan says {p.placement.num_layers} layers x "
+                    f"{p.placement.num_experts} experts, "
+                    f"the model has {n_layers} x {self.num_experts}"
+                )
             models.permute_experts(model, p.placement.permutation)
             self.permutation = [list(r) for r in p.placement.permutation]
         else:
             self.permutation = [list(range(self.num_experts)) for _ in range(n_layers)]
-        self.source = data_mod.make_batch_source(t.data, t.seq_len, t.micro_batch, t.seed,
-                                                 model.config.vocab_size)
+        self.source = data_mod.make_batch_source(
+            t.data, t.seq_len, t.micro_batch, t.seed, model.config.vocab_size
+        )
         self.timer = CommTimer().install()
         cfg = deepspeed_config(p)
         has_opt = "optimizer" in cfg
@@ -130,37 +147,60 @@ class Trainer:
             log.info("performance options: %s", "; ".join(done))
 
         def make_opt(params):
-            return torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0,
-                                     **({"fused": True} if fused_opt else {}))
+            return torch.optim.AdamW(
+                params,
+                lr=t.lr,
+                betas=(0.9, 0.95),
+                weight_decay=0.0,
+                **({"fused": True} if fused_opt else {}),
+            )
 
         def make_sched(opt):
-            return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(t.warmup_steps, t.steps, t.min_lr_ratio))
+            return torch.optim.lr_scheduler.LambdaLR(
+                opt, lr_lambda(t.warmup_steps, t.steps, t.min_lr_ratio)
+            )
+
         self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=[q for q in model.parameters() if q.requires_grad],
+            model=model,
+            model_parameters=[q for q in model.parameters() if q.requires_grad],
             optimizer=None if has_opt else make_opt,
-            lr_scheduler=None if "scheduler" in cfg else make_sched, config=cfg)
+            lr_scheduler=None if "scheduler" in cfg else make_sched,
+            config=cfg,
+        )
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
         self.dispatcher = self.install_dispatcher()
         self.probe = routing.RouterProbe(self.blocks)
         if self.is_rank0:
-            log.info("MoE blocks after initialize: %d x %s (moeImpl=%s, AutoEP=%s, dispatcher=%s)",
-                     len(self.blocks), type(self.blocks[0]).__name__, t.moe_impl, p.autoep_enabled,
-                     self.dispatcher)
+            log.info(
+                "MoE blocks after initialize: %d x %s (moeImpl=%s, AutoEP=%s, dispatcher=%s)",
+                len(self.blocks),
+                type(self.blocks[0]).__name__,
+                t.moe_impl,
+                p.autoep_enabled,
+                self.dispatcher,
+            )
         if verify:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
-        self.samples = TokenSampler(L, self.top_k, t.routing_sample_tokens, t.seed, self.env.rank,
-                                    self.env.world_size)
-        self.recent_load: deque = deque(maxlen=RECENT_STEPS)   # load[L, E] per step, original ids
+        self.samples = TokenSampler(
+            L, self.top_k, t.routing_sample_tokens, t.seed, self.env.rank, self.env.world_size
+        )
+        self.recent_load: deque = deque(maxlen=RECENT_STEPS)  # load[L, E] per step, original ids
         self._logged: set[tuple[str, str]] = set()
-        self.health = HealthMonitor(L, E, self.env.world_size, dead_steps=t.dead_expert_steps,
-                                    dead_fraction=t.dead_expert_fraction,
-                                    router_logit_limit=t.router_logit_limit,
-                                    straggler_factor=t.straggler_factor, straggler_steps=t.straggler_steps,
-                                    fragmentation_limit=t.fragmentation_limit)
+        self.health = HealthMonitor(
+            L,
+            E,
+            self.env.world_size,
+            dead_steps=t.dead_expert_steps,
+            dead_fraction=t.dead_expert_fraction,
+            router_logit_limit=t.router_logit_limit,
+            straggler_factor=t.straggler_factor,
+            straggler_steps=t.straggler_steps,
+            fragmentation_limit=t.fragmentation_limit,
+        )
         self.losses: list[float] = []
-        self.on_step = None     # optional fn(step) after each finished step (benchmarks, profiling)
+        self.on_step = None  # optional fn(step) after each finished step (benchmarks, profiling)
         self.start_step = 0
         self.last_ckpt: dict | None = None
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
@@ -184,27 +224,46 @@ class Trainer:
         p = self.plan
         group_of, node_of = self.rank_tiers()
         self.timer.set_tiers(group_of, node_of)
-        if p.placement is None or p.placement.dispatcher != "dedup" or not p.autoep_enabled or p.ep_size == 1:
+        if (
+            p.placement is None
+            or p.placement.dispatcher != "dedup"
+            or not p.autoep_enabled
+            or p.ep_size == 1
+        ):
             return "autoep"
         from moe_trainer import dedup_ep
+
         P = p.ep_size
         base = (self.env.rank // P) * P
-        layout = dedup_ep.contiguous_layout(self.num_experts, P, group_of[base:base + P], node_of[base:base + P])
+        layout = dedup_ep.contiguous_layout(
+            self.num_experts, P, group_of[base : base + P], node_of[base : base + P]
+        )
         dedup_ep.install(self.blocks, [layout] * len(self.blocks))
         if self.is_rank0:
-            log.info("dedup dispatcher: %d group(s) x %d rank(s) per EP group", len(layout.group_ranks),
-                     len(layout.group_ranks[0]))
+            log.info(
+                "dedup dispatcher: %d group(s) x %d rank(s) per EP group",
+                len(layout.group_ranks),
+                len(layout.group_ranks[0]),
+            )
         return "dedup"
 
     def verify_placement(self, originals) -> None:
         from moe_trainer.placement import verify_placement
+
         report = verify_placement(self.blocks, self.permutation, originals, self.env.rank)
         if self.ckpt_dir:
-            write_json_atomic(Path(self.ckpt_dir) / f"placement_check_rank{self.env.rank}.json", report)
+            write_json_atomic(
+                Path(self.ckpt_dir) / f"placement_check_rank{self.env.rank}.json", report
+            )
         if not report["ok"]:
-            raise RuntimeError(f"rank {self.env.rank} does not hold the experts the plan says: {report}")
-        log.info("rank %d placement verified: %s", self.env.rank,
-                 [(x["layer"], x["experts"]) for x in report["layers"]])
+            raise RuntimeError(
+                f"rank {self.env.rank} does not hold the experts the plan says: {report}"
+            )
+        log.info(
+            "rank %d placement verified: %s",
+            self.env.rank,
+            [(x["layer"], x["experts"]) for x in report["layers"]],
+        )
 
     def resume(self) -> None:
         step = ckpt.latest_step(self.ckpt_dir)
@@ -216,11 +275,16 @@ class Trainer:
         self.samples.load_state_dict(state.get("samples"))
         self.health.load_state_dict(state["health"])
         self.losses = list(state["losses"])
-        self.last_ckpt = {"step": step, "path": str(ckpt.ds_dir(self.ckpt_dir) / ckpt.tag_for(step))}
+        self.last_ckpt = {
+            "step": step,
+            "path": str(ckpt.ds_dir(self.ckpt_dir) / ckpt.tag_for(step)),
+        }
         log.info("rank %d resumed from step %d", self.env.rank, step)
 
     # ---- one step ----------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def train_step(
+        self, step: int
+    ) -> tuple[float, float, torch.Tensor, torch.Tensor, torch.Tensor]:
         t, env = self.t, self.env
         faults = ckpt.test_faults()
         L, E = len(self.blocks), self.num_experts
@@ -229,21 +293,31 @@ class Trainer:
         maxlog = torch.zeros(L, dtype=torch.float64, device=env.device)
         lm_total = aux_total = 0.0
         for micro in range(t.grad_accum):
-            batch = torch.from_numpy(self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size))
+            batch = torch.from_numpy(
+                self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size)
+            )
             batch = batch.to(env.device)
             self.probe.clear()
             if self.perf.fused_loss:
                 lm = self.engine(input_ids=batch[:, :-1], targets=batch[:, 1:]).loss
             else:
                 logits = self.engine(input_ids=batch[:, :-1]).logits
-                lm = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-            if faults is not None and faults.nan_due(step + 1):   # test hook: poison this step's loss
+                lm = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+                )
+            if faults is not None and faults.nan_due(
+                step + 1
+            ):  # test hook: poison this step's loss
                 lm = lm * float("nan")
             if not self.probe.captured():
-                raise RuntimeError("router hooks did not fire: the MoE blocks were not found after initialize")
+                raise RuntimeError(
+                    "router hooks did not fire: the MoE blocks were not found after initialize"
+                )
             aux = routing.balance_loss(self.probe, E, t.balance.mode)
             loss = lm if aux is None or t.balance.coef == 0 else lm + t.balance.coef * aux
-            sl, sc, sm = routing.step_counts(self.probe, E)   # before backward: recompute re-fires hooks
+            sl, sc, sm = routing.step_counts(
+                self.probe, E
+            )  # before backward: recompute re-fires hooks
             self.samples.add(self.probe.topk, step + 1, micro)
             self.engine.backward(loss)
             self.engine.step()
@@ -259,11 +333,21 @@ class Trainer:
     def routing_doc(self, merged: dict | None = None) -> dict:
         """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token
         sample."""
-        load, coact = routing.to_original_ids(self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(),
-                                              self.permutation)
-        samples = None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
-        return routing_stats_doc(load, coact, self.acc.tokens, self.acc.steps, self.top_k,
-                                         self.model_name, samples=samples)
+        load, coact = routing.to_original_ids(
+            self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(), self.permutation
+        )
+        samples = (
+            None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
+        )
+        return routing_stats_doc(
+            load,
+            coact,
+            self.acc.tokens,
+            self.acc.steps,
+            self.top_k,
+            self.model_name,
+            samples=samples,
+        )
 
     def write_routing(self, merged: dict | None = None) -> None:
         """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next
@@ -292,8 +376,13 @@ class Trainer:
         if not self.ckpt_dir:
             return
         merged = self.samples.merge(self.env.device)
-        state = {"step": step, "routing": self.acc.state_dict(), "health": self.health.state_dict(),
-                 "losses": list(self.losses), "samples": self.samples.state_dict(merged)}
+        state = {
+            "step": step,
+            "routing": self.acc.state_dict(),
+            "health": self.health.state_dict(),
+            "losses": list(self.losses),
+            "samples": self.samples.state_dict(merged),
+        }
         path = ckpt.save(self.engine, self.ckpt_dir, step, self.env.rank, state)
         self.last_ckpt = {"step": step, "path": str(path)}
         self.write_routing(merged)
@@ -321,16 +410,21 @@ class Trainer:
         rank and fragmentation of this step; each rank's memory peaks since the start (CUDA)."""
         load = sum(self.recent_load)
         cuda = self.env.device.type == "cuda"
-        return {"maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
-                "deadExperts": self.health.dead_experts(),
-                "allToAllSecondsPerStep": round(comm["allToAll"], 6),
-                "allGatherSecondsPerStep": round(comm["allGather"], 6), "fragmentation": frag,
-                "allToAllBytesPerStepByRank": [int(r[1]) for r in per_rank],
-                "dispatcher": self.dispatcher,
-                "allToAllBytesPerStepByTier": {k: int(sum(r[2 + i] for r in per_rank))
-                                               for i, k in enumerate(("intraGroup", "crossGroup", "crossNode"))},
-                "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
-                "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None}
+        return {
+            "maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
+            "deadExperts": self.health.dead_experts(),
+            "allToAllSecondsPerStep": round(comm["allToAll"], 6),
+            "allGatherSecondsPerStep": round(comm["allGather"], 6),
+            "fragmentation": frag,
+            "allToAllBytesPerStepByRank": [int(r[1]) for r in per_rank],
+            "dispatcher": self.dispatcher,
+            "allToAllBytesPerStepByTier": {
+                k: int(sum(r[2 + i] for r in per_rank))
+                for i, k in enumerate(("intraGroup", "crossGroup", "crossNode"))
+            },
+            "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
+            "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None,
+        }
 
     # ---- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -338,11 +432,23 @@ class Trainer:
         faults = ckpt.test_faults()
         tokens_per_step = t.micro_batch * t.seq_len * t.grad_accum * env.world_size
         step = self.start_step
-        self.publish(progress_doc(phase="Starting" if step == 0 else "Training", step=step, total_steps=t.steps,
-                                  loss=None, tokens_per_second=0.0, eta_seconds=None, checkpoint=self.last_ckpt,
-                                  moe={}, health=[]), 0, force=True)
+        self.publish(
+            progress_doc(
+                phase="Starting" if step == 0 else "Training",
+                step=step,
+                total_steps=t.steps,
+                loss=None,
+                tokens_per_second=0.0,
+                eta_seconds=None,
+                checkpoint=self.last_ckpt,
+                moe={},
+                health=[],
+            ),
+            0,
+            force=True,
+        )
         t_run = time.perf_counter()
-        marks: deque = deque(maxlen=RATE_WINDOW + 1)   # (time, step) after each step
+        marks: deque = deque(maxlen=RATE_WINDOW + 1)  # (time, step) after each step
         self.timer.take()
         while step < t.steps:
             t0 = time.perf_counter()
@@ -351,8 +457,13 @@ class Trainer:
             comm = self.timer.take()
             # One all-reduce for counts + loss, one for the logit max, one all-gather for step
             # times.
-            flat = torch.cat([load.reshape(-1), coact.reshape(-1),
-                              torch.tensor([lm], dtype=torch.float64, device=env.device)])
+            flat = torch.cat(
+                [
+                    load.reshape(-1),
+                    coact.reshape(-1),
+                    torch.tensor([lm], dtype=torch.float64, device=env.device),
+                ]
+            )
             dist.all_reduce(flat)
             dist.all_reduce(maxlog, op=dist.ReduceOp.MAX)
             # Per rank, in one all-gather: the straggler signal (step time minus time blocked in
@@ -360,15 +471,24 @@ class Trainer:
             # the time outside collectives does not), all-to-all bytes sent, memory peaks.
             busy = max(0.0, dt - comm["allToAll"] - comm["allGather"])
             tiers = comm["allToAllTierBytes"]
-            mine = torch.tensor([busy, comm["allToAllBytes"], tiers["intraGroup"], tiers["crossGroup"],
-                                 tiers["crossNode"], *memory_peaks(env.device)],
-                                dtype=torch.float64, device=env.device)
+            mine = torch.tensor(
+                [
+                    busy,
+                    comm["allToAllBytes"],
+                    tiers["intraGroup"],
+                    tiers["crossGroup"],
+                    tiers["crossNode"],
+                    *memory_peaks(env.device),
+                ],
+                dtype=torch.float64,
+                device=env.device,
+            )
             per_rank = [torch.zeros_like(mine) for _ in range(env.world_size)]
             dist.all_gather(per_rank, mine)
             per_rank = torch.stack(per_rank).cpu().tolist()
             L, E = load.shape
-            g_load = flat[:L * E].reshape(L, E)
-            g_coact = flat[L * E:L * E + L * E * E].reshape(L, E, E)
+            g_load = flat[: L * E].reshape(L, E)
+            g_coact = flat[L * E : L * E + L * E * E].reshape(L, E, E)
             loss = float(flat[-1].item()) / env.world_size
             step += 1
             self.acc.add(g_load, g_coact, tokens_per_step)
@@ -395,24 +515,42 @@ class Trainer:
             tps = tokens_per_step / step_s if step_s > 0 else 0.0
             eta = (t.steps - step) * step_s
             if self.is_rank0:
-                log.info("step %d/%d loss %.4f aux %.4f %.0f tok/s a2a %.3fs ag %.3fs", step, t.steps, loss,
-                         aux, tps, comm["allToAll"], comm["allGather"])
+                log.info(
+                    "step %d/%d loss %.4f aux %.4f %.0f tok/s a2a %.3fs ag %.3fs",
+                    step,
+                    t.steps,
+                    loss,
+                    aux,
+                    tps,
+                    comm["allToAll"],
+                    comm["allGather"],
+                )
             nonfinite = not math.isfinite(loss)
             phase = "Failed" if nonfinite else "Training"
-            doc = progress_doc(phase=phase, step=step, total_steps=t.steps, loss=loss, tokens_per_second=tps,
-                               eta_seconds=eta, checkpoint=self.last_ckpt, moe=self.moe_section(comm, frag, per_rank),
-                               health=[f.to_doc() for f in findings])
+            doc = progress_doc(
+                phase=phase,
+                step=step,
+                total_steps=t.steps,
+                loss=loss,
+                tokens_per_second=tps,
+                eta_seconds=eta,
+                checkpoint=self.last_ckpt,
+                moe=self.moe_section(comm, frag, per_rank),
+                health=[f.to_doc() for f in findings],
+            )
             if nonfinite:
                 self.publish(doc, tokens_per_step, force=True)
                 raise NonFiniteLoss(f"loss is {loss} at step {step}")
             if step % t.checkpoint_every_steps == 0 or step == t.steps:
                 if self.is_rank0 and self.ckpt_dir:
-                    write_json_atomic(Path(self.ckpt_dir) / contract_env.PROGRESS_KEY,
-                                      dict(doc, phase="Checkpointing"))
+                    write_json_atomic(
+                        Path(self.ckpt_dir) / contract_env.PROGRESS_KEY,
+                        dict(doc, phase="Checkpointing"),
+                    )
                 self.save(step)
                 doc["checkpoint"] = self.last_ckpt
             if step == t.steps:
-                self.write_routing()       # no-op when the final checkpoint just wrote it
+                self.write_routing()  # no-op when the final checkpoint just wrote it
             if self.routing_status() is not None:
                 doc["routingStats"] = self.routing_status()
             if step == t.steps:
@@ -437,6 +575,7 @@ class Trainer:
         write_json_atomic(Path(self.ckpt_dir) / "losses.json", {"losses": self.losses})
         try:
             from moe_trainer.heatmap import save_heatmap
+
             save_heatmap(self.routing_doc(), Path(self.ckpt_dir) / "expert_load.png")
         except Exception as exc:  # noqa: BLE001 - a missing plot never fails a finished run
             log.warning("heatmap not written: %s", exc)

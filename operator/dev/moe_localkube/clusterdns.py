@@ -40,18 +40,20 @@ def _parse_question(msg: bytes) -> tuple[int, int, str, int, int] | None:
             break
         if n & 0xC0:
             return None
-        labels.append(msg[i + 1:i + 1 + n].decode("ascii", "replace"))
+        labels.append(msg[i + 1 : i + 1 + n].decode("ascii", "replace"))
         i += 1 + n
     if i + 4 > len(msg):
         return None
-    qtype, _qclass = struct.unpack("!HH", msg[i:i + 4])
+    qtype, _qclass = struct.unpack("!HH", msg[i : i + 4])
     return qid, flags, ".".join(labels).lower(), qtype, i + 4
 
 
 def _reply(msg: bytes, qid: int, flags: int, end: int, rcode: int, ips: list[str]) -> bytes:
     rd = flags & 0x0100
     header = struct.pack("!HHHHHH", qid, 0x8000 | 0x0400 | rd | 0x0080 | rcode, 1, len(ips), 0, 0)
-    answers = b"".join(struct.pack("!HHHIH", 0xC00C, _A, _IN, TTL, 4) + socket.inet_aton(ip) for ip in ips)
+    answers = b"".join(
+        struct.pack("!HHHIH", 0xC00C, _A, _IN, TTL, 4) + socket.inet_aton(ip) for ip in ips
+    )
     return header + msg[12:end] + answers
 
 
@@ -76,22 +78,30 @@ class ClusterDNS:
             return None
         parts = name[: -len(suffix)].split(".")
         try:
-            if len(parts) == 3:                       # hostname.subdomain.namespace
+            if len(parts) == 3:  # hostname.subdomain.namespace
                 host, sub, ns = parts
                 pods = self.core.list_namespaced_pod(ns, _request_timeout=5).items
-                ips = [p.status.pod_ip for p in pods if p.spec.hostname == host and
-                       p.spec.subdomain == sub and p.status.pod_ip and
-                       p.status.phase not in ("Succeeded", "Failed")]
+                ips = [
+                    p.status.pod_ip
+                    for p in pods
+                    if p.spec.hostname == host
+                    and p.spec.subdomain == sub
+                    and p.status.pod_ip
+                    and p.status.phase not in ("Succeeded", "Failed")
+                ]
                 return ips or None
-            if len(parts) == 2:                       # service.namespace
+            if len(parts) == 2:  # service.namespace
                 svc_name, ns = parts
                 svc = self.core.read_namespaced_service(svc_name, ns, _request_timeout=5)
                 if svc.spec.cluster_ip and svc.spec.cluster_ip != "None":
                     return [svc.spec.cluster_ip]
                 sel = ",".join(f"{k}={v}" for k, v in (svc.spec.selector or {}).items())
-                pods = self.core.list_namespaced_pod(ns, label_selector=sel, _request_timeout=5).items
-                return [p.status.pod_ip for p in pods if p.status.pod_ip and
-                        p.status.phase == "Running"] or []
+                pods = self.core.list_namespaced_pod(
+                    ns, label_selector=sel, _request_timeout=5
+                ).items
+                return [
+                    p.status.pod_ip for p in pods if p.status.pod_ip and p.status.phase == "Running"
+                ] or []
         except Exception:  # noqa: BLE001 - unknown namespace/service, API hiccup: not found
             return None
         return None
@@ -104,14 +114,16 @@ class ClusterDNS:
         self.queries += 1
         ips = self.lookup(name)
         if ips is None:
-            return _reply(msg, qid, flags, end, 3, [])          # NXDOMAIN
+            return _reply(msg, qid, flags, end, 3, [])  # NXDOMAIN
         return _reply(msg, qid, flags, end, 0, ips if qtype == _A else [])
 
     def start(self) -> ClusterDNS:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._sock.bind((self.address, self.port))
         self._sock.settimeout(0.5)
-        self._thread = threading.Thread(target=self._serve, name=f"clusterdns-{self.address}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"clusterdns-{self.address}", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -61,8 +61,14 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 def write_kubeconfig(path: Path, server: str, ca_path: Path, token: str, user: str) -> Path:
     cfg = {
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "moe-local", "cluster": {"server": server, "certificate-authority": str(ca_path)}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "moe-local",
+                "cluster": {"server": server, "certificate-authority": str(ca_path)},
+            }
+        ],
         "users": [{"name": user, "user": {"token": token}}],
         "contexts": [{"name": "moe-local", "context": {"cluster": "moe-local", "user": user}}],
         "current-context": "moe-local",
@@ -80,8 +86,14 @@ class ControlPlane:
     ``startup_seconds`` and ``pids`` (every process group it started).
     """
 
-    def __init__(self, run_dir: Path | str | None = None, *, controller_manager: bool = True,
-                 scheduler: bool = True, ready_timeout: float = 90.0):
+    def __init__(
+        self,
+        run_dir: Path | str | None = None,
+        *,
+        controller_manager: bool = True,
+        scheduler: bool = True,
+        ready_timeout: float = 90.0,
+    ):
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="moe-localkube-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._want_cm, self._want_sched = controller_manager, scheduler
@@ -134,48 +146,110 @@ class ControlPlane:
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
         self._etcd_dir = Path(tempfile.mkdtemp(prefix="moe-etcd-", dir=shm))
         etcd_url, peer_url = f"http://127.0.0.1:{etcd_port}", f"http://127.0.0.1:{peer_port}"
-        self._spawn("etcd", [
-            str(etcd), "--name", "moe", "--data-dir", str(self._etcd_dir),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-            "--initial-cluster", f"moe={peer_url}", "--logger", "zap", "--log-level", "warn"])
+        self._spawn(
+            "etcd",
+            [
+                str(etcd),
+                "--name",
+                "moe",
+                "--data-dir",
+                str(self._etcd_dir),
+                "--listen-client-urls",
+                etcd_url,
+                "--advertise-client-urls",
+                etcd_url,
+                "--listen-peer-urls",
+                peer_url,
+                "--initial-advertise-peer-urls",
+                peer_url,
+                "--initial-cluster",
+                f"moe={peer_url}",
+                "--logger",
+                "zap",
+                "--log-level",
+                "warn",
+            ],
+        )
         tokens = self.run_dir / "tokens.csv"
         tokens.write_text(f'{self.admin_token},{ADMIN_USER},{ADMIN_USER},"system:masters"\n')
         tokens.chmod(0o600)
-        self._spawn("kube-apiserver", [
-            str(kube["kube-apiserver"]),
-            "--etcd-servers", etcd_url,
-            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-            "--secure-port", str(self.port), "--insecure-port", "0",
-            "--tls-cert-file", str(keys.server_cert), "--tls-private-key-file", str(keys.server_key),
-            "--client-ca-file", str(keys.ca_cert),
-            "--token-auth-file", str(tokens),
-            "--authorization-mode", "RBAC",
-            "--service-account-issuer", SA_ISSUER,
-            "--service-account-key-file", str(keys.sa_pub),
-            "--service-account-signing-key-file", str(keys.sa_key),
-            "--service-cluster-ip-range", SERVICE_CIDR,
-            "--endpoint-reconciler-type", "none",
-            # kubectl logs: reach the node agent's kubelet API at the node's InternalIP.
-            "--kubelet-preferred-address-types", "InternalIP",
-            "--allow-privileged=true",
-            "--profiling=false",
-            "--v", "1"])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(kube["kube-apiserver"]),
+                "--etcd-servers",
+                etcd_url,
+                "--bind-address",
+                "127.0.0.1",
+                "--advertise-address",
+                "127.0.0.1",
+                "--secure-port",
+                str(self.port),
+                "--insecure-port",
+                "0",
+                "--tls-cert-file",
+                str(keys.server_cert),
+                "--tls-private-key-file",
+                str(keys.server_key),
+                "--client-ca-file",
+                str(keys.ca_cert),
+                "--token-auth-file",
+                str(tokens),
+                "--authorization-mode",
+                "RBAC",
+                "--service-account-issuer",
+                SA_ISSUER,
+                "--service-account-key-file",
+                str(keys.sa_pub),
+                "--service-account-signing-key-file",
+                str(keys.sa_key),
+                "--service-cluster-ip-range",
+                SERVICE_CIDR,
+                "--endpoint-reconciler-type",
+                "none",
+                # kubectl logs: reach the node agent's kubelet API at the node's InternalIP.
+                "--kubelet-preferred-address-types",
+                "InternalIP",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--v",
+                "1",
+            ],
+        )
         write_kubeconfig(self.kubeconfig, self.server, keys.ca_cert, self.admin_token, ADMIN_USER)
         self._wait_ready()
-        common = ["--kubeconfig", str(self.kubeconfig), "--leader-elect=false", "--port", "0",
-                  "--secure-port", "0", "--v", "1"]
+        common = [
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--leader-elect=false",
+            "--port",
+            "0",
+            "--secure-port",
+            "0",
+            "--v",
+            "1",
+        ]
         if self._want_cm:
-            self._spawn("kube-controller-manager", [
-                str(kube["kube-controller-manager"]), *common,
-                "--service-account-private-key-file", str(keys.sa_key),
-                "--root-ca-file", str(keys.ca_cert),
-                "--use-service-account-credentials=false",
-                # A loaded 2-core machine must not turn the fake nodes NotReady.
-                "--node-monitor-grace-period", "90s",
-                "--profiling=false"])
+            self._spawn(
+                "kube-controller-manager",
+                [
+                    str(kube["kube-controller-manager"]),
+                    *common,
+                    "--service-account-private-key-file",
+                    str(keys.sa_key),
+                    "--root-ca-file",
+                    str(keys.ca_cert),
+                    "--use-service-account-credentials=false",
+                    # A loaded 2-core machine must not turn the fake nodes NotReady.
+                    "--node-monitor-grace-period",
+                    "90s",
+                    "--profiling=false",
+                ],
+            )
         if self._want_sched:
-            self._spawn("kube-scheduler", [str(kube["kube-scheduler"]), *common, "--profiling=false"])
+            self._spawn(
+                "kube-scheduler", [str(kube["kube-scheduler"]), *common, "--profiling=false"]
+            )
 
     def _wait_ready(self) -> None:
         """/readyz answers 200, then the ``default`` namespace exists: the API server's bootstrap
@@ -183,16 +257,20 @@ class ControlPlane:
         before it (a client using ``default`` at once got 404s)."""
         ctx = ssl.create_default_context(cafile=str(self.ca_path))
         auth = {"Authorization": f"Bearer {self.admin_token}"}
-        checks = [urllib.request.Request(f"{self.server}/readyz", headers=auth),
-                  urllib.request.Request(f"{self.server}/api/v1/namespaces/default", headers=auth)]
+        checks = [
+            urllib.request.Request(f"{self.server}/readyz", headers=auth),
+            urllib.request.Request(f"{self.server}/api/v1/namespaces/default", headers=auth),
+        ]
         deadline = time.monotonic() + self.ready_timeout
         last = ""
         while time.monotonic() < deadline:
             for name, proc in self._procs.items():
                 if proc.poll() is not None:
                     log = self.run_dir / "logs" / f"{name}.log"
-                    raise ControlPlaneError(f"{name} exited with {proc.returncode} during start-up; "
-                                            f"log {log}:\n{_tail(log)}")
+                    raise ControlPlaneError(
+                        f"{name} exited with {proc.returncode} during start-up; "
+                        f"log {log}:\n{_tail(log)}"
+                    )
             try:
                 while checks:
                     with urllib.request.urlopen(checks[0], context=ctx, timeout=2) as resp:
@@ -205,8 +283,10 @@ class ControlPlane:
                 last = str(exc)
             time.sleep(0.1)
         log = self.run_dir / "logs" / "kube-apiserver.log"
-        raise ControlPlaneError(f"kube-apiserver not ready after {self.ready_timeout}s ({last}); "
-                                f"log {log}:\n{_tail(log)}")
+        raise ControlPlaneError(
+            f"kube-apiserver not ready after {self.ready_timeout}s ({last}); "
+            f"log {log}:\n{_tail(log)}"
+        )
 
     def stop(self) -> None:
         with self._lock:
@@ -246,7 +326,9 @@ class ControlPlane:
         self._prev_sigterm = None
 
     # ------------------------------------------------------------ clients
-    def token_kubeconfig(self, token: str, path: Path | str | None = None, user: str = "user") -> Path:
+    def token_kubeconfig(
+        self, token: str, path: Path | str | None = None, user: str = "user"
+    ) -> Path:
         """A kubeconfig for another identity (e.g. a ServiceAccount token); returns its path."""
         path = Path(path) if path else self.run_dir / f"kubeconfig-{secrets.token_hex(4)}"
         return write_kubeconfig(path, self.server, self.ca_path, token, user)
@@ -269,8 +351,11 @@ class ControlPlane:
 
         kubectl = binaries.kubectl_binary()
         binaries.helm_binary()
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig),
-                "PATH": f"{kubectl.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{kubectl.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
 
     def logs(self, component: str) -> str:
         return (self.run_dir / "logs" / f"{component}.log").read_text(errors="replace")
@@ -284,8 +369,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", default=None)
     args = ap.parse_args(argv)
     with ControlPlane(args.run_dir) as cp:
-        print(f"control plane ready in {cp.startup_seconds:.1f}s\n  server     {cp.server}\n"
-              f"  kubeconfig {cp.kubeconfig}\n  logs       {cp.run_dir / 'logs'}", flush=True)
+        print(
+            f"control plane ready in {cp.startup_seconds:.1f}s\n  server     {cp.server}\n"
+            f"  kubeconfig {cp.kubeconfig}\n  logs       {cp.run_dir / 'logs'}",
+            flush=True,
+        )
         try:
             while all(p.poll() is None for p in cp._procs.values()):
                 time.sleep(1)

@@ -32,20 +32,33 @@ from moejob_operator import constants as C
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 DEFAULT_DIR = ROOT / "runs" / "demo"
-MARKER = ".moe-demo"           # a folder with this file is a demo's: a new demo may empty it
+MARKER = ".moe-demo"  # a folder with this file is a demo's: a new demo may empty it
 PID_FILE = "demo.pid"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-demo", description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p = argparse.ArgumentParser(
+        prog="moe-demo", description=__doc__.split("\n\n")[1].replace("\n", " ")
+    )
     p.add_argument("--manifest", default=str(EXAMPLE), help="job manifest (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="seconds to wait for Succeeded")
-    p.add_argument("--dir", "--keep", dest="dir", metavar="DIR", default=str(DEFAULT_DIR),
-                   help="logs, checkpoints, kubeconfig and env.sh go here; emptied first if an "
-                        "earlier demo left it (default: %(default)s)")
-    p.add_argument("--stay", action="store_true",
-                   help="keep the cluster running after the job (until Ctrl-C or --stop)")
-    p.add_argument("--stop", action="store_true", help="stop the demo that --stay left running in --dir")
+    p.add_argument(
+        "--dir",
+        "--keep",
+        dest="dir",
+        metavar="DIR",
+        default=str(DEFAULT_DIR),
+        help="logs, checkpoints, kubeconfig and env.sh go here; emptied first if an "
+        "earlier demo left it (default: %(default)s)",
+    )
+    p.add_argument(
+        "--stay",
+        action="store_true",
+        help="keep the cluster running after the job (until Ctrl-C or --stop)",
+    )
+    p.add_argument(
+        "--stop", action="store_true", help="stop the demo that --stay left running in --dir"
+    )
     return p
 
 
@@ -88,11 +101,15 @@ def stop_demo(work: Path, timeout: float = 120) -> int:
 def _prepare(work: Path) -> None:
     """An empty ``work``: a folder an earlier demo left is emptied; anything else is refused."""
     if _running_pid(work) is not None:
-        raise SystemExit(f"a demo is still running in {work} (pid {_running_pid(work)}): "
-                         f"stop it with `scripts/dev.sh down` (moe-demo --stop --dir {work})")
+        raise SystemExit(
+            f"a demo is still running in {work} (pid {_running_pid(work)}): "
+            f"stop it with `scripts/dev.sh down` (moe-demo --stop --dir {work})"
+        )
     if work.exists() and any(work.iterdir()):
         if not (work / MARKER).exists():
-            raise SystemExit(f"{work} is not empty and not an earlier demo's folder: choose another --dir")
+            raise SystemExit(
+                f"{work} is not empty and not an earlier demo's folder: choose another --dir"
+            )
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     (work / MARKER).write_text("written by moe-demo; the next demo empties this folder\n")
@@ -107,7 +124,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.stop:
         return stop_demo(work)
     _prepare(work)
-    signal.signal(signal.SIGTERM, _on_sigterm)    # stop what we started, as on Ctrl-C
+    signal.signal(signal.SIGTERM, _on_sigterm)  # stop what we started, as on Ctrl-C
     (work / PID_FILE).write_text(f"{os.getpid()}\n")
     try:
         return _demo(work, Path(args.manifest), args.timeout, stay=args.stay)
@@ -129,9 +146,11 @@ def _write_env(work: Path, kubeconfig: Path) -> Path:
         link.unlink(missing_ok=True)
         link.symlink_to(tool)
     env = work / "env.sh"
-    env.write_text(f"# source this file: the demo cluster in {work} (while `moe-demo --stay` runs)\n"
-                   f"export KUBECONFIG='{kubeconfig}'\n"
-                   f"export PATH='{bindir}':\"$PATH\"\n")
+    env.write_text(
+        f"# source this file: the demo cluster in {work} (while `moe-demo --stay` runs)\n"
+        f"export KUBECONFIG='{kubeconfig}'\n"
+        f"export PATH='{bindir}':\"$PATH\"\n"
+    )
     return env
 
 
@@ -155,13 +174,16 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
     name = doc["metadata"]["name"]
     ckpt = work / "checkpoints"
     vol = (doc["spec"].get("checkpoint") or {}).get("volume") or {}
-    if "hostPath" in vol:            # keep the demo's files with its logs
+    if "hostPath" in vol:  # keep the demo's files with its logs
         vol["hostPath"]["path"] = str(ckpt)
     # JSON, not re-dumped YAML: PyYAML writes "1e-3" unquoted and kubectl reads that as a number
     applied = work / "job.json"
     applied.write_text(json.dumps(doc, indent=1))
 
-    _say("starting the local control plane (kube-apiserver v1.20.2, etcd, controller manager, " "scheduler)")
+    _say(
+        "starting the local control plane (kube-apiserver v1.20.2, etcd, controller manager, "
+        "scheduler)"
+    )
     cp = ControlPlane(work / "controlplane").start()
     # SIGTERM unwinds like Ctrl-C, so the finally below stops the operator and the node agent
     # before the control plane (the control plane's own handler would stop it first)
@@ -176,7 +198,9 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         kubectl = str(binaries.kubectl_binary())
 
         def k(*a: str, check: bool = True) -> str:
-            res = subprocess.run([kubectl, *a], env=kubectl_env, capture_output=True, text=True, timeout=120)
+            res = subprocess.run(
+                [kubectl, *a], env=kubectl_env, capture_output=True, text=True, timeout=120
+            )
             if check and res.returncode:
                 raise RuntimeError(f"kubectl {' '.join(a)}: {res.stderr.strip()}")
             return res.stdout
@@ -186,16 +210,33 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         k("apply", "--validate=false", "-f", str(ROOT / "crds" / "moetrainingjob.yaml"))
         k("wait", "--for=condition=Established", f"crd/{C.PLURAL}.{C.GROUP}", "--timeout=60s")
         _say("starting the node agent: nodes node-a and node-b (fake NVSwitch H100 x8 topology)")
-        agent = NodeAgent(cp.api_client(), [NodeSpec("node-a"), NodeSpec("node-b")],
-                          run_dir=work / "nodeagent", api_server=cp.server)
+        agent = NodeAgent(
+            cp.api_client(),
+            [NodeSpec("node-a"), NodeSpec("node-b")],
+            run_dir=work / "nodeagent",
+            api_server=cp.server,
+        )
         agent.start()
         _say("starting the operator (moectl operator -A --no-leader-election)")
         # the demo's checkpoints are a hostPath under its work dir: the one host path it allows
-        env = dict(os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt))
-        operator = procs.spawn([sys.executable, "-m", "moejob_operator.cli", "operator", "-A",
-                                "--no-leader-election", "--health-port=0", "--metrics-port=0"],
-                               work / "operator.log", env=env)
-        for _ in range(100):   # the default ServiceAccount needs its token before pods are admitted
+        env = dict(
+            os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt)
+        )
+        operator = procs.spawn(
+            [
+                sys.executable,
+                "-m",
+                "moejob_operator.cli",
+                "operator",
+                "-A",
+                "--no-leader-election",
+                "--health-port=0",
+                "--metrics-port=0",
+            ],
+            work / "operator.log",
+            env=env,
+        )
+        for _ in range(100):  # the default ServiceAccount needs its token before pods are admitted
             try:
                 if kube.core.read_namespaced_service_account("default", "default").secrets:
                     break
@@ -205,16 +246,23 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
 
         _say(f"kubectl apply -f {manifest}")
         print(k("apply", "-f", str(applied)), end="")
-        _say(f"waiting for condition Succeeded (up to {timeout:.0f}s; the first run JIT-builds "
-             "nothing but imports DeepSpeed in every pod)")
+        _say(
+            f"waiting for condition Succeeded (up to {timeout:.0f}s; the first run JIT-builds "
+            "nothing but imports DeepSpeed in every pod)"
+        )
         start = time.monotonic()
         last = None
         while time.monotonic() - start < timeout:
-            job = kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, "default", C.PLURAL, name)
+            job = kube.custom.get_namespaced_custom_object(
+                C.GROUP, C.VERSION, "default", C.PLURAL, name
+            )
             st = job.get("status") or {}
             prog = st.get("progress") or {}
             line = f"phase {st.get('phase', 'Pending')}" + (
-                f", step {prog.get('step')}/{prog.get('totalSteps')}, loss {prog.get('loss')}" if prog else "")
+                f", step {prog.get('step')}/{prog.get('totalSteps')}, loss {prog.get('loss')}"
+                if prog
+                else ""
+            )
             if line != last:
                 _say(f"{time.monotonic() - start:5.0f}s  {line}")
                 last = line
@@ -225,25 +273,36 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         ok = "condition met" in out
         print("\n$ kubectl get moejob -o wide\n" + k("get", "moejob", "-o", "wide"))
         print(f"$ kubectl describe moejob {name}\n" + k("describe", "moejob", name))
-        print("$ kubectl get pods,configmaps -l " + f"{C.LABEL_JOB}={name}\n"
-              + k("get", "pods,configmaps", "-l", f"{C.LABEL_JOB}={name}"))
+        print(
+            "$ kubectl get pods,configmaps -l "
+            f"{C.LABEL_JOB}={name}\n" + k("get", "pods,configmaps", "-l", f"{C.LABEL_JOB}={name}")
+        )
         job_dirs = sorted(ckpt.glob(f"{name}-*"))
         if job_dirs:
             d = job_dirs[-1]
-            _say(f"expert-load heatmap:  {_show(d / 'expert_load.png')}"
-                 + ("" if (d / "expert_load.png").exists() else " (not written)"))
-            _say(f"routing statistics:   {_show(d / C.ROUTING_STATS_KEY)} and ConfigMap " f"{name}-routing-stats "
-                 f"(plan a later job from them: spec.placement.routingStatsFrom.jobName: {name})")
+            _say(
+                f"expert-load heatmap:  {_show(d / 'expert_load.png')}"
+                + ("" if (d / "expert_load.png").exists() else " (not written)")
+            )
+            _say(
+                f"routing statistics:   {_show(d / C.ROUTING_STATS_KEY)} and ConfigMap "
+                f"{name}-routing-stats "
+                f"(plan a later job from them: spec.placement.routingStatsFrom.jobName: {name})"
+            )
         _say(f"logs: operator {_show(work / 'operator.log')}, pods {_show(work / 'nodeagent')}")
         _say("job Succeeded" if ok else "job did NOT succeed (see describe above)")
         if stay:
             _say(f"the cluster stays up (pid {os.getpid()}). In another shell, from {Path.cwd()}:")
-            print(f"    source {_show(env_script)}      # KUBECONFIG, and the project's kubectl and " "helm on PATH\n"
-                  f"    kubectl get moejob -o wide\n"
-                  f"    kubectl describe moejob {name}\n", flush=True)
+            print(
+                f"    source {_show(env_script)}      # KUBECONFIG, and the project's kubectl and "
+                "helm on PATH\n"
+                f"    kubectl get moejob -o wide\n"
+                f"    kubectl describe moejob {name}\n",
+                flush=True,
+            )
             down = "scripts/dev.sh down" + ("" if work == DEFAULT_DIR else f" --dir {_show(work)}")
             _say(f"stop it: Ctrl-C here, or {down}")
-            while True:                       # until SIGTERM / Ctrl-C (KeyboardInterrupt)
+            while True:  # until SIGTERM / Ctrl-C (KeyboardInterrupt)
                 time.sleep(3600)
         return 0 if ok else 1
     finally:
@@ -253,7 +312,7 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         if agent is not None:
             agent.stop()
         cp.stop()
-        (work / "env.sh").unlink(missing_ok=True)    # it would point at a stopped cluster
+        (work / "env.sh").unlink(missing_ok=True)  # it would point at a stopped cluster
 
 
 if __name__ == "__main__":

@@ -55,7 +55,10 @@ from pathlib import Path
 from . import binaries, procs
 
 REPO_ROOT = binaries.REPO_ROOT
-DOCKERFILES = {"operator": REPO_ROOT / "Dockerfile", "trainer": REPO_ROOT / "trainer_image" / "Dockerfile"}
+DOCKERFILES = {
+    "operator": REPO_ROOT / "Dockerfile",
+    "trainer": REPO_ROOT / "trainer_image" / "Dockerfile",
+}
 # Tags the tests and examples use; every image also gets a content tag (``:<key>``).
 DEFAULT_TAGS = {"operator": ("moe-operator:local",), "trainer": ("moe-trainer:local",)}
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd")
@@ -80,7 +83,11 @@ def debian_mirror() -> str:
         if m and "security" not in m.group(1):
             return m.group(1)
     try:
-        m = re.search(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+", Path("/etc/apt/sources.list").read_text(), re.MULTILINE)
+        m = re.search(
+            r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+",
+            Path("/etc/apt/sources.list").read_text(),
+            re.MULTILINE,
+        )
         if m:
             return m.group(1)
     except OSError:
@@ -112,8 +119,11 @@ def copied_sources(dockerfile: Path) -> list[str]:
     out = []
     for line in text.splitlines():
         words = line.split()
-        if len(words) >= 3 and words[0].upper() in ("COPY", "ADD") and \
-                not any(w.startswith("--from=") for w in words):
+        if (
+            len(words) >= 3
+            and words[0].upper() in ("COPY", "ADD")
+            and not any(w.startswith("--from=") for w in words)
+        ):
             out += [w for w in words[1:-1] if not w.startswith("--")]
     return out
 
@@ -123,7 +133,9 @@ def dockerfile_pins() -> list[str]:
     out = []
     for path in DOCKERFILES.values():
         for cmd in re.findall(r"pip install([^&]*)", re.sub(r"\\\n", " ", path.read_text())):
-            out += [w.strip('"') for w in cmd.split() if re.fullmatch(r'"?[A-Za-z0-9_.-]+==[^ "]+"?', w)]
+            out += [
+                w.strip('"') for w in cmd.split() if re.fullmatch(r'"?[A-Za-z0-9_.-]+==[^ "]+"?', w)
+            ]
     return sorted(set(out))
 
 
@@ -139,9 +151,13 @@ def _ignored(rel: str, patterns: list[str]) -> bool:
     """The subset of .dockerignore matching used here: a pattern matches the path or a parent."""
     parts = rel.split("/")
     prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) or
-               (fnmatch.fnmatch(parts[i - 1], pat.removeprefix("**/")) and pat.startswith("**/"))
-               for pat in patterns for i, p in enumerate(prefixes, 1))
+    return any(
+        fnmatch.fnmatch(p, pat)
+        or fnmatch.fnmatch(p, pat.removeprefix("**/"))
+        or (fnmatch.fnmatch(parts[i - 1], pat.removeprefix("**/")) and pat.startswith("**/"))
+        for pat in patterns
+        for i, p in enumerate(prefixes, 1)
+    )
 
 
 def context_digest(dockerfile: Path, context: Path = REPO_ROOT) -> str:
@@ -160,24 +176,25 @@ def context_digest(dockerfile: Path, context: Path = REPO_ROOT) -> str:
 @dataclass
 class BuiltImage:
     name: str
-    key: str                 # content key (sha256 hex)
-    tar: Path                # `docker save` archive of every tag
+    key: str  # content key (sha256 hex)
+    tar: Path  # `docker save` archive of every tag
     tags: tuple[str, ...]
-    seconds: float = 0.0     # time spent here (0-ish on a cache hit)
+    seconds: float = 0.0  # time spent here (0-ish on a cache hit)
     cached: bool = False
 
     @property
-    def ref(self) -> str:    # the content tag
+    def ref(self) -> str:  # the content tag
         return self.tags[0]
 
 
 @dataclass
 class BuildReport:
-    timings: dict[str, float] = field(default_factory=dict)   # stage -> seconds
+    timings: dict[str, float] = field(default_factory=dict)  # stage -> seconds
     cached: dict[str, bool] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- wheelhouse server
+
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):  # silence per-request logging
@@ -204,9 +221,11 @@ def serve_directory(directory: Path, port: int = 0):
 
 # ---------------------------------------------------------------- dockerd
 
+
 def _cgroup_dirs(name: str) -> list[Path]:
-    return [p for p in Path("/sys/fs/cgroup").glob(f"*/{name}") if p.is_dir()] + \
-        ([Path("/sys/fs/cgroup") / name] if (Path("/sys/fs/cgroup") / name).is_dir() else [])
+    return [p for p in Path("/sys/fs/cgroup").glob(f"*/{name}") if p.is_dir()] + (
+        [Path("/sys/fs/cgroup") / name] if (Path("/sys/fs/cgroup") / name).is_dir() else []
+    )
 
 
 def remove_cgroup_tree(top: Path) -> None:
@@ -221,7 +240,7 @@ def remove_cgroup_tree(top: Path) -> None:
 def unmount_under(prefix: Path) -> list[str]:
     """Unmount every mount point at or below ``prefix`` (deepest first); return what was
     unmounted."""
-    pre = os.path.realpath(str(prefix)).rstrip("/")      # /var/run/x is mounted as /run/x
+    pre = os.path.realpath(str(prefix)).rstrip("/")  # /var/run/x is mounted as /run/x
     points = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -244,7 +263,11 @@ class Dockerd:
     def __init__(self, data_root: Path, log: Path):
         self.data_root = data_root
         self.log = log
-        self.exec_root = Path(tempfile.mkdtemp(prefix="moe-dockerd-", dir="/run" if os.access("/run", os.W_OK) else None))
+        self.exec_root = Path(
+            tempfile.mkdtemp(
+                prefix="moe-dockerd-", dir="/run" if os.access("/run", os.W_OK) else None
+            )
+        )
         self.socket = self.exec_root / "docker.sock"
         self.host = f"unix://{self.socket}"
         self._proc: subprocess.Popen | None = None
@@ -253,19 +276,43 @@ class Dockerd:
     def __enter__(self) -> Dockerd:
         for tool in ("dockerd", "docker", "containerd", "runc"):
             if not shutil.which(tool):
-                raise ImageError(f"{tool} not found: install Debian's docker.io, containerd and runc "
-                                 "(scripts/dev.sh setup does it)")
+                raise ImageError(
+                    f"{tool} not found: install Debian's docker.io, containerd and runc "
+                    "(scripts/dev.sh setup does it)"
+                )
         self.data_root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.data_root.parent / f".{self.data_root.name}.lock", os.O_CREAT | os.O_RDWR)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)      # one dockerd per data root
+        self._lock_fd = os.open(
+            self.data_root.parent / f".{self.data_root.name}.lock", os.O_CREAT | os.O_RDWR
+        )
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # one dockerd per data root
         try:
-            self._proc = procs.spawn([
-                "dockerd", "--data-root", str(self.data_root), "--exec-root", str(self.exec_root),
-                "-H", self.host, "--pidfile", str(self.exec_root / "dockerd.pid"),
-                "--iptables=false", "--ip-forward=false", "--ip-masq=false", "--bridge=none",
-                "--storage-driver", "overlay2", "--cgroup-parent", self.CGROUP_PARENT,
-                "--exec-opt", "native.cgroupdriver=cgroupfs", "--log-level", "warn"],
-                self.log, die_with_parent=threading.current_thread() is threading.main_thread())
+            self._proc = procs.spawn(
+                [
+                    "dockerd",
+                    "--data-root",
+                    str(self.data_root),
+                    "--exec-root",
+                    str(self.exec_root),
+                    "-H",
+                    self.host,
+                    "--pidfile",
+                    str(self.exec_root / "dockerd.pid"),
+                    "--iptables=false",
+                    "--ip-forward=false",
+                    "--ip-masq=false",
+                    "--bridge=none",
+                    "--storage-driver",
+                    "overlay2",
+                    "--cgroup-parent",
+                    self.CGROUP_PARENT,
+                    "--exec-opt",
+                    "native.cgroupdriver=cgroupfs",
+                    "--log-level",
+                    "warn",
+                ],
+                self.log,
+                die_with_parent=threading.current_thread() is threading.main_thread(),
+            )
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
@@ -291,14 +338,20 @@ class Dockerd:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def docker(self, *args: str, check: bool = True, log: Path | None = None,
-               input: bytes | None = None) -> subprocess.CompletedProcess:
-        env = {**os.environ, "DOCKER_HOST": self.host, "DOCKER_BUILDKIT": "0",
-               "DOCKER_CONFIG": str(self.exec_root / "client")}
+    def docker(
+        self, *args: str, check: bool = True, log: Path | None = None, input: bytes | None = None
+    ) -> subprocess.CompletedProcess:
+        env = {
+            **os.environ,
+            "DOCKER_HOST": self.host,
+            "DOCKER_BUILDKIT": "0",
+            "DOCKER_CONFIG": str(self.exec_root / "client"),
+        }
         if log is not None:
             with open(log, "ab") as f:
-                res = subprocess.run(["docker", *args], env=env, stdout=f, stderr=subprocess.STDOUT,
-                                     input=input)
+                res = subprocess.run(
+                    ["docker", *args], env=env, stdout=f, stderr=subprocess.STDOUT, input=input
+                )
         else:
             res = subprocess.run(["docker", *args], env=env, capture_output=True, input=input)
         if check and res.returncode != 0:
@@ -308,6 +361,7 @@ class Dockerd:
 
 
 # ---------------------------------------------------------------- pause image (no docker)
+
 
 def _tar_bytes(members: list[tuple[str, bytes, int]]) -> bytes:
     buf = io.BytesIO()
@@ -324,16 +378,27 @@ def pause_image_tar(dst: Path, pause_binary: Path, ref: str = PAUSE_IMAGE) -> Pa
     ``pause`` binary, user 65535 (what upstream's pause image is), written without docker."""
     layer = _tar_bytes([("pause", pause_binary.read_bytes(), 0o755)])
     layer_id = hashlib.sha256(layer).hexdigest()
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux",
-        "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
-        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_id}"]},
-        "history": [{"created_by": "moe_localkube.images.pause_image_tar"}]}, sort_keys=True).encode()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
+            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_id}"]},
+            "history": [{"created_by": "moe_localkube.images.pause_image_tar"}],
+        },
+        sort_keys=True,
+    ).encode()
     config_id = hashlib.sha256(config).hexdigest()
-    manifest = json.dumps([{"Config": f"{config_id}.json", "RepoTags": [ref],
-                            "Layers": [f"{layer_id}/layer.tar"]}]).encode()
-    data = _tar_bytes([(f"{layer_id}/layer.tar", layer, 0o644), (f"{config_id}.json", config, 0o644),
-                       ("manifest.json", manifest, 0o644)])
+    manifest = json.dumps(
+        [{"Config": f"{config_id}.json", "RepoTags": [ref], "Layers": [f"{layer_id}/layer.tar"]}]
+    ).encode()
+    data = _tar_bytes(
+        [
+            (f"{layer_id}/layer.tar", layer, 0o644),
+            (f"{config_id}.json", config, 0o644),
+            ("manifest.json", manifest, 0o644),
+        ]
+    )
     _write_atomic(dst, data)
     return dst
 
@@ -360,11 +425,18 @@ def _write_atomic(dst: Path, data: bytes) -> None:
 
 # ---------------------------------------------------------------- builder
 
+
 class ImageBuilder:
     """Builds the base, operator and trainer images (cached by content); see the module doc."""
 
-    def __init__(self, cache_dir: Path | None = None, *, log_dir: Path | None = None,
-                 extra_ca_certs: list[Path] | None = None, mirror: str | None = None):
+    def __init__(
+        self,
+        cache_dir: Path | None = None,
+        *,
+        log_dir: Path | None = None,
+        extra_ca_certs: list[Path] | None = None,
+        mirror: str | None = None,
+    ):
         self.cache_dir = Path(cache_dir) if cache_dir else images_cache_dir()
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = Path(log_dir) if log_dir else self.cache_dir / "logs"
@@ -377,22 +449,37 @@ class ImageBuilder:
 
     # ---- keys
     def base_key(self) -> str:
-        return _sha("base-v1", BASE_SUITE, self.mirror, *BASE_PACKAGES, BASE_VENV,
-                    *(c.read_bytes() for c in self.extra_ca_certs))[:16]
+        return _sha(
+            "base-v1",
+            BASE_SUITE,
+            self.mirror,
+            *BASE_PACKAGES,
+            BASE_VENV,
+            *(c.read_bytes() for c in self.extra_ca_certs),
+        )[:16]
 
     def wheelhouse_key(self) -> str:
-        return _sha("wheels-v1", (REPO_ROOT / "pyproject.toml").read_bytes(),
-                    (REPO_ROOT / "constraints.txt").read_bytes(), *dockerfile_pins(),
-                    sys.version.split()[0])[:16]
+        return _sha(
+            "wheels-v1",
+            (REPO_ROOT / "pyproject.toml").read_bytes(),
+            (REPO_ROOT / "constraints.txt").read_bytes(),
+            *dockerfile_pins(),
+            sys.version.split()[0],
+        )[:16]
 
     def image_key(self, name: str) -> str:
-        return _sha("image-v1", name, context_digest(DOCKERFILES[name]), self.base_key(),
-                    self.wheelhouse_key())[:16]
+        return _sha(
+            "image-v1",
+            name,
+            context_digest(DOCKERFILES[name]),
+            self.base_key(),
+            self.wheelhouse_key(),
+        )[:16]
 
     # ---- stages
     def _timed(self, stage: str, cached: bool, t0: float) -> float:
         dt = time.monotonic() - t0
-        if self.report.cached.get(stage, True):      # a stage that did work keeps that timing
+        if self.report.cached.get(stage, True):  # a stage that did work keeps that timing
             self.report.timings[stage] = round(dt, 2)
             self.report.cached[stage] = cached
         return dt
@@ -405,21 +492,40 @@ class ImageBuilder:
             self._timed("base image", True, t0)
             return dst
         if not shutil.which("mmdebstrap"):
-            raise ImageError("mmdebstrap not found: install Debian's mmdebstrap (scripts/dev.sh setup)")
+            raise ImageError(
+                "mmdebstrap not found: install Debian's mmdebstrap (scripts/dev.sh setup)"
+            )
         tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
         hooks = []
         for cert in self.extra_ca_certs:
-            hooks += ["--customize-hook",
-                      f'copy-in {cert} /usr/local/share/ca-certificates/']
+            hooks += ["--customize-hook", f"copy-in {cert} /usr/local/share/ca-certificates/"]
         if self.extra_ca_certs:
             hooks += ["--customize-hook", 'chroot "$1" update-ca-certificates']
-        hooks += ["--customize-hook", f'chroot "$1" python3 -m venv {BASE_VENV}',
-                  "--customize-hook", 'rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin']
+        hooks += [
+            "--customize-hook",
+            f'chroot "$1" python3 -m venv {BASE_VENV}',
+            "--customize-hook",
+            'rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin',
+        ]
         log = self.log_dir / "base.log"
         with open(log, "wb") as f:
-            rc = subprocess.call(["nice", "-n", "5", "mmdebstrap", "--variant=minbase", "--format=tar",
-                                  f"--include={','.join(BASE_PACKAGES)}", *hooks,
-                                  BASE_SUITE, str(tmp), self.mirror], stdout=f, stderr=subprocess.STDOUT)
+            rc = subprocess.call(
+                [
+                    "nice",
+                    "-n",
+                    "5",
+                    "mmdebstrap",
+                    "--variant=minbase",
+                    "--format=tar",
+                    f"--include={','.join(BASE_PACKAGES)}",
+                    *hooks,
+                    BASE_SUITE,
+                    str(tmp),
+                    self.mirror,
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+            )
         if rc != 0:
             tmp.unlink(missing_ok=True)
             raise ImageError(f"mmdebstrap exited {rc}; log {log}")
@@ -435,16 +541,36 @@ class ImageBuilder:
             self._timed("wheelhouse", True, t0)
             return dst
         tmp = Path(tempfile.mkdtemp(prefix=".wheels-", dir=self.cache_dir))
-        build_reqs = re.search(r"requires\s*=\s*\[(.*?)\]", (REPO_ROOT / "pyproject.toml").read_text(), re.DOTALL)
-        reqs = re.findall(r'"([^"]+)"', build_reqs.group(1)) if build_reqs else ["setuptools", "wheel"]
+        build_reqs = re.search(
+            r"requires\s*=\s*\[(.*?)\]", (REPO_ROOT / "pyproject.toml").read_text(), re.DOTALL
+        )
+        reqs = (
+            re.findall(r'"([^"]+)"', build_reqs.group(1)) if build_reqs else ["setuptools", "wheel"]
+        )
         reqs += dockerfile_pins()
         log = self.log_dir / "wheelhouse.log"
         with open(log, "wb") as f:
             # --no-build-isolation: DeepSpeed's sdist imports torch to compute its metadata.
-            rc = subprocess.call([sys.executable, "-m", "pip", "download", "-q", "--no-build-isolation",
-                                  "-d", str(tmp), "-c", str(REPO_ROOT / "constraints.txt"),
-                                  f"{REPO_ROOT}[operator,trainer]", *reqs, "pip"],
-                                 stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+            rc = subprocess.call(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-build-isolation",
+                    "-d",
+                    str(tmp),
+                    "-c",
+                    str(REPO_ROOT / "constraints.txt"),
+                    f"{REPO_ROOT}[operator,trainer]",
+                    *reqs,
+                    "pip",
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+            )
         if rc != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise ImageError(f"pip download exited {rc}; log {log}")
@@ -457,7 +583,8 @@ class ImageBuilder:
     def dockerd(self) -> Dockerd:
         if self._dockerd is None:
             self._dockerd = self._stack.enter_context(
-                Dockerd(self.cache_dir / "docker", self.log_dir / "dockerd.log"))
+                Dockerd(self.cache_dir / "docker", self.log_dir / "dockerd.log")
+            )
         return self._dockerd
 
     def close(self) -> None:
@@ -479,8 +606,18 @@ class ImageBuilder:
         if d.docker("image", "inspect", ref, check=False).returncode != 0:
             rootfs = self.base_rootfs()
             path = f"{BASE_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-            d.docker("import", "--change", f"ENV PATH={path}", "--change", "ENV LANG=C.UTF-8",
-                     "--change", 'CMD ["python3"]', str(rootfs), ref, log=self.log_dir / "base.log")
+            d.docker(
+                "import",
+                "--change",
+                f"ENV PATH={path}",
+                "--change",
+                "ENV LANG=C.UTF-8",
+                "--change",
+                'CMD ["python3"]',
+                str(rootfs),
+                ref,
+                log=self.log_dir / "base.log",
+            )
         return ref
 
     def build(self, name: str, tags: tuple[str, ...] | None = None) -> BuiltImage:
@@ -498,16 +635,28 @@ class ImageBuilder:
             return BuiltImage(name, key, tar, all_tags, self._timed(stage, True, t0), True)
         self.base_rootfs()
         wheels = self.wheelhouse()
-        t0 = time.monotonic()      # the build itself (base and wheelhouse are timed apart)
+        t0 = time.monotonic()  # the build itself (base and wheelhouse are timed apart)
         d = self.dockerd()
         base = self._ensure_base_in_docker()
         log = self.log_dir / f"{name}.log"
         log.write_text("")
         with serve_directory(wheels, port=self._stable_port()) as url:
-            d.docker("build", "--network", "host", "-f", str(DOCKERFILES[name]),
-                     "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "PIP_NO_INDEX=1",
-                     "--build-arg", f"PIP_FIND_LINKS={url}",
-                     *(a for t in all_tags for a in ("-t", t)), str(REPO_ROOT), log=log)
+            d.docker(
+                "build",
+                "--network",
+                "host",
+                "-f",
+                str(DOCKERFILES[name]),
+                "--build-arg",
+                f"BASE_IMAGE={base}",
+                "--build-arg",
+                "PIP_NO_INDEX=1",
+                "--build-arg",
+                f"PIP_FIND_LINKS={url}",
+                *(a for t in all_tags for a in ("-t", t)),
+                str(REPO_ROOT),
+                log=log,
+            )
         tmp = tar.with_name(f".{tar.name}.{os.getpid()}.tmp")
         d.docker("save", "-o", str(tmp), *all_tags, log=log)
         os.replace(tmp, tar)
@@ -530,8 +679,12 @@ class ImageBuilder:
         an image per change otherwise (the layers of the kept images stay: the build cache)."""
         d = self.dockerd()
         out = d.docker("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.decode().split()
-        old = [ref for ref in out if ref.split(":")[0] in ("moe-operator", "moe-trainer", "localhost/moe-base")
-               and ref not in keep]
+        old = [
+            ref
+            for ref in out
+            if ref.split(":")[0] in ("moe-operator", "moe-trainer", "localhost/moe-base")
+            and ref not in keep
+        ]
         if old:
             d.docker("rmi", *old, check=False)
         d.docker("image", "prune", "-f", check=False)
@@ -544,7 +697,9 @@ class ImageBuilder:
     def prune(self, keep: int = 2) -> None:
         """Keep the newest ``keep`` archives per image (the cache would grow with every change)."""
         for prefix in ("operator-", "trainer-", "base-", "pause-"):
-            tars = sorted(self.cache_dir.glob(f"{prefix}*.tar"), key=lambda p: p.stat().st_mtime, reverse=True)
+            tars = sorted(
+                self.cache_dir.glob(f"{prefix}*.tar"), key=lambda p: p.stat().st_mtime, reverse=True
+            )
             for old in tars[keep:]:
                 old.unlink(missing_ok=True)
 
@@ -554,15 +709,22 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--extra-ca-cert", action="append", default=[],
-                    help="add this CA certificate to the base image (TLS-inspecting networks)")
+    ap.add_argument(
+        "--extra-ca-cert",
+        action="append",
+        default=[],
+        help="add this CA certificate to the base image (TLS-inspecting networks)",
+    )
     ap.add_argument("images", nargs="*", default=list(DOCKERFILES))
     args = ap.parse_args(argv)
     with ImageBuilder(extra_ca_certs=[Path(p) for p in args.extra_ca_cert]) as b:
         for name in args.images:
             img = b.build(name)
-            print(f"{name}: {img.tar} ({'cached' if img.cached else f'built in {img.seconds:.0f}s'}) "
-                  f"tags {', '.join(img.tags)}", flush=True)
+            print(
+                f"{name}: {img.tar} ({'cached' if img.cached else f'built in {img.seconds:.0f}s'}) "
+                f"tags {', '.join(img.tags)}",
+                flush=True,
+            )
         print(json.dumps(b.report.timings), flush=True)
     return 0
 

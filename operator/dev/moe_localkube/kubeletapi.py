@@ -41,12 +41,16 @@ class _Handler(BaseHTTPRequestHandler):
         if parts == ["healthz"]:
             return self._send(200, b"ok")
         if len(parts) != 4 or parts[0] != "containerLogs":
-            return self._send(501, f"moe_localkube node agent: {url.path} is not supported\n".encode())
+            return self._send(
+                501, f"moe_localkube node agent: {url.path} is not supported\n".encode()
+            )
         q = {k: v[-1] for k, v in parse_qs(url.query).items()}
         ns, pod, container = parts[1:]
         path, running = self.server.lookup(ns, pod, container, q.get("previous") == "true")
         if path is None:
-            return self._send(404, f"container {container} of pod {ns}/{pod} has no logs here\n".encode())
+            return self._send(
+                404, f"container {container} of pod {ns}/{pod} has no logs here\n".encode()
+            )
         data = path.read_bytes()
         if "tailLines" in q:
             data = _tail_lines(data, int(q["tailLines"]))
@@ -63,7 +67,9 @@ class _Handler(BaseHTTPRequestHandler):
             chunk = data if limit is None else data[:limit]
             self.wfile.write(chunk)
             sent += len(chunk)
-            while running() and not self.server.stopping.is_set() and (limit is None or sent < limit):
+            while (
+                running() and not self.server.stopping.is_set() and (limit is None or sent < limit)
+            ):
                 time.sleep(0.2)
                 with open(path, "rb") as f:
                     f.seek(offset)
@@ -74,7 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(new)
                     self.wfile.flush()
                     sent += len(new)
-            with open(path, "rb") as f:              # whatever came after the last poll
+            with open(path, "rb") as f:  # whatever came after the last poll
                 f.seek(offset)
                 rest = f.read()
             if rest and (limit is None or sent < limit):
@@ -107,7 +113,9 @@ class KubeletApi:
         ctx.load_cert_chain(str(keys.server_cert), str(keys.server_key))
         self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="kubelet-api", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="kubelet-api", daemon=True
+        )
 
     def start(self) -> KubeletApi:
         self._thread.start()

@@ -44,7 +44,15 @@ MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 # PYTHONPATH: a development checkout's code (a git worktree sharing one venv) runs in the pods
 # too, not the venv's installed copy.
-PASS_ENV = ("TMPDIR", "XDG_CACHE_HOME", "TORCH_EXTENSIONS_DIR", "TERM", "LANG", "LC_ALL", "PYTHONPATH")
+PASS_ENV = (
+    "TMPDIR",
+    "XDG_CACHE_HOME",
+    "TORCH_EXTENSIONS_DIR",
+    "TERM",
+    "LANG",
+    "LC_ALL",
+    "PYTHONPATH",
+)
 
 
 def _micro_now() -> str:
@@ -60,9 +68,11 @@ class HostsFile:
             base = Path("/etc/hosts").read_text()
         except OSError:
             base = "127.0.0.1 localhost\n"
-        self._base = (base.rstrip("\n") + "\n# moe_localkube: the API server as the in-cluster service\n"
-                      "127.0.0.1 kubernetes kubernetes.default kubernetes.default.svc "
-                      "kubernetes.default.svc.cluster.local\n# moe_localkube: pods\n")
+        self._base = (
+            base.rstrip("\n") + "\n# moe_localkube: the API server as the in-cluster service\n"
+            "127.0.0.1 kubernetes kubernetes.default kubernetes.default.svc "
+            "kubernetes.default.svc.cluster.local\n# moe_localkube: pods\n"
+        )
         self._entries: dict[str, tuple[str, list[str]]] = {}
         self._lock = threading.Lock()
         path.write_text(self._base)
@@ -78,7 +88,9 @@ class HostsFile:
                 self._write()
 
     def _write(self) -> None:
-        text = self._base + "".join(f"{ip} {' '.join(names)}\n" for ip, names in self._entries.values())
+        text = self._base + "".join(
+            f"{ip} {' '.join(names)}\n" for ip, names in self._entries.values()
+        )
         with open(self.path, "r+") as f:
             f.write(text)
             f.truncate()
@@ -88,17 +100,30 @@ def pod_hostnames(pod: dict) -> list[str]:
     spec, ns = pod["spec"], pod["metadata"]["namespace"]
     host = spec.get("hostname") or pod["metadata"]["name"]
     sub = spec.get("subdomain")
-    names = [f"{host}.{sub}.{ns}.svc.cluster.local", f"{host}.{sub}.{ns}.svc", f"{host}.{sub}"] if sub else []
+    names = (
+        [f"{host}.{sub}.{ns}.svc.cluster.local", f"{host}.{sub}.{ns}.svc", f"{host}.{sub}"]
+        if sub
+        else []
+    )
     return [*names, host]
 
 
 class NodeAgent:
     """Plays the kubelet for ``nodes``; ``start()``/``stop()``, or use it as a context manager."""
 
-    def __init__(self, api_client, nodes: list[NodeSpec], *, run_dir: Path | str | None = None,
-                 api_server: str | None = None, host_ip: str = "127.0.0.1",
-                 extra_env: dict[str, str] | None = None, bind_fallback_seconds: float = 15.0,
-                 resync_seconds: float = 10.0, heartbeat_seconds: float = 10.0):
+    def __init__(
+        self,
+        api_client,
+        nodes: list[NodeSpec],
+        *,
+        run_dir: Path | str | None = None,
+        api_server: str | None = None,
+        host_ip: str = "127.0.0.1",
+        extra_env: dict[str, str] | None = None,
+        bind_fallback_seconds: float = 15.0,
+        resync_seconds: float = 10.0,
+        heartbeat_seconds: float = 10.0,
+    ):
         self.api = api_client
         self.core = CoreV1Api(api_client)
         self.coordination = CoordinationV1Api(api_client)
@@ -134,11 +159,16 @@ class NodeAgent:
         sandbox.check_host()
         self.mount_targets = sandbox.MountTargets()
         self.hosts = HostsFile(self.run_dir / "hosts")
-        self.kubelet_api = KubeletApi(self._log_lookup, self.run_dir / "kubelet-pki", host=self.host_ip).start()
+        self.kubelet_api = KubeletApi(
+            self._log_lookup, self.run_dir / "kubelet-pki", host=self.host_ip
+        ).start()
         for spec in self.nodes.values():
             self._register(spec)
         self._started = True
-        for target, name in ((self._watch_loop, "nodeagent-watch"), (self._heartbeat_loop, "nodeagent-heartbeat")):
+        for target, name in (
+            (self._watch_loop, "nodeagent-watch"),
+            (self._heartbeat_loop, "nodeagent-heartbeat"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -157,7 +187,7 @@ class NodeAgent:
             w.shutdown()
         for w in workers:
             w.join(timeout=15)
-        for pgid in procs.survivors(self.pids):      # a worker that did not finish in time
+        for pgid in procs.survivors(self.pids):  # a worker that did not finish in time
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
         if self.mount_targets:
@@ -175,7 +205,9 @@ class NodeAgent:
                 raise
             self.core.patch_node(spec.name, {"metadata": body["metadata"]}, _content_type=MERGE)
         port = self.kubelet_api.port if self.kubelet_api else 0
-        self.core.patch_node_status(spec.name, {"status": node_status(spec, self.host_ip, port)}, _content_type=MERGE)
+        self.core.patch_node_status(
+            spec.name, {"status": node_status(spec, self.host_ip, port)}, _content_type=MERGE
+        )
         # TaintNodesByCondition put node.kubernetes.io/not-ready on the new node; it is Ready now.
         self.core.patch_node(spec.name, {"spec": {"taints": None}}, _content_type=MERGE)
         self._renew_lease(spec.name)
@@ -183,12 +215,15 @@ class NodeAgent:
     def _renew_lease(self, node: str) -> None:
         spec = {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": _micro_now()}
         try:
-            self.coordination.patch_namespaced_lease(node, LEASE_NS, {"spec": spec}, _content_type=MERGE)
+            self.coordination.patch_namespaced_lease(
+                node, LEASE_NS, {"spec": spec}, _content_type=MERGE
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
             self.coordination.create_namespaced_lease(
-                LEASE_NS, {"metadata": {"name": node, "namespace": LEASE_NS}, "spec": spec})
+                LEASE_NS, {"metadata": {"name": node, "namespace": LEASE_NS}, "spec": spec}
+            )
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_seconds):
@@ -196,9 +231,22 @@ class NodeAgent:
                 try:
                     self._renew_lease(name)
                     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                    self.core.patch_node_status(name, {"status": {"conditions": [
-                        {"type": "Ready", "status": "True", "reason": "KubeletReady",
-                         "lastHeartbeatTime": now}]}}, _content_type=STRATEGIC)
+                    self.core.patch_node_status(
+                        name,
+                        {
+                            "status": {
+                                "conditions": [
+                                    {
+                                        "type": "Ready",
+                                        "status": "True",
+                                        "reason": "KubeletReady",
+                                        "lastHeartbeatTime": now,
+                                    }
+                                ]
+                            }
+                        },
+                        _content_type=STRATEGIC,
+                    )
                 except Exception as exc:  # noqa: BLE001 - keep beating
                     log.warning("node %s: heartbeat failed: %s", name, exc)
 
@@ -210,12 +258,17 @@ class NodeAgent:
                 until = time.monotonic() + self.resync_seconds
                 while not self._stop.is_set() and time.monotonic() < until:
                     w = watch.Watch()
-                    for ev in w.stream(self.core.list_pod_for_all_namespaces, resource_version=rv,
-                                       timeout_seconds=2):
+                    for ev in w.stream(
+                        self.core.list_pod_for_all_namespaces,
+                        resource_version=rv,
+                        timeout_seconds=2,
+                    ):
                         obj = ev["object"]
                         rv = obj.metadata.resource_version
                         pod = self.api.sanitize_for_serialization(obj)
-                        self._handle(self._on_deleted if ev["type"] == "DELETED" else self._sync, pod)
+                        self._handle(
+                            self._on_deleted if ev["type"] == "DELETED" else self._sync, pod
+                        )
                         if self._stop.is_set():
                             w.stop()
                             break
@@ -250,7 +303,9 @@ class NodeAgent:
             fn(pod)
         except Exception:
             meta = pod.get("metadata", {})
-            log.exception("pod %s/%s: %s failed", meta.get("namespace"), meta.get("name"), fn.__name__)
+            log.exception(
+                "pod %s/%s: %s failed", meta.get("namespace"), meta.get("name"), fn.__name__
+            )
 
     def _sync(self, pod: dict) -> None:
         meta, spec = pod["metadata"], pod["spec"]
@@ -287,22 +342,37 @@ class NodeAgent:
         """Bind a pod the scheduler has not looked at for a while, if it names one of our nodes."""
         spec, status = pod["spec"], pod.get("status") or {}
         node = (spec.get("nodeSelector") or {}).get("kubernetes.io/hostname")
-        if spec.get("nodeName") or node not in self.nodes or status.get("phase", "Pending") != "Pending":
+        if (
+            spec.get("nodeName")
+            or node not in self.nodes
+            or status.get("phase", "Pending") != "Pending"
+        ):
             return
         if any(c.get("type") == "PodScheduled" for c in status.get("conditions") or []):
-            return   # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
+            return  # the scheduler has looked at it (e.g. Unschedulable: it does not fit): its call
         created = datetime.fromisoformat(pod["metadata"]["creationTimestamp"])
         if (datetime.now(UTC) - created).total_seconds() < self.bind_fallback_seconds:
             return
         meta = pod["metadata"]
-        log.warning("pod %s/%s: unscheduled after %.0fs, binding it to %s", meta["namespace"], meta["name"],
-                    self.bind_fallback_seconds, node)
+        log.warning(
+            "pod %s/%s: unscheduled after %.0fs, binding it to %s",
+            meta["namespace"],
+            meta["name"],
+            self.bind_fallback_seconds,
+            node,
+        )
         try:
             self.core.create_namespaced_pod_binding(
-                meta["name"], meta["namespace"],
-                {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": meta["name"]},
-                 "target": {"apiVersion": "v1", "kind": "Node", "name": node}},
-                _preload_content=False)
+                meta["name"],
+                meta["namespace"],
+                {
+                    "apiVersion": "v1",
+                    "kind": "Binding",
+                    "metadata": {"name": meta["name"]},
+                    "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+                },
+                _preload_content=False,
+            )
         except ApiException as exc:
             log.warning("binding %s/%s failed: %s", meta["namespace"], meta["name"], exc.reason)
 
@@ -333,8 +403,12 @@ class NodeAgent:
 
     def force_delete(self, namespace: str, name: str, uid: str) -> None:
         try:
-            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=0,
-                                            body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}})
+            self.core.delete_namespaced_pod(
+                name,
+                namespace,
+                grace_period_seconds=0,
+                body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}},
+            )
         except ApiException as exc:
             if exc.status not in (404, 409):
                 log.warning("deleting pod %s/%s failed: %s", namespace, name, exc.reason)
@@ -345,16 +419,19 @@ class NodeAgent:
         node = self.nodes[pod["spec"]["nodeName"]]
         venv_bin = Path(sys.prefix) / "bin"
         env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
-        env.update({
-            "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": os.environ.get("HOME", "/root"),
-            "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
-            "PYTHONUNBUFFERED": "1",
-            "KUBERNETES_SERVICE_HOST": self.api_host, "KUBERNETES_SERVICE_PORT": self.api_port,
-            "KUBERNETES_SERVICE_PORT_HTTPS": self.api_port,
-            "KUBERNETES_PORT": f"tcp://{self.api_host}:{self.api_port}",
-            FAKE_NVML_ENV: node.fixture,
-        })
+        env.update(
+            {
+                "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "HOME": os.environ.get("HOME", "/root"),
+                "HOSTNAME": pod["spec"].get("hostname") or pod["metadata"]["name"],
+                "PYTHONUNBUFFERED": "1",
+                "KUBERNETES_SERVICE_HOST": self.api_host,
+                "KUBERNETES_SERVICE_PORT": self.api_port,
+                "KUBERNETES_SERVICE_PORT_HTTPS": self.api_port,
+                "KUBERNETES_PORT": f"tcp://{self.api_host}:{self.api_port}",
+                FAKE_NVML_ENV: node.fixture,
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -363,7 +440,9 @@ class NodeAgent:
         return [Mount(source=self.hosts.path, target="/etc/hosts", read_only=True)]
 
     # ------------------------------------------------------------ logs
-    def read_log(self, namespace: str, pod: str, container: str | None = None, previous: bool = False) -> str:
+    def read_log(
+        self, namespace: str, pod: str, container: str | None = None, previous: bool = False
+    ) -> str:
         return read_log(self.run_dir, namespace, pod, container, previous)
 
     def _log_lookup(self, namespace: str, pod: str, container: str, previous: bool):
@@ -377,32 +456,45 @@ class NodeAgent:
         def running() -> bool:
             if previous or worker is None or not worker.is_alive():
                 return False
-            return any(c.name == container and c.proc is not None for c in [*worker.inits, *worker.mains])
+            return any(
+                c.name == container and c.proc is not None for c in [*worker.inits, *worker.mains]
+            )
 
         return path, running
 
-    def kill_container(self, namespace: str, pod: str, container: str | None = None,
-                       sig: int = signal.SIGKILL) -> int:
+    def kill_container(
+        self, namespace: str, pod: str, container: str | None = None, sig: int = signal.SIGKILL
+    ) -> int:
         """Send ``sig`` to a running container's process group, as a crash or OOM kill would
         (for failure-handling tests); returns the pid. The pod then reports exit code 128+sig."""
         with self._lock:
-            workers = [w for w in self._workers.values()
-                       if (w.ns, w.pod_name) == (namespace, pod) and w.is_alive()]
+            workers = [
+                w
+                for w in self._workers.values()
+                if (w.ns, w.pod_name) == (namespace, pod) and w.is_alive()
+            ]
         for w in workers:
             for c in [*w.inits, *w.mains]:
                 proc = c.proc
                 if proc is not None and container in (None, c.name):
                     os.killpg(proc.pid, sig)
                     return proc.pid
-        raise LookupError(f"no running container {container or '*'} in pod {namespace}/{pod} on this agent")
+        raise LookupError(
+            f"no running container {container or '*'} in pod {namespace}/{pod} on this agent"
+        )
 
     def workers(self) -> dict[str, PodWorker]:
         with self._lock:
             return dict(self._workers)
 
 
-def log_file(run_dir: Path | str, namespace: str, pod: str, container: str | None = None,
-             previous: bool = False) -> tuple[Path | None, str]:
+def log_file(
+    run_dir: Path | str,
+    namespace: str,
+    pod: str,
+    container: str | None = None,
+    previous: bool = False,
+) -> tuple[Path | None, str]:
     """(log file, pod uid) of a container of the newest pod ``namespace/pod`` under ``run_dir``;
     the file is None when that attempt has no log (``previous`` before any restart)."""
     base = Path(run_dir) / "pods" / namespace / pod
@@ -417,13 +509,20 @@ def log_file(run_dir: Path | str, namespace: str, pod: str, container: str | Non
         container = meta["containers"][0]
     if container not in names:
         raise ValueError(f"pod {namespace}/{pod} has no container {container!r} (has {names})")
-    logs = sorted(metas[-1].parent.glob(f"logs/{container}.*.log"), key=lambda p: int(p.name.split(".")[-2]))
+    logs = sorted(
+        metas[-1].parent.glob(f"logs/{container}.*.log"), key=lambda p: int(p.name.split(".")[-2])
+    )
     want = -2 if previous else -1
     return (logs[want] if len(logs) >= abs(want) else None), meta["uid"]
 
 
-def read_log(run_dir: Path | str, namespace: str, pod: str, container: str | None = None,
-             previous: bool = False) -> str:
+def read_log(
+    run_dir: Path | str,
+    namespace: str,
+    pod: str,
+    container: str | None = None,
+    previous: bool = False,
+) -> str:
     """Output of a container of the newest pod ``namespace/pod`` run under ``run_dir``
     (``previous``: the attempt before the last restart; "" when there is none)."""
     path, _ = log_file(run_dir, namespace, pod, container, previous)
@@ -435,20 +534,30 @@ def main(argv: list[str] | None = None) -> int:
 
     from kubernetes import config
 
-    ap = argparse.ArgumentParser(description="moe_localkube node agent: plays the kubelet for fake GPU nodes")
+    ap = argparse.ArgumentParser(
+        description="moe_localkube node agent: plays the kubelet for fake GPU nodes"
+    )
     ap.add_argument("--kubeconfig", required=True)
-    ap.add_argument("--nodes", default="node-a:nvswitch-h100-8,node-b:nvswitch-h100-8",
-                    help="comma-separated NAME[:FIXTURE]")
+    ap.add_argument(
+        "--nodes",
+        default="node-a:nvswitch-h100-8,node-b:nvswitch-h100-8",
+        help="comma-separated NAME[:FIXTURE]",
+    )
     ap.add_argument("--run-dir", default=None, help="pod logs and files (default: a new temp dir)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api = config.new_client_from_config(config_file=args.kubeconfig)
-    agent = NodeAgent(api, [NodeSpec.parse(s) for s in args.nodes.split(",") if s], run_dir=args.run_dir)
+    agent = NodeAgent(
+        api, [NodeSpec.parse(s) for s in args.nodes.split(",") if s], run_dir=args.run_dir
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with agent:
-        print(f"node agent running nodes {sorted(agent.nodes)}; pod logs under {agent.run_dir}", flush=True)
+        print(
+            f"node agent running nodes {sorted(agent.nodes)}; pod logs under {agent.run_dir}",
+            flush=True,
+        )
         stop.wait()
     return 0
 

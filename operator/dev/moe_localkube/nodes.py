@@ -23,7 +23,7 @@ class FixtureError(ValueError):
 
 @dataclass(frozen=True)
 class GpuShape:
-    product: str        # GFD style: spaces -> dashes ("NVIDIA-H100-80GB-HBM3")
+    product: str  # GFD style: spaces -> dashes ("NVIDIA-H100-80GB-HBM3")
     count: int
     memory_mib: int
 
@@ -36,7 +36,9 @@ def fixture_gpus(fixture: str, recordings_dir: Path = RECORDINGS_DIR) -> GpuShap
     """Product, count and memory of the GPUs in the NVML recording ``fixture``."""
     path = recordings_dir / f"{fixture}.json"
     if not path.is_file():
-        raise FixtureError(f"unknown fake-topology fixture {fixture!r}; known: {known_fixtures(recordings_dir)}")
+        raise FixtureError(
+            f"unknown fake-topology fixture {fixture!r}; known: {known_fixtures(recordings_dir)}"
+        )
     doc = json.loads(path.read_text())
     gpus = doc.get("gpus") or []
     if not gpus:
@@ -83,34 +85,73 @@ def node_manifest(spec: NodeSpec) -> dict:
         **spec.extra_labels,
     }
     return {
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": spec.name, "labels": labels,
-                     "annotations": {FAKE_TOPOLOGY_ANNOTATION: spec.fixture,
-                                     "moe-operator.io/fake-node": "moe_localkube.nodeagent"}},
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": spec.name,
+            "labels": labels,
+            "annotations": {
+                FAKE_TOPOLOGY_ANNOTATION: spec.fixture,
+                "moe-operator.io/fake-node": "moe_localkube.nodeagent",
+            },
+        },
         "spec": {},
     }
 
 
 def node_status(spec: NodeSpec, host_ip: str = "127.0.0.1", kubelet_port: int = 0) -> dict:
     gpus = fixture_gpus(spec.fixture)
-    resources = {"cpu": spec.cpu, "memory": spec.memory, "pods": str(spec.pods),
-                 "ephemeral-storage": "1Ti", GPU_RESOURCE: str(gpus.count)}
+    resources = {
+        "cpu": spec.cpu,
+        "memory": spec.memory,
+        "pods": str(spec.pods),
+        "ephemeral-storage": "1Ti",
+        GPU_RESOURCE: str(gpus.count),
+    }
     now = _now()
     return {
-        "capacity": resources, "allocatable": resources,
-        "addresses": [{"type": "InternalIP", "address": host_ip}, {"type": "Hostname", "address": spec.name}],
+        "capacity": resources,
+        "allocatable": resources,
+        "addresses": [
+            {"type": "InternalIP", "address": host_ip},
+            {"type": "Hostname", "address": spec.name},
+        ],
         "conditions": [
-            {"type": t, "status": "False", "reason": r, "message": m,
-             "lastHeartbeatTime": now, "lastTransitionTime": now}
-            for t, r, m in (("MemoryPressure", "KubeletHasSufficientMemory", "fake node"),
-                            ("DiskPressure", "KubeletHasNoDiskPressure", "fake node"),
-                            ("PIDPressure", "KubeletHasSufficientPID", "fake node"))
-        ] + [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-              "message": "moe_localkube node agent is posting ready status",
-              "lastHeartbeatTime": now, "lastTransitionTime": now}],
+            {
+                "type": t,
+                "status": "False",
+                "reason": r,
+                "message": m,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+            for t, r, m in (
+                ("MemoryPressure", "KubeletHasSufficientMemory", "fake node"),
+                ("DiskPressure", "KubeletHasNoDiskPressure", "fake node"),
+                ("PIDPressure", "KubeletHasSufficientPID", "fake node"),
+            )
+        ]
+        + [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "KubeletReady",
+                "message": "moe_localkube node agent is posting ready status",
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
+        ],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
-        "nodeInfo": {"architecture": "amd64", "bootID": "", "containerRuntimeVersion": "moe-localkube://0",
-                     "kernelVersion": "", "kubeProxyVersion": "v1.20.2", "kubeletVersion": "v1.20.2",
-                     "machineID": "", "operatingSystem": "linux", "osImage": "moe_localkube fake GPU node",
-                     "systemUUID": ""},
+        "nodeInfo": {
+            "architecture": "amd64",
+            "bootID": "",
+            "containerRuntimeVersion": "moe-localkube://0",
+            "kernelVersion": "",
+            "kubeProxyVersion": "v1.20.2",
+            "kubeletVersion": "v1.20.2",
+            "machineID": "",
+            "operatingSystem": "linux",
+            "osImage": "moe_localkube fake GPU node",
+            "systemUUID": "",
+        },
     }

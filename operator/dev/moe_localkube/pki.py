@@ -11,9 +11,15 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVER_SANS = ("IP:127.0.0.1", "IP:10.0.0.1", "DNS:localhost", "DNS:kubernetes",
-               "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
-               "DNS:kubernetes.default.svc.cluster.local")
+SERVER_SANS = (
+    "IP:127.0.0.1",
+    "IP:10.0.0.1",
+    "DNS:localhost",
+    "DNS:kubernetes",
+    "DNS:kubernetes.default",
+    "DNS:kubernetes.default.svc",
+    "DNS:kubernetes.default.svc.cluster.local",
+)
 
 
 @dataclass(frozen=True)
@@ -22,8 +28,8 @@ class Pki:
     ca_key: Path
     server_cert: Path
     server_key: Path
-    sa_key: Path        # private key: signs service-account tokens
-    sa_pub: Path        # public key: verifies them
+    sa_key: Path  # private key: signs service-account tokens
+    sa_pub: Path  # public key: verifies them
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -36,8 +42,16 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _ec_key(path: Path) -> None:
-    _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256",
-             "-out", str(path), cwd=path.parent)
+    _openssl(
+        "genpkey",
+        "-algorithm",
+        "EC",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-out",
+        str(path),
+        cwd=path.parent,
+    )
 
 
 def make_pki(directory: Path) -> Pki:
@@ -45,20 +59,67 @@ def make_pki(directory: Path) -> Pki:
     directory.mkdir(parents=True, exist_ok=True)
     d = directory
     _ec_key(d / "ca.key")
-    _openssl("req", "-x509", "-new", "-key", "ca.key", "-days", "30", "-subj", "/CN=moe-localkube-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-             "-out", "ca.crt", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-new",
+        "-key",
+        "ca.key",
+        "-days",
+        "30",
+        "-subj",
+        "/CN=moe-localkube-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "-out",
+        "ca.crt",
+        cwd=d,
+    )
     _ec_key(d / "server.key")
     (d / "server.ext").write_text(
         "basicConstraints=CA:FALSE\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage=serverAuth\n"
-        f"subjectAltName={','.join(SERVER_SANS)}\n")
-    _openssl("req", "-new", "-key", "server.key", "-subj", "/CN=kube-apiserver", "-out", "server.csr", cwd=d)
-    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-             "-CAcreateserial", "-days", "30", "-extfile", "server.ext", "-out", "server.crt", cwd=d)
+        f"subjectAltName={','.join(SERVER_SANS)}\n"
+    )
+    _openssl(
+        "req",
+        "-new",
+        "-key",
+        "server.key",
+        "-subj",
+        "/CN=kube-apiserver",
+        "-out",
+        "server.csr",
+        cwd=d,
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.crt",
+        cwd=d,
+    )
     _ec_key(d / "sa.key")
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
-    return Pki(ca_cert=d / "ca.crt", ca_key=d / "ca.key", server_cert=d / "server.crt",
-               server_key=d / "server.key", sa_key=d / "sa.key", sa_pub=d / "sa.pub")
+    return Pki(
+        ca_cert=d / "ca.crt",
+        ca_key=d / "ca.key",
+        server_cert=d / "server.crt",
+        server_key=d / "server.key",
+        sa_key=d / "sa.key",
+        sa_pub=d / "sa.pub",
+    )

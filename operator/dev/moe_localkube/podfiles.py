@@ -26,8 +26,8 @@ class ConfigError(RuntimeError):
 
 @dataclass(frozen=True)
 class Mount:
-    source: Path          # host path (file or folder) to bind
-    target: str           # mountPath inside the container
+    source: Path  # host path (file or folder) to bind
+    target: str  # mountPath inside the container
     read_only: bool
 
 
@@ -37,21 +37,26 @@ _EXPAND_RE = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 def expand(text: str, env: dict[str, str]) -> str:
     """Kubernetes ``$(VAR)`` expansion: defined names are replaced, ``$$`` escapes, others stay."""
+
     def sub(m: re.Match) -> str:
         if m.group(0) == "$$":
             return "$"
         name = m.group(1)
         return env.get(name, m.group(0))
+
     return _EXPAND_RE.sub(sub, text)
 
 
 def field_value(pod: dict, path: str) -> str:
     meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
     simple = {
-        "metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace"),
-        "metadata.uid": meta.get("uid"), "spec.nodeName": spec.get("nodeName"),
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
         "spec.serviceAccountName": spec.get("serviceAccountName"),
-        "status.podIP": status.get("podIP"), "status.hostIP": status.get("hostIP"),
+        "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
         "status.podIPs": ",".join(i["ip"] for i in status.get("podIPs") or []),
     }
     if path in simple:
@@ -67,7 +72,7 @@ def field_value(pod: dict, path: str) -> str:
 
 def resource_value(container: dict | None, ref: dict) -> str:
     res = (container or {}).get("resources") or {}
-    name = ref["resource"]                       # e.g. limits.cpu, requests.memory
+    name = ref["resource"]  # e.g. limits.cpu, requests.memory
     kind, _, key = name.partition(".")
     value = (res.get(kind) or {}).get(key) or (res.get("limits") or {}).get(key)
     return str(value) if value is not None else "0"
@@ -89,7 +94,9 @@ class PodFiles:
                 if kind == "configmap":
                     obj = self.core.read_namespaced_config_map(name, self.ns)
                     data = dict(obj.data or {})
-                    data.update({k: base64.b64decode(v) for k, v in (obj.binary_data or {}).items()})
+                    data.update(
+                        {k: base64.b64decode(v) for k, v in (obj.binary_data or {}).items()}
+                    )
                 else:
                     obj = self.core.read_namespaced_secret(name, self.ns)
                     data = {k: base64.b64decode(v) for k, v in (obj.data or {}).items()}
@@ -110,7 +117,7 @@ class PodFiles:
         if ref["key"] not in data:
             if ref.get("optional"):
                 return None
-            raise ConfigError(f'couldn\'t find key {ref["key"]} in {kind} {self.ns}/{ref["name"]}')
+            raise ConfigError(f"couldn't find key {ref['key']} in {kind} {self.ns}/{ref['name']}")
         value = data[ref["key"]]
         return value.decode(errors="replace") if isinstance(value, bytes) else value
 
@@ -122,7 +129,9 @@ class PodFiles:
             prefix = src.get("prefix", "")
             for kind, field in (("configmap", "configMapRef"), ("secret", "secretRef")):
                 if field in src:
-                    data = self._get(kind, src[field]["name"], bool(src[field].get("optional"))) or {}
+                    data = (
+                        self._get(kind, src[field]["name"], bool(src[field].get("optional"))) or {}
+                    )
                     for k, v in data.items():
                         env[prefix + k] = v.decode(errors="replace") if isinstance(v, bytes) else v
         for item in container.get("env") or []:
@@ -151,8 +160,9 @@ class PodFiles:
         path.write_bytes(data.encode() if isinstance(data, str) else data)
         path.chmod(mode if mode is not None else 0o644)
 
-    def _write_keys(self, root: Path, data: dict, items: list | None, default_mode: int | None,
-                    what: str) -> None:
+    def _write_keys(
+        self, root: Path, data: dict, items: list | None, default_mode: int | None, what: str
+    ) -> None:
         if items:
             for it in items:
                 if it["key"] not in data:
@@ -168,8 +178,14 @@ class PodFiles:
                 value = field_value(self.pod, it["fieldRef"]["fieldPath"])
             else:
                 ref = it["resourceFieldRef"]
-                container = next((c for c in self.pod["spec"]["containers"]
-                                  if c["name"] == ref.get("containerName")), None)
+                container = next(
+                    (
+                        c
+                        for c in self.pod["spec"]["containers"]
+                        if c["name"] == ref.get("containerName")
+                    ),
+                    None,
+                )
                 value = resource_value(container, ref)
             self._write(root / it["path"], value, it.get("mode", default_mode))
 
@@ -201,19 +217,23 @@ class PodFiles:
             path.mkdir(parents=True, exist_ok=True)
             return path
         if "emptyDir" in vol and vol["emptyDir"].get("medium") == "Memory":
-            root = memory_dir(self.pod["metadata"]["uid"]) / name   # tmpfs, like the kubelet
+            root = memory_dir(self.pod["metadata"]["uid"]) / name  # tmpfs, like the kubelet
         root.mkdir(parents=True, exist_ok=True)
         if "emptyDir" in vol:
             return root
         if "configMap" in vol:
             cm = vol["configMap"]
             data = self._get("configmap", cm["name"], bool(cm.get("optional"))) or {}
-            self._write_keys(root, data, cm.get("items"), cm.get("defaultMode"), f"configMap {cm['name']}")
+            self._write_keys(
+                root, data, cm.get("items"), cm.get("defaultMode"), f"configMap {cm['name']}"
+            )
             return root
         if "secret" in vol:
             sec = vol["secret"]
             data = self._get("secret", sec["secretName"], bool(sec.get("optional"))) or {}
-            self._write_keys(root, data, sec.get("items"), sec.get("defaultMode"), f"secret {sec['secretName']}")
+            self._write_keys(
+                root, data, sec.get("items"), sec.get("defaultMode"), f"secret {sec['secretName']}"
+            )
             return root
         if "downwardAPI" in vol:
             dw = vol["downwardAPI"]
@@ -236,7 +256,9 @@ class PodFiles:
                 elif "serviceAccountToken" in src:
                     self._sa_token(root, src["serviceAccountToken"], mode)
                 else:
-                    raise ConfigError(f"volume {name}: projected source {sorted(src)} not supported")
+                    raise ConfigError(
+                        f"volume {name}: projected source {sorted(src)} not supported"
+                    )
             return root
         kinds = sorted(k for k in vol if k != "name")
         raise ConfigError(f"volume {name}: type {kinds} is not supported by the node agent")
@@ -256,22 +278,32 @@ def container_mounts(container: dict, volumes: dict[str, Path]) -> list[Mount]:
     mounts = []
     for vm in container.get("volumeMounts") or []:
         if vm["name"] not in volumes:
-            raise ConfigError(f"container {container['name']}: volumeMount {vm['name']!r} names no volume")
+            raise ConfigError(
+                f"container {container['name']}: volumeMount {vm['name']!r} names no volume"
+            )
         src = volumes[vm["name"]]
         if vm.get("subPath"):
             src = src / vm["subPath"]
             if not src.exists():
                 src.mkdir(parents=True)
-        mounts.append(Mount(source=src, target=os.path.normpath(vm["mountPath"]),
-                            read_only=bool(vm.get("readOnly"))))
+        mounts.append(
+            Mount(
+                source=src,
+                target=os.path.normpath(vm["mountPath"]),
+                read_only=bool(vm.get("readOnly")),
+            )
+        )
     return sorted(mounts, key=lambda m: m.target.count("/"))
 
 
 def save_meta(pod_dir: Path, pod: dict) -> None:
-    meta = {"namespace": pod["metadata"]["namespace"], "name": pod["metadata"]["name"],
-            "uid": pod["metadata"]["uid"], "node": pod["spec"].get("nodeName"),
-            "initContainers": [c["name"] for c in pod["spec"].get("initContainers") or []],
-            "containers": [c["name"] for c in pod["spec"]["containers"]]}
+    meta = {
+        "namespace": pod["metadata"]["namespace"],
+        "name": pod["metadata"]["name"],
+        "uid": pod["metadata"]["uid"],
+        "node": pod["spec"].get("nodeName"),
+        "initContainers": [c["name"] for c in pod["spec"].get("initContainers") or []],
+        "containers": [c["name"] for c in pod["spec"]["containers"]],
+    }
     pod_dir.mkdir(parents=True, exist_ok=True)
     (pod_dir / "pod.json").write_text(json.dumps(meta, indent=1))
-

@@ -47,13 +47,13 @@ class ContainerRun:
         self.spec, self.name = spec, spec["name"]
         self.logs_dir, self.term_file = logs_dir, term_dir / f"{spec['name']}.termination-log"
         self.proc = None
-        self.restarts = -1           # incremented on each start: first start -> 0
+        self.restarts = -1  # incremented on each start: first start -> 0
         self.started_at: str | None = None
         self.waiting = {"reason": "ContainerCreating"}
         self.terminated: dict | None = None
         self.last_terminated: dict | None = None
         self.next_start = 0.0
-        self.final = False           # terminated and will not restart
+        self.final = False  # terminated and will not restart
 
     def log_path(self, attempt: int | None = None) -> Path:
         return self.logs_dir / f"{self.name}.{self.restarts if attempt is None else attempt}.log"
@@ -67,10 +67,17 @@ class ContainerRun:
         else:
             state = {"waiting": self.waiting}
         last = self.last_terminated if "terminated" not in state else None
-        return {"name": self.name, "image": self.spec.get("image", ""), "imageID": "",
-                "containerID": f"moe-localkube://{self.proc.pid}" if self.proc else None,
-                "ready": running and not init, "started": running, "restartCount": max(self.restarts, 0),
-                "state": state, "lastState": {"terminated": last} if last else {}}
+        return {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "containerID": f"moe-localkube://{self.proc.pid}" if self.proc else None,
+            "ready": running and not init,
+            "started": running,
+            "restartCount": max(self.restarts, 0),
+            "state": state,
+            "lastState": {"terminated": last} if last else {},
+        }
 
 
 class PodWorker(threading.Thread):
@@ -125,18 +132,31 @@ class PodWorker(threading.Thread):
         prev = self._conds.get(typ)
         if prev is None or prev[0] != status:
             self._conds[typ] = (status, now_iso())
-        return {"type": typ, "status": status, "lastProbeTime": None,
-                "lastTransitionTime": self._conds[typ][1]}
+        return {
+            "type": typ,
+            "status": status,
+            "lastProbeTime": None,
+            "lastTransitionTime": self._conds[typ][1],
+        }
 
     def _status(self) -> dict:
         ready = self.phase == "Running" and all(
-            c.proc is not None and c.terminated is None for c in self.mains)
+            c.proc is not None and c.terminated is None for c in self.mains
+        )
         status = {
-            "phase": self.phase, "hostIP": self.agent.host_ip, "podIP": self.ip or None,
-            "podIPs": [{"ip": self.ip}] if self.ip else None, "startTime": self.start_time,
-            "reason": self.reason, "message": self.message,
-            "conditions": [self._cond("Initialized", self.initialized), self._cond("Ready", ready),
-                           self._cond("ContainersReady", ready), self._cond("PodScheduled", True)],
+            "phase": self.phase,
+            "hostIP": self.agent.host_ip,
+            "podIP": self.ip or None,
+            "podIPs": [{"ip": self.ip}] if self.ip else None,
+            "startTime": self.start_time,
+            "reason": self.reason,
+            "message": self.message,
+            "conditions": [
+                self._cond("Initialized", self.initialized),
+                self._cond("Ready", ready),
+                self._cond("ContainersReady", ready),
+                self._cond("PodScheduled", True),
+            ],
             "containerStatuses": [c.status(False) for c in self.mains],
         }
         if self.inits:
@@ -149,28 +169,51 @@ class PodWorker(threading.Thread):
             return
         try:
             self.agent.core.patch_namespaced_pod_status(
-                self.pod_name, self.ns, {"status": status}, _content_type="application/merge-patch+json")
+                self.pod_name,
+                self.ns,
+                {"status": status},
+                _content_type="application/merge-patch+json",
+            )
             self._last_sent = status
         except ApiException as exc:
             if exc.status == 404:
-                self._delete_req.set()   # gone: stop what we run
+                self._delete_req.set()  # gone: stop what we run
             else:
-                log.warning("pod %s/%s: status update failed: %s", self.ns, self.pod_name, exc.reason)
+                log.warning(
+                    "pod %s/%s: status update failed: %s", self.ns, self.pod_name, exc.reason
+                )
 
-    def event(self, reason: str, message: str, warning: bool = False, container: str | None = None) -> None:
+    def event(
+        self, reason: str, message: str, warning: bool = False, container: str | None = None
+    ) -> None:
         """A kubelet-style Event on the pod (for ``kubectl describe``); best effort."""
         if self._shutdown_req.is_set():
             return
-        obj = {"apiVersion": "v1", "kind": "Pod", "name": self.pod_name, "namespace": self.ns, "uid": self.uid}
+        obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": self.pod_name,
+            "namespace": self.ns,
+            "uid": self.uid,
+        }
         if container:
             obj["fieldPath"] = f"spec.containers{{{container}}}"
         now = now_iso()
         try:
-            self.agent.core.create_namespaced_event(self.ns, {
-                "metadata": {"generateName": f"{self.pod_name}."}, "involvedObject": obj,
-                "reason": reason, "message": message, "type": "Warning" if warning else "Normal",
-                "source": {"component": "kubelet", "host": self.spec.get("nodeName", "")},
-                "firstTimestamp": now, "lastTimestamp": now, "count": 1})
+            self.agent.core.create_namespaced_event(
+                self.ns,
+                {
+                    "metadata": {"generateName": f"{self.pod_name}."},
+                    "involvedObject": obj,
+                    "reason": reason,
+                    "message": message,
+                    "type": "Warning" if warning else "Normal",
+                    "source": {"component": "kubelet", "host": self.spec.get("nodeName", "")},
+                    "firstTimestamp": now,
+                    "lastTimestamp": now,
+                    "count": 1,
+                },
+            )
         except Exception as exc:  # noqa: BLE001 - events are not worth failing a pod over
             log.debug("event %s for %s/%s: %s", reason, self.ns, self.pod_name, exc)
 
@@ -183,37 +226,66 @@ class PodWorker(threading.Thread):
         env = self.envs[c.name]
         argv = [expand(a, env) for a in (spec.get("command") or []) + (spec.get("args") or [])]
         term_path = spec.get("terminationMessagePath") or "/dev/termination-log"
-        mounts = [*self.mounts[c.name], *self.agent.fixed_mounts(),
-                  Mount(source=c.term_file, target=term_path, read_only=False)]
-        c.proc = sandbox.launch(argv=argv, env=env, mounts=mounts, hostname=self.hostname,
-                                working_dir=spec.get("workingDir"), log_path=c.log_path(),
-                                targets=self.agent.mount_targets)
+        mounts = [
+            *self.mounts[c.name],
+            *self.agent.fixed_mounts(),
+            Mount(source=c.term_file, target=term_path, read_only=False),
+        ]
+        c.proc = sandbox.launch(
+            argv=argv,
+            env=env,
+            mounts=mounts,
+            hostname=self.hostname,
+            working_dir=spec.get("workingDir"),
+            log_path=c.log_path(),
+            targets=self.agent.mount_targets,
+        )
         self.agent.pids.add(c.proc.pid)
         c.started_at = now_iso()
         self.event("Started", f"Started container {c.name} (pid {c.proc.pid})", container=c.name)
 
     def _on_exit(self, c: ContainerRun, code: int) -> None:
         if code < 0:
-            code = 128 - code            # killed by signal N -> 128 + N, as runtimes report
-        message = c.term_file.read_bytes()[:MAX_MESSAGE].decode(errors="replace") if c.term_file.exists() else ""
-        if not message and code != 0 and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
+            code = 128 - code  # killed by signal N -> 128 + N, as runtimes report
+        message = (
+            c.term_file.read_bytes()[:MAX_MESSAGE].decode(errors="replace")
+            if c.term_file.exists()
+            else ""
+        )
+        if (
+            not message
+            and code != 0
+            and c.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError"
+        ):
             message = _tail_text(c.log_path())
-        c.terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                        "startedAt": c.started_at, "finishedAt": now_iso(),
-                        "containerID": f"moe-localkube://{c.proc.pid}"}
+        c.terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": c.started_at,
+            "finishedAt": now_iso(),
+            "containerID": f"moe-localkube://{c.proc.pid}",
+        }
         if message:
             c.terminated["message"] = message
         c.proc = None
-        restart = self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)
+        restart = self.restart_policy == "Always" or (
+            self.restart_policy == "OnFailure" and code != 0
+        )
         if restart and not self._stopping():
             c.last_terminated = c.terminated
-            delay = min(BACKOFF_BASE * 2 ** c.restarts, BACKOFF_MAX)
+            delay = min(BACKOFF_BASE * 2**c.restarts, BACKOFF_MAX)
             c.next_start = time.monotonic() + delay
-            c.waiting = {"reason": "CrashLoopBackOff",
-                         "message": f"back-off {delay:.1f}s restarting failed container={c.name} "
-                                    f"pod={self.pod_name}"}
-            self.event("BackOff", f"Back-off restarting container {c.name} (exit code {code})",
-                       warning=code != 0, container=c.name)
+            c.waiting = {
+                "reason": "CrashLoopBackOff",
+                "message": f"back-off {delay:.1f}s restarting failed container={c.name} "
+                f"pod={self.pod_name}",
+            }
+            self.event(
+                "BackOff",
+                f"Back-off restarting container {c.name} (exit code {code})",
+                warning=code != 0,
+                container=c.name,
+            )
         else:
             c.final = True
 
@@ -246,7 +318,11 @@ class PodWorker(threading.Thread):
         except Exception as exc:  # the pod shows it; the agent keeps going
             log.exception("pod %s/%s: node agent error", self.ns, self.pod_name)
             self._kill_all(1.0)
-            self.phase, self.reason, self.message = "Failed", "NodeAgentError", str(exc)[:MAX_MESSAGE]
+            self.phase, self.reason, self.message = (
+                "Failed",
+                "NodeAgentError",
+                str(exc)[:MAX_MESSAGE],
+            )
             if not self._shutdown_req.is_set():
                 self.report()
         finally:
@@ -260,17 +336,26 @@ class PodWorker(threading.Thread):
             self.agent.force_delete(self.ns, self.pod_name, self.uid)
         elif self._shutdown_req.is_set():
             self._kill_all(2.0)
-        shutil.rmtree(memory_dir(self.uid), ignore_errors=True)   # tmpfs: give the memory back
+        shutil.rmtree(memory_dir(self.uid), ignore_errors=True)  # tmpfs: give the memory back
 
     def _prepare(self) -> None:
-        pod = {**self.pod, "status": {**(self.pod.get("status") or {}), "podIP": self.ip,
-                                      "podIPs": [{"ip": self.ip}], "hostIP": self.agent.host_ip}}
+        pod = {
+            **self.pod,
+            "status": {
+                **(self.pod.get("status") or {}),
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "hostIP": self.agent.host_ip,
+            },
+        }
         files = PodFiles(self.agent.core, pod, self.pod_dir, self.agent.run_dir)
         volumes = files.volumes()
         for c in [*self.inits, *self.mains]:
             if not c.spec.get("command"):
-                raise sandbox.SandboxError(f"container {c.name}: no command (the node agent ignores "
-                                           "images and their entrypoints)")
+                raise sandbox.SandboxError(
+                    f"container {c.name}: no command (the node agent ignores "
+                    "images and their entrypoints)"
+                )
             self.envs[c.name] = files.env(c.spec, self.agent.base_env(pod))
             self.mounts[c.name] = container_mounts(c.spec, volumes)
 
@@ -280,7 +365,7 @@ class PodWorker(threading.Thread):
         self.hostname = self.spec.get("hostname") or self.pod_name
         self.ip = self.agent.alloc_ip(self.uid, self.pod)
         self.report()
-        while True:                                   # kubelet retries config errors
+        while True:  # kubelet retries config errors
             if self._stopping():
                 return None
             if self._deadline_passed():
@@ -289,7 +374,11 @@ class PodWorker(threading.Thread):
                 self._prepare()
                 break
             except (ConfigError, sandbox.SandboxError, ApiException) as exc:
-                reason = "CreateContainerError" if isinstance(exc, sandbox.SandboxError) else "CreateContainerConfigError"
+                reason = (
+                    "CreateContainerError"
+                    if isinstance(exc, sandbox.SandboxError)
+                    else "CreateContainerConfigError"
+                )
                 msg = exc.reason if isinstance(exc, ApiException) else str(exc)
                 if all(c.waiting.get("message") != msg for c in [*self.inits, *self.mains]):
                     self.event("Failed", f"Error: {msg}", warning=True)
@@ -299,13 +388,13 @@ class PodWorker(threading.Thread):
                 time.sleep(1.0)
         for c in [*self.inits, *self.mains]:
             c.waiting = {"reason": "PodInitializing" if self.inits else "ContainerCreating"}
-        for c in self.inits:                           # init containers: in order, to success
+        for c in self.inits:  # init containers: in order, to success
             while not (c.final and c.terminated and c.terminated["exitCode"] == 0):
                 if self._stopping():
                     return None
                 if self._deadline_passed():
                     return self._deadline()
-                if c.final:                             # failed under restartPolicy Never
+                if c.final:  # failed under restartPolicy Never
                     self.phase = "Failed"
                     self.report()
                     return None
@@ -319,7 +408,11 @@ class PodWorker(threading.Thread):
             if any(c.proc is not None for c in self.mains):
                 self.phase = "Running"
             if all(c.final for c in self.mains):
-                self.phase = "Succeeded" if all(c.terminated["exitCode"] == 0 for c in self.mains) else "Failed"
+                self.phase = (
+                    "Succeeded"
+                    if all(c.terminated["exitCode"] == 0 for c in self.mains)
+                    else "Failed"
+                )
                 self.report()
                 return None
             if self._stopping():
@@ -347,9 +440,12 @@ class PodWorker(threading.Thread):
             self._start(c)
 
     def _deadline(self) -> None:
-        self.event("DeadlineExceeded", "Pod was active on the node longer than the specified deadline", warning=True)
+        self.event(
+            "DeadlineExceeded",
+            "Pod was active on the node longer than the specified deadline",
+            warning=True,
+        )
         self._kill_all(2.0)
         self.phase, self.reason = "Failed", "DeadlineExceeded"
         self.message = "Pod was active on the node longer than the specified deadline"
         self.report()
-

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-SPAWNED: set[int] = set()           # every pid (= process group id) ever started here
+SPAWNED: set[int] = set()  # every pid (= process group id) ever started here
 _lock = threading.Lock()
 _PR_SET_PDEATHSIG = 1
 
@@ -28,8 +28,14 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
-          cwd: str | None = None, die_with_parent: bool = False) -> subprocess.Popen:
+def spawn(
+    argv: list[str],
+    log_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+    die_with_parent: bool = False,
+) -> subprocess.Popen:
     """Start ``argv`` as the leader of a new process group, stdout+stderr appended to ``log_path``.
 
     ``die_with_parent`` asks the kernel to SIGKILL the child when the thread that started it
@@ -38,8 +44,15 @@ def spawn(argv: list[str], log_path: Path, *, env: dict[str, str] | None = None,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
+        )
     with _lock:
         SPAWNED.add(proc.pid)
     return proc

@@ -61,12 +61,33 @@ from .nodes import FAKE_NVML_ENV, FAKE_TOPOLOGY_ANNOTATION, GPU_RESOURCE, fixtur
 
 STATE_DIR = Path("/run/moe-localkube")
 HOST_DIR = Path("/var/lib/moe-localkube")
-SERVICE_IP = "10.0.0.1"               # first address of controlplane.SERVICE_CIDR
-KUBELET_SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
-                   "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes")
-HOST_PATHS = ("/var/lib/kubelet/device-plugins", "/var/lib/kubelet", "/var/log/pods", "/var/log/containers")
+SERVICE_IP = "10.0.0.1"  # first address of controlplane.SERVICE_CIDR
+KUBELET_SYSCTLS = (
+    "vm.overcommit_memory",
+    "vm.panic_on_oom",
+    "kernel.panic",
+    "kernel.panic_on_oops",
+    "kernel.keys.root_maxkeys",
+    "kernel.keys.root_maxbytes",
+)
+HOST_PATHS = (
+    "/var/lib/kubelet/device-plugins",
+    "/var/lib/kubelet",
+    "/var/log/pods",
+    "/var/log/containers",
+)
 CNI_BIN_DIR = "/usr/lib/cni"
-NEED_TOOLS = ("containerd", "ctr", "runc", "iptables", "ip", "mount", "umount", "unshare", "nsenter")
+NEED_TOOLS = (
+    "containerd",
+    "ctr",
+    "runc",
+    "iptables",
+    "ip",
+    "mount",
+    "umount",
+    "unshare",
+    "nsenter",
+)
 
 
 class RealNodesError(RuntimeError):
@@ -76,15 +97,19 @@ class RealNodesError(RuntimeError):
 @dataclass(frozen=True)
 class RealNodeSpec:
     name: str
-    fixture: str | None = "nvswitch-h100-8"     # None: a plain CPU node
+    fixture: str | None = "nvswitch-h100-8"  # None: a plain CPU node
     extra_labels: dict[str, str] = field(default_factory=dict)
 
 
-def _run(*argv: str, check: bool = True, input: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(
+    *argv: str, check: bool = True, input: bytes | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     res = subprocess.run(list(argv), capture_output=True, input=input, timeout=timeout)
     if check and res.returncode != 0:
-        raise RealNodesError(f"{' '.join(argv)} exited {res.returncode}: "
-                             f"{res.stderr.decode(errors='replace').strip()[-2000:]}")
+        raise RealNodesError(
+            f"{' '.join(argv)} exited {res.returncode}: "
+            f"{res.stderr.decode(errors='replace').strip()[-2000:]}"
+        )
     return res
 
 
@@ -93,6 +118,7 @@ def _sysctl_path(key: str) -> Path:
 
 
 # ---------------------------------------------------------------- host-wide shared state
+
 
 class SharedHostState:
     """Sysctls the kubelet rewrites are global: the first cluster of the machine saves them, the
@@ -133,7 +159,7 @@ class SharedHostState:
         with self._locked():
             self.members_dir.mkdir(exist_ok=True)
             if not self._live_members() and self.saved.exists():
-                self._restore()             # saved by clusters that all died without stopping
+                self._restore()  # saved by clusters that all died without stopping
             if not self.saved.exists():
                 values = {}
                 for key in KUBELET_SYSCTLS:
@@ -183,6 +209,7 @@ def _remove_if_only_sockets(path: Path) -> None:
 
 # ---------------------------------------------------------------- the nodes
 
+
 @dataclass
 class _Node:
     spec: RealNodeSpec
@@ -194,8 +221,8 @@ class _Node:
     containerd: subprocess.Popen | None = None
     kubelet: subprocess.Popen | None = None
     load_error: BaseException | None = None
-    holder: subprocess.Popen | None = None   # keeps the node's private mount namespace
-    root: Path | None = None          # containerd root (content store, snapshots)
+    holder: subprocess.Popen | None = None  # keeps the node's private mount namespace
+    root: Path | None = None  # containerd root (content store, snapshots)
     root_lock: int | None = None
 
 
@@ -203,9 +230,16 @@ class RealNodes:
     """Kubelets + containerds for ``control_plane``; see the module doc. Attributes after
     ``start()``: ``names``, ``bridge``, ``gateway``, ``subnet``, ``timings`` (stage -> s)."""
 
-    def __init__(self, control_plane: ControlPlane, specs: list[RealNodeSpec], *,
-                 images=(), run_dir: Path | str | None = None, ready_timeout: float = 180.0,
-                 persistent_images: bool = True):
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        specs: list[RealNodeSpec],
+        *,
+        images=(),
+        run_dir: Path | str | None = None,
+        ready_timeout: float = 180.0,
+        persistent_images: bool = True,
+    ):
         if os.geteuid() != 0:
             raise RealNodesError("real nodes need root (kubelet, containerd, iptables, mounts)")
         if len({s.name for s in specs}) != len(specs) or not specs:
@@ -214,7 +248,9 @@ class RealNodes:
         self.specs = list(specs)
         # (archive, tags): tags known up front let a node whose image store already holds them skip
         # the import (``moe_localkube.images.BuiltImage`` has both; a bare path is always imported)
-        self.images = [(Path(i.tar), tuple(i.tags)) if hasattr(i, "tar") else (Path(i), ()) for i in images]
+        self.images = [
+            (Path(i.tar), tuple(i.tags)) if hasattr(i, "tar") else (Path(i), ()) for i in images
+        ]
         self.persistent_images = persistent_images
         self.run_dir = Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="moe-realnodes-"))
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -229,7 +265,7 @@ class RealNodes:
         self._slot_fd: int | None = None
         self.slot = -1
         self.bridge = self.gateway = self.subnet = ""
-        self._rules: list[tuple[str, list[str]]] = []    # (table, rule spec) added with -I
+        self._rules: list[tuple[str, list[str]]] = []  # (table, rule spec) added with -I
         self._cgroups: list[Path] = []
         self._netns: set[str] = set()
         self._pod_uids: set[str] = set()
@@ -262,8 +298,10 @@ class RealNodes:
         if not Path(CNI_BIN_DIR, "bridge").exists():
             missing.append(f"{CNI_BIN_DIR}/bridge (containernetworking-plugins)")
         if missing:
-            raise RealNodesError(f"missing {missing}: install Debian's containerd runc iptables "
-                                 "containernetworking-plugins (scripts/dev.sh setup does it)")
+            raise RealNodesError(
+                f"missing {missing}: install Debian's containerd runc iptables "
+                "containernetworking-plugins (scripts/dev.sh setup does it)"
+            )
 
     def _start(self) -> None:
         self._check_tools()
@@ -272,6 +310,7 @@ class RealNodes:
         self._host.enter()
         self._network()
         from .clusterdns import ClusterDNS
+
         self._dns = ClusterDNS(self.cp.api_client(), self.gateway).start()
 
         pause_tar = pause_image_tar(self.run_dir / "pause.tar", bins["pause"])
@@ -279,16 +318,27 @@ class RealNodes:
         for i, spec in enumerate(self.specs):
             d = self.run_dir / f"node-{spec.name}"
             d.mkdir(parents=True, exist_ok=True)
-            self._nodes.append(_Node(spec, d, d / "containerd.sock", f"/moe-{self.id}-{i}",
-                                     ports[2 * i], ports[2 * i + 1]))
+            self._nodes.append(
+                _Node(
+                    spec,
+                    d,
+                    d / "containerd.sock",
+                    f"/moe-{self.id}-{i}",
+                    ports[2 * i],
+                    ports[2 * i + 1],
+                )
+            )
         t0 = time.monotonic()
         for node in self._nodes:
             self._start_containerd(node)
         self.timings["containerd up"] = round(time.monotonic() - t0, 2)
         t0 = time.monotonic()
-        loaders = [threading.Thread(target=self._load_images,
-                                    args=(n, [(pause_tar, (PAUSE_IMAGE,)), *self.images]))
-                   for n in self._nodes]
+        loaders = [
+            threading.Thread(
+                target=self._load_images, args=(n, [(pause_tar, (PAUSE_IMAGE,)), *self.images])
+            )
+            for n in self._nodes
+        ]
         errors: list[BaseException] = []
         for th in loaders:
             th.start()
@@ -312,7 +362,9 @@ class RealNodes:
         import shlex
 
         for table in ("nat", "filter"):
-            rules = _run("iptables", "-w", "-t", table, "-S", check=False).stdout.decode().splitlines()
+            rules = (
+                _run("iptables", "-w", "-t", table, "-S", check=False).stdout.decode().splitlines()
+            )
             for rule in rules:
                 words = shlex.split(rule)
                 if len(words) < 2 or words[0] != "-A" or "--comment" not in words:
@@ -322,7 +374,7 @@ class RealNodes:
                     continue
                 try:
                     os.kill(int(comment.split()[1].split("-")[0]), 0)
-                    continue                      # its cluster is alive
+                    continue  # its cluster is alive
                 except ProcessLookupError:
                     pass
                 except (ValueError, PermissionError):
@@ -355,20 +407,52 @@ class RealNodes:
         _run("ip", "link", "set", self.bridge, "up")
         Path(f"/proc/sys/net/ipv4/conf/{self.bridge}/route_localnet").write_text("1")
         tag = ["-m", "comment", "--comment", f"moe-localkube {self.id}"]
-        self._iptables("nat", ["PREROUTING", "-i", self.bridge, "-d", f"{SERVICE_IP}/32", "-p", "tcp",
-                               "--dport", "443", *tag, "-j", "DNAT", "--to-destination",
-                               f"127.0.0.1:{self.cp.port}"])
+        self._iptables(
+            "nat",
+            [
+                "PREROUTING",
+                "-i",
+                self.bridge,
+                "-d",
+                f"{SERVICE_IP}/32",
+                "-p",
+                "tcp",
+                "--dport",
+                "443",
+                *tag,
+                "-j",
+                "DNAT",
+                "--to-destination",
+                f"127.0.0.1:{self.cp.port}",
+            ],
+        )
         net_d = self.run_dir / "cni" / "net.d"
         net_d.mkdir(parents=True, exist_ok=True)
-        (net_d / "10-moe.conflist").write_text(json.dumps({
-            "cniVersion": "0.4.0", "name": f"moe-{self.slot}",
-            "plugins": [{"type": "bridge", "bridge": self.bridge, "isGateway": True, "ipMasq": False,
-                         "hairpinMode": True,
-                         "ipam": {"type": "host-local", "ranges": [[{"subnet": self.subnet,
-                                                                      "gateway": self.gateway}]],
-                                  "routes": [{"dst": "0.0.0.0/0"}],
-                                  "dataDir": str(self.run_dir / "cni" / "ipam")}}]}, indent=1))
-        (self.run_dir / "resolv.conf").write_text("")      # no host search domains in pods
+        (net_d / "10-moe.conflist").write_text(
+            json.dumps(
+                {
+                    "cniVersion": "0.4.0",
+                    "name": f"moe-{self.slot}",
+                    "plugins": [
+                        {
+                            "type": "bridge",
+                            "bridge": self.bridge,
+                            "isGateway": True,
+                            "ipMasq": False,
+                            "hairpinMode": True,
+                            "ipam": {
+                                "type": "host-local",
+                                "ranges": [[{"subnet": self.subnet, "gateway": self.gateway}]],
+                                "routes": [{"dst": "0.0.0.0/0"}],
+                                "dataDir": str(self.run_dir / "cni" / "ipam"),
+                            },
+                        }
+                    ],
+                },
+                indent=1,
+            )
+        )
+        (self.run_dir / "resolv.conf").write_text("")  # no host search domains in pods
 
     def _iptables(self, table: str, rule: list[str]) -> None:
         _run("iptables", "-w", "-t", table, "-I", *rule)
@@ -378,18 +462,26 @@ class RealNodes:
     def _base_spec(self, node: _Node) -> Path | None:
         if not node.spec.fixture:
             return None
-        fixture_gpus(node.spec.fixture)          # unknown fixture: fail here, not in a pod
+        fixture_gpus(node.spec.fixture)  # unknown fixture: fail here, not in a pod
         spec = json.loads(_run("ctr", "oci", "spec").stdout)
         # The fake driver, as the NVIDIA container runtime injects the real one: the dev package's
         # moe_fake_nvml (the images do not have it), read-only, on PYTHONPATH, and the fixture.
         driver = moe_fake_nvml.runtime_mount(node.dir / "fake-nvml")
-        spec.setdefault("mounts", []).append({
-            "destination": moe_fake_nvml.CONTAINER_DIR, "type": "bind", "source": str(driver),
-            "options": ["rbind", "ro", "nosuid", "nodev"]})
+        spec.setdefault("mounts", []).append(
+            {
+                "destination": moe_fake_nvml.CONTAINER_DIR,
+                "type": "bind",
+                "source": str(driver),
+                "options": ["rbind", "ro", "nosuid", "nodev"],
+            }
+        )
         ours = (FAKE_NVML_ENV + "=", "PYTHONPATH=")
         env = [e for e in spec["process"].get("env", []) if not e.startswith(ours)]
-        spec["process"]["env"] = [*env, f"{FAKE_NVML_ENV}={node.spec.fixture}",
-                                  f"PYTHONPATH={moe_fake_nvml.CONTAINER_DIR}"]
+        spec["process"]["env"] = [
+            *env,
+            f"{FAKE_NVML_ENV}={node.spec.fixture}",
+            f"PYTHONPATH={moe_fake_nvml.CONTAINER_DIR}",
+        ]
         path = node.dir / "base-spec.json"
         path.write_text(json.dumps(spec))
         return path
@@ -416,23 +508,38 @@ class RealNodes:
         not know: the other node's) and ``/var/lib/kubelet/device-plugins``; each node gets its own
         bound there. Every mount the node makes (volumes, container root filesystems, network
         namespace files) stays in that namespace and goes with its last process."""
-        binds = {node.dir / "var-log-pods": "/var/log/pods",
-                 node.dir / "var-log-containers": "/var/log/containers",
-                 node.dir / "device-plugins": "/var/lib/kubelet/device-plugins"}
+        binds = {
+            node.dir / "var-log-pods": "/var/log/pods",
+            node.dir / "var-log-containers": "/var/log/containers",
+            node.dir / "device-plugins": "/var/lib/kubelet/device-plugins",
+        }
         ready = node.dir / "namespace.ready"
         lines = ["set -e"]
         for src, dst in binds.items():
             src.mkdir(parents=True, exist_ok=True)
             lines += [f"mkdir -p {dst}", f"mount --bind {src} {dst}"]
         lines += [f": > {ready}", "exec sleep infinity"]
-        node.holder = procs.spawn(["unshare", "--mount", "--propagation", "private", "--", "bash", "-c",
-                                   "\n".join(lines)], node.dir / "namespace.log",
-                                  die_with_parent=threading.current_thread() is threading.main_thread())
+        node.holder = procs.spawn(
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "bash",
+                "-c",
+                "\n".join(lines),
+            ],
+            node.dir / "namespace.log",
+            die_with_parent=threading.current_thread() is threading.main_thread(),
+        )
         deadline = time.monotonic() + 30
         while not ready.exists():
             if node.holder.poll() is not None or time.monotonic() > deadline:
-                raise RealNodesError(f"the mount namespace of {node.spec.name} did not come up; "
-                                     f"log {node.dir / 'namespace.log'}:\n{_tail(node.dir / 'namespace.log')}")
+                raise RealNodesError(
+                    f"the mount namespace of {node.spec.name} did not come up; "
+                    f"log {node.dir / 'namespace.log'}:\n{_tail(node.dir / 'namespace.log')}"
+                )
             time.sleep(0.05)
 
     def _in_node(self, node: _Node, argv: list[str]) -> list[str]:
@@ -448,7 +555,7 @@ class RealNodes:
         cri = 'plugins."io.containerd.grpc.v1.cri"'
         (node.dir / "config.toml").write_text(f"""version = 2
 root = "{node.root}"
-state = "{self.host_dir / node.spec.name / 'state'}"
+state = "{self.host_dir / node.spec.name / "state"}"
 oom_score = 0
 [grpc]
   address = "{node.socket}"
@@ -459,7 +566,7 @@ oom_score = 0
 [metrics]
   address = ""
 [plugins."io.containerd.internal.v1.opt"]
-  path = "{node.dir / 'opt'}"
+  path = "{node.dir / "opt"}"
 [{cri}]
   sandbox_image = "{PAUSE_IMAGE}"
   restrict_oom_score_adj = true
@@ -475,24 +582,34 @@ oom_score = 0
         SystemdCgroup = false
   [{cri}.cni]
     bin_dir = "{CNI_BIN_DIR}"
-    conf_dir = "{self.run_dir / 'cni' / 'net.d'}"
+    conf_dir = "{self.run_dir / "cni" / "net.d"}"
 """)
-        node.containerd = procs.spawn(self._in_node(node, ["containerd", "--config", str(node.dir / "config.toml")]),
-                                      node.dir / "containerd.log",
-                                      die_with_parent=threading.current_thread() is threading.main_thread())
+        node.containerd = procs.spawn(
+            self._in_node(node, ["containerd", "--config", str(node.dir / "config.toml")]),
+            node.dir / "containerd.log",
+            die_with_parent=threading.current_thread() is threading.main_thread(),
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if node.containerd.poll() is not None:
-                raise RealNodesError(f"containerd for {node.spec.name} exited {node.containerd.returncode}; "
-                                     f"log {node.dir / 'containerd.log'}")
+                raise RealNodesError(
+                    f"containerd for {node.spec.name} exited {node.containerd.returncode}; "
+                    f"log {node.dir / 'containerd.log'}"
+                )
             if node.socket.exists() and self._ctr(node, "version", check=False).returncode == 0:
-                self._force_remove_containers(node)      # left in a kept root by a killed run
+                self._force_remove_containers(node)  # left in a kept root by a killed run
                 return
             time.sleep(0.2)
-        raise RealNodesError(f"containerd for {node.spec.name} not answering; log {node.dir / 'containerd.log'}")
+        raise RealNodesError(
+            f"containerd for {node.spec.name} not answering; log {node.dir / 'containerd.log'}"
+        )
 
-    def _ctr(self, node: _Node, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-        return _run("ctr", "-a", str(node.socket), "-n", "k8s.io", *args, check=check, timeout=timeout)
+    def _ctr(
+        self, node: _Node, *args: str, check: bool = True, timeout: float = 600
+    ) -> subprocess.CompletedProcess:
+        return _run(
+            "ctr", "-a", str(node.socket), "-n", "k8s.io", *args, check=check, timeout=timeout
+        )
 
     def _load_images(self, node: _Node, images: list[tuple[Path, tuple[str, ...]]]) -> None:
         """Import what the node's image store lacks; drop images no longer wanted (a kept store
@@ -520,7 +637,9 @@ oom_score = 0
                 for ref, digest in sorted(digests.items()):
                     if ref in wanted:
                         continue
-                    if ref.rsplit(":", 1)[0] in managed or (ref.startswith("sha256:") and digest not in keep):
+                    if ref.rsplit(":", 1)[0] in managed or (
+                        ref.startswith("sha256:") and digest not in keep
+                    ):
                         self._ctr(node, "images", "rm", ref, check=False)
         except BaseException as exc:  # noqa: BLE001 - re-raised by the caller's thread
             node.load_error = exc
@@ -528,7 +647,7 @@ oom_score = 0
     # ------------------------------------------------------------ kubelet
     def _cgroup_root(self, node: _Node) -> None:
         for hier in sorted(Path("/sys/fs/cgroup").iterdir()):
-            if hier.name == "unified":                 # hybrid v1: the runtime may add one here
+            if hier.name == "unified":  # hybrid v1: the runtime may add one here
                 self._cgroups.append(hier / node.cgroup_root.lstrip("/"))
                 continue
             if not hier.is_dir():
@@ -546,41 +665,100 @@ oom_score = 0
         labels = {"moe-operator.io/real-node": "true", **s.extra_labels}
         if s.fixture:
             gpus = fixture_gpus(s.fixture)
-            labels.update({"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": gpus.product,
-                           "nvidia.com/gpu.count": str(gpus.count),
-                           "nvidia.com/gpu.memory": str(gpus.memory_mib)})
+            labels.update(
+                {
+                    "nvidia.com/gpu.present": "true",
+                    "nvidia.com/gpu.product": gpus.product,
+                    "nvidia.com/gpu.count": str(gpus.count),
+                    "nvidia.com/gpu.memory": str(gpus.memory_mib),
+                }
+            )
         cfg = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
-            "cgroupDriver": "cgroupfs", "cgroupRoot": node.cgroup_root, "cgroupsPerQOS": True,
-            "failSwapOn": False, "address": self.gateway, "port": node.kubelet_port,
-            "readOnlyPort": 0, "healthzBindAddress": "127.0.0.1", "healthzPort": node.healthz_port,
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": node.cgroup_root,
+            "cgroupsPerQOS": True,
+            "failSwapOn": False,
+            "address": self.gateway,
+            "port": node.kubelet_port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": node.healthz_port,
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
-            "clusterDNS": [self.gateway], "clusterDomain": "cluster.local",
+            "clusterDNS": [self.gateway],
+            "clusterDomain": "cluster.local",
             "resolvConf": str(self.run_dir / "resolv.conf"),
             "makeIPTablesUtilChains": False,
-            "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%",
-                             "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
-            "nodeStatusUpdateFrequency": "5s", "syncFrequency": "10s",
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            "evictionHard": {
+                "memory.available": "100Mi",
+                "nodefs.available": "1%",
+                "imagefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+            },
+            "nodeStatusUpdateFrequency": "5s",
+            "syncFrequency": "10s",
             "serializeImagePulls": False,
         }
         (node.dir / "kubelet.yaml").write_text(yaml.safe_dump(cfg))
         # only the API server (from the host) may talk to the kubelet; pods on the bridge may not
-        self._iptables("filter", ["INPUT", "-i", self.bridge, "-p", "tcp", "--dport", str(node.kubelet_port),
-                                  "-m", "comment", "--comment", f"moe-localkube {self.id}", "-j", "DROP"])
+        self._iptables(
+            "filter",
+            [
+                "INPUT",
+                "-i",
+                self.bridge,
+                "-p",
+                "tcp",
+                "--dport",
+                str(node.kubelet_port),
+                "-m",
+                "comment",
+                "--comment",
+                f"moe-localkube {self.id}",
+                "-j",
+                "DROP",
+            ],
+        )
         sock = f"unix://{node.socket}"
-        node.kubelet = procs.spawn(self._in_node(node, [
-            str(kubelet), "--config", str(node.dir / "kubelet.yaml"),
-            "--kubeconfig", str(self.cp.kubeconfig), "--root-dir", str(self.host_dir / s.name / "kubelet"),
-            "--cert-dir", str(node.dir / "pki"), "--hostname-override", s.name,
-            "--node-ip", self.gateway, "--container-runtime=remote",
-            "--container-runtime-endpoint", sock, "--image-service-endpoint", sock,
-            "--runtime-request-timeout", "5m",
-            "--volume-plugin-dir", str(node.dir / "volume-plugins"),
-            "--node-labels", ",".join(f"{k}={v}" for k, v in sorted(labels.items())),
-            "--v", "1"]), node.dir / "kubelet.log",
-            die_with_parent=threading.current_thread() is threading.main_thread())
+        node.kubelet = procs.spawn(
+            self._in_node(
+                node,
+                [
+                    str(kubelet),
+                    "--config",
+                    str(node.dir / "kubelet.yaml"),
+                    "--kubeconfig",
+                    str(self.cp.kubeconfig),
+                    "--root-dir",
+                    str(self.host_dir / s.name / "kubelet"),
+                    "--cert-dir",
+                    str(node.dir / "pki"),
+                    "--hostname-override",
+                    s.name,
+                    "--node-ip",
+                    self.gateway,
+                    "--container-runtime=remote",
+                    "--container-runtime-endpoint",
+                    sock,
+                    "--image-service-endpoint",
+                    sock,
+                    "--runtime-request-timeout",
+                    "5m",
+                    "--volume-plugin-dir",
+                    str(node.dir / "volume-plugins"),
+                    "--node-labels",
+                    ",".join(f"{k}={v}" for k, v in sorted(labels.items())),
+                    "--v",
+                    "1",
+                ],
+            ),
+            node.dir / "kubelet.log",
+            die_with_parent=threading.current_thread() is threading.main_thread(),
+        )
 
     def _wait_nodes(self) -> None:
         from kubernetes import client
@@ -592,31 +770,48 @@ oom_score = 0
         while pending and time.monotonic() < deadline:
             for name, node in list(pending.items()):
                 if node.kubelet.poll() is not None:
-                    raise RealNodesError(f"kubelet {name} exited {node.kubelet.returncode}; log "
-                                         f"{node.dir / 'kubelet.log'}:\n{_tail(node.dir / 'kubelet.log')}")
+                    raise RealNodesError(
+                        f"kubelet {name} exited {node.kubelet.returncode}; log "
+                        f"{node.dir / 'kubelet.log'}:\n{_tail(node.dir / 'kubelet.log')}"
+                    )
                 try:
                     obj = core.read_node(name)
                 except Exception:  # noqa: BLE001 - not registered yet
                     continue
                 if node.spec.fixture and name not in patched:
                     gpus = fixture_gpus(node.spec.fixture)
-                    core.patch_node(name, {"metadata": {"annotations": {
-                        FAKE_TOPOLOGY_ANNOTATION: node.spec.fixture,
-                        "moe-operator.io/fake-node": "moe_localkube.realnodes"}}},
-                        _content_type="application/merge-patch+json")
-                    core.patch_node_status(name, {"status": {"capacity": {GPU_RESOURCE: str(gpus.count)}}},
-                                           _content_type="application/merge-patch+json")
+                    core.patch_node(
+                        name,
+                        {
+                            "metadata": {
+                                "annotations": {
+                                    FAKE_TOPOLOGY_ANNOTATION: node.spec.fixture,
+                                    "moe-operator.io/fake-node": "moe_localkube.realnodes",
+                                }
+                            }
+                        },
+                        _content_type="application/merge-patch+json",
+                    )
+                    core.patch_node_status(
+                        name,
+                        {"status": {"capacity": {GPU_RESOURCE: str(gpus.count)}}},
+                        _content_type="application/merge-patch+json",
+                    )
                     patched.add(name)
                     continue
-                ready = any(c.type == "Ready" and c.status == "True" for c in obj.status.conditions or ())
+                ready = any(
+                    c.type == "Ready" and c.status == "True" for c in obj.status.conditions or ()
+                )
                 gpu_ok = not node.spec.fixture or (obj.status.allocatable or {}).get(GPU_RESOURCE)
                 if ready and gpu_ok:
                     del pending[name]
             time.sleep(0.5)
         if pending:
             name, node = next(iter(pending.items()))
-            raise RealNodesError(f"node {name} not Ready after {self.ready_timeout}s; log "
-                                 f"{node.dir / 'kubelet.log'}:\n{_tail(node.dir / 'kubelet.log')}")
+            raise RealNodesError(
+                f"node {name} not Ready after {self.ready_timeout}s; log "
+                f"{node.dir / 'kubelet.log'}:\n{_tail(node.dir / 'kubelet.log')}"
+            )
 
     # ------------------------------------------------------------ inspection
     def ctr(self, node_name: str, *args: str) -> str:
@@ -630,7 +825,9 @@ oom_score = 0
 
     @property
     def pids(self) -> set[int]:
-        return {p.pid for n in self._nodes for p in (n.containerd, n.kubelet, n.holder) if p is not None}
+        return {
+            p.pid for n in self._nodes for p in (n.containerd, n.kubelet, n.holder) if p is not None
+        }
 
     # ------------------------------------------------------------ stop
     def stop(self, pod_timeout: float = 60.0) -> None:
@@ -654,12 +851,18 @@ oom_score = 0
         try:
             core = client.CoreV1Api(self.cp.api_client())
             for name in self.names:
-                pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}", _request_timeout=10).items
+                pods = core.list_pod_for_all_namespaces(
+                    field_selector=f"spec.nodeName={name}", _request_timeout=10
+                ).items
                 for p in pods:
                     self._pod_uids.add(p.metadata.uid)
                     with contextlib.suppress(Exception):
-                        core.delete_namespaced_pod(p.metadata.name, p.metadata.namespace,
-                                                   grace_period_seconds=0, _request_timeout=10)
+                        core.delete_namespaced_pod(
+                            p.metadata.name,
+                            p.metadata.namespace,
+                            grace_period_seconds=0,
+                            _request_timeout=10,
+                        )
         except Exception:  # noqa: BLE001 - control plane already gone: tear down by force below
             return
         deadline = time.monotonic() + timeout
@@ -731,17 +934,28 @@ oom_score = 0
             raise errors[0]
 
     def _force_remove_containers(self, node: _Node) -> None:
-        ids = self._ctr(node, "containers", "ls", "-q", check=False, timeout=30).stdout.decode().split()
+        ids = (
+            self._ctr(node, "containers", "ls", "-q", check=False, timeout=30)
+            .stdout.decode()
+            .split()
+        )
         for cid in ids:
             info = self._ctr(node, "containers", "info", cid, check=False, timeout=30).stdout
             with contextlib.suppress(ValueError, KeyError, TypeError):
                 for ns in json.loads(info)["Spec"]["linux"]["namespaces"]:
-                    if ns.get("type") == "network" and ns.get("path", "").startswith("/var/run/netns/"):
+                    if ns.get("type") == "network" and ns.get("path", "").startswith(
+                        "/var/run/netns/"
+                    ):
                         self._netns.add(ns["path"])
             self._ctr(node, "tasks", "kill", "-s", "SIGKILL", cid, check=False, timeout=30)
         for cid in ids:
             for _ in range(20):
-                if self._ctr(node, "tasks", "delete", "-f", cid, check=False, timeout=30).returncode != 0:
+                if (
+                    self._ctr(
+                        node, "tasks", "delete", "-f", cid, check=False, timeout=30
+                    ).returncode
+                    != 0
+                ):
                     break
                 time.sleep(0.1)
             self._ctr(node, "containers", "delete", cid, check=False, timeout=30)
@@ -775,7 +989,11 @@ oom_score = 0
                 argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if argv and b"containerd-shim" in argv[0] and any(a.decode(errors="replace") in socks for a in argv):
+            if (
+                argv
+                and b"containerd-shim" in argv[0]
+                and any(a.decode(errors="replace") in socks for a in argv)
+            ):
                 with contextlib.suppress(OSError):
                     os.kill(int(entry.name), signal.SIGKILL)
 
@@ -822,7 +1040,9 @@ def reap_dead_cluster(cluster_id: str, run_dir: Path | None) -> None:
     cluster of the machine calls this): its iptables rules, pod network namespaces and bridge
     (when its slot lock is free), mounts under its run dir, cgroup roots."""
     RealNodes._reap_stale_rules()
-    for link in _run("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.decode().splitlines():
+    for link in (
+        _run("ip", "-o", "link", "show", "type", "bridge", check=False).stdout.decode().splitlines()
+    ):
         name = link.split(":")[1].strip().split("@")[0] if ":" in link else ""
         if not name.startswith("moekb") or not name[5:].isdigit():
             continue
@@ -830,7 +1050,7 @@ def reap_dead_cluster(cluster_id: str, run_dir: Path | None) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue                                   # in use by a live cluster
+            continue  # in use by a live cluster
         finally:
             os.close(fd)
         for ns in _netns_on_bridge(name):
@@ -870,14 +1090,20 @@ def host_leftovers(nodes: RealNodes) -> list[str]:
         out.append(f"bridge {nodes.bridge}")
     for table in ("nat", "filter"):
         rules = _run("iptables", "-w", "-t", table, "-S", check=False).stdout.decode()
-        out += [f"iptables -t {table}: {r}" for r in rules.splitlines() if f"moe-localkube {nodes.id}" in r]
+        out += [
+            f"iptables -t {table}: {r}"
+            for r in rules.splitlines()
+            if f"moe-localkube {nodes.id}" in r
+        ]
     for d in nodes._cgroups:
         if d.exists():
             out.append(f"cgroup {d}")
     with open("/proc/self/mountinfo") as f:
         for line in f:
             mp = line.split()[4]
-            if mp.startswith((str(nodes.run_dir), str(nodes.host_dir))) or mp in {os.path.realpath(n) for n in nodes._netns}:
+            if mp.startswith((str(nodes.run_dir), str(nodes.host_dir))) or mp in {
+                os.path.realpath(n) for n in nodes._netns
+            }:
                 out.append(f"mount {mp}")
     if nodes.host_dir.exists():
         out.append(f"directory {nodes.host_dir}")

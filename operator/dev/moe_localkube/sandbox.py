@@ -115,8 +115,10 @@ class MountTargets:
 
 def check_host() -> None:
     if os.geteuid() != 0:
-        raise SandboxError("the node agent runs containers in mount namespaces and needs root "
-                           "(unshare --mount, mount --bind); run it as root, as CI does")
+        raise SandboxError(
+            "the node agent runs containers in mount namespaces and needs root "
+            "(unshare --mount, mount --bind); run it as root, as CI does"
+        )
     if not shutil.which("unshare") or not shutil.which("mount"):
         raise SandboxError("unshare/mount not found (Debian package util-linux / mount)")
 
@@ -136,22 +138,36 @@ def image_paths() -> list[str]:
     """What stands in for the container image here: the agent's Python (venv and base
     installation), the project's package sources and PYTHONPATH. A volume mounted above one of
     them (the chart's /tmp emptyDir over a checkout or venv under /tmp) must not hide it."""
-    paths = {sys.prefix, sys.base_prefix, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))}
+    paths = {
+        sys.prefix,
+        sys.base_prefix,
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    }
     for name in IMAGE_PACKAGES:
         spec = importlib.util.find_spec(name)
         for loc in (spec.submodule_search_locations or []) if spec else []:
             paths.add(str(Path(loc).parent))
-        if spec and spec.origin and not spec.submodule_search_locations:     # a plain module
+        if spec and spec.origin and not spec.submodule_search_locations:  # a plain module
             paths.add(str(Path(spec.origin).parent))
     return sorted(os.path.realpath(p) for p in paths if os.path.isdir(p))
 
 
-def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostname: str,
-           working_dir: str | None, log_path: Path, targets: MountTargets) -> subprocess.Popen:
+def launch(
+    *,
+    argv: list[str],
+    env: dict[str, str],
+    mounts: list[Mount],
+    hostname: str,
+    working_dir: str | None,
+    log_path: Path,
+    targets: MountTargets,
+) -> subprocess.Popen:
     """Start ``argv`` in a new mount/UTS namespace with ``mounts`` bound; return the process."""
     if not argv:
-        raise SandboxError("the container has no command: the node agent ignores images, so "
-                           "command (and args) must name the program")
+        raise SandboxError(
+            "the container has no command: the node agent ignores images, so "
+            "command (and args) must name the program"
+        )
     # Open every source before mounting anything: a volume at /tmp (the chart's emptyDir) would
     # otherwise hide sources that live under /tmp (the agent's run dir) from the mounts after it
     # (`mount` exit 32, a crash loop). `mount -c --bind /proc/self/fd/N` binds the opened file.
@@ -165,10 +181,10 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
     for i, m in enumerate(mounts):
         is_file = m.source.is_file()
         if not _under_other(m.target, mounts):
-            targets.ensure(m.target, is_file)      # on the host: record it for cleanup
+            targets.ensure(m.target, is_file)  # on the host: record it for cleanup
         q_dst = shlex.quote(m.target)
         if is_file:
-            lines.append(f"[ -e {q_dst} ] || {{ mkdir -p \"$(dirname {q_dst})\"; : > {q_dst}; }}")
+            lines.append(f'[ -e {q_dst} ] || {{ mkdir -p "$(dirname {q_dst})"; : > {q_dst}; }}')
         else:
             lines.append(f"mkdir -p {q_dst}")
         lines.append(f'mount --no-canonicalize --bind "/proc/self/fd/${{src{i}}}" {q_dst}')
@@ -183,8 +199,19 @@ def launch(*, argv: list[str], env: dict[str, str], mounts: list[Mount], hostnam
     if working_dir:
         lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
     lines.append('exec "$@"')
-    wrapper = [shutil.which("unshare") or "unshare", "--mount", "--uts", "--propagation", "private", "--",
-               shutil.which("bash") or "/bin/bash", "-c", "\n".join(lines), "moe-pod", *argv]
+    wrapper = [
+        shutil.which("unshare") or "unshare",
+        "--mount",
+        "--uts",
+        "--propagation",
+        "private",
+        "--",
+        shutil.which("bash") or "/bin/bash",
+        "-c",
+        "\n".join(lines),
+        "moe-pod",
+        *argv,
+    ]
     # die_with_parent: the pod worker thread outlives its containers (it kills them before it
     # ends), so the kernel's parent-death signal only fires if the whole agent process is killed.
     return procs.spawn(wrapper, log_path, env=env, cwd="/", die_with_parent=True)

@@ -23,8 +23,9 @@ class WaitTimeout(AssertionError):
 MIN_WAIT_SECONDS = float(os.environ.get("MOE_TEST_MIN_WAIT_SECONDS", "60"))
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2,
-             message: str = "") -> Any:
+def wait_for(
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2, message: str = ""
+) -> Any:
     """Call ``predicate`` until it returns something truthy; return that value.
 
     Exceptions from ``predicate`` count as "not yet" (the last one is reported on timeout), so
@@ -42,7 +43,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, interval: floa
         except Exception as exc:  # noqa: BLE001 - reported on timeout
             last = exc
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"timed out after {timeout}s waiting for {message or predicate}; last: {last!r}")
+            raise WaitTimeout(
+                f"timed out after {timeout}s waiting for {message or predicate}; last: {last!r}"
+            )
         time.sleep(interval)
 
 
@@ -51,22 +54,26 @@ class Kube:
     """API clients for one identity (the admin, in the ``kube`` fixture)."""
 
     api_client: Any
-    core: Any       # CoreV1Api
-    batch: Any      # BatchV1Api
-    custom: Any     # CustomObjectsApi
-    apiext: Any     # ApiextensionsV1Api
-    rbac: Any       # RbacAuthorizationV1Api
+    core: Any  # CoreV1Api
+    batch: Any  # BatchV1Api
+    custom: Any  # CustomObjectsApi
+    apiext: Any  # ApiextensionsV1Api
+    rbac: Any  # RbacAuthorizationV1Api
     coordination: Any  # CoordinationV1Api
 
     @classmethod
     def from_api_client(cls, api_client) -> Kube:
         from kubernetes import client
 
-        return cls(api_client=api_client, core=client.CoreV1Api(api_client),
-                   batch=client.BatchV1Api(api_client), custom=client.CustomObjectsApi(api_client),
-                   apiext=client.ApiextensionsV1Api(api_client),
-                   rbac=client.RbacAuthorizationV1Api(api_client),
-                   coordination=client.CoordinationV1Api(api_client))
+        return cls(
+            api_client=api_client,
+            core=client.CoreV1Api(api_client),
+            batch=client.BatchV1Api(api_client),
+            custom=client.CustomObjectsApi(api_client),
+            apiext=client.ApiextensionsV1Api(api_client),
+            rbac=client.RbacAuthorizationV1Api(api_client),
+            coordination=client.CoordinationV1Api(api_client),
+        )
 
 
 @dataclass
@@ -77,10 +84,17 @@ class Kubectl:
     env: dict[str, str]
     helm: Path
 
-    def run(self, *args: str, check: bool = True, input: str | None = None,
-            timeout: float = 60) -> subprocess.CompletedProcess:
-        res = subprocess.run([str(self.path), *args], env=self.env, input=input, text=True,
-                             capture_output=True, timeout=timeout)
+    def run(
+        self, *args: str, check: bool = True, input: str | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess:
+        res = subprocess.run(
+            [str(self.path), *args],
+            env=self.env,
+            input=input,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
         if check and res.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} exited {res.returncode}:\n{res.stderr}")
         return res
@@ -96,7 +110,9 @@ def unique_name(prefix: str, max_len: int = 40) -> str:
 def create_namespace(kube: Kube, name: str, timeout: float = 30.0) -> str:
     """Create ``name`` and wait until its ``default`` ServiceAccount has a token secret
     (1.20's ServiceAccount admission rejects pods before that)."""
-    kube.core.create_namespace({"metadata": {"name": name, "labels": {"moe-operator.io/test": "true"}}})
+    kube.core.create_namespace(
+        {"metadata": {"name": name, "labels": {"moe-operator.io/test": "true"}}}
+    )
 
     def sa_ready():
         sa = kube.core.read_namespaced_service_account("default", name)

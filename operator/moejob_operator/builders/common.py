@@ -36,8 +36,9 @@ def quantity(value: int | str) -> str:
     return str(value)
 
 
-def resources(requests: dict[str, int | str] | None = None,
-              limits: dict[str, int | str] | None = None) -> dict[str, Any]:
+def resources(
+    requests: dict[str, int | str] | None = None, limits: dict[str, int | str] | None = None
+) -> dict[str, Any]:
     """A container's ``resources`` block, quantities as strings, keys sorted; empty parts left
     out."""
     out: dict[str, Any] = {}
@@ -99,8 +100,14 @@ def checkpoint_dir(job: JobRef, mount_path: str) -> str:
 
 
 def owner_reference(job: JobRef) -> dict[str, Any]:
-    return {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": job.name, "uid": job.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": C.API_VERSION,
+        "kind": C.KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def labels(job: JobRef, component: str, **extra: str) -> dict[str, str]:
@@ -109,11 +116,20 @@ def labels(job: JobRef, component: str, **extra: str) -> dict[str, str]:
     return out
 
 
-def child_metadata(job: JobRef, name: str, component: str, *, extra_labels: dict[str, str] | None = None,
-                   annotations: dict[str, str] | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": job.namespace,
-                            "labels": labels(job, component, **(extra_labels or {})),
-                            "ownerReferences": [owner_reference(job)]}
+def child_metadata(
+    job: JobRef,
+    name: str,
+    component: str,
+    *,
+    extra_labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": job.namespace,
+        "labels": labels(job, component, **(extra_labels or {})),
+        "ownerReferences": [owner_reference(job)],
+    }
     if annotations:
         meta["annotations"] = dict(sorted(annotations.items()))
     return meta
@@ -128,11 +144,28 @@ SA_TOKEN_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def token_volume() -> dict[str, Any]:
-    return {"name": TOKEN_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
-        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
-        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-        {"downwardAPI": {"items": [{"path": "namespace",
-                                    "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
+    return {
+        "name": TOKEN_VOLUME,
+        "projected": {
+            "defaultMode": 0o444,
+            "sources": [
+                {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+                {
+                    "configMap": {
+                        "name": "kube-root-ca.crt",
+                        "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                    }
+                },
+                {
+                    "downwardAPI": {
+                        "items": [
+                            {"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}
+                        ]
+                    }
+                },
+            ],
+        },
+    }
 
 
 def token_mount() -> dict[str, Any]:

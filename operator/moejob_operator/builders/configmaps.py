@@ -24,28 +24,37 @@ def plan_json(plan: dict[str, Any]) -> str:
     return json.dumps(plan, sort_keys=True, indent=1) + "\n"
 
 
-def plan_configmap(job: JobRef, plan: dict[str, Any], spec_hash: str,
-                   launched_spec: dict[str, Any] | None = None) -> dict[str, Any]:
+def plan_configmap(
+    job: JobRef, plan: dict[str, Any], spec_hash: str, launched_spec: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """``launched_spec``: the immutable spec the plan was made from (``spec.json``), what the job
     keeps running with when someone edits an immutable field after launch."""
     data = {C.PLAN_KEY: plan_json(plan)}
     if launched_spec is not None:
         data[C.LAUNCHED_SPEC_KEY] = json.dumps(launched_spec, sort_keys=True, separators=(",", ":"))
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": child_metadata(job, plan_configmap_name(job), "plan",
-                                   annotations={C.ANNOTATION_SPEC_HASH: spec_hash}),
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(
+            job, plan_configmap_name(job), "plan", annotations={C.ANNOTATION_SPEC_HASH: spec_hash}
+        ),
         "data": data,
     }
 
 
 def progress_configmap(job: JobRef) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": child_metadata(job, progress_configmap_name(job), "progress"),
-            "data": {}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(job, progress_configmap_name(job), "progress"),
+        "data": {},
+    }
 
 
 def routing_stats_configmap(job: JobRef) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": child_metadata(job, routing_stats_configmap_name(job), "routing-stats"),
-            "data": {}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(job, routing_stats_configmap_name(job), "routing-stats"),
+        "data": {},
+    }

@@ -91,26 +91,43 @@ def discovery_account_name(job_name: str) -> str:
     return f"{job_name}-discovery"
 
 
-def _metadata(name: str, namespace: str, owner: dict[str, Any] | None, job_name: str | None,
-              extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+def _metadata(
+    name: str,
+    namespace: str,
+    owner: dict[str, Any] | None,
+    job_name: str | None,
+    extra_labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     labels = {C.LABEL_COMPONENT: COMPONENT, C.LABEL_MANAGED_BY: C.MANAGED_BY}
     if job_name:
         labels[C.LABEL_JOB] = job_name
     labels.update(extra_labels or {})
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(sorted(labels.items()))}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "labels": dict(sorted(labels.items())),
+    }
     if owner is not None:
         meta["ownerReferences"] = [dict(owner)]
     return meta
 
 
-def discovery_pod(node: str, *, namespace: str, image: str, service_account: str,
-                  owner: dict[str, Any] | None = None, job_name: str | None = None,
-                  image_pull_policy: str = "IfNotPresent",
-                  gpu_access: Literal["env", "request"] = "env", gpu_count: int = 0,
-                  runtime_class_name: str | None = None,
-                  active_deadline_seconds: int = C.DISCOVERY_TIMEOUT_SECONDS,
-                  tolerations: Iterable[dict[str, Any]] = (),
-                  extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+def discovery_pod(
+    node: str,
+    *,
+    namespace: str,
+    image: str,
+    service_account: str,
+    owner: dict[str, Any] | None = None,
+    job_name: str | None = None,
+    image_pull_policy: str = "IfNotPresent",
+    gpu_access: Literal["env", "request"] = "env",
+    gpu_count: int = 0,
+    runtime_class_name: str | None = None,
+    active_deadline_seconds: int = C.DISCOVERY_TIMEOUT_SECONDS,
+    tolerations: Iterable[dict[str, Any]] = (),
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The Pod that discovers ``node`` and publishes ``moe-topology-<node>`` in ``namespace``.
 
     ``owner`` is the ownerReference to set (the operator passes its job's); ``extra_env`` is for
@@ -119,14 +136,16 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
     if gpu_access not in ("env", "request"):
         raise ValueError(f"gpu_access: {gpu_access!r} is not 'env' or 'request'")
     if gpu_access == "request" and gpu_count < 1:
-        raise ValueError(f"gpu_count: {gpu_count} must be >= 1 with gpu_access='request' "
-                         "(the node's GPU count: the pod waits for all of them)")
+        raise ValueError(
+            f"gpu_count: {gpu_count} must be >= 1 with gpu_access='request' "
+            "(the node's GPU count: the pod waits for all of them)"
+        )
     if active_deadline_seconds < 1:
         raise ValueError(f"active_deadline_seconds: {active_deadline_seconds} must be >= 1")
 
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},   # NVML only, no CUDA libs
+        {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},  # NVML only, no CUDA libs
     ]
     requests, limits = dict(DEFAULT_REQUESTS), dict(DEFAULT_LIMITS)
     if gpu_access == "env":
@@ -146,9 +165,13 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         "volumeMounts": [token_mount()],
         "resources": quantities(requests, limits),
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                            "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     spec: dict[str, Any] = {
         "nodeName": node,
@@ -158,30 +181,51 @@ def discovery_pod(node: str, *, namespace: str, image: str, service_account: str
         "automountServiceAccountToken": False,  # bound token projected instead (see above)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 5,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": NOBODY, "runAsGroup": NOBODY,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": NOBODY,
+            "runAsGroup": NOBODY,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "tolerations": [{"key": C.GPU_RESOURCE, "operator": "Exists"}, *map(dict, tolerations)],
         "containers": [container],
         "volumes": [token_volume()],
     }
     if runtime_class_name:
         spec["runtimeClassName"] = runtime_class_name
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": _metadata(discovery_pod_name(node), namespace, owner, job_name,
-                                  {C.LABEL_NODE: node_label_value(node)}),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": _metadata(
+            discovery_pod_name(node),
+            namespace,
+            owner,
+            job_name,
+            {C.LABEL_NODE: node_label_value(node)},
+        ),
+        "spec": spec,
+    }
 
 
-def discovery_service_account(name: str, *, namespace: str, owner: dict[str, Any] | None = None,
-                              job_name: str | None = None) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": _metadata(name, namespace, owner, job_name),
-            "automountServiceAccountToken": False}   # pods get a projected token (common.token_volume)
+def discovery_service_account(
+    name: str, *, namespace: str, owner: dict[str, Any] | None = None, job_name: str | None = None
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(name, namespace, owner, job_name),
+        "automountServiceAccountToken": False,
+    }  # pods get a projected token (common.token_volume)
 
 
-def discovery_role(name: str, nodes: Iterable[str], *, namespace: str,
-                   owner: dict[str, Any] | None = None,
-                   job_name: str | None = None) -> dict[str, Any]:
+def discovery_role(
+    name: str,
+    nodes: Iterable[str],
+    *,
+    namespace: str,
+    owner: dict[str, Any] | None = None,
+    job_name: str | None = None,
+) -> dict[str, Any]:
     """What `moe-discover` does and nothing more: POST a ConfigMap, then PUT it when it exists.
 
     RBAC cannot narrow ``create`` by ``resourceNames`` (the authorizer does not see the new
@@ -193,45 +237,70 @@ def discovery_role(name: str, nodes: Iterable[str], *, namespace: str,
     if not names:
         raise ValueError("nodes: at least one candidate node is needed")
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
         "metadata": _metadata(name, namespace, owner, job_name),
         "rules": [
             {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["create"]},
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": names,
-             "verbs": ["update"]},
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": names,
+                "verbs": ["update"],
+            },
         ],
     }
 
 
-def discovery_role_binding(name: str, *, namespace: str, service_account: str,
-                           owner: dict[str, Any] | None = None,
-                           job_name: str | None = None) -> dict[str, Any]:
+def discovery_role_binding(
+    name: str,
+    *,
+    namespace: str,
+    service_account: str,
+    owner: dict[str, Any] | None = None,
+    job_name: str | None = None,
+) -> dict[str, Any]:
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
         "metadata": _metadata(name, namespace, owner, job_name),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": service_account, "namespace": namespace}],
     }
 
 
-def discovery_children(job_name: str, nodes: Iterable[str], *, namespace: str, image: str,
-                       owner: dict[str, Any] | None = None, **pod_options: Any) -> list[dict]:
+def discovery_children(
+    job_name: str,
+    nodes: Iterable[str],
+    *,
+    namespace: str,
+    image: str,
+    owner: dict[str, Any] | None = None,
+    **pod_options: Any,
+) -> list[dict]:
     """ServiceAccount, Role, RoleBinding (``<job>-discovery``) and one pod per node, in the order
     to create them."""
     nodes = list(dict.fromkeys(nodes))
     account = discovery_account_name(job_name)
     common = {"namespace": namespace, "owner": owner, "job_name": job_name}
-    return [discovery_service_account(account, **common),
-            discovery_role(account, nodes, **common),
-            discovery_role_binding(account, service_account=account, **common),
-            *(discovery_pod(n, image=image, service_account=account, **common, **pod_options)
-              for n in nodes)]
+    return [
+        discovery_service_account(account, **common),
+        discovery_role(account, nodes, **common),
+        discovery_role_binding(account, service_account=account, **common),
+        *(
+            discovery_pod(n, image=image, service_account=account, **common, **pod_options)
+            for n in nodes
+        ),
+    ]
 
 
-def cached_report_is_current(configmap: dict[str, Any] | None, node: dict[str, Any], *,
-                             now: dt.datetime,
-                             max_age_seconds: int = C.TOPOLOGY_REPORT_MAX_AGE_SECONDS,
-                             ) -> tuple[bool, str]:
+def cached_report_is_current(
+    configmap: dict[str, Any] | None,
+    node: dict[str, Any],
+    *,
+    now: dt.datetime,
+    max_age_seconds: int = C.TOPOLOGY_REPORT_MAX_AGE_SECONDS,
+) -> tuple[bool, str]:
     """May a job reuse ``moe-topology-<node>`` instead of running discovery? (yes/no, why).
 
     Current = has a report, was collected less than ``max_age_seconds`` ago, and (when both sides
@@ -243,14 +312,15 @@ def cached_report_is_current(configmap: dict[str, Any] | None, node: dict[str, A
         return False, "no report"
     raw = (configmap.get("data") or {}).get(C.TOPOLOGY_KEY)
     try:
-        collected = dt.datetime.fromisoformat(
-            str(json.loads(raw or "{}").get("collectedAt", "")))
+        collected = dt.datetime.fromisoformat(str(json.loads(raw or "{}").get("collectedAt", "")))
     except ValueError:
         return False, "report has no readable collectedAt"
     age = (now - collected).total_seconds()
     if age > max_age_seconds:
         return False, f"report is {int(age)}s old (max {max_age_seconds}s)"
-    cached_boot = ((configmap.get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_BOOT_ID)
+    cached_boot = ((configmap.get("metadata") or {}).get("annotations") or {}).get(
+        C.ANNOTATION_BOOT_ID
+    )
     node_boot = ((node.get("status") or {}).get("nodeInfo") or {}).get("bootID")
     if cached_boot and node_boot and cached_boot != node_boot:
         return False, "node rebooted since the report was collected"

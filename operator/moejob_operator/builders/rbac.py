@@ -18,25 +18,35 @@ from .common import (
 
 
 def service_account(job: JobRef) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount",
-            "metadata": child_metadata(job, worker_account_name(job), "worker-rbac"),
-            "automountServiceAccountToken": False}
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": child_metadata(job, worker_account_name(job), "worker-rbac"),
+        "automountServiceAccountToken": False,
+    }
 
 
 def role(job: JobRef) -> dict[str, Any]:
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
         "metadata": child_metadata(job, worker_account_name(job), "worker-rbac"),
-        "rules": [{"apiGroups": [""], "resources": ["configmaps"],
-                   "resourceNames": [progress_configmap_name(job), routing_stats_configmap_name(job)],
-                   "verbs": ["get", "update", "patch"]}],
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [progress_configmap_name(job), routing_stats_configmap_name(job)],
+                "verbs": ["get", "update", "patch"],
+            }
+        ],
     }
 
 
 def role_binding(job: JobRef) -> dict[str, Any]:
     name = worker_account_name(job)
     return {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
         "metadata": child_metadata(job, name, "worker-rbac"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": job.namespace}],

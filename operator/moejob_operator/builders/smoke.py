@@ -18,13 +18,19 @@ from .common import resources
 from .workers import RUN_AS_USER
 
 SMOKE_COMMAND = ("moe-smoke",)
-SCRATCH = "/var/tmp/moe-smoke"            # emptyDir: checkpoints of the smoke run, JIT builds
-PLANS_DIR = E.SMOKE_PLANS_PATH.rsplit("/", 1)[0]   # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
+SCRATCH = "/var/tmp/moe-smoke"  # emptyDir: checkpoints of the smoke run, JIT builds
+PLANS_DIR = E.SMOKE_PLANS_PATH.rsplit("/", 1)[
+    0
+]  # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
 PLANS_KEY = E.SMOKE_PLANS_KEY
 
 
 def _labels(component: str, identity: G.Identity) -> dict[str, str]:
-    return {C.LABEL_COMPONENT: component, C.LABEL_MANAGED_BY: C.MANAGED_BY, G.LABEL_GATE_KEY: identity.key}
+    return {
+        C.LABEL_COMPONENT: component,
+        C.LABEL_MANAGED_BY: C.MANAGED_BY,
+        G.LABEL_GATE_KEY: identity.key,
+    }
 
 
 def smoke_args(identity: G.Identity) -> list[str]:
@@ -35,17 +41,30 @@ def smoke_args(identity: G.Identity) -> list[str]:
     return args
 
 
-def smoke_plans_configmap(identity: G.Identity, attempt: int, config: G.GateConfig,
-                          plans: dict[str, Any]) -> dict[str, Any]:
+def smoke_plans_configmap(
+    identity: G.Identity, attempt: int, config: G.GateConfig, plans: dict[str, Any]
+) -> dict[str, Any]:
     """ConfigMap moe-smoke-<key>-<attempt>: the SmokePlans document the smoke Job mounts."""
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": G.smoke_job_name(identity, attempt), "namespace": config.namespace,
-                         "labels": _labels("smoke", identity)},
-            "data": {PLANS_KEY: json.dumps(plans, sort_keys=True, indent=1) + "\n"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": G.smoke_job_name(identity, attempt),
+            "namespace": config.namespace,
+            "labels": _labels("smoke", identity),
+        },
+        "data": {PLANS_KEY: json.dumps(plans, sort_keys=True, indent=1) + "\n"},
+    }
 
 
-def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
-              image_pull_policy: str = "IfNotPresent", node: str | None = None) -> dict[str, Any]:
+def smoke_job(
+    identity: G.Identity,
+    attempt: int,
+    config: G.GateConfig,
+    *,
+    image_pull_policy: str = "IfNotPresent",
+    node: str | None = None,
+) -> dict[str, Any]:
     """batch/v1 Job running `moe-smoke` once in the trainer image (1 GPU, or CPU + gloo) on the
     plans of ConfigMap moe-smoke-<key>-<attempt> (:func:`smoke_plans_configmap`).
 
@@ -64,59 +83,101 @@ def smoke_job(identity: G.Identity, attempt: int, config: G.GateConfig, *,
         "imagePullPolicy": image_pull_policy,
         "command": command,
         "args": args,
-        "env": [{"name": "TORCH_EXTENSIONS_DIR", "value": f"{SCRATCH}/torch_extensions"},
-                {"name": "HOME", "value": f"{SCRATCH}/home"},          # caches (triton, HF) of a uid without a home
-                {"name": "HF_HUB_OFFLINE", "value": "1"},
-                {"name": "NCCL_NVLS_ENABLE", "value": "0"},
-                {"name": "MOE_GATE_KEY", "value": identity.key},
-                {"name": "MOE_GATE_IMAGE", "value": identity.image}],
-        "volumeMounts": [{"name": "scratch", "mountPath": SCRATCH},
-                         {"name": "plans", "mountPath": PLANS_DIR, "readOnly": True}],
+        "env": [
+            {"name": "TORCH_EXTENSIONS_DIR", "value": f"{SCRATCH}/torch_extensions"},
+            {
+                "name": "HOME",
+                "value": f"{SCRATCH}/home",
+            },  # caches (triton, HF) of a uid without a home
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "NCCL_NVLS_ENABLE", "value": "0"},
+            {"name": "MOE_GATE_KEY", "value": identity.key},
+            {"name": "MOE_GATE_IMAGE", "value": identity.image},
+        ],
+        "volumeMounts": [
+            {"name": "scratch", "mountPath": SCRATCH},
+            {"name": "plans", "mountPath": PLANS_DIR, "readOnly": True},
+        ],
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     if identity.device == "GPU":
         container["resources"] = resources({C.GPU_RESOURCE: 1}, {C.GPU_RESOURCE: 1})
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
-        "volumes": [{"name": "scratch", "emptyDir": {}},
-                    {"name": "plans", "configMap": {"name": name}}],
+        "volumes": [
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "plans", "configMap": {"name": name}},
+        ],
     }
     if identity.device == "GPU":
-        pod_spec["tolerations"] = [{"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+        pod_spec["tolerations"] = [
+            {"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ]
     if config.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(config.node_selector.items()))
     elif node and identity.device == "GPU":
         pod_spec["nodeSelector"] = {"kubernetes.io/hostname": node}
     labels = _labels("smoke", identity)
     return {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": name, "namespace": config.namespace, "labels": labels,
-                     "annotations": {f"{C.GROUP}/gate-image": identity.image,
-                                     f"{C.GROUP}/gate-deepspeed-version": identity.deepspeed_version or "",
-                                     f"{C.GROUP}/gate-attempt": str(attempt)}},
-        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": config.deadline_seconds,
-                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec}},
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": config.namespace,
+            "labels": labels,
+            "annotations": {
+                f"{C.GROUP}/gate-image": identity.image,
+                f"{C.GROUP}/gate-deepspeed-version": identity.deepspeed_version or "",
+                f"{C.GROUP}/gate-attempt": str(attempt),
+            },
+        },
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": config.deadline_seconds,
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
     }
 
 
-def verdict_configmap(record: dict[str, Any], namespace: str, *,
-                      resource_version: str | None = None) -> dict[str, Any]:
+def verdict_configmap(
+    record: dict[str, Any], namespace: str, *, resource_version: str | None = None
+) -> dict[str, Any]:
     """ConfigMap moe-gate-<key> holding one GateVerdict (key `verdict.json`)."""
     ident = record["identity"]
     meta: dict[str, Any] = {
-        "name": f"{G.STORE_PREFIX}{ident['key']}", "namespace": namespace,
-        "labels": {C.LABEL_COMPONENT: "gate", C.LABEL_MANAGED_BY: C.MANAGED_BY, G.LABEL_GATE_KEY: ident["key"],
-                   f"{C.GROUP}/gate-passed": "true" if record["passed"] else "false"},
-        "annotations": {f"{C.GROUP}/gate-image": ident["image"], f"{C.GROUP}/gate-expires-at": record["expiresAt"]},
+        "name": f"{G.STORE_PREFIX}{ident['key']}",
+        "namespace": namespace,
+        "labels": {
+            C.LABEL_COMPONENT: "gate",
+            C.LABEL_MANAGED_BY: C.MANAGED_BY,
+            G.LABEL_GATE_KEY: ident["key"],
+            f"{C.GROUP}/gate-passed": "true" if record["passed"] else "false",
+        },
+        "annotations": {
+            f"{C.GROUP}/gate-image": ident["image"],
+            f"{C.GROUP}/gate-expires-at": record["expiresAt"],
+        },
     }
     if resource_version:
         meta["resourceVersion"] = resource_version
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
-            "data": {G.VERDICT_KEY: json.dumps(record, indent=1, sort_keys=True)}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "data": {G.VERDICT_KEY: json.dumps(record, indent=1, sort_keys=True)},
+    }

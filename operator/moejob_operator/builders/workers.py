@@ -32,7 +32,7 @@ from .common import (
     worker_name,
 )
 
-TRAINER_COMMAND = ("moe-train",)      # in a pod: the node launcher (moe_trainer.launch)
+TRAINER_COMMAND = ("moe-train",)  # in a pod: the node launcher (moe_trainer.launch)
 RUN_AS_USER = 1000
 
 
@@ -45,38 +45,61 @@ def headless_service(job: JobRef) -> dict[str, Any]:
     """Gives every worker a stable DNS name ``<pod>.<job>-workers.<ns>.svc.cluster.local``."""
     rendezvous, _ = job_ports(job)
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": child_metadata(job, service_name(job), "worker"),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
-                 "selector": {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: "worker"},
-                 "ports": [{"name": "rendezvous", "port": rendezvous,
-                            "targetPort": rendezvous, "protocol": "TCP"}]},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: "worker"},
+            "ports": [
+                {
+                    "name": "rendezvous",
+                    "port": rendezvous,
+                    "targetPort": rendezvous,
+                    "protocol": "TCP",
+                }
+            ],
+        },
     }
 
 
 def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     volumes: list[dict[str, Any]] = [
-        {"name": C.PLAN_VOLUME, "configMap": {"name": plan_configmap_name(job)}}]
+        {"name": C.PLAN_VOLUME, "configMap": {"name": plan_configmap_name(job)}}
+    ]
     mounts: list[dict[str, Any]] = [
-        {"name": C.PLAN_VOLUME, "mountPath": C.PLAN_MOUNT_DIR, "readOnly": True}]
+        {"name": C.PLAN_VOLUME, "mountPath": C.PLAN_MOUNT_DIR, "readOnly": True}
+    ]
 
     ck = spec.checkpoint.volume
     if ck is None:
         volumes.append({"name": C.CHECKPOINT_VOLUME, "emptyDir": {}})
     elif ck.persistent_volume_claim is not None:
-        volumes.append({"name": C.CHECKPOINT_VOLUME, "persistentVolumeClaim":
-                        {"claimName": ck.persistent_volume_claim.claim_name}})
+        volumes.append(
+            {
+                "name": C.CHECKPOINT_VOLUME,
+                "persistentVolumeClaim": {"claimName": ck.persistent_volume_claim.claim_name},
+            }
+        )
     else:
-        volumes.append({"name": C.CHECKPOINT_VOLUME, "hostPath":
-                        {"path": ck.host_path.path, "type": "DirectoryOrCreate"}})
+        volumes.append(
+            {
+                "name": C.CHECKPOINT_VOLUME,
+                "hostPath": {"path": ck.host_path.path, "type": "DirectoryOrCreate"},
+            }
+        )
     mounts.append({"name": C.CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
 
     dv = spec.data.volume
     if dv is not None:
         if dv.persistent_volume_claim is not None:
-            src: dict[str, Any] = {"persistentVolumeClaim": {
-                "claimName": dv.persistent_volume_claim.claim_name,
-                "readOnly": dv.persistent_volume_claim.read_only}}
+            src: dict[str, Any] = {
+                "persistentVolumeClaim": {
+                    "claimName": dv.persistent_volume_claim.claim_name,
+                    "readOnly": dv.persistent_volume_claim.read_only,
+                }
+            }
         elif dv.host_path is not None:
             src = {"hostPath": {"path": dv.host_path.path, "type": "Directory"}}
         else:
@@ -97,7 +120,9 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
     return volumes, mounts
 
 
-def _env(job: JobRef, spec: JobSpec, node_rank: int, extra_env: dict[str, str]) -> list[dict[str, Any]]:
+def _env(
+    job: JobRef, spec: JobSpec, node_rank: int, extra_env: dict[str, str]
+) -> list[dict[str, Any]]:
     """The pod's env. Per-rank variables (``RANK``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are not
     here: the pod's entry point (``moe-train`` as node launcher, ``moe_trainer.launch``) starts
     ``NPROC_PER_NODE`` ranks and gives each its own, ``RANK = NODE_RANK x NPROC_PER_NODE +
@@ -109,7 +134,7 @@ def _env(job: JobRef, spec: JobSpec, node_rank: int, extra_env: dict[str, str]) 
         E.NPROC_PER_NODE: str(spec.nodes.gpus_per_node),
         E.WORLD_SIZE: str(spec.nodes.world_size),
         E.MASTER_ADDR: master_addr(job),
-        E.MASTER_PORT: str(rendezvous),   # per job: pods on one host network must not collide
+        E.MASTER_PORT: str(rendezvous),  # per job: pods on one host network must not collide
         # NVLink SHARP multicast: off (needs fabric manager support we cannot assume).
         E.NCCL_NVLS_ENABLE: "0",
         E.PLAN: E.DEFAULT_PLAN_PATH,
@@ -139,15 +164,27 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     return resources(requests, limits)
 
 
-def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt: int,
-               spec_hash: str, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+def worker_pod(
+    job: JobRef,
+    spec: JobSpec,
+    *,
+    node_rank: int,
+    node: str,
+    attempt: int,
+    spec_hash: str,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``."""
     sched = spec.scheduling
     annotations = dict(sched.pod_annotations or {})
     annotations[C.ANNOTATION_SPEC_HASH] = spec_hash
-    meta = child_metadata(job, worker_name(job, node_rank), "worker", annotations=annotations,
-                          extra_labels={C.LABEL_NODE_RANK: str(node_rank),
-                                        C.LABEL_ATTEMPT: str(attempt)})
+    meta = child_metadata(
+        job,
+        worker_name(job, node_rank),
+        "worker",
+        annotations=annotations,
+        extra_labels={C.LABEL_NODE_RANK: str(node_rank), C.LABEL_ATTEMPT: str(attempt)},
+    )
     # pass-through labels (Kueue queue name, ...) first: the operator's own labels win
     meta["labels"] = dict(sorted({**(sched.pod_labels or {}), **meta["labels"]}.items()))
 
@@ -160,15 +197,21 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
         "command": list(TRAINER_COMMAND),
         "args": trainer_args(spec),
         "env": _env(job, spec, node_rank, extra_env or {}),
-        "ports": [{"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"},
-                  {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "rendezvous", "containerPort": rendezvous, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"},
+        ],
         "volumeMounts": mounts,
         # the launcher writes one message for the pod (which rank failed first, its last lines)
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # Restricted profile minus a read-only root filesystem: DeepSpeed and Triton JIT-build
         # kernels into the home directory's caches at start.
-        "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
-                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": False},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "privileged": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": False,
+        },
     }
     res = _resources(spec)
     if res:
@@ -182,20 +225,35 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
         "automountServiceAccountToken": False,  # bound token projected instead (_volumes)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-            "nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER,
-                            "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {"key": "metadata.name", "operator": "In", "values": [node]}
+                            ]
+                        }
+                    ]
+                }
+            }
+        },
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
     }
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(sched.node_selector.items()))
     if sched.tolerations:
-        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True)
-                                   for t in sched.tolerations]
+        pod_spec["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations
+        ]
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
     if sched.scheduler_name:
@@ -203,14 +261,33 @@ def worker_pod(job: JobRef, spec: JobSpec, *, node_rank: int, node: str, attempt
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
-def worker_pods(job: JobRef, spec: JobSpec, rank2node: list[str], *, attempt: int,
-                spec_hash: str, extra_env: dict[str, str] | None = None,
-                node_ranks: list[int] | None = None) -> list[dict[str, Any]]:
+def worker_pods(
+    job: JobRef,
+    spec: JobSpec,
+    rank2node: list[str],
+    *,
+    attempt: int,
+    spec_hash: str,
+    extra_env: dict[str, str] | None = None,
+    node_ranks: list[int] | None = None,
+) -> list[dict[str, Any]]:
     """The gang's pods (``node_ranks``: only these, e.g. the ones a restart must recreate);
     ``rank2node[node_rank]`` is the node the plan chose. The operator creates pods only through
     this function."""
     if len(rank2node) != spec.nodes.count:
-        raise ValueError(f"plan has {len(rank2node)} node ranks, spec.nodes.count is {spec.nodes.count}")
+        raise ValueError(
+            f"plan has {len(rank2node)} node ranks, spec.nodes.count is {spec.nodes.count}"
+        )
     ranks = range(spec.nodes.count) if node_ranks is None else node_ranks
-    return [worker_pod(job, spec, node_rank=r, node=rank2node[r], attempt=attempt, spec_hash=spec_hash,
-                       extra_env=extra_env) for r in ranks]
+    return [
+        worker_pod(
+            job,
+            spec,
+            node_rank=r,
+            node=rank2node[r],
+            attempt=attempt,
+            spec_hash=spec_hash,
+            extra_env=extra_env,
+        )
+        for r in ranks
+    ]

@@ -40,13 +40,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Score:
-    cross_group_bytes_per_step: float   # dispatch + combine, summed over layers
+    cross_group_bytes_per_step: float  # dispatch + combine, summed over layers
     cross_node_bytes_per_step: float
-    max_mean_load: float                # mean over layers of max/mean tokens received per GPU
+    max_mean_load: float  # mean over layers of max/mean tokens received per GPU
     worst_layer_max_mean_load: float
     all_to_all_seconds_per_step: float  # sum over layers of max over GPUs, dispatch + combine
-    method: str                         # "tokens" | "pairwise"
-    autoep_bytes_per_gpu: tuple[float, ...] = ()   # AutoEP forward dispatch + combine, per GPU
+    method: str  # "tokens" | "pairwise"
+    autoep_bytes_per_gpu: tuple[float, ...] = ()  # AutoEP forward dispatch + combine, per GPU
 
     @property
     def autoep_max_gpu_bytes_per_step(self) -> float:
@@ -54,14 +54,18 @@ class Score:
 
     def quality(self, contiguous: Score | None = None) -> dict[str, Any]:
         """``MoEPlan.placement.quality`` (docs/contracts.md)."""
-        out: dict[str, Any] = {"crossGroupBytesPerStep": round(self.cross_group_bytes_per_step),
-               "crossNodeBytesPerStep": round(self.cross_node_bytes_per_step),
-               "maxMeanLoad": round(self.max_mean_load, 4),
-               "allToAllSecondsPerStep": self.all_to_all_seconds_per_step,
-               "autoEpMaxGpuBytesPerStep": round(self.autoep_max_gpu_bytes_per_step)}
+        out: dict[str, Any] = {
+            "crossGroupBytesPerStep": round(self.cross_group_bytes_per_step),
+            "crossNodeBytesPerStep": round(self.cross_node_bytes_per_step),
+            "maxMeanLoad": round(self.max_mean_load, 4),
+            "allToAllSecondsPerStep": self.all_to_all_seconds_per_step,
+            "autoEpMaxGpuBytesPerStep": round(self.autoep_max_gpu_bytes_per_step),
+        }
         if contiguous is not None:
             base = contiguous.cross_group_bytes_per_step
-            out["crossGroupVsContiguous"] = round(self.cross_group_bytes_per_step / base, 4) if base else 1.0
+            out["crossGroupVsContiguous"] = (
+                round(self.cross_group_bytes_per_step / base, 4) if base else 1.0
+            )
         return out
 
 
@@ -91,18 +95,30 @@ def gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
 def _tier_seconds(topo: ClusterTopology, sent: np.ndarray) -> float:
     """``sent[W_gpus, 3]`` bytes per GPU on (nvlink, node, network) -> slowest GPU's seconds."""
     nv = np.where(topo.nvlink_gbps > 0, topo.nvlink_gbps, topo.pcie_gbps) * 1e9
-    t = sent[:, 0] / nv + sent[:, 1] / (topo.pcie_gbps * 1e9) + sent[:, 2] / (topo.network_gbps * 1e9)
+    t = (
+        sent[:, 0] / nv
+        + sent[:, 1] / (topo.pcie_gbps * 1e9)
+        + sent[:, 2] / (topo.network_gbps * 1e9)
+    )
     return float(t.max()) if len(t) else 0.0
 
 
-def score(placement: Placement, topo: ClusterTopology, trace: RoutingStats, *,
-          hidden_size: int, bytes_per_elem: int = 2) -> Score:
+def score(
+    placement: Placement,
+    topo: ClusterTopology,
+    trace: RoutingStats,
+    *,
+    hidden_size: int,
+    bytes_per_elem: int = 2,
+) -> Score:
     """Score a placement on a trace: exact on sampled tokens when present, else pairwise."""
     if placement.world_size != topo.num_gpus:
         raise ValueError(f"placement world size {placement.world_size} != {topo.num_gpus} GPUs")
     if (trace.num_layers, trace.num_experts) != placement.permutation.shape:
-        raise ValueError(f"trace is {trace.num_layers} layers x {trace.num_experts} experts, placement "
-                         f"is {placement.permutation.shape[0]} x {placement.permutation.shape[1]}")
+        raise ValueError(
+            f"trace is {trace.num_layers} layers x {trace.num_experts} experts, placement "
+            f"is {placement.permutation.shape[0]} x {placement.permutation.shape[1]}"
+        )
     token_bytes = float(hidden_size * bytes_per_elem)
     per_step = 1.0 / max(trace.steps, 1)
     if trace.token_experts is not None:
@@ -114,10 +130,17 @@ def score(placement: Placement, topo: ClusterTopology, trace: RoutingStats, *,
     loads = gpu_load(placement, trace.load.astype(float))
     mean = loads.mean(axis=1)
     ratio = np.where(mean > 0, loads.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
-    f = 2.0 * token_bytes * per_step            # x2: dispatch + combine
+    f = 2.0 * token_bytes * per_step  # x2: dispatch + combine
     autoep = autoep_sends(placement, trace.load.astype(float)) * token_bytes * per_step
-    return Score(float(cg * f), float(cn * f), float(ratio.mean()), float(ratio.max()), float(secs * f), method,
-                 tuple(float(x) for x in autoep))
+    return Score(
+        float(cg * f),
+        float(cn * f),
+        float(ratio.mean()),
+        float(ratio.max()),
+        float(secs * f),
+        method,
+        tuple(float(x) for x in autoep),
+    )
 
 
 def autoep_sends(placement: Placement, load: np.ndarray) -> np.ndarray:
@@ -125,20 +148,21 @@ def autoep_sends(placement: Placement, load: np.ndarray) -> np.ndarray:
     layers, for ``load[L, E]`` assignments; ``[W]``. Each source rank is assumed to route like the
     whole (its share of ``load`` is ``load / W``); backward sends the same again."""
     P = placement.ep_size
-    received = gpu_load(placement, load)                          # [L, W]: each GPU's L_r
-    per_group = load.sum(axis=1, keepdims=True) / (placement.world_size // P)   # T per EP group
+    received = gpu_load(placement, load)  # [L, W]: each GPU's L_r
+    per_group = load.sum(axis=1, keepdims=True) / (placement.world_size // P)  # T per EP group
     sends: np.ndarray = ((per_group - received) / P + received * (P - 1) / P).sum(axis=0)
     return sends
 
 
-def _token_costs(placement: Placement, topo: ClusterTopology,
-                 trace: RoutingStats) -> tuple[float, float, float]:
+def _token_costs(
+    placement: Placement, topo: ClusterTopology, trace: RoutingStats
+) -> tuple[float, float, float]:
     """Remote-group and remote-node sends (token counts) and per-layer slowest-GPU seconds/byte."""
-    te = trace.token_experts                  # [L, T, k]
+    te = trace.token_experts  # [L, T, k]
     if te is None:
         raise ValueError("per-token costs need the trace's token samples")
     L, T, _ = te.shape
-    scale = trace.tokens / T if T else 0.0    # samples may be a subset of the recorded tokens
+    scale = trace.tokens / T if T else 0.0  # samples may be a subset of the recorded tokens
     W, P = placement.world_size, placement.ep_size
     src_rank = np.arange(T) % W
     base = (src_rank // P) * P
@@ -156,7 +180,9 @@ def _token_costs(placement: Placement, topo: ClusterTopology,
         nv = distinct_remote(np.where(in_group, dest_gpu, -2), np.full(T, -2))
         node_groups = tier[src_gpu[:, None], dest_gpu] == TIER_NODE
         pc = distinct_remote(np.where(node_groups, topo.group_of[dest_gpu], -2), np.full(T, -2))
-        sent = np.stack([np.bincount(src_gpu, weights=x * scale, minlength=W) for x in (nv, pc, n)], 1)
+        sent = np.stack(
+            [np.bincount(src_gpu, weights=x * scale, minlength=W) for x in (nv, pc, n)], 1
+        )
         secs += _tier_seconds(topo, sent)
     return cg, cn, secs
 
@@ -179,11 +205,12 @@ def _hit_prob(member: np.ndarray, load: np.ndarray, coact: np.ndarray, tokens: i
     return prob
 
 
-def _pairwise_costs(placement: Placement, topo: ClusterTopology,
-                    trace: RoutingStats) -> tuple[float, float, float]:
+def _pairwise_costs(
+    placement: Placement, topo: ClusterTopology, trace: RoutingStats
+) -> tuple[float, float, float]:
     W, P = placement.world_size, placement.ep_size
     R = W // P
-    T = trace.tokens / R                      # tokens per EP replica
+    T = trace.tokens / R  # tokens per EP replica
     cg = cn = secs = 0.0
     tier = topo.tier_matrix()
     for layer in range(trace.num_layers):
@@ -191,12 +218,12 @@ def _pairwise_costs(placement: Placement, topo: ClusterTopology,
         e2r = placement.expert2rank(layer)
         sent = np.zeros((W, 3))
         for r in range(R):
-            gpus = placement.rank2gpu[r * P:(r + 1) * P]                  # gpus[P]
-            e2gpu = gpus[e2r]                                             # e2gpu[E]
+            gpus = placement.rank2gpu[r * P : (r + 1) * P]  # gpus[P]
+            e2gpu = gpus[e2r]  # e2gpu[E]
             for unit_of, col in ((topo.group_of, None), (topo.node_of, 2)):
                 units = np.unique(unit_of[gpus])
                 member = (unit_of[e2gpu][None, :] == units[:, None]).astype(float)
-                hit = _hit_prob(member, load, coact, trace.tokens) * T   # tokens hitting each unit
+                hit = _hit_prob(member, load, coact, trace.tokens) * T  # tokens hitting each unit
                 share = (unit_of[gpus][None, :] == units[:, None]).sum(1) / P
                 remote = float((hit * (1 - share)).sum())
                 if col is None:
@@ -213,14 +240,17 @@ def _pairwise_costs(placement: Placement, topo: ClusterTopology,
             hit_grp = _hit_prob(gm, load, coact, trace.tokens) * T / P
             t = tier[np.ix_(gpus, gpus)]
             sent[gpus, 0] += ((t == TIER_NVLINK) * hit_gpu[None, :]).sum(1)
-            grp_tier = tier[np.ix_(gpus, [gpus[np.argmax(topo.group_of[gpus] == g)] for g in groups])]
+            grp_tier = tier[
+                np.ix_(gpus, [gpus[np.argmax(topo.group_of[gpus] == g)] for g in groups])
+            ]
             sent[gpus, 1] += ((grp_tier == TIER_NODE) * hit_grp[None, :]).sum(1)
         secs += _tier_seconds(topo, sent)
     return cg, cn, secs
 
 
-def cross_counts_for_candidates(e2r: np.ndarray, rank_group: np.ndarray, rank_node: np.ndarray,
-                                trace: RoutingStats, layer: int) -> np.ndarray:
+def cross_counts_for_candidates(
+    e2r: np.ndarray, rank_group: np.ndarray, rank_node: np.ndarray, trace: RoutingStats, layer: int
+) -> np.ndarray:
     """Exact remote group + node sends for many candidate ``e2r[C, E]`` of one EP group (brute
     force).
 
@@ -228,9 +258,9 @@ def cross_counts_for_candidates(e2r: np.ndarray, rank_group: np.ndarray, rank_no
     """
     P = len(rank_group)
     if trace.token_experts is not None:
-        te = trace.token_experts[layer]                       # [T, k]
+        te = trace.token_experts[layer]  # [T, k]
         src = np.arange(len(te)) % P
-        dest = e2r[:, te]                                     # [C, T, k]
+        dest = e2r[:, te]  # [C, T, k]
         g = distinct_remote(rank_group[dest], rank_group[src]).sum(-1)
         n = distinct_remote(rank_node[dest], rank_node[src]).sum(-1)
         sends: np.ndarray = (g + n) * (trace.tokens / max(len(te), 1))
@@ -242,5 +272,7 @@ def cross_counts_for_candidates(e2r: np.ndarray, rank_group: np.ndarray, rank_no
         share = (unit_of[None, :] == units[:, None]).sum(1) / P
         for c, cand in enumerate(e2r):
             member = (unit_of[cand][None, :] == units[:, None]).astype(float)
-            out[c] += (_hit_prob(member, load, coact, trace.tokens) * trace.tokens * (1 - share)).sum()
+            out[c] += (
+                _hit_prob(member, load, coact, trace.tokens) * trace.tokens * (1 - share)
+            ).sum()
     return out

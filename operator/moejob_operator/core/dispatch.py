@@ -48,7 +48,14 @@ def dispatch_groups(rank_group: np.ndarray) -> list[list[int]]:
     return groups
 
 
-def _charge(out: dict[str, float], a: np.ndarray, b: np.ndarray, nbytes: float, grp: np.ndarray, node: np.ndarray) -> None:
+def _charge(
+    out: dict[str, float],
+    a: np.ndarray,
+    b: np.ndarray,
+    nbytes: float,
+    grp: np.ndarray,
+    node: np.ndarray,
+) -> None:
     """Add ``nbytes`` for each send ``a[i] -> b[i]`` (global ranks) to its tier."""
     moved = a != b
     a, b = a[moved], b[moved]
@@ -58,14 +65,21 @@ def _charge(out: dict[str, float], a: np.ndarray, b: np.ndarray, nbytes: float, 
     out["crossNode"] += float((node[a] != node[b]).sum()) * nbytes
 
 
-def dispatch_bytes(placement: Placement, topo: ClusterTopology, token_experts: np.ndarray, *,
-                   hidden_size: int, bytes_per_elem: int, backward: bool = True) -> dict[str, dict[str, float]]:
+def dispatch_bytes(
+    placement: Placement,
+    topo: ClusterTopology,
+    token_experts: np.ndarray,
+    *,
+    hidden_size: int,
+    bytes_per_elem: int,
+    backward: bool = True,
+) -> dict[str, dict[str, float]]:
     """``token_experts[L, T, K]`` (original ids) -> ``{"autoep": {tier: bytes}, "dedup": {...}}``
     for routing those T tokens through every layer once (forward, + backward when asked)."""
     L, T, K = token_experts.shape
     W, P = placement.world_size, placement.ep_size
     H = hidden_size * bytes_per_elem
-    grp = topo.group_of[placement.rank2gpu]          # grp[W]: NVLink group of each global rank
+    grp = topo.group_of[placement.rank2gpu]  # grp[W]: NVLink group of each global rank
     node = topo.node_of[placement.rank2gpu]
     # bytes per send: (forward + backward) for AutoEP rows, dedup rows (dispatch side, combine side)
     a_row = 2 * H * (2 if backward else 1)
@@ -76,40 +90,53 @@ def dispatch_bytes(placement: Placement, topo: ClusterTopology, token_experts: n
     s = src % P
     for layer in range(L):
         e2r = placement.expert2rank(layer)
-        dest = e2r[token_experts[layer]]                                   # [T, K] EP ranks
+        dest = e2r[token_experts[layer]]  # [T, K] EP ranks
         # AutoEP: one row per (token, expert) on another rank, there and back (+ count exchange)
         _charge(out["autoep"], np.repeat(src, K), (base[:, None] + dest).ravel(), a_row, grp, node)
         peers = np.arange(W)
         for p in range(P):
-            _charge(out["autoep"], peers, (peers // P) * P + p,
-                    placement.num_experts // P * COUNT_BYTES, grp, node)
+            _charge(
+                out["autoep"],
+                peers,
+                (peers // P) * P + p,
+                placement.num_experts // P * COUNT_BYTES,
+                grp,
+                node,
+            )
         # dedup: stage A per (token, remote group), stage B per (token, rank) inside the group
         for b in range(0, W, P):
-            groups = dispatch_groups(grp[b:b + P])
+            groups = dispatch_groups(grp[b : b + P])
             group_of = np.empty(P, dtype=np.int64)
             local_of = np.empty(P, dtype=np.int64)
             for g, ranks in enumerate(groups):
                 group_of[ranks], local_of[ranks] = g, np.arange(len(ranks))
-            table = np.array(groups)                                       # table[G, R]
+            table = np.array(groups)  # table[G, R]
             mine = base == b
             t_idx = np.flatnonzero(mine)
             if not len(t_idx):
                 continue
-            d = dest[t_idx]                                                # [t, K]
-            pairs = np.unique(np.stack([np.repeat(np.arange(len(t_idx)), K), group_of[d].ravel()], 1), axis=0)
+            d = dest[t_idx]  # [t, K]
+            pairs = np.unique(
+                np.stack([np.repeat(np.arange(len(t_idx)), K), group_of[d].ravel()], 1), axis=0
+            )
             tok, tgt = pairs[:, 0], pairs[:, 1]
             sender = s[t_idx][tok]
-            hub = table[tgt, local_of[sender]]                             # rank i of group tgt
+            hub = table[tgt, local_of[sender]]  # rank i of group tgt
             _charge(out["dedup"], b + sender, b + hub, d_row, grp, node)
-            rpairs = np.unique(np.stack([np.repeat(np.arange(len(t_idx)), K), d.ravel()], 1), axis=0)
+            rpairs = np.unique(
+                np.stack([np.repeat(np.arange(len(t_idx)), K), d.ravel()], 1), axis=0
+            )
             tok, r = rpairs[:, 0], rpairs[:, 1]
             hub = table[group_of[r], local_of[s[t_idx][tok]]]
             _charge(out["dedup"], b + hub, b + r, d_row, grp, node)
     return out
 
 
-def per_step(bytes_by_dispatcher: dict[str, dict[str, float]],
-             scale: float) -> dict[str, dict[str, int]]:
+def per_step(
+    bytes_by_dispatcher: dict[str, dict[str, float]], scale: float
+) -> dict[str, dict[str, int]]:
     """Scale to a step and round: ``{dispatcher: {tierBytesPerStep: int}}`` for the plan."""
-    return {d: {f"{tier}BytesPerStep": round(v * scale) for tier, v in tiers.items()}
-            for d, tiers in bytes_by_dispatcher.items()}
+    return {
+        d: {f"{tier}BytesPerStep": round(v * scale) for tier, v in tiers.items()}
+        for d, tiers in bytes_by_dispatcher.items()
+    }

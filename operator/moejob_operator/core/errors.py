@@ -9,11 +9,23 @@ which also carries the field, so a caller maps it to its own names without readi
 
 from __future__ import annotations
 
-from moe_contracts.errors import (DocumentError, check_kind_version, field_path, from_validation_error,
-                                  read_json_document)
+from moe_contracts.errors import (
+    DocumentError,
+    check_kind_version,
+    field_path,
+    from_validation_error,
+    read_json_document,
+)
 
-__all__ = ["DocumentError", "DoesNotFit", "FieldError", "check_kind_version", "field_path",
-           "from_validation_error", "read_json_document"]
+__all__ = [
+    "DocumentError",
+    "DoesNotFit",
+    "FieldError",
+    "check_kind_version",
+    "field_path",
+    "from_validation_error",
+    "read_json_document",
+]
 
 
 class FieldError(DocumentError):

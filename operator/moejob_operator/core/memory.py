@@ -41,17 +41,17 @@ GiB = 1 << 30
 # Calibrated on one H200 (bench-mixtral, bf16, seq 1024, ZeRO-3): the formula over-counted measured
 # activation memory by 1/0.845 (micro-batch 16) and 1/0.855 (32); see docs/planning.md.
 ACTIVATION_FACTOR = 0.85
-DEFAULT_CAPACITY_FACTOR = 2.0    # all-to-all receive buffer vs a perfectly balanced one
-GPU_CONTEXT_BYTES = int(1.5 * GiB)   # CUDA context ~0.5 GiB + NCCL ~0.5 GiB + cuBLAS/workspaces
+DEFAULT_CAPACITY_FACTOR = 2.0  # all-to-all receive buffer vs a perfectly balanced one
+GPU_CONTEXT_BYTES = int(1.5 * GiB)  # CUDA context ~0.5 GiB + NCCL ~0.5 GiB + cuBLAS/workspaces
 CPU_BASELINE_BYTES = int(0.6 * GiB)  # python + torch + deepspeed + transformers imported (RSS)
-FRAGMENTATION = 0.10             # caching-allocator slack over the dynamic total
+FRAGMENTATION = 0.10  # caching-allocator slack over the dynamic total
 # fp32 temporaries of the optimizer step per element of the rank's partition (per sub-group): the
 # fp32 gradient copy and one more of the same size (unscale/clip + torch's fused AdamW). Measured
 # on the 2-GPU H200 (benchmarks/results/multigpu_h200x2_*): one GPU holding 816M elements peaked
 # at 18.24 GiB allocated at micro-batch 4 and 8 alike = states 12.17 GiB + 8 B x 816M; 4 B (the
 # earlier value) put that peak 3 GiB low.
 STEP_TEMP_BYTES = 8
-ADAM_BYTES = 12                  # fp32 master + exp_avg + exp_avg_sq
+ADAM_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq
 # deepspeed.bf16.bf16_master_weights_and_grads + bf16_optimizer_states: the 16-bit partition is
 # the master (no copy), moments are bf16; the step's temporaries are bf16 too
 BF16_MASTER_ADAM_BYTES = 4
@@ -61,8 +61,11 @@ BF16_MASTER_STEP_TEMP_BYTES = 4
 def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
     """(optimizer-state bytes, optimizer-step temporary bytes) per element of the partition."""
     bf16 = dsconfig.get("bf16") or {}
-    if (bf16.get("enabled") and bf16.get("bf16_master_weights_and_grads")
-            and bf16.get("bf16_optimizer_states")):
+    if (
+        bf16.get("enabled")
+        and bf16.get("bf16_master_weights_and_grads")
+        and bf16.get("bf16_optimizer_states")
+    ):
         return BF16_MASTER_ADAM_BYTES, BF16_MASTER_STEP_TEMP_BYTES
     return ADAM_BYTES, STEP_TEMP_BYTES
 
@@ -73,7 +76,7 @@ class MemoryEstimate:
 
     breakdown: dict[str, int]
     total: int
-    peak_phase: str              # "forward/backward" or "optimizer step"
+    peak_phase: str  # "forward/backward" or "optimizer step"
     notes: tuple[str, ...] = field(default=())
 
     def fits(self, gpu_memory_bytes: int, headroom: float = 0.9) -> bool:
@@ -93,14 +96,18 @@ class MemoryEstimate:
         lines.append(f"peak during: {self.peak_phase}")
         if gpu_memory_bytes:
             verdict = "fits" if self.fits(gpu_memory_bytes, headroom) else "DOES NOT FIT"
-            lines.append(f"{verdict}: {self.total / GiB:.2f} GiB of {gpu_memory_bytes / GiB:.2f} GiB "
-                         f"({headroom:.0%} usable = {headroom * gpu_memory_bytes / GiB:.2f} GiB)")
+            lines.append(
+                f"{verdict}: {self.total / GiB:.2f} GiB of {gpu_memory_bytes / GiB:.2f} GiB "
+                f"({headroom:.0%} usable = {headroom * gpu_memory_bytes / GiB:.2f} GiB)"
+            )
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 def precision_bytes(dsconfig: dict[str, Any]) -> int:
-    half = (dsconfig.get("bf16") or {}).get("enabled") or (dsconfig.get("fp16") or {}).get("enabled")
+    half = (dsconfig.get("bf16") or {}).get("enabled") or (dsconfig.get("fp16") or {}).get(
+        "enabled"
+    )
     return 2 if half else 4
 
 
@@ -138,10 +145,12 @@ def activation_bytes_per_token_layer(model: MoEModelSpec, layer: int, p: int) ->
 def _largest_gathered_module(model: MoEModelSpec, ep_size: int, autoep: bool) -> tuple[int, str]:
     """Elements of the largest module ZeRO-3 gathers at once, and its name."""
     experts_local = model.num_experts // ep_size if autoep else model.num_experts
-    candidates = [(experts_local * model.expert_params(), f"experts ({experts_local} per rank)"),
-                  (model.vocab_size * model.hidden_size, "embedding / lm_head"),
-                  (model.dense_mlp_params(), "dense MLP"),
-                  (3 * model.hidden_size * model.shared_expert_size, "shared experts")]
+    candidates = [
+        (experts_local * model.expert_params(), f"experts ({experts_local} per rank)"),
+        (model.vocab_size * model.hidden_size, "embedding / lm_head"),
+        (model.dense_mlp_params(), "dense MLP"),
+        (3 * model.hidden_size * model.shared_expert_size, "shared experts"),
+    ]
     return max(candidates)
 
 
@@ -150,11 +159,11 @@ def _param_tensors(model: MoEModelSpec, ep: int) -> list[int]:
     (transformers 5.x layout: stacked experts are one tensor per projection; AutoEP keeps
     ``E / ep`` experts per rank)."""
     h = model.hidden_size
-    tensors = [model.vocab_size * h, h]                                  # embedding, final norm
+    tensors = [model.vocab_size * h, h]  # embedding, final norm
     if not model.tie_word_embeddings:
-        tensors.append(model.vocab_size * h)                             # lm_head
+        tensors.append(model.vocab_size * h)  # lm_head
     for layer in range(model.num_layers):
-        tensors += [h, h]                                                # the two layer norms
+        tensors += [h, h]  # the two layer norms
         if model.mla is not None:
             m = model.mla
             tensors += [m.kv_lora_rank, m.q_lora_rank or 0]
@@ -191,11 +200,19 @@ def fused_loss_bytes(model: MoEModelSpec, tokens: int, chunk: int, p: int) -> in
     return c * v * (4 + p + p) + v * h * (4 + p + p) + tokens * h * p
 
 
-def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size: int,
-                    ep_size: int, seq_len: int, micro_batch: int | None = None,
-                    activation_checkpointing: bool = False,
-                    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
-                    device: str = "gpu", fused_loss_chunk: int | None = None) -> MemoryEstimate:
+def estimate_memory(
+    model: MoEModelSpec,
+    dsconfig: dict[str, Any],
+    *,
+    world_size: int,
+    ep_size: int,
+    seq_len: int,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool = False,
+    capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+    device: str = "gpu",
+    fused_loss_chunk: int | None = None,
+) -> MemoryEstimate:
     """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
 
     ``fused_loss_chunk``: tokens per chunk of the fused LM head + cross-entropy
@@ -218,8 +235,10 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
     params = per_gpu(stage >= 3) * p
     persistent = 0
     if stage >= 3:
-        persistent = _persistent_elements(model, zero.get("stage3_param_persistence_threshold",
-                                                          100_000), ep) * p
+        persistent = (
+            _persistent_elements(model, zero.get("stage3_param_persistence_threshold", 100_000), ep)
+            * p
+        )
     grads = per_gpu(stage >= 2) * p
     adam_bytes, step_temp_bytes = optimizer_bytes(dsconfig)
     optim = per_gpu(stage >= 1) * adam_bytes
@@ -274,22 +293,39 @@ def estimate_memory(model: MoEModelSpec, dsconfig: dict[str, Any], *, world_size
         "optimizerStepExtraBytes": int(max(0, step - fwd_bwd)),
         "overheadBytes": int(overhead),
     }
-    notes = [f"precision {p} B/param, ZeRO stage {stage}, "
-             + (f"AutoEP ep={ep} (expert shards over {world_size // ep} ranks)" if autoep
-                else "no expert parallelism"),
-             f"largest gathered module: {gathered_name}",
-             f"activations: {tokens} tokens/micro-batch, checkpointing "
-             f"{'on' if activation_checkpointing else 'off'}, "
-             + (f"fused loss ({fused_loss_chunk}-token chunks) {logits / GiB:.3f} GiB"
-                if fused_loss_chunk else f"logits {logits / GiB:.3f} GiB")]
-    return MemoryEstimate(breakdown=breakdown, total=int(dynamic + overhead),
-                          peak_phase="forward/backward" if fwd_bwd >= step else "optimizer step",
-                          notes=tuple(notes))
+    notes = [
+        f"precision {p} B/param, ZeRO stage {stage}, "
+        + (
+            f"AutoEP ep={ep} (expert shards over {world_size // ep} ranks)"
+            if autoep
+            else "no expert parallelism"
+        ),
+        f"largest gathered module: {gathered_name}",
+        f"activations: {tokens} tokens/micro-batch, checkpointing "
+        f"{'on' if activation_checkpointing else 'off'}, "
+        + (
+            f"fused loss ({fused_loss_chunk}-token chunks) {logits / GiB:.3f} GiB"
+            if fused_loss_chunk
+            else f"logits {logits / GiB:.3f} GiB"
+        ),
+    ]
+    return MemoryEstimate(
+        breakdown=breakdown,
+        total=int(dynamic + overhead),
+        peak_phase="forward/backward" if fwd_bwd >= step else "optimizer step",
+        notes=tuple(notes),
+    )
 
 
-def benchmark_estimate(*, device: str = "gpu", autoep: bool = True,
-                       activation_checkpointing: bool = False, preset: str = "bench-mixtral",
-                       seq_len: int = 1024, micro_batch: int = 16) -> MemoryEstimate:
+def benchmark_estimate(
+    *,
+    device: str = "gpu",
+    autoep: bool = True,
+    activation_checkpointing: bool = False,
+    preset: str = "bench-mixtral",
+    seq_len: int = 1024,
+    micro_batch: int = 16,
+) -> MemoryEstimate:
     """The estimate for the trainer benchmark's run (one H200, bf16, seq 1024, micro-batch 16,
     world 1; benchmarks/memory_model.py) so a measured peak (``torch.cuda.max_memory_reserved``) can
     be set beside it.
@@ -299,8 +335,22 @@ def benchmark_estimate(*, device: str = "gpu", autoep: bool = True,
 
     spec = resolve_model(preset).spec
     gpu = CPU if device == "cpu" else GpuCaps("NVIDIA H200", 150754820096, "9.0")
-    cfg, _ = deepspeed_config(spec, world_size=1, ep_size=1, global_batch=micro_batch,
-                              micro_batch=micro_batch, gpu=gpu, autoep=autoep)
-    return estimate_memory(spec, cfg, world_size=1, ep_size=1, seq_len=seq_len,
-                           micro_batch=micro_batch, device=device,
-                           activation_checkpointing=activation_checkpointing)
+    cfg, _ = deepspeed_config(
+        spec,
+        world_size=1,
+        ep_size=1,
+        global_batch=micro_batch,
+        micro_batch=micro_batch,
+        gpu=gpu,
+        autoep=autoep,
+    )
+    return estimate_memory(
+        spec,
+        cfg,
+        world_size=1,
+        ep_size=1,
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        device=device,
+        activation_checkpointing=activation_checkpointing,
+    )

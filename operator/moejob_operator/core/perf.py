@@ -37,32 +37,48 @@ from typing import Any
 from .dsconfig import GpuCaps
 from .models import MoEModelSpec
 
-DECODER_LAYER_CLASSES = {"mixtral": "MixtralDecoderLayer", "qwen3_moe": "Qwen3MoeDecoderLayer",
-                         "deepseek_v3": "DeepseekV3DecoderLayer"}
+DECODER_LAYER_CLASSES = {
+    "mixtral": "MixtralDecoderLayer",
+    "qwen3_moe": "Qwen3MoeDecoderLayer",
+    "deepseek_v3": "DeepseekV3DecoderLayer",
+}
 GROUPED_FAMILIES = ("mixtral", "qwen3_moe")
 LOSS_CHUNK_TOKENS = 8192
 
 
 @dataclass(frozen=True)
 class PerfChoice:
-    performance: dict[str, Any]      # the plan's training.performance block
-    moe_impl: str                    # training.moeImpl
-    autoep: bool                     # whether AutoEP stays on
-    zero_overrides: dict[str, Any]   # merged into deepspeed.zero_optimization
+    performance: dict[str, Any]  # the plan's training.performance block
+    moe_impl: str  # training.moeImpl
+    autoep: bool  # whether AutoEP stays on
+    zero_overrides: dict[str, Any]  # merged into deepspeed.zero_optimization
     notes: tuple[str, ...]
 
 
 def largest_tensor(spec: MoEModelSpec) -> int:
     """Elements of the model's largest parameter tensor (stacked experts count as one)."""
     h = spec.hidden_size
-    cands = [spec.vocab_size * h, 2 * spec.num_experts * spec.expert_intermediate_size * h,
-             spec.dense_intermediate_size * 2 * h, spec.num_attention_heads * spec.head_dim * h]
+    cands = [
+        spec.vocab_size * h,
+        2 * spec.num_experts * spec.expert_intermediate_size * h,
+        spec.dense_intermediate_size * 2 * h,
+        spec.num_attention_heads * spec.head_dim * h,
+    ]
     return max(cands)
 
 
-def choose(spec: MoEModelSpec, *, world_size: int, ep_size: int, gpu: GpuCaps, autoep: bool,
-           has_optimizer: bool = False, zero_stage: int = 3, user_perf: dict[str, Any] | None = None,
-           user_zero: dict[str, Any] | None = None) -> PerfChoice:
+def choose(
+    spec: MoEModelSpec,
+    *,
+    world_size: int,
+    ep_size: int,
+    gpu: GpuCaps,
+    autoep: bool,
+    has_optimizer: bool = False,
+    zero_stage: int = 3,
+    user_perf: dict[str, Any] | None = None,
+    user_zero: dict[str, Any] | None = None,
+) -> PerfChoice:
     """The fast settings for this model on this GPU set, and why."""
     if gpu.is_cpu:
         return PerfChoice({}, "hf", autoep, {}, ())
@@ -73,46 +89,62 @@ def choose(spec: MoEModelSpec, *, world_size: int, ep_size: int, gpu: GpuCaps, a
         notes.append("fusedOptimizer: torch AdamW(fused=True), one kernel per parameter group")
     perf["fusedLoss"] = True
     perf["lossChunkTokens"] = LOSS_CHUNK_TOKENS
-    notes.append(f"fusedLoss: LM head + cross-entropy in chunks of {LOSS_CHUNK_TOKENS} tokens "
-                 f"(no [tokens x {spec.vocab_size}] fp32 logits)")
+    notes.append(
+        f"fusedLoss: LM head + cross-entropy in chunks of {LOSS_CHUNK_TOKENS} tokens "
+        f"(no [tokens x {spec.vocab_size}] fp32 logits)"
+    )
     use_autoep, moe_impl = autoep, "hf"
     if autoep and ep_size == 1 and spec.family in GROUPED_FAMILIES:
         use_autoep, moe_impl = False, "grouped"
-        notes.append("moeImpl grouped, AutoEP off: epSize 1 leaves AutoEP nothing to parallelise; "
-                     "the grouped block runs each expert projection as one grouped GEMM")
+        notes.append(
+            "moeImpl grouped, AutoEP off: epSize 1 leaves AutoEP nothing to parallelise; "
+            "the grouped block runs each expert projection as one grouped GEMM"
+        )
     elif not autoep and spec.family in GROUPED_FAMILIES:
         moe_impl = "grouped"
         notes.append("moeImpl grouped: no AutoEP; each expert projection is one grouped GEMM")
     layer_cls = DECODER_LAYER_CLASSES.get(spec.family)
     if not use_autoep and layer_cls and zero_stage == 3:
         perf["zeroLeafModules"] = [layer_cls]
-        notes.append(f"zeroLeafModules [{layer_cls}]: ZeRO-3 fetches a decoder layer at once "
-                     "(hooks per layer, not per submodule)")
+        notes.append(
+            f"zeroLeafModules [{layer_cls}]: ZeRO-3 fetches a decoder layer at once "
+            "(hooks per layer, not per submodule)"
+        )
     if not use_autoep and layer_cls and gpu.supports_bf16:
         perf["compileLayers"] = True
-        notes.append("compileLayers: torch.compile of each decoder layer's forward (fused "
-                     "norms, RoPE, SwiGLU, router)")
+        notes.append(
+            "compileLayers: torch.compile of each decoder layer's forward (fused "
+            "norms, RoPE, SwiGLU, router)"
+        )
     if gpu.supports_bf16:
-        notes.append("fp32 master weights kept: DeepSpeed's bf16 master weights + bf16 optimizer "
-                     "states were faster on one H200 but their 200-step loss curve left the "
-                     "tolerance (docs/performance.md); set deepspeed.bf16 to opt in")
+        notes.append(
+            "fp32 master weights kept: DeepSpeed's bf16 master weights + bf16 optimizer "
+            "states were faster on one H200 but their 200-step loss curve left the "
+            "tolerance (docs/performance.md); set deepspeed.bf16 to opt in"
+        )
     zero_overrides: dict[str, Any] = {}
     if world_size == 1 and zero_stage == 3:
         zero_overrides["stage3_param_persistence_threshold"] = largest_tensor(spec) + 1
-        notes.append("stage3_param_persistence_threshold above the largest tensor: one rank, so "
-                     "ZeRO-3 keeps every parameter whole (no per-step gathers; +1 16-bit copy)")
+        notes.append(
+            "stage3_param_persistence_threshold above the largest tensor: one rank, so "
+            "ZeRO-3 keeps every parameter whole (no per-step gathers; +1 16-bit copy)"
+        )
         total = spec.counts().total
         zero_overrides["reduce_bucket_size"] = total
-        notes.append(f"reduce_bucket_size {total} (all parameters): one rank, so gradients are "
-                     "reduced once after backward instead of once per large tensor (each reduce "
-                     "records an event DeepSpeed waits on, which stalls the host mid-backward)")
+        notes.append(
+            f"reduce_bucket_size {total} (all parameters): one rank, so gradients are "
+            "reduced once after backward instead of once per large tensor (each reduce "
+            "records an event DeepSpeed waits on, which stalls the host mid-backward)"
+        )
     if user_zero:
         for key in list(zero_overrides):
             if key in user_zero:
                 zero_overrides.pop(key)
                 notes.append(f"{key}: the user's override is kept")
     if user_perf:
-        notes.extend(f"performance.{key}: set by the user ({user_perf[key]!r})" for key in user_perf)
+        notes.extend(
+            f"performance.{key}: set by the user ({user_perf[key]!r})" for key in user_perf
+        )
         perf.update(copy.deepcopy(user_perf))
     perf["reasons"] = list(notes)
     return PerfChoice(perf, moe_impl, use_autoep, zero_overrides, tuple(notes))

@@ -30,8 +30,8 @@ from .cost import cross_counts_for_candidates
 from .topology import ClusterTopology
 
 STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware", "brute_force")
-LOAD_TOLERANCE = 0.02          # bins may exceed the balanced packing's heaviest bin by 2 %
-BRUTE_FORCE_LIMIT = 200_000    # candidate assignments per layer
+LOAD_TOLERANCE = 0.02  # bins may exceed the balanced packing's heaviest bin by 2 %
+BRUTE_FORCE_LIMIT = 200_000  # candidate assignments per layer
 # A placement fitted to one window's co-activation keeps less together on the tokens that follow:
 # routing keeps moving while the model trains. Scored on the next window of the same run, the
 # fitted strategies' cross-group ratio to contiguous came out 0.7-7.8 % above their in-sample
@@ -53,11 +53,11 @@ FITTED_STRATEGIES = ("topology_aware", "brute_force")
 @dataclass(frozen=True, eq=False)
 class Placement:
     strategy: str
-    permutation: np.ndarray        # permutation[num_layers, num_experts]: slot -> expert
-    rank2gpu: np.ndarray           # rank2gpu[world_size]: global rank -> global GPU index
+    permutation: np.ndarray  # permutation[num_layers, num_experts]: slot -> expert
+    rank2gpu: np.ndarray  # rank2gpu[world_size]: global rank -> global GPU index
     ep_size: int
     notes: tuple[str, ...] = field(default=())
-    fell_back: bool = False        # ``strategy`` needed routing statistics: the layout is contiguous
+    fell_back: bool = False  # ``strategy`` needed routing statistics: the layout is contiguous
 
     @property
     def num_layers(self) -> int:
@@ -89,23 +89,33 @@ class Placement:
         L, E = self.permutation.shape
         P, W = self.ep_size, self.world_size
         if P < 1 or E % P or W % P:
-            raise ValueError(f"{self.strategy}: ep_size {P} must divide num_experts {E} and world size {W}")
+            raise ValueError(
+                f"{self.strategy}: ep_size {P} must divide num_experts {E} and world size {W}"
+            )
         want = np.arange(E)
         for layer in range(L):
             if not np.array_equal(np.sort(self.permutation[layer]), want):
-                raise ValueError(f"{self.strategy}: permutation[{layer}] is not a permutation of 0..{E - 1}")
+                raise ValueError(
+                    f"{self.strategy}: permutation[{layer}] is not a permutation of 0..{E - 1}"
+                )
         if not np.array_equal(np.sort(self.rank2gpu), np.arange(W)):
             raise ValueError(f"{self.strategy}: rank2gpu is not a bijection onto 0..{W - 1}")
         if topo is not None and topo.num_gpus != W:
-            raise ValueError(f"{self.strategy}: world size {W} != {topo.num_gpus} GPUs in the topology")
+            raise ValueError(
+                f"{self.strategy}: world size {W} != {topo.num_gpus} GPUs in the topology"
+            )
         return self
 
     def to_json(self) -> dict[str, Any]:
         """``MoEPlan.placement`` without ``quality`` (docs/contracts.md); ``fellBackTo`` names the
         layout actually used when ``strategy`` needed routing statistics and had none."""
-        out: dict[str, Any] = {"strategy": self.strategy, "numLayers": self.num_layers,
-                               "numExperts": self.num_experts, "epSize": self.ep_size,
-                               "permutation": self.permutation.tolist()}
+        out: dict[str, Any] = {
+            "strategy": self.strategy,
+            "numLayers": self.num_layers,
+            "numExperts": self.num_experts,
+            "epSize": self.ep_size,
+            "permutation": self.permutation.tolist(),
+        }
         if self.fell_back:
             out["fellBackTo"] = "contiguous"
         return out
@@ -117,7 +127,7 @@ class Placement:
 def _lpt(load: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """EPLB-style greedy: heaviest item first into the lightest bin (load per slot) with room.
     ``load[m]``, ``sizes[B]`` (sum == m) -> ``bin_of[m]``."""
-    heap = [(0.0, b) for b in range(len(sizes))]      # (load per slot, bin); ties -> lower bin
+    heap = [(0.0, b) for b in range(len(sizes))]  # (load per slot, bin); ties -> lower bin
     free = [int(x) for x in sizes]
     bin_load = [0.0] * len(sizes)
     out = np.empty(len(load), dtype=np.int64)
@@ -131,8 +141,18 @@ def _lpt(load: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, group_of_rank: np.ndarray,
-            n: int, limit: float, max_rounds: int = 400, rows: int = 48, max_repacks: int = 64) -> np.ndarray:
+def _refine(
+    W: np.ndarray,
+    load: np.ndarray,
+    e2r: np.ndarray,
+    A: np.ndarray,
+    group_of_rank: np.ndarray,
+    n: int,
+    limit: float,
+    max_rounds: int = 400,
+    rows: int = 48,
+    max_repacks: int = 64,
+) -> np.ndarray:
     """Kernighan-Lin style descent over swaps of two experts on different GPUs that keep every
     GPU under ``limit``; maximises ``sum_ij W[i, j] * A[rank_i, rank_j]``.
 
@@ -152,7 +172,7 @@ def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, gro
     W = W.astype(np.float32)
     A = A.astype(np.float32)
     group_ranks = np.bincount(group_of_rank)
-    C = (W @ np.eye(P, dtype=np.float32)[e2r]) @ A.T    # C[e, r]: affinity of e placed on rank r
+    C = (W @ np.eye(P, dtype=np.float32)[e2r]) @ A.T  # C[e, r]: affinity of e placed on rank r
     rank_load = np.bincount(e2r, weights=load, minlength=P)
     d = float(A[0, 0])
     cap = limit + 1e-9
@@ -165,14 +185,15 @@ def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, gro
         pr = e2r[R]
         raw = C[R][:, e2r] - own[R][:, None] + C[:, pr].T - own[None, :]
         raw -= 2 * W[R] * (d - A[pr][:, e2r])
-        dl = load32[None, :] - load32[R][:, None]        # rank of R[i] changes by dl[i, e]
-        gain = np.where((rank_load[pr][:, None] + dl > cap) | (rank_load[e2r][None, :] - dl > cap),
-                        -np.inf, raw)
+        dl = load32[None, :] - load32[R][:, None]  # rank of R[i] changes by dl[i, e]
+        gain = np.where(
+            (rank_load[pr][:, None] + dl > cap) | (rank_load[e2r][None, :] - dl > cap), -np.inf, raw
+        )
         best = gain.argmax(axis=1)
         top = gain[np.arange(len(R)), best]
         moved: set[int] = set()
         applied = 0
-        for i in np.argsort(-top)[:int((top > 1e-7).sum())].tolist():
+        for i in np.argsort(-top)[: int((top > 1e-7).sum())].tolist():
             a, e = int(R[i]), int(best[i])
             if a in moved or e in moved:
                 continue
@@ -193,8 +214,11 @@ def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, gro
         if full and repacks < max_repacks:
             ga, ge = group_of_rank[pr][:, None], group_of_rank[e2r][None, :]
             group_load = np.bincount(group_of_rank, weights=rank_load)
-            raw[(ga == ge) | (group_load[ga] + dl > group_ranks[ga] * cap)
-                | (group_load[ge] - dl > group_ranks[ge] * cap)] = -np.inf
+            raw[
+                (ga == ge)
+                | (group_load[ga] + dl > group_ranks[ga] * cap)
+                | (group_load[ge] - dl > group_ranks[ge] * cap)
+            ] = -np.inf
             if _repacking_swap(raw, R, e2r, load, group_of_rank, n, cap):
                 repacks += 1
                 C = (W @ np.eye(P, dtype=np.float32)[e2r]) @ A.T
@@ -206,8 +230,16 @@ def _refine(W: np.ndarray, load: np.ndarray, e2r: np.ndarray, A: np.ndarray, gro
     return e2r
 
 
-def _repacking_swap(gain: np.ndarray, R: np.ndarray, e2r: np.ndarray, load: np.ndarray,
-                    group_of_rank: np.ndarray, n: int, cap: float, tries: int = 8) -> bool:
+def _repacking_swap(
+    gain: np.ndarray,
+    R: np.ndarray,
+    e2r: np.ndarray,
+    load: np.ndarray,
+    group_of_rank: np.ndarray,
+    n: int,
+    cap: float,
+    tries: int = 8,
+) -> bool:
     """In place: of the ``tries`` best positive ``gain[i, e]`` (swap ``R[i]`` with ``e``, in
     different groups), apply the first that leaves both groups packable under ``cap``, with
     both groups LPT-packed onto their GPUs. Returns whether one was applied."""
@@ -236,8 +268,10 @@ def _repacking_swap(gain: np.ndarray, R: np.ndarray, e2r: np.ndarray, load: np.n
 
 def _levels(topo: ClusterTopology, gpus: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For EP ranks running on ``gpus[P]``: (``rank_node[P]``, ``rank_group[P]``) relabelled 0.."""
-    return (np.unique(topo.node_of[gpus], return_inverse=True)[1],
-            np.unique(topo.group_of[gpus], return_inverse=True)[1])
+    return (
+        np.unique(topo.node_of[gpus], return_inverse=True)[1],
+        np.unique(topo.group_of[gpus], return_inverse=True)[1],
+    )
 
 
 def _permutation_from_ranks(expert2rank: np.ndarray, ep_size: int) -> np.ndarray:
@@ -245,8 +279,9 @@ def _permutation_from_ranks(expert2rank: np.ndarray, ep_size: int) -> np.ndarray
     return np.lexsort((np.arange(len(expert2rank)), expert2rank))
 
 
-def _hierarchical(load: np.ndarray, rank_node: np.ndarray, rank_group: np.ndarray,
-                  n: int) -> np.ndarray:
+def _hierarchical(
+    load: np.ndarray, rank_node: np.ndarray, rank_group: np.ndarray, n: int
+) -> np.ndarray:
     """EPLB packing by level: experts -> nodes -> groups -> ranks, heaviest first into the
     lightest bin (per slot) at each level."""
     P = len(rank_node)
@@ -269,33 +304,47 @@ def _hierarchical(load: np.ndarray, rank_node: np.ndarray, rank_group: np.ndarra
 # ---------------------------------------------------------------- the interface
 
 
-def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, ep_size: int,
-          num_experts: int, num_layers: int, seed: int = 0, tol: float = LOAD_TOLERANCE) -> Placement:
+def solve(
+    strategy: str,
+    topo: ClusterTopology,
+    stats: RoutingStats | None,
+    *,
+    ep_size: int,
+    num_experts: int,
+    num_layers: int,
+    seed: int = 0,
+    tol: float = LOAD_TOLERANCE,
+) -> Placement:
     """Place ``num_experts`` experts of each of ``num_layers`` layers on ``ep_size`` EP ranks
     over all GPUs of ``topo`` (world size = ``topo.num_gpus``)."""
     W, E, L, P = topo.num_gpus, num_experts, num_layers, ep_size
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown placement strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+        raise ValueError(
+            f"unknown placement strategy {strategy!r} (choose from {', '.join(STRATEGIES)})"
+        )
     if P < 1 or E % P or W % P:
         raise ValueError(f"ep_size {P} must divide num_experts {E} and the world size {W}")
     if stats is not None and (stats.num_layers, stats.num_experts) != (L, E):
-        raise ValueError(f"routing stats are {stats.num_layers} layers x {stats.num_experts} experts, "
-                         f"the model has {L} x {E}")
+        raise ValueError(
+            f"routing stats are {stats.num_layers} layers x {stats.num_experts} experts, "
+            f"the model has {L} x {E}"
+        )
     n = E // P
     notes: list[str] = []
     if strategy == "contiguous" or (stats is None and strategy != "round_robin"):
         if strategy != "contiguous":
             notes.append(f"{strategy}: no routing statistics, fell back to contiguous")
         perm = np.tile(np.arange(E), (L, 1))
-        return Placement(strategy, perm, np.arange(W), P, tuple(notes),
-                         fell_back=strategy != "contiguous").validate(topo)
+        return Placement(
+            strategy, perm, np.arange(W), P, tuple(notes), fell_back=strategy != "contiguous"
+        ).validate(topo)
     rank2gpu = topo.gpu_order()
     if strategy == "round_robin":
         perm = np.tile(_permutation_from_ranks(np.arange(E) % P, P), (L, 1))
         return Placement(strategy, perm, rank2gpu, P).validate(topo)
     rank_node, rank_group = _levels(topo, rank2gpu[:P])
     perm = np.empty((L, E), dtype=np.int64)
-    assert stats is not None    # without statistics every other strategy fell back above
+    assert stats is not None  # without statistics every other strategy fell back above
     starts = max(1, min(MAX_STARTS, MULTI_START_WORK // (L * E)))
     for layer in range(L):
         load = stats.load[layer].astype(float)
@@ -305,15 +354,30 @@ def solve(strategy: str, topo: ClusterTopology, stats: RoutingStats | None, *, e
         elif strategy == "balanced":
             e2r = _hierarchical(load, rank_node, rank_group, n)
         else:
-            e2r = _topology_aware_layer(load, coact, rank_node, rank_group, n, tol,
-                                        np.random.default_rng([seed, layer]), starts)
+            e2r = _topology_aware_layer(
+                load,
+                coact,
+                rank_node,
+                rank_group,
+                n,
+                tol,
+                np.random.default_rng([seed, layer]),
+                starts,
+            )
         perm[layer] = _permutation_from_ranks(e2r, P)
     return Placement(strategy, perm, rank2gpu, P, tuple(notes)).validate(topo)
 
 
-def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.ndarray,
-                          rank_group: np.ndarray, n: int, tol: float,
-                          rng: np.random.Generator | None = None, starts: int = 1) -> np.ndarray:
+def _topology_aware_layer(
+    load: np.ndarray,
+    coact: np.ndarray,
+    rank_node: np.ndarray,
+    rank_group: np.ndarray,
+    n: int,
+    tol: float,
+    rng: np.random.Generator | None = None,
+    starts: int = 1,
+) -> np.ndarray:
     """Co-activation partitioning under a per-GPU load limit of ``(1 + tol)`` x the flat EPLB
     packing's heaviest GPU. Seeded with that packing (under the limit by construction) and
     improved only by moves that stay under it (``_refine``): the load never needs repairing
@@ -325,8 +389,9 @@ def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.nda
     limit = (1 + tol) * max(np.bincount(flat, weights=load, minlength=P).max(), load.sum() / P)
     if len(np.unique(rank_group)) == 1:
         return flat
-    A = ((rank_node[:, None] == rank_node[None, :]).astype(float)
-         + (rank_group[:, None] == rank_group[None, :]))
+    A = (rank_node[:, None] == rank_node[None, :]).astype(float) + (
+        rank_group[:, None] == rank_group[None, :]
+    )
     rng = rng if rng is not None else np.random.default_rng(0)
     best = _refine(coact, load, flat, A, rank_group, n, limit)
     best_value = float((coact * A[best][:, best]).sum())
@@ -341,8 +406,9 @@ def _topology_aware_layer(load: np.ndarray, coact: np.ndarray, rank_node: np.nda
     return best
 
 
-def _random_packing(load: np.ndarray, P: int, n: int, limit: float,
-                    rng: np.random.Generator) -> np.ndarray | None:
+def _random_packing(
+    load: np.ndarray, P: int, n: int, limit: float, rng: np.random.Generator
+) -> np.ndarray | None:
     """Heaviest expert first onto a random rank with a free slot that stays under ``limit``;
     None when an expert finds no such rank."""
     e2r = np.empty(len(load), dtype=np.int64)
@@ -367,6 +433,7 @@ def heldout_estimate(placement: Placement, in_sample_ratio: float) -> float:
 
 def _assignments(E: int, P: int, n: int) -> Iterator[list[int]]:
     """All ways to give each of P ranks n of E experts: yields ``e2r[E]``."""
+
     def rec(remaining: tuple[int, ...], rank: int, e2r: list[int]) -> Iterator[list[int]]:
         if not remaining:
             yield list(e2r)
@@ -376,6 +443,7 @@ def _assignments(E: int, P: int, n: int) -> Iterator[list[int]]:
                 e2r[e] = rank
             rest = tuple(e for e in remaining if e not in chosen)
             yield from rec(rest, rank + 1, e2r)
+
     yield from rec(tuple(range(E)), 0, [0] * E)
 
 
@@ -384,17 +452,25 @@ def brute_force_count(E: int, P: int) -> int:
     return math.factorial(E) // math.prod([math.factorial(n)] * P)
 
 
-def _brute_force_layer(stats: RoutingStats, layer: int, rank_node: np.ndarray,
-                       rank_group: np.ndarray, n: int, tol: float) -> np.ndarray:
+def _brute_force_layer(
+    stats: RoutingStats,
+    layer: int,
+    rank_node: np.ndarray,
+    rank_group: np.ndarray,
+    n: int,
+    tol: float,
+) -> np.ndarray:
     """Exact minimum of remote-group + remote-node sends (cost model) for one layer, over all
     assignments whose heaviest rank stays within ``tol`` of the balanced packing's."""
     E, P = stats.num_experts, len(rank_node)
     count = brute_force_count(E, P)
     if count > BRUTE_FORCE_LIMIT:
-        raise ValueError(f"brute_force: {count} assignments of {E} experts to {P} ranks exceed the "
-                         f"limit {BRUTE_FORCE_LIMIT}; use topology_aware")
+        raise ValueError(
+            f"brute_force: {count} assignments of {E} experts to {P} ranks exceed the "
+            f"limit {BRUTE_FORCE_LIMIT}; use topology_aware"
+        )
     load = stats.load[layer].astype(float)
-    cands = np.array(list(_assignments(E, P, n)))                       # cands[C, E]
+    cands = np.array(list(_assignments(E, P, n)))  # cands[C, E]
     rank_load = np.zeros((len(cands), P))
     np.add.at(rank_load, (np.arange(len(cands))[:, None], cands), load[None, :])
     ref = np.bincount(_lpt(load, np.full(P, n)), weights=load, minlength=P).max()

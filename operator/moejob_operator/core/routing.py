@@ -31,10 +31,18 @@ def count_routing(token_experts: np.ndarray, num_experts: int) -> tuple[np.ndarr
     return load, coact
 
 
-def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, *,
-                    zipf_s: float = 0.4, num_clusters: int | None = None,
-                    cluster_affinity: float = 0.4, seed: int = 0,
-                    keep_tokens: bool = True) -> RoutingStats:
+def synthetic_trace(
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    tokens: int,
+    *,
+    zipf_s: float = 0.4,
+    num_clusters: int | None = None,
+    cluster_affinity: float = 0.4,
+    seed: int = 0,
+    keep_tokens: bool = True,
+) -> RoutingStats:
     """Sample real per-token top-k expert sets with skewed popularity and planted clusters.
 
     Per layer: expert popularity ``p_e ~ 1 / rank^zipf_s`` over a random expert order; experts
@@ -54,20 +62,30 @@ def synthetic_trace(num_layers: int, num_experts: int, top_k: int, tokens: int, 
     token_experts = np.empty((num_layers, tokens, k), dtype=np.int64)
     planted = np.empty((num_layers, E), dtype=np.int64)
     for layer in range(num_layers):
-        logp = -zipf_s * np.log(1.0 + rng.permutation(E))          # random popularity order
-        cluster_of = rng.permutation(E) % C                         # cluster_of[E]
+        logp = -zipf_s * np.log(1.0 + rng.permutation(E))  # random popularity order
+        cluster_of = rng.permutation(E) % C  # cluster_of[E]
         planted[layer] = cluster_of
         p = np.exp(logp)
         cluster_weight = np.bincount(cluster_of, weights=p, minlength=C)
         chosen = rng.choice(C, size=tokens, p=cluster_weight / cluster_weight.sum())
         in_cluster = rng.random(tokens) < cluster_affinity
-        keys = logp[None, :] + rng.gumbel(size=(tokens, E))         # keys[T, E]
+        keys = logp[None, :] + rng.gumbel(size=(tokens, E))  # keys[T, E]
         inside = cluster_of[None, :] == chosen[:, None]
         # clustered tokens rank their cluster's experts above all others, then by key
         keys = keys + np.where(in_cluster[:, None] & inside, 1e3, 0.0)
         top = np.argpartition(-keys, k - 1, axis=1)[:, :k]
         token_experts[layer] = np.sort(top, axis=1)
     load, coact = count_routing(token_experts, E)
-    return RoutingStats(num_layers, E, k, tokens, load, coact, 1, "synthetic",
-                        f"synthetic(zipf_s={zipf_s}, clusters={C}, affinity={cluster_affinity})",
-                        token_experts if keep_tokens else None, planted)
+    return RoutingStats(
+        num_layers,
+        E,
+        k,
+        tokens,
+        load,
+        coact,
+        1,
+        "synthetic",
+        f"synthetic(zipf_s={zipf_s}, clusters={C}, affinity={cluster_affinity})",
+        token_experts if keep_tokens else None,
+        planted,
+    )

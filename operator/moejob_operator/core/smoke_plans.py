@@ -41,27 +41,74 @@ SMOKE_NAMESPACE, SMOKE_JOB = "moe-smoke", "smoke"
 
 # Shared dims: hidden 64, 16 experts top-2 (router 16 x 64 = 1024 elements >= 10 h = 640, so
 # ZeRO-3 partitions it), 2 layers, byte vocabulary padded to 320.
-_COMMON = dict(vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-               max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=256,
-               eos_token_id=257, pad_token_id=258)
+_COMMON = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    bos_token_id=256,
+    eos_token_id=257,
+    pad_token_id=258,
+)
 SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "mixtral": dict(_COMMON, model_type="mixtral", architectures=["MixtralForCausalLM"],
-                    intermediate_size=64, num_key_value_heads=2, head_dim=16, num_local_experts=16,
-                    num_experts_per_tok=2, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
-                    router_aux_loss_coef=0.0),
-    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                      intermediate_size=128, moe_intermediate_size=64, num_key_value_heads=2, head_dim=16,
-                      num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.0),
+    "mixtral": dict(
+        _COMMON,
+        model_type="mixtral",
+        architectures=["MixtralForCausalLM"],
+        intermediate_size=64,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=16,
+        num_experts_per_tok=2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        router_aux_loss_coef=0.0,
+    ),
+    "qwen3_moe": dict(
+        _COMMON,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=16,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        router_aux_loss_coef=0.0,
+    ),
     # n_group 1: the planner's placements ignore DeepSeek's router groups (contiguous expert-id
     # blocks), and a placement that crosses them changes the model (docs/gate.md).
-    "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
-                        intermediate_size=128, moe_intermediate_size=32, num_key_value_heads=4,
-                        n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=1.0,
-                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
-                        qk_nope_head_dim=8, n_group=1, topk_group=1, num_experts_per_tok=2,
-                        first_k_dense_replace=0, norm_topk_prob=True, rms_norm_eps=1e-6,
-                        rope_scaling=None),
+    "deepseek_v3": dict(
+        _COMMON,
+        model_type="deepseek_v3",
+        architectures=["DeepseekV3ForCausalLM"],
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=16,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_scaling=None,
+    ),
 }
 
 
@@ -79,61 +126,118 @@ class SmokeCase:
 
 # CPU: 2 gloo ranks. The Qwen3 case has EP 1 < world 2: experts are ZeRO-partitioned over the
 # expert-data-parallel group and their gradients reduced there.
-CPU_CASES = (SmokeCase("mixtral", "mixtral"),
-             SmokeCase("qwen3-moe-edp", "qwen3_moe", ep_size=1, activation_checkpointing=True),
-             SmokeCase("deepseek-v3", "deepseek_v3"))
+CPU_CASES = (
+    SmokeCase("mixtral", "mixtral"),
+    SmokeCase("qwen3-moe-edp", "qwen3_moe", ep_size=1, activation_checkpointing=True),
+    SmokeCase("deepseek-v3", "deepseek_v3"),
+)
 # One GPU: world = EP = 1 (the expert-data-parallel reduction is covered by the CPU verdict).
-GPU_CASES = (SmokeCase("mixtral", "mixtral"),
-             SmokeCase("qwen3-moe", "qwen3_moe", activation_checkpointing=True, performance=False),
-             SmokeCase("deepseek-v3", "deepseek_v3", performance=False))
+GPU_CASES = (
+    SmokeCase("mixtral", "mixtral"),
+    SmokeCase("qwen3-moe", "qwen3_moe", activation_checkpointing=True, performance=False),
+    SmokeCase("deepseek-v3", "deepseek_v3", performance=False),
+)
 CPU_WORLD = 2
 SEQ_LEN, MICRO_BATCH, GRAD_ACCUM = 32, 2, 2
 TRAIN_STEPS = 4
 
 
-def smoke_training(steps: int = TRAIN_STEPS, activation_checkpointing: bool = False) -> TrainingOptions:
+def smoke_training(
+    steps: int = TRAIN_STEPS, activation_checkpointing: bool = False
+) -> TrainingOptions:
     """The training block: warmup 2, per-layer balancing loss, checkpoint at the last step."""
-    return TrainingOptions(steps=steps, lr=3e-3, warmup_steps=2, checkpoint_every_steps=steps,
-                           seed=1234, grad_clip=1.0, activation_checkpointing=activation_checkpointing,
-                           balance_mode="per_layer_aux", balance_coef=0.05, data={"kind": "synthetic"})
+    return TrainingOptions(
+        steps=steps,
+        lr=3e-3,
+        warmup_steps=2,
+        checkpoint_every_steps=steps,
+        seed=1234,
+        grad_clip=1.0,
+        activation_checkpointing=activation_checkpointing,
+        balance_mode="per_layer_aux",
+        balance_coef=0.05,
+        data={"kind": "synthetic"},
+    )
 
 
 def _gpu_topology(gpu: GpuCaps) -> ClusterTopology:
     import numpy as np
-    return ClusterTopology(nodes=("smoke-node",), gpus=(("smoke-node", 0),), node_of=np.zeros(1, int),
-                           group_of=np.zeros(1, int), nvlink_gbps=np.zeros(1),
-                           memory_bytes=(gpu.memory_bytes,) if gpu.memory_bytes else ())
+
+    return ClusterTopology(
+        nodes=("smoke-node",),
+        gpus=(("smoke-node", 0),),
+        node_of=np.zeros(1, int),
+        group_of=np.zeros(1, int),
+        nvlink_gbps=np.zeros(1),
+        memory_bytes=(gpu.memory_bytes,) if gpu.memory_bytes else (),
+    )
 
 
-def smoke_plan(case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, steps: int = TRAIN_STEPS) -> dict[str, Any]:
+def smoke_plan(
+    case: SmokeCase, *, device: str, gpu: GpuCaps | None = None, steps: int = TRAIN_STEPS
+) -> dict[str, Any]:
     """The MoEPlan v1 document of one case, from :func:`build_plan`."""
     if case.family not in FAMILIES:
-        raise DocumentError(f"smoke case {case.name}: family {case.family!r} is not one of {FAMILIES}")
+        raise DocumentError(
+            f"smoke case {case.name}: family {case.family!r} is not one of {FAMILIES}"
+        )
     hf = dict(SMOKE_HF_CONFIGS[case.family])
-    model = ResolvedModel(spec=spec_from_hf_config(hf, f"smoke {case.family}"), hf_config=hf,
-                          preset=f"smoke-{case.family.replace('_', '-')}", path=None)
+    model = ResolvedModel(
+        spec=spec_from_hf_config(hf, f"smoke {case.family}"),
+        hf_config=hf,
+        preset=f"smoke-{case.family.replace('_', '-')}",
+        path=None,
+    )
     training = smoke_training(steps, case.activation_checkpointing)
     if device == "cpu":
         world = CPU_WORLD
-        plan = build_plan(PlanRequest(
-            SMOKE_JOB, SMOKE_NAMESPACE, model, None, device="cpu", nodes=["localhost"],
-            procs_per_node=world, strategy="round_robin", ep_size=case.ep_size,
-            global_batch=MICRO_BATCH * GRAD_ACCUM * world, micro_batch=MICRO_BATCH,
-            seq_len=SEQ_LEN, training=training))
+        plan = build_plan(
+            PlanRequest(
+                SMOKE_JOB,
+                SMOKE_NAMESPACE,
+                model,
+                None,
+                device="cpu",
+                nodes=["localhost"],
+                procs_per_node=world,
+                strategy="round_robin",
+                ep_size=case.ep_size,
+                global_batch=MICRO_BATCH * GRAD_ACCUM * world,
+                micro_batch=MICRO_BATCH,
+                seq_len=SEQ_LEN,
+                training=training,
+            )
+        )
     elif device == "cuda":
         caps = gpu or GpuCaps("gpu", 0, "8.0")
-        plan = build_plan(PlanRequest(
-            SMOKE_JOB, SMOKE_NAMESPACE, model, _gpu_topology(caps), gpu=caps,
-            strategy="round_robin", ep_size=case.ep_size, global_batch=MICRO_BATCH * GRAD_ACCUM,
-            micro_batch=MICRO_BATCH, seq_len=SEQ_LEN, training=training,
-            performance=case.performance))
+        plan = build_plan(
+            PlanRequest(
+                SMOKE_JOB,
+                SMOKE_NAMESPACE,
+                model,
+                _gpu_topology(caps),
+                gpu=caps,
+                strategy="round_robin",
+                ep_size=case.ep_size,
+                global_batch=MICRO_BATCH * GRAD_ACCUM,
+                micro_batch=MICRO_BATCH,
+                seq_len=SEQ_LEN,
+                training=training,
+                performance=case.performance,
+            )
+        )
     else:
         raise DocumentError(f"device: {device!r} is not 'cpu' or 'cuda'")
     return plan.document
 
 
-def smoke_plans(device: str, gpu: GpuCaps | None = None, *, steps: int = TRAIN_STEPS,
-                cases: tuple[SmokeCase, ...] | None = None) -> dict[str, Any]:
+def smoke_plans(
+    device: str,
+    gpu: GpuCaps | None = None,
+    *,
+    steps: int = TRAIN_STEPS,
+    cases: tuple[SmokeCase, ...] | None = None,
+) -> dict[str, Any]:
     """The ``SmokePlans`` v1 document: ``{"kind", "version", "device", "cases": [{"name",
     "plan"}]}``.
 
@@ -141,6 +245,17 @@ def smoke_plans(device: str, gpu: GpuCaps | None = None, *, steps: int = TRAIN_S
     >= 8.0, fp16 below, as for a job); None on CPU.
     """
     cases = cases or (CPU_CASES if device == "cpu" else GPU_CASES)
-    return {"kind": SMOKE_PLANS_KIND, "version": SMOKE_PLANS_VERSION, "device": device,
-            "cases": [{"name": c.name, "plan": smoke_plan(c, device=device, gpu=gpu if device == "cuda" else CPU,
-                                                          steps=steps)} for c in cases]}
+    return {
+        "kind": SMOKE_PLANS_KIND,
+        "version": SMOKE_PLANS_VERSION,
+        "device": device,
+        "cases": [
+            {
+                "name": c.name,
+                "plan": smoke_plan(
+                    c, device=device, gpu=gpu if device == "cuda" else CPU, steps=steps
+                ),
+            }
+            for c in cases
+        ],
+    }

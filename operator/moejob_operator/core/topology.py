@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from moe_contracts.topology import DOCUMENT, Gpu, TopologyReport, parse_topology
 
 from .errors import DocumentError, read_json_document
@@ -24,8 +25,8 @@ FIXTURE_DIR = Path(__file__).parent / "fixtures" / "topology"
 
 TIERS = ("same_gpu", "nvlink", "node", "network")
 TIER_SAME_GPU, TIER_NVLINK, TIER_NODE, TIER_NETWORK = range(4)
-DEFAULT_PCIE_GBPS = 25.0      # PCIe 4.0/5.0 x16 effective, per direction
-DEFAULT_NETWORK_GBPS = 25.0   # one 200 Gb/s NIC per GPU
+DEFAULT_PCIE_GBPS = 25.0  # PCIe 4.0/5.0 x16 effective, per direction
+DEFAULT_NETWORK_GBPS = 25.0  # one 200 Gb/s NIC per GPU
 
 
 def list_fixtures() -> list[str]:
@@ -38,8 +39,14 @@ def load_topology(path_or_fixture: str | Path) -> TopologyReport:
     path = Path(path_or_fixture)
     if not path.exists() and str(path_or_fixture) in list_fixtures():
         path = FIXTURE_DIR / f"{path_or_fixture}.json"
-    return parse_topology(read_json_document(DOCUMENT, path, what="file or fixture",
-                                             hint=f" (fixtures: {', '.join(list_fixtures())})"))
+    return parse_topology(
+        read_json_document(
+            DOCUMENT,
+            path,
+            what="file or fixture",
+            hint=f" (fixtures: {', '.join(list_fixtures())})",
+        )
+    )
 
 
 # ---------------------------------------------------------------- derived: NVLink groups
@@ -81,7 +88,9 @@ def nvlink_groups(report: TopologyReport) -> list[list[int]]:
 def nvlink_links(report: TopologyReport, a: int, b: int) -> int:
     """Number of NVLink lanes usable between GPUs a and b (direct links, or through NVSwitch)."""
     ga, gb = report.gpus[a], report.gpus[b]
-    direct = sum(1 for lk in ga.nvlinks if lk.remote == "gpu" and lk.remote_pci_bus_id == gb.pci_bus_id)
+    direct = sum(
+        1 for lk in ga.nvlinks if lk.remote == "gpu" and lk.remote_pci_bus_id == gb.pci_bus_id
+    )
     if a != b and _switch_attached(ga) and _switch_attached(gb):
         via = min(sum(lk.remote == "switch" for lk in g.nvlinks) for g in (ga, gb))
         return direct + via
@@ -116,8 +125,13 @@ class ClusterTopology:
     memory_bytes: tuple[int, ...] = field(default=())
 
     @classmethod
-    def from_reports(cls, reports: list[TopologyReport], *, pcie_gbps: float = DEFAULT_PCIE_GBPS,
-                     network_gbps: float = DEFAULT_NETWORK_GBPS) -> ClusterTopology:
+    def from_reports(
+        cls,
+        reports: list[TopologyReport],
+        *,
+        pcie_gbps: float = DEFAULT_PCIE_GBPS,
+        network_gbps: float = DEFAULT_NETWORK_GBPS,
+    ) -> ClusterTopology:
         if not reports:
             raise DocumentError("ClusterTopology: no topology reports")
         names = [r.node for r in reports]
@@ -137,26 +151,48 @@ class ClusterTopology:
                 group_of.append(local_group[gpu.index])
                 bw.append(gpu.nvlink_gbps)
                 mem.append(gpu.memory_bytes)
-        return cls(tuple(names), tuple(gpus), np.array(node_of), np.array(group_of),
-                   np.array(bw, dtype=float), pcie_gbps, network_gbps, tuple(mem))
+        return cls(
+            tuple(names),
+            tuple(gpus),
+            np.array(node_of),
+            np.array(group_of),
+            np.array(bw, dtype=float),
+            pcie_gbps,
+            network_gbps,
+            tuple(mem),
+        )
 
     @classmethod
-    def synthetic(cls, nodes: int = 8, gpus_per_node: int = 4, group_size: int = 4, *,
-                  nvlink_gbps: float = 450.0, pcie_gbps: float = DEFAULT_PCIE_GBPS,
-                  network_gbps: float = DEFAULT_NETWORK_GBPS,
-                  memory_bytes: int = 150754820096) -> ClusterTopology:
+    def synthetic(
+        cls,
+        nodes: int = 8,
+        gpus_per_node: int = 4,
+        group_size: int = 4,
+        *,
+        nvlink_gbps: float = 450.0,
+        pcie_gbps: float = DEFAULT_PCIE_GBPS,
+        network_gbps: float = DEFAULT_NETWORK_GBPS,
+        memory_bytes: int = 150754820096,
+    ) -> ClusterTopology:
         """``nodes`` x ``gpus_per_node`` GPUs, consecutive local GPUs form NVLink groups of
         ``group_size``."""
         if nodes < 1 or gpus_per_node < 1 or group_size < 1 or gpus_per_node % group_size:
-            raise ValueError(f"synthetic cluster: gpus_per_node={gpus_per_node} must be a positive "
-                             f"multiple of group_size={group_size}")
+            raise ValueError(
+                f"synthetic cluster: gpus_per_node={gpus_per_node} must be a positive "
+                f"multiple of group_size={group_size}"
+            )
         g = np.arange(nodes * gpus_per_node)
         has_nvlink = group_size > 1
-        return cls(tuple(f"node-{n}" for n in range(nodes)),
-                   tuple((f"node-{i // gpus_per_node}", i % gpus_per_node) for i in range(len(g))),
-                   g // gpus_per_node, g // group_size,
-                   np.full(len(g), nvlink_gbps if has_nvlink else 0.0),
-                   pcie_gbps, network_gbps, (memory_bytes,) * len(g))
+        return cls(
+            tuple(f"node-{n}" for n in range(nodes)),
+            tuple((f"node-{i // gpus_per_node}", i % gpus_per_node) for i in range(len(g))),
+            g // gpus_per_node,
+            g // group_size,
+            np.full(len(g), nvlink_gbps if has_nvlink else 0.0),
+            pcie_gbps,
+            network_gbps,
+            (memory_bytes,) * len(g),
+        )
 
     @property
     def num_gpus(self) -> int:

@@ -22,10 +22,10 @@ from .. import constants as C
 from ..status import now_iso
 from .deferred import PassClock, YieldingQueue
 
-EVENT_QUIET_SECONDS = 0.3   # Events wait until no pass has started for this long...
-EVENT_MAX_DELAY_SECONDS = 5.0   # ...but never longer than this after they were raised
-POOL_SIZE = 64   # > kopf's worker threads + create_all's + the event poster: a smaller pool drops
-                 # connections and pays TLS handshakes
+EVENT_QUIET_SECONDS = 0.3  # Events wait until no pass has started for this long...
+EVENT_MAX_DELAY_SECONDS = 5.0  # ...but never longer than this after they were raised
+POOL_SIZE = 64  # > kopf's worker threads + create_all's + the event poster: a smaller pool drops
+# connections and pays TLS handshakes
 CREATE_THREADS = 16
 TOKEN_REFRESH_SECONDS = 5.0
 EVENT_QUEUE_MAX = 10000
@@ -61,6 +61,7 @@ def _at_most_every(hook, seconds: float):
                 return
             last[0] = now
         hook(cfg)
+
     return refresh
 
 
@@ -109,9 +110,14 @@ class Client:
         self._lock = threading.Lock()
         self._pool: cf.ThreadPoolExecutor | None = None
         self.clock = PassClock()
-        self._events = YieldingQueue("moe-events", self.post_event, self.clock,
-                                     quiet=EVENT_QUIET_SECONDS, max_delay=EVENT_MAX_DELAY_SECONDS,
-                                     maxsize=EVENT_QUEUE_MAX)
+        self._events = YieldingQueue(
+            "moe-events",
+            self.post_event,
+            self.clock,
+            quiet=EVENT_QUIET_SECONDS,
+            max_delay=EVENT_MAX_DELAY_SECONDS,
+            maxsize=EVENT_QUEUE_MAX,
+        )
 
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
@@ -137,35 +143,56 @@ class Client:
 
     # ---- the job -------------------------------------------------------------------------
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self._get(self.custom.get_namespaced_custom_object, C.GROUP, C.VERSION, namespace,
-                         C.PLURAL, name)
+        return self._get(
+            self.custom.get_namespaced_custom_object, C.GROUP, C.VERSION, namespace, C.PLURAL, name
+        )
 
     def jobs_planned_on(self, node: str) -> list[tuple[str, str]]:
         """(namespace, name) of every job whose plan uses ``node`` (from ``status.plan.nodes``)."""
         try:
-            resp = self.custom.list_cluster_custom_object(C.GROUP, C.VERSION, C.PLURAL,
-                                                          _preload_content=False)
+            resp = self.custom.list_cluster_custom_object(
+                C.GROUP, C.VERSION, C.PLURAL, _preload_content=False
+            )
         except ApiException as exc:
-            if exc.status == 403:     # watchNamespaces: no cluster-wide list; the resync timer acts
+            if exc.status == 403:  # watchNamespaces: no cluster-wide list; the resync timer acts
                 return []
             raise
-        return [(j["metadata"]["namespace"], j["metadata"]["name"]) for j in self._json(resp)["items"]
-                if node in (((j.get("status") or {}).get("plan") or {}).get("nodes") or ())]
+        return [
+            (j["metadata"]["namespace"], j["metadata"]["name"])
+            for j in self._json(resp)["items"]
+            if node in (((j.get("status") or {}).get("plan") or {}).get("nodes") or ())
+        ]
 
     def patch_job_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         try:
-            self._done(self.custom.patch_namespaced_custom_object_status(
-                C.GROUP, C.VERSION, namespace, C.PLURAL, name, {"status": status},
-                _preload_content=False))
+            self._done(
+                self.custom.patch_namespaced_custom_object_status(
+                    C.GROUP,
+                    C.VERSION,
+                    namespace,
+                    C.PLURAL,
+                    name,
+                    {"status": status},
+                    _preload_content=False,
+                )
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
 
     def delete_job(self, namespace: str, name: str) -> None:
         try:
-            self._done(self.custom.delete_namespaced_custom_object(
-                C.GROUP, C.VERSION, namespace, C.PLURAL, name,
-                body=k8s.V1DeleteOptions(propagation_policy="Background"), _preload_content=False))
+            self._done(
+                self.custom.delete_namespaced_custom_object(
+                    C.GROUP,
+                    C.VERSION,
+                    namespace,
+                    C.PLURAL,
+                    name,
+                    body=k8s.V1DeleteOptions(propagation_policy="Background"),
+                    _preload_content=False,
+                )
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -175,12 +202,14 @@ class Client:
         """Create ``obj``; False when it already exists (idempotent launch)."""
         ns = obj["metadata"].get("namespace")
         kind = obj["kind"]
-        fn = {"ConfigMap": self.core.create_namespaced_config_map,
-              "Service": self.core.create_namespaced_service,
-              "Pod": self.core.create_namespaced_pod,
-              "ServiceAccount": self.core.create_namespaced_service_account,
-              "Role": self.rbac.create_namespaced_role,
-              "RoleBinding": self.rbac.create_namespaced_role_binding}[kind]
+        fn = {
+            "ConfigMap": self.core.create_namespaced_config_map,
+            "Service": self.core.create_namespaced_service,
+            "Pod": self.core.create_namespaced_pod,
+            "ServiceAccount": self.core.create_namespaced_service_account,
+            "Role": self.rbac.create_namespaced_role,
+            "RoleBinding": self.rbac.create_namespaced_role_binding,
+        }[kind]
         try:
             self._done(fn(ns, obj, _preload_content=False))
             return True
@@ -192,7 +221,9 @@ class Client:
             if exc.status in (429, 500, 503) and "retry" in (exc.body or "").lower():
                 raise NotReady(f"{kind} {obj['metadata']['name']}: {exc.reason}") from None
             if exc.status in PERMANENT_CREATE_STATUSES and not exceeded_quota(exc):
-                raise Rejected(kind, obj["metadata"]["name"], exc.status, server_message(exc)) from None
+                raise Rejected(
+                    kind, obj["metadata"]["name"], exc.status, server_message(exc)
+                ) from None
             raise
 
     def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:
@@ -211,8 +242,9 @@ class Client:
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get(self.core.read_namespaced_config_map, name, namespace)
 
-    def get_configmap_cached(self, namespace: str, name: str, *, max_age: float = 2.0
-                             ) -> dict[str, Any] | None:
+    def get_configmap_cached(
+        self, namespace: str, name: str, *, max_age: float = 2.0
+    ) -> dict[str, Any] | None:
         """``get_configmap`` through a short-lived cache, for documents many jobs read at once
         (the namespace's ``moe-topology-<node>`` reports): a burst of jobs costs one GET per
         report and ``max_age``, not one per job. A report published meanwhile is seen at most
@@ -231,7 +263,9 @@ class Client:
 
     def delete_configmap(self, namespace: str, name: str) -> None:
         try:
-            self._done(self.core.delete_namespaced_config_map(name, namespace, _preload_content=False))
+            self._done(
+                self.core.delete_namespaced_config_map(name, namespace, _preload_content=False)
+            )
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -241,15 +275,18 @@ class Client:
         resp = self.core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)
         return self._json(resp)["items"]
 
-    def delete_pod(self, namespace: str, name: str, *, uid: str | None = None,
-                   grace_seconds: int | None = None) -> None:
+    def delete_pod(
+        self, namespace: str, name: str, *, uid: str | None = None, grace_seconds: int | None = None
+    ) -> None:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if uid:
-            body["preconditions"] = {"uid": uid}     # never delete a newer pod of the same name
+            body["preconditions"] = {"uid": uid}  # never delete a newer pod of the same name
         if grace_seconds is not None:
             body["gracePeriodSeconds"] = grace_seconds
         try:
-            self._done(self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False))
+            self._done(
+                self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+            )
         except ApiException as exc:
             if exc.status not in (404, 409):
                 raise
@@ -294,18 +331,32 @@ class Client:
         meta = job["metadata"]
         now = now_iso()
         return {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": meta["name"],
-                               "namespace": meta["namespace"], "uid": meta["uid"]},
-            "type": etype, "reason": reason, "message": message[:1024],
-            "source": {"component": C.MANAGED_BY}, "reportingComponent": C.MANAGED_BY,
-            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "involvedObject": {
+                "apiVersion": C.API_VERSION,
+                "kind": C.KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": etype,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": C.MANAGED_BY},
+            "reportingComponent": C.MANAGED_BY,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
         }
 
     def post_event(self, body: dict[str, Any]) -> None:
         try:
-            self._done(self.core.create_namespaced_event(body["metadata"]["namespace"], body,
-                                                         _preload_content=False))
+            self._done(
+                self.core.create_namespaced_event(
+                    body["metadata"]["namespace"], body, _preload_content=False
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - an Event is best effort; never kill the poster
             log.debug("event not posted: %s", exc)

@@ -36,8 +36,17 @@ class YieldingQueue:
     one thread the items run in order. ``run`` raising is logged; the item is dropped (callers
     that must not lose work retry on their own)."""
 
-    def __init__(self, name: str, run: Callable[[Any], None], clock: PassClock, *, quiet: float,
-                 max_delay: float, threads: int = 1, maxsize: int = 10000):
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[Any], None],
+        clock: PassClock,
+        *,
+        quiet: float,
+        max_delay: float,
+        threads: int = 1,
+        maxsize: int = 10000,
+    ):
         self.name, self._run, self._clock = name, run, clock
         self.quiet, self.max_delay = quiet, max_delay
         self._threads = threads
@@ -51,7 +60,9 @@ class YieldingQueue:
             if not self._started:
                 self._started = True
                 for i in range(self._threads):
-                    threading.Thread(target=self._worker, name=f"{self.name}-{i}", daemon=True).start()
+                    threading.Thread(
+                        target=self._worker, name=f"{self.name}-{i}", daemon=True
+                    ).start()
         try:
             self._q.put_nowait((time.monotonic(), item))
             return True
@@ -70,7 +81,10 @@ class YieldingQueue:
             queued, item = self._q.get()
             try:
                 while True:
-                    wait = min(self._clock.last + self.quiet, queued + self.max_delay) - time.monotonic()
+                    wait = (
+                        min(self._clock.last + self.quiet, queued + self.max_delay)
+                        - time.monotonic()
+                    )
                     if wait <= 0:
                         break
                     time.sleep(min(wait, 0.05))

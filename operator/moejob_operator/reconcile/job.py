@@ -47,6 +47,7 @@ from .settings import Settings
 
 log = logging.getLogger("moejob_operator")
 
+
 def _crashpoint(p: Pass, point: str) -> None:
     """Test hook (``moe_faults.crashpoint``, test mode only): the operator process may exit here."""
     faults = admission.test_faults(p.settings.policy)
@@ -65,7 +66,7 @@ class Pass:
         raw = body.get("status")
         self.old = copy.deepcopy(raw) if isinstance(raw, dict) else {}
         self.status: dict[str, Any] = _sane_status(copy.deepcopy(self.old), now)
-        if self.status != self.old:      # readers of the body (the gate) see the sane status too
+        if self.status != self.old:  # readers of the body (the gate) see the sane status too
             self.body = {**body, "status": copy.deepcopy(self.status)}
         self.events: list[tuple[str, str, str]] = []
         # a plan made in this pass, written with the launch batch (or before any other return)
@@ -73,9 +74,18 @@ class Pass:
         # this pass created the worker pods of a first launch: the trainer's other children follow
         self.launched = False
 
-    def cond(self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False) -> None:
-        conds, transition = set_condition(self.status.get("conditions"), ctype, status, reason,
-                                          message, generation=self.generation, now=now_iso(self.now))
+    def cond(
+        self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False
+    ) -> None:
+        conds, transition = set_condition(
+            self.status.get("conditions"),
+            ctype,
+            status,
+            reason,
+            message,
+            generation=self.generation,
+            now=now_iso(self.now),
+        )
         self.status["conditions"] = conds
         if transition is not None and not quiet:
             self.events.append((event_type_for(transition), reason, message))
@@ -94,7 +104,7 @@ class Pass:
         self.status["phase"] = phase_of(self.status.get("conditions"))
         if self.status != self.old:
             patch = dict(self.status)
-            for key in self.old:          # merge patch: removed keys become null
+            for key in self.old:  # merge patch: removed keys become null
                 patch.setdefault(key, None)
             self.client.patch_job_status(self.job.namespace, self.job.name, patch)
             self.old = copy.deepcopy(self.status)
@@ -120,8 +130,17 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
     well-formed conditions, times that parse (else now), lists and objects where they belong.
     What the pass derives from the cluster (plan, workers, progress) it writes again anyway."""
     conds = status.get("conditions")
-    status["conditions"] = [c for c in conds if isinstance(c, dict) and isinstance(c.get("type"), str)
-                            and isinstance(c.get("status"), str)] if isinstance(conds, list) else []
+    status["conditions"] = (
+        [
+            c
+            for c in conds
+            if isinstance(c, dict)
+            and isinstance(c.get("type"), str)
+            and isinstance(c.get("status"), str)
+        ]
+        if isinstance(conds, list)
+        else []
+    )
     if not status["conditions"]:
         status.pop("conditions")
     for key in ("startTime", "completionTime"):
@@ -131,21 +150,37 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
                     raise ValueError
             except (TypeError, ValueError, AttributeError):
                 status[key] = now_iso(now)
-    for key, kind in (("plan", dict), ("workers", dict), ("progress", dict), ("health", list),
-                      ("launchedFields", dict)):
+    for key, kind in (
+        ("plan", dict),
+        ("workers", dict),
+        ("progress", dict),
+        ("health", list),
+        ("launchedFields", dict),
+    ):
         if key in status and not isinstance(status[key], kind):
             status.pop(key)
     if isinstance(status.get("health"), list):
-        status["health"] = [f for f in status["health"] if isinstance(f, dict)
-                            and isinstance(f.get("type"), str) and isinstance(f.get("message"), str)]
+        status["health"] = [
+            f
+            for f in status["health"]
+            if isinstance(f, dict)
+            and isinstance(f.get("type"), str)
+            and isinstance(f.get("message"), str)
+        ]
     return status
 
 
-def reconcile(client: Client, namespace: str, name: str, now: dt.datetime | None = None, *,
-              settings: Settings,
-              body: dict[str, Any] | None = None,
-              defer: Callable[[Callable[[], None]], None] | None = None,
-              backoff: Callable[[], float] | None = None) -> float | None:
+def reconcile(
+    client: Client,
+    namespace: str,
+    name: str,
+    now: dt.datetime | None = None,
+    *,
+    settings: Settings,
+    body: dict[str, Any] | None = None,
+    defer: Callable[[Callable[[], None]], None] | None = None,
+    backoff: Callable[[], float] | None = None,
+) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
     watch event just delivered it (a new job's first pass), instead of reading it. ``settings``:
     the operator's (admission policy, gate settings), read once when it started.
@@ -194,10 +229,14 @@ def _rejected(p: Pass, exc: Rejected) -> float | None:
     """A child the API server will never accept: the job cannot run as specified."""
     log.warning("%s/%s: %s", p.job.namespace, p.job.name, exc)
     if exc.kind == "Pod":
-        pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
-            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+        pods = [
+            machine.PodView.from_pod(x)
+            for x in p.client.list_pods(
+                p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
+            )
+        ]
         _delete(p, [x for x in pods if not x.deleting])
-    p.launched = False              # nothing more to create
+    p.launched = False  # nothing more to create
     p.fail(C.R_CHILD_REJECTED, str(exc))
     return _finished(p)
 
@@ -205,16 +244,20 @@ def _rejected(p: Pass, exc: Rejected) -> float | None:
 def _pass_error(p: Pass, exc: Exception, delay: float) -> float:
     """An unexpected error: on the job (condition + Event), then again after ``delay``."""
     if isinstance(exc, ApiException):
-        transient = (exc.status in (409, 429) or exc.status == 0 or exc.status >= 500
-                     or exceeded_quota(exc))
+        transient = (
+            exc.status in (409, 429) or exc.status == 0 or exc.status >= 500 or exceeded_quota(exc)
+        )
         what = f"the API server answered {exc.status} {exc.reason}: {server_message(exc)}"
     else:
         # the client's socket errors: urllib3's timeouts and protocol errors are not builtins'
-        transient = isinstance(exc, (TimeoutError, ConnectionError, NotReady, urllib3.exceptions.HTTPError))
+        transient = isinstance(
+            exc, (TimeoutError, ConnectionError, NotReady, urllib3.exceptions.HTTPError)
+        )
         what = f"{type(exc).__name__}: {exc}"
     reason = C.R_TRANSIENT_ERROR if transient else C.R_RECONCILE_ERROR
-    (log.info if transient else log.exception)("%s/%s: pass failed (%s); again in %.0f s",
-                                               p.job.namespace, p.job.name, what, delay)
+    (log.info if transient else log.exception)(
+        "%s/%s: pass failed (%s); again in %.0f s", p.job.namespace, p.job.name, what, delay
+    )
     p.cond(C.COND_RECONCILED, FALSE, reason, f"{what[:600]}; retrying in {delay:.0f} s")
     return delay
 
@@ -232,10 +275,10 @@ class Stage:
     refusal_event: bool = False
 
 
-VALIDATE = Stage(C.COND_SPEC_ACCEPTED, FALSE)          # planning.accept: Refused only
-DISCOVER = Stage(C.COND_TOPOLOGY, UNKNOWN)             # topology.ensure_reports: NotYet only
-PLAN = Stage(C.COND_PLANNED, FALSE)                    # planning.make_plan
-GATE = Stage(C.COND_UPGRADE_VERIFIED, UNKNOWN, refusal_event=True)    # gate.check
+VALIDATE = Stage(C.COND_SPEC_ACCEPTED, FALSE)  # planning.accept: Refused only
+DISCOVER = Stage(C.COND_TOPOLOGY, UNKNOWN)  # topology.ensure_reports: NotYet only
+PLAN = Stage(C.COND_PLANNED, FALSE)  # planning.make_plan
+GATE = Stage(C.COND_UPGRADE_VERIFIED, UNKNOWN, refusal_event=True)  # gate.check
 
 
 def _run(p: Pass) -> float | None:
@@ -259,7 +302,7 @@ def _run(p: Pass) -> float | None:
     except (NotYet, Refused) as exc:
         return _settle(p, stage, exc)
     finally:
-        _persist_plan(p)          # every path that did not launch still keeps the plan
+        _persist_plan(p)  # every path that did not launch still keeps the plan
 
 
 def _settle(p: Pass, stage: Stage, exc: NotYet | Refused) -> float | None:
@@ -292,10 +335,10 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
 
     launching = not _is_launched(p.status)
     if not launching:
-        _persist_plan(p)          # a re-plan (node lost): the plan before the pods
+        _persist_plan(p)  # a re-plan (node lost): the plan before the pods
         return _track(p, spec, plan)
     _launch_children(p, spec)
-    p.launched = True             # also when creating the pods fails: the trainer's children follow
+    p.launched = True  # also when creating the pods fails: the trainer's children follow
     return _track(p, spec, plan, launching=True)
 
 
@@ -304,7 +347,8 @@ def _is_launched(status: dict[str, Any]) -> bool:
     """The workers were launched: ``launchedSpecHash`` (or, from operators before it, a
     ``launchedSpec`` copy of the spec; anything else there is not trusted)."""
     return isinstance(status.get("launchedSpecHash"), str) or (
-        isinstance(status.get("launchedSpec"), dict) and bool(status["launchedSpec"]))
+        isinstance(status.get("launchedSpec"), dict) and bool(status["launchedSpec"])
+    )
 
 
 def _status_int(p: Pass, key: str) -> int | None:
@@ -317,13 +361,17 @@ def _succeeded_claim_contradicted(p: Pass) -> bool:
     the pass tracks the workers again."""
     if p.cond_status(C.COND_SUCCEEDED) != TRUE or p.cond_status(C.COND_FAILED) == TRUE:
         return False
-    live = [x for x in p.client.list_pods(p.job.namespace, {C.LABEL_JOB: p.job.name,
-                                                            C.LABEL_COMPONENT: "worker"})
-            if (x.get("status") or {}).get("phase") in (None, "Pending", "Running")
-            and not x["metadata"].get("deletionTimestamp")]
+    live = [
+        x
+        for x in p.client.list_pods(
+            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
+        )
+        if (x.get("status") or {}).get("phase") in (None, "Pending", "Running")
+        and not x["metadata"].get("deletionTimestamp")
+    ]
     if not live:
         return False
-    msg = (f"status said Succeeded while {len(live)} worker pod(s) still run; tracking them again")
+    msg = f"status said Succeeded while {len(live)} worker pod(s) still run; tracking them again"
     p.cond(C.COND_SUCCEEDED, FALSE, C.R_STATUS_CORRECTED, msg)
     p.status.pop("completionTime", None)
     return True
@@ -361,7 +409,7 @@ def _launched_spec(p: Pass, raw: Any) -> JobSpec | None:
     (runPolicy, gate) when they are valid. None only when the launched values are gone."""
     view = _launched_view(p)
     if view is None:
-        return None         # nothing to relaunch from; the running pods are tracked no more
+        return None  # nothing to relaunch from; the running pods are tracked no more
     mutable = {k: v for k, v in (raw if isinstance(raw, dict) else {}).items() if k not in view}
     for extra in (mutable, {}):
         try:
@@ -388,13 +436,22 @@ def _accept_spec(p: Pass) -> JobSpec | None:
     if launched:
         changed = _changed_since_launch(p, spec)
         if changed:
-            p.cond(C.COND_SPEC_ACCEPTED, FALSE, C.R_IMMUTABLE_FIELD_CHANGED,
-                   f"spec fields {', '.join(changed)} cannot change after launch; the job keeps "
-                   "running with the launched values (revert the change, or create a new job)")
+            p.cond(
+                C.COND_SPEC_ACCEPTED,
+                FALSE,
+                C.R_IMMUTABLE_FIELD_CHANGED,
+                f"spec fields {', '.join(changed)} cannot change after launch; the job keeps "
+                "running with the launched values (revert the change, or create a new job)",
+            )
             return _launched_spec(p, raw)
     # the first acceptance is no news (no Event); re-acceptance after a refusal is
-    p.cond(C.COND_SPEC_ACCEPTED, TRUE, C.R_ACCEPTED, "spec is valid",
-           quiet=p.cond_status(C.COND_SPEC_ACCEPTED) is None)
+    p.cond(
+        C.COND_SPEC_ACCEPTED,
+        TRUE,
+        C.R_ACCEPTED,
+        "spec is valid",
+        quiet=p.cond_status(C.COND_SPEC_ACCEPTED) is None,
+    )
     return spec
 
 
@@ -414,8 +471,12 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
         p.status["plan"] = summary
         # level-based: the plan's existence is the truth, whatever the status says
         if p.cond_status(C.COND_TOPOLOGY) != TRUE:
-            p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED,
-                   f"topology reports used for the plan: {', '.join(summary.get('nodes', []))}")
+            p.cond(
+                C.COND_TOPOLOGY,
+                TRUE,
+                C.R_DISCOVERED,
+                f"topology reports used for the plan: {', '.join(summary.get('nodes', []))}",
+            )
         if p.cond_status(C.COND_PLANNED) != TRUE:
             p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
         return plan
@@ -426,13 +487,19 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
 
 def _new_plan(p: Pass, spec: JobSpec, reports: dict[str, Any]) -> dict[str, Any]:
     """The plan stage (raises NotYet / Refused); the ConfigMap is written later in this pass."""
-    cpu_memory = 0 if spec.device != "CPU" else planning.cpu_memory_per_process(
-        spec, p.client.list_nodes(), list(reports)[: spec.nodes.count])
+    cpu_memory = (
+        0
+        if spec.device != "CPU"
+        else planning.cpu_memory_per_process(
+            spec, p.client.list_nodes(), list(reports)[: spec.nodes.count]
+        )
+    )
     plan = planning.make_plan(p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory)
     # Written later in this pass: with the launch batch (one round trip fewer on the way to the
     # workers), else before the pass returns (_persist_plan).
-    p.new_plan_cm = configmaps.plan_configmap(p.job, plan, spec.immutable_hash(),
-                                              launched_spec=spec.immutable_view())
+    p.new_plan_cm = configmaps.plan_configmap(
+        p.job, plan, spec.immutable_hash(), launched_spec=spec.immutable_view()
+    )
     summary = planning.summary(plan)
     p.status["plan"] = summary
     p.cond(C.COND_PLANNED, TRUE, C.R_PLAN_READY, planning.describe(summary))
@@ -501,13 +568,19 @@ def _complete_launch(p: Pass) -> None:
                 # ServiceAccount) the API server's RBAC escalation check resolves the bound Role,
                 # and a binding created first (or concurrently) is refused with 404.
                 p.client.create(rbac.role(p.job))
-                p.client.create_all([workers.headless_service(p.job), configmaps.progress_configmap(p.job),
-                                     configmaps.routing_stats_configmap(p.job), rbac.role_binding(p.job)])
+                p.client.create_all(
+                    [
+                        workers.headless_service(p.job),
+                        configmaps.progress_configmap(p.job),
+                        configmaps.routing_stats_configmap(p.job),
+                        rbac.role_binding(p.job),
+                    ]
+                )
             except Rejected as exc:
                 p.fail(C.R_CHILD_REJECTED, str(exc))
             except Exception:
                 for key in ("launchedSpec", "launchedSpecHash", "launchedFields"):
-                    p.status.pop(key, None)          # not launched completely: launch again
+                    p.status.pop(key, None)  # not launched completely: launch again
                 raise
             _crashpoint(p, "after-rbac")
     finally:
@@ -524,21 +597,25 @@ def _fault_env(p: Pass) -> dict[str, str]:
 def _regate(p: Pass, spec: JobSpec, pods: list, digest: str) -> float:
     """A tag-only image whose pods run other bits than the smoke test verified: stop the gang and
     test those bits (the gate pins the identity to ``digest``); relaunch when they pass."""
-    msg = (f"image {spec.image}: the job's pods run {digest}, the smoke test verified "
-           f"{p.status.get('verifiedDigest')} (the tag was pushed again); stopping the workers and "
-           f"testing {digest} before they run again")
+    msg = (
+        f"image {spec.image}: the job's pods run {digest}, the smoke test verified "
+        f"{p.status.get('verifiedDigest')} (the tag was pushed again); stopping the workers and "
+        f"testing {digest} before they run again"
+    )
     p.status["gateDigest"] = digest
     p.status.pop("verifiedDigest", None)
     p.status["attempt"] = (_status_int(p, "attempt") or 0) + 1
     p.cond(C.COND_UPGRADE_VERIFIED, UNKNOWN, gate.R_IMAGE_DIGEST_CHANGED, msg, quiet=True)
     p.cond(C.COND_RUNNING, FALSE, gate.R_IMAGE_DIGEST_CHANGED, msg, quiet=True)
     p.event("Warning", gate.R_IMAGE_DIGEST_CHANGED, msg)
-    p.flush()                              # persist the pinned digest before deleting anything
+    p.flush()  # persist the pinned digest before deleting anything
     _delete(p, [x for x in pods if not x.deleting])
     return 1.0
 
 
-def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = False) -> float | None:
+def _track(
+    p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = False
+) -> float | None:
     """``launching``: this pass has just created the job's other children (first launch). The
     plan's nodes were read a moment ago and no worker pod can exist yet, except after an operator
     crash mid-launch, where creating them again answers "already exists": the node and pod
@@ -549,35 +626,48 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
     if lost:
         return _node_lost(p, spec, lost)
 
-    raw = [] if launching else p.client.list_pods(p.job.namespace, {C.LABEL_JOB: p.job.name,
-                                                                     C.LABEL_COMPONENT: "worker"})
+    raw = (
+        []
+        if launching
+        else p.client.list_pods(
+            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
+        )
+    )
     pods = [machine.PodView.from_pod(x) for x in raw]
     digest = gate.digest_changed({"status": p.status}, spec, raw)
     if digest:
         return _regate(p, spec, pods, digest)
     attempt = _status_int(p, "attempt")
-    if attempt is None:        # not a count (hand-patched): the newest gang's pods say it
+    if attempt is None:  # not a count (hand-patched): the newest gang's pods say it
         attempt = max((x.attempt for x in pods), default=0)
         p.status["attempt"] = attempt
     for key in ("restarts", "failedRestarts"):
         if _status_int(p, key) is None:
             p.status[key] = 0
-    d = machine.decide_gang(pods, count=spec.nodes.count, attempt=attempt,
-                            failed_restarts=int(p.status.get("failedRestarts", 0)),
-                            backoff_limit=spec.run_policy.backoff_limit,
-                            gang_complete=p.status.get("gangComplete") == attempt)
+    d = machine.decide_gang(
+        pods,
+        count=spec.nodes.count,
+        attempt=attempt,
+        failed_restarts=int(p.status.get("failedRestarts", 0)),
+        backoff_limit=spec.run_policy.backoff_limit,
+        gang_complete=p.status.get("gangComplete") == attempt,
+    )
     p.status["workers"] = {"total": spec.nodes.count, **d.counts}
     if launching:
         _no_progress_yet(p)
     else:
         _progress(p)
 
-    left = machine.seconds_left(parse_time(p.status.get("startTime")), p.now,
-                                spec.run_policy.active_deadline_seconds)
+    left = machine.seconds_left(
+        parse_time(p.status.get("startTime")), p.now, spec.run_policy.active_deadline_seconds
+    )
     if left is not None and left <= 0 and d.action != "succeed":
         _delete(p, [x for x in pods if not x.deleting])
-        p.fail(C.R_DEADLINE_EXCEEDED, f"the job was active longer than activeDeadlineSeconds="
-                                      f"{spec.run_policy.active_deadline_seconds}")
+        p.fail(
+            C.R_DEADLINE_EXCEEDED,
+            f"the job was active longer than activeDeadlineSeconds="
+            f"{spec.run_policy.active_deadline_seconds}",
+        )
         return _finished(p)
 
     if d.action == "fail":
@@ -595,7 +685,7 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
         if d.counts_against_backoff:
             p.status["failedRestarts"] = int(p.status.get("failedRestarts", 0)) + 1
         p.cond(C.COND_RUNNING, FALSE, C.R_RESTARTING, d.message)
-        p.flush()                          # persist the new attempt before deleting anything
+        p.flush()  # persist the new attempt before deleting anything
         _crashpoint(p, "after-restart-status")
         _delete(p, d.delete)
         return 1.0
@@ -605,32 +695,53 @@ def _track(p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = Fa
     if d.action == "create":
         extra_env = _fault_env(p)
         h = spec.immutable_hash()
-        pods_to_create = workers.worker_pods(p.job, spec, rank2node, attempt=attempt, spec_hash=h,
-                                             extra_env=extra_env, node_ranks=list(d.create_ranks))
+        pods_to_create = workers.worker_pods(
+            p.job,
+            spec,
+            rank2node,
+            attempt=attempt,
+            spec_hash=h,
+            extra_env=extra_env,
+            node_ranks=list(d.create_ranks),
+        )
         faults = admission.test_faults(p.settings.policy)
         if faults is not None and faults.crash_at() == "after-first-worker":
-            pods_to_create = pods_to_create[:1]        # the crash test wants a partial gang
+            pods_to_create = pods_to_create[:1]  # the crash test wants a partial gang
         try:
-            p.client.create_all(pods_to_create)    # the gang at once: one round trip, not one per rank
+            p.client.create_all(
+                pods_to_create
+            )  # the gang at once: one round trip, not one per rank
         except NotReady as exc:
             log.info("%s/%s: %s; retrying", p.job.namespace, p.job.name, exc)
             return 1.0
         _crashpoint(p, "after-first-worker")
-        if p.status.get("gangComplete") != attempt and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count:
+        if (
+            p.status.get("gangComplete") != attempt
+            and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count
+        ):
             p.status["gangComplete"] = attempt
-            p.event("Normal", "WorkersCreated",
-                    f"created {len(d.create_ranks)} worker pod(s), attempt {attempt}, on "
-                    f"{', '.join(rank2node)}")
+            p.event(
+                "Normal",
+                "WorkersCreated",
+                f"created {len(d.create_ranks)} worker pod(s), attempt {attempt}, on "
+                f"{', '.join(rank2node)}",
+            )
     running, succeeded = d.counts.get("running", 0), d.counts.get("succeeded", 0)
     if running == spec.nodes.count:
-        p.cond(C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{spec.nodes.count} worker pod(s) running")
+        p.cond(
+            C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{spec.nodes.count} worker pod(s) running"
+        )
     elif succeeded and running + succeeded == spec.nodes.count:
-        pass        # ranks finishing one by one: still Running until the gang has Succeeded
+        pass  # ranks finishing one by one: still Running until the gang has Succeeded
     elif p.cond_status(C.COND_RUNNING) != FALSE or d.action == "create":
         # on the first launch the WorkersCreated Event says it: no second Event for "pending"
-        p.cond(C.COND_RUNNING, FALSE, C.R_WORKERS_PENDING,
-               f"{d.counts.get('running', 0)} of {spec.nodes.count} worker pods running",
-               quiet=launching and p.cond_status(C.COND_RUNNING) is None)
+        p.cond(
+            C.COND_RUNNING,
+            FALSE,
+            C.R_WORKERS_PENDING,
+            f"{d.counts.get('running', 0)} of {spec.nodes.count} worker pods running",
+            quiet=launching and p.cond_status(C.COND_RUNNING) is None,
+        )
     return min(left, 60.0) if left is not None else None
 
 
@@ -659,16 +770,25 @@ def _progress(p: Pass) -> None:
     p.status["health"] = warnings[:20]
     if warnings:
         kinds = sorted({f["type"] for f in warnings})
-        p.cond(C.COND_HEALTHY, FALSE, kinds[0] if len(kinds) == 1 else C.R_HEALTH_FINDINGS,
-               "; ".join(f["message"] for f in warnings[:3]))
+        p.cond(
+            C.COND_HEALTHY,
+            FALSE,
+            kinds[0] if len(kinds) == 1 else C.R_HEALTH_FINDINGS,
+            "; ".join(f["message"] for f in warnings[:3]),
+        )
     else:
         p.cond(C.COND_HEALTHY, TRUE, C.R_NO_FINDINGS, "no trainer health findings")
 
 
 def _no_progress_yet(p: Pass) -> None:
     if p.cond_status(C.COND_HEALTHY) is None:
-        p.cond(C.COND_HEALTHY, UNKNOWN, C.R_NO_PROGRESS_YET, "the trainer has not reported yet",
-               quiet=True)
+        p.cond(
+            C.COND_HEALTHY,
+            UNKNOWN,
+            C.R_NO_PROGRESS_YET,
+            "the trainer has not reported yet",
+            quiet=True,
+        )
 
 
 def _lost_nodes(p: Pass, rank2node: list[str]) -> list[str]:
@@ -678,8 +798,12 @@ def _lost_nodes(p: Pass, rank2node: list[str]) -> list[str]:
 
 def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
     msg = f"planned node(s) {', '.join(lost)} no longer exist"
-    pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
-        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    pods = [
+        machine.PodView.from_pod(x)
+        for x in p.client.list_pods(
+            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
+        )
+    ]
     live = [x for x in pods if not x.deleting]
     if not spec.run_policy.allow_replan_on_node_loss:
         _delete(p, live)
@@ -696,12 +820,20 @@ def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
 
 
 def _suspend(p: Pass) -> float | None:
-    pods = [machine.PodView.from_pod(x) for x in p.client.list_pods(
-        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"})]
+    pods = [
+        machine.PodView.from_pod(x)
+        for x in p.client.list_pods(
+            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
+        )
+    ]
     _delete(p, [x for x in pods if not x.deleting])
     p.status.pop("gangComplete", None)
-    p.cond(C.COND_SUSPENDED, TRUE, C.R_SUSPENDED,
-           "runPolicy.suspend is true: worker pods deleted, checkpoints kept")
+    p.cond(
+        C.COND_SUSPENDED,
+        TRUE,
+        C.R_SUSPENDED,
+        "runPolicy.suspend is true: worker pods deleted, checkpoints kept",
+    )
     if p.cond_status(C.COND_RUNNING) is not None:
         p.cond(C.COND_RUNNING, FALSE, C.R_SUSPENDED, "suspended")
     return None

@@ -24,11 +24,11 @@ class PodView:
     uid: str
     node_rank: int
     attempt: int
-    phase: str                      # Pending | Running | Succeeded | Failed | Unknown
-    exit_code: int | None           # trainer container's exit code once terminated
+    phase: str  # Pending | Running | Succeeded | Failed | Unknown
+    exit_code: int | None  # trainer container's exit code once terminated
     deleting: bool
     node: str | None
-    cause: str | None = None        # why it exited: TrainerExit.cause, or OutOfMemory (OOMKilled)
+    cause: str | None = None  # why it exited: TrainerExit.cause, or OutOfMemory (OOMKilled)
     cause_message: str = ""
 
     @classmethod
@@ -41,16 +41,26 @@ class PodView:
             if term is not None:
                 code = term.get("exitCode")
                 cause, why = exit_cause(term)
-        return cls(name=meta["name"], uid=meta.get("uid", ""),
-                   node_rank=_label_int(labels, C.LABEL_NODE_RANK),
-                   attempt=_label_int(labels, C.LABEL_ATTEMPT),
-                   phase=status.get("phase") or "Pending", exit_code=code,
-                   deleting=bool(meta.get("deletionTimestamp")),
-                   node=(pod.get("spec") or {}).get("nodeName"), cause=cause, cause_message=why)
+        return cls(
+            name=meta["name"],
+            uid=meta.get("uid", ""),
+            node_rank=_label_int(labels, C.LABEL_NODE_RANK),
+            attempt=_label_int(labels, C.LABEL_ATTEMPT),
+            phase=status.get("phase") or "Pending",
+            exit_code=code,
+            deleting=bool(meta.get("deletionTimestamp")),
+            node=(pod.get("spec") or {}).get("nodeName"),
+            cause=cause,
+            cause_message=why,
+        )
 
     def describe(self) -> str:
         """``exit code 78`` plus the cause the worker reported, for condition messages."""
-        what = f"exit code {self.exit_code}" if self.exit_code is not None else "no exit code (pod failed)"
+        what = (
+            f"exit code {self.exit_code}"
+            if self.exit_code is not None
+            else "no exit code (pod failed)"
+        )
         if self.cause:
             what += f", {self.cause}" + (f": {self.cause_message}" if self.cause_message else "")
         return what
@@ -60,13 +70,16 @@ def _label_int(labels: dict[str, str], key: str) -> int:
     try:
         return int(labels.get(key, -1))
     except (TypeError, ValueError):
-        return -1          # someone relabelled the pod: it is stale
+        return -1  # someone relabelled the pod: it is stale
 
 
 # Causes a worker reports that a person can act on: the Failed reason names them directly.
-KNOWN_CAUSES = {"CheckpointNotWritable": C.R_CHECKPOINT_NOT_WRITABLE,
-                "CheckpointVolumeFull": C.R_CHECKPOINT_VOLUME_FULL,
-                "DataNotFound": C.R_DATA_NOT_FOUND, "OutOfMemory": C.R_OUT_OF_MEMORY}
+KNOWN_CAUSES = {
+    "CheckpointNotWritable": C.R_CHECKPOINT_NOT_WRITABLE,
+    "CheckpointVolumeFull": C.R_CHECKPOINT_VOLUME_FULL,
+    "DataNotFound": C.R_DATA_NOT_FOUND,
+    "OutOfMemory": C.R_OUT_OF_MEMORY,
+}
 MESSAGE_TAIL = 300
 
 
@@ -111,8 +124,15 @@ def _live(pods: list[PodView]) -> list[PodView]:
     return [p for p in pods if not p.deleting and p.phase in ("Pending", "Running", "Unknown")]
 
 
-def decide_gang(pods: list[PodView], *, count: int, attempt: int, failed_restarts: int,
-                backoff_limit: int, gang_complete: bool) -> GangDecision:
+def decide_gang(
+    pods: list[PodView],
+    *,
+    count: int,
+    attempt: int,
+    failed_restarts: int,
+    backoff_limit: int,
+    gang_complete: bool,
+) -> GangDecision:
     """The gang policy as one function of the observed worker pods.
 
     ``gang_complete``: every rank of ``attempt`` was created once already (so a missing rank
@@ -126,45 +146,81 @@ def decide_gang(pods: list[PodView], *, count: int, attempt: int, failed_restart
     current = {p.node_rank: p for p in here if p not in stale}
     counts = {"pending": 0, "running": 0, "succeeded": 0, "failed": 0}
     for p in current.values():
-        counts[{"Running": "running", "Succeeded": "succeeded", "Failed": "failed"}.get(p.phase, "pending")] += 1
+        counts[
+            {"Running": "running", "Succeeded": "succeeded", "Failed": "failed"}.get(
+                p.phase, "pending"
+            )
+        ] += 1
 
     failed = sorted((p for p in current.values() if p.phase == "Failed"), key=lambda p: p.node_rank)
     permanent = [p for p in failed if is_permanent(p.exit_code)]
     if permanent:
         p = permanent[0]
-        return GangDecision("fail", reason=KNOWN_CAUSES.get(p.cause or "", C.R_PERMANENT_WORKER_FAILURE),
-                            counts=counts, delete=_live(here),
-                            message=f"worker {p.name} (node rank {p.node_rank}) exited with permanent "
-                                    f"{p.describe()}; not retried")
+        return GangDecision(
+            "fail",
+            reason=KNOWN_CAUSES.get(p.cause or "", C.R_PERMANENT_WORKER_FAILURE),
+            counts=counts,
+            delete=_live(here),
+            message=f"worker {p.name} (node rank {p.node_rank}) exited with permanent "
+            f"{p.describe()}; not retried",
+        )
     if failed:
         # a worker that says why first (the others often only lost their peer)
         p = min(failed, key=lambda x: (x.cause not in KNOWN_CAUSES, x.node_rank))
         what = p.describe()
         if failed_restarts >= backoff_limit:
-            return GangDecision("fail", reason=KNOWN_CAUSES.get(p.cause or "", C.R_BACKOFF_LIMIT_EXCEEDED),
-                                counts=counts, delete=_live(here),
-                                message=f"worker {p.name} failed ({what}) after {failed_restarts} gang "
-                                        f"restart(s); backoffLimit is {backoff_limit}")
-        return GangDecision("restart", counts=counts, reason=C.R_RESTARTING, delete=here,
-                            message=f"worker {p.name} failed ({what}); restarting the gang from the "
-                                    f"latest checkpoint (restart {failed_restarts + 1} of {backoff_limit})")
+            return GangDecision(
+                "fail",
+                reason=KNOWN_CAUSES.get(p.cause or "", C.R_BACKOFF_LIMIT_EXCEEDED),
+                counts=counts,
+                delete=_live(here),
+                message=f"worker {p.name} failed ({what}) after {failed_restarts} gang "
+                f"restart(s); backoffLimit is {backoff_limit}",
+            )
+        return GangDecision(
+            "restart",
+            counts=counts,
+            reason=C.R_RESTARTING,
+            delete=here,
+            message=f"worker {p.name} failed ({what}); restarting the gang from the "
+            f"latest checkpoint (restart {failed_restarts + 1} of {backoff_limit})",
+        )
     if stale:
-        return GangDecision("delete", delete=stale, counts=counts, reason=C.R_RESTARTING,
-                            message="deleting the previous gang's pods")
+        return GangDecision(
+            "delete",
+            delete=stale,
+            counts=counts,
+            reason=C.R_RESTARTING,
+            message="deleting the previous gang's pods",
+        )
     if len(current) == count and all(p.phase == "Succeeded" for p in current.values()):
-        return GangDecision("succeed", counts=counts, reason=C.R_TRAINING_FINISHED,
-                            message=f"all {count} node ranks finished")
+        return GangDecision(
+            "succeed",
+            counts=counts,
+            reason=C.R_TRAINING_FINISHED,
+            message=f"all {count} node ranks finished",
+        )
     missing = [r for r in range(count) if r not in current]
     if missing and gang_complete and current:
-        return GangDecision("restart", counts=counts, reason=C.R_RESTARTING, delete=here,
-                            counts_against_backoff=False,
-                            message=f"worker pod(s) of node rank(s) {missing} disappeared; restarting "
-                                    "the gang from the latest checkpoint")
+        return GangDecision(
+            "restart",
+            counts=counts,
+            reason=C.R_RESTARTING,
+            delete=here,
+            counts_against_backoff=False,
+            message=f"worker pod(s) of node rank(s) {missing} disappeared; restarting "
+            "the gang from the latest checkpoint",
+        )
     taken = {p.node_rank for p in going}
     creatable = [r for r in missing if r not in taken]
     if creatable:
-        return GangDecision("create", create_ranks=creatable, counts=counts, reason=C.R_LAUNCHING,
-                            message=f"creating node rank(s) {creatable}")
+        return GangDecision(
+            "create",
+            create_ranks=creatable,
+            counts=counts,
+            reason=C.R_LAUNCHING,
+            message=f"creating node rank(s) {creatable}",
+        )
     return GangDecision("wait", counts=counts)
 
 
@@ -178,8 +234,12 @@ def node_ready(node: dict[str, Any]) -> bool:
     return False
 
 
-def candidate_nodes(nodes: list[dict[str, Any]], *, node_names: list[str] | None,
-                    selectors: list[dict[str, str] | None]) -> list[str]:
+def candidate_nodes(
+    nodes: list[dict[str, Any]],
+    *,
+    node_names: list[str] | None,
+    selectors: list[dict[str, str] | None],
+) -> list[str]:
     """Ready nodes the job may use, sorted by name (``node_names`` keeps the user's order). The
     selectors apply to named nodes too: the worker pods carry ``scheduling.nodeSelector``, so a
     named node without those labels could never run its rank."""
@@ -188,6 +248,7 @@ def candidate_nodes(nodes: list[dict[str, Any]], *, node_names: list[str] | None
     def matches(name: str) -> bool:
         labels = ready[name]["metadata"].get("labels") or {}
         return all(labels.get(k) == v for sel in selectors if sel for k, v in sel.items())
+
     if node_names:
         return [n for n in node_names if n in ready and matches(n)]
     return [name for name in sorted(ready) if matches(name)]
@@ -202,7 +263,15 @@ def seconds_left(start: dt.datetime | None, now: dt.datetime, limit: int | None)
 
 
 # ---- progress ---------------------------------------------------------------------------------
-PROGRESS_FIELDS = ("step", "totalSteps", "loss", "tokensPerSecond", "etaSeconds", "phase", "updatedAt")
+PROGRESS_FIELDS = (
+    "step",
+    "totalSteps",
+    "loss",
+    "tokensPerSecond",
+    "etaSeconds",
+    "phase",
+    "updatedAt",
+)
 
 
 def progress_status(prog: TrainerProgress) -> dict[str, Any]:
@@ -211,7 +280,7 @@ def progress_status(prog: TrainerProgress) -> dict[str, Any]:
     out = {k: doc[k] for k in PROGRESS_FIELDS if doc.get(k) is not None}
     for k in ("loss", "tokensPerSecond", "etaSeconds"):
         if isinstance(out.get(k), float):
-            out[k] = round(out[k], 4)     # printer columns; full precision lives in the ConfigMap
+            out[k] = round(out[k], 4)  # printer columns; full precision lives in the ConfigMap
     if prog.checkpoint is not None and prog.checkpoint.step is not None:
         out["checkpointStep"] = prog.checkpoint.step
     return out
@@ -219,5 +288,7 @@ def progress_status(prog: TrainerProgress) -> dict[str, Any]:
 
 def health_findings(prog: TrainerProgress) -> list[dict[str, str]]:
     """Trainer health findings (``health`` of TrainerProgress), Warning severity first."""
-    out = [{"type": f.type, "severity": f.severity, "message": f.message[:512]} for f in prog.health]
+    out = [
+        {"type": f.type, "severity": f.severity, "message": f.message[:512]} for f in prog.health
+    ]
     return sorted(out, key=lambda f: (f["severity"] != "Warning", f["type"]))

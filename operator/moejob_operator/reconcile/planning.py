@@ -33,8 +33,12 @@ from .outcome import NotYet, Refused
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
 MAX_PLAN_BYTES = 800 * 1024
 
-STRATEGY = {"Contiguous": "contiguous", "RoundRobin": "round_robin", "Balanced": "balanced",
-            "TopologyAware": "topology_aware"}
+STRATEGY = {
+    "Contiguous": "contiguous",
+    "RoundRobin": "round_robin",
+    "Balanced": "balanced",
+    "TopologyAware": "topology_aware",
+}
 DISPATCHER = {"AutoEP": "autoep", "Dedup": "dedup", None: None}
 
 # the core's field (core.errors.FieldError.field) -> the spec field a person has to change;
@@ -56,22 +60,33 @@ def resolve_model(spec: JobSpec) -> ResolvedModel:
     try:
         if m.preset is not None:
             if m.preset not in preset_names():
-                raise SpecError("spec.model.preset", f"{m.preset!r} is not a known preset "
-                                f"({', '.join(preset_names())})")
+                raise SpecError(
+                    "spec.model.preset",
+                    f"{m.preset!r} is not a known preset ({', '.join(preset_names())})",
+                )
             cfg = preset_hf_config(m.preset)
-            return ResolvedModel(spec=spec_from_hf_config(cfg, f"preset {m.preset}"),
-                                 hf_config=cfg, preset=m.preset, path=None)
+            return ResolvedModel(
+                spec=spec_from_hf_config(cfg, f"preset {m.preset}"),
+                hf_config=cfg,
+                preset=m.preset,
+                path=None,
+            )
         if m.hf_config is not None:
             cfg = dict(m.hf_config)
-            return ResolvedModel(spec=spec_from_hf_config(cfg, "hfConfig"), hf_config=cfg,
-                                 preset=None, path=None)
+            return ResolvedModel(
+                spec=spec_from_hf_config(cfg, "hfConfig"), hf_config=cfg, preset=None, path=None
+            )
     except DocumentError as exc:
         if isinstance(exc, SpecError):
             raise
-        raise SpecError("spec.model.hfConfig" if m.hf_config is not None else "spec.model.preset",
-                        str(exc)) from None
-    raise SpecError("spec.model.path", f"{m.path!r}: the operator plans from a preset or hfConfig; "
-                    "a model directory is only readable inside the worker")
+        raise SpecError(
+            "spec.model.hfConfig" if m.hf_config is not None else "spec.model.preset", str(exc)
+        ) from None
+    raise SpecError(
+        "spec.model.path",
+        f"{m.path!r}: the operator plans from a preset or hfConfig; "
+        "a model directory is only readable inside the worker",
+    )
 
 
 def prevalidate(spec: JobSpec) -> ResolvedModel:
@@ -80,8 +95,10 @@ def prevalidate(spec: JobSpec) -> ResolvedModel:
     model = resolve_model(spec)
     ep = spec.placement.expert_parallel_size
     if ep is not None and model.spec.num_experts % ep:
-        raise SpecError("spec.placement.expertParallelSize",
-                        f"{ep} does not divide the model's {model.spec.num_experts} experts")
+        raise SpecError(
+            "spec.placement.expertParallelSize",
+            f"{ep} does not divide the model's {model.spec.num_experts} experts",
+        )
     return model
 
 
@@ -112,9 +129,9 @@ def refusal(exc: DocumentError) -> Refused:
 # Routing statistics of an earlier job (docs/trainer.md, "Routing statistics hand-off"); the
 # ConfigMap codec is the contract's (moe_contracts.routing).
 # How long a job waits, counted from its creation, for statistics that are not there yet:
-SOURCE_MISSING_WAIT_SECONDS = 15 * 60          # no such source job (a typo?) / configMapName never filled
-SOURCE_ACTIVE_WAIT_SECONDS = 24 * 3600         # the source job is still pending or training
-SOURCE_SUCCEEDED_GRACE_SECONDS = 60            # the trainer publishes before it exits: a little slack
+SOURCE_MISSING_WAIT_SECONDS = 15 * 60  # no such source job (a typo?) / configMapName never filled
+SOURCE_ACTIVE_WAIT_SECONDS = 24 * 3600  # the source job is still pending or training
+SOURCE_SUCCEEDED_GRACE_SECONDS = 60  # the trainer publishes before it exits: a little slack
 
 
 def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | None = None):
@@ -134,7 +151,7 @@ def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | No
 def _cond(obj: dict[str, Any] | None, ctype: str) -> dict[str, Any]:
     conds = ((obj or {}).get("status") or {}).get("conditions")
     for c in conds if isinstance(conds, list) else ():
-        if isinstance(c, dict) and c.get("type") == ctype:      # another job's status: not trusted
+        if isinstance(c, dict) and c.get("type") == ctype:  # another job's status: not trusted
             return c
     return {}
 
@@ -171,31 +188,45 @@ def _no_stats_yet(client, job: JobRef, src, now: dt.datetime) -> Exception:
         if source is None:
             msg = f"source job {src.job_name} ({field}.jobName) does not exist (yet)"
         elif failed.get("status") == "True":
-            return Refused(C.R_ROUTING_STATS_UNAVAILABLE,
-                           f"source job {src.job_name} failed ({failed.get('reason')}: "
-                           f"{failed.get('message')}) and will never publish routing statistics; "
-                           f"use another job, or {field}.configMapName with a ConfigMap you fill")
+            return Refused(
+                C.R_ROUTING_STATS_UNAVAILABLE,
+                f"source job {src.job_name} failed ({failed.get('reason')}: "
+                f"{failed.get('message')}) and will never publish routing statistics; "
+                f"use another job, or {field}.configMapName with a ConfigMap you fill",
+            )
         elif succeeded.get("status") == "True":
-            done = (source.get("status") or {}).get("completionTime") or succeeded.get("lastTransitionTime")
+            done = (source.get("status") or {}).get("completionTime") or succeeded.get(
+                "lastTransitionTime"
+            )
             if _age(done, now) > SOURCE_SUCCEEDED_GRACE_SECONDS:
-                return Refused(C.R_ROUTING_STATS_UNAVAILABLE,
-                               f"source job {src.job_name} succeeded but {where} holds no routing "
-                               f"statistics{_source_progress_note(client, job.namespace, src.job_name)}; "
-                               f"the trainer also leaves routing_stats.json in its checkpoint dir "
-                               f"(put it in a ConfigMap and use {field}.configMapName)")
-            return NotYet(C.R_ROUTING_STATS_UNAVAILABLE,
-                          f"source job {src.job_name} succeeded; waiting for {where}", 5.0)
+                return Refused(
+                    C.R_ROUTING_STATS_UNAVAILABLE,
+                    f"source job {src.job_name} succeeded but {where} holds no routing "
+                    f"statistics{_source_progress_note(client, job.namespace, src.job_name)}; "
+                    f"the trainer also leaves routing_stats.json in its checkpoint dir "
+                    f"(put it in a ConfigMap and use {field}.configMapName)",
+                )
+            return NotYet(
+                C.R_ROUTING_STATS_UNAVAILABLE,
+                f"source job {src.job_name} succeeded; waiting for {where}",
+                5.0,
+            )
         else:
             phase = (source.get("status") or {}).get("phase") or "Pending"
-            msg = (f"waiting for source job {src.job_name} (phase {phase}) to publish its routing "
-                   f"statistics to {where} (at its first checkpoint or at the end)")
+            msg = (
+                f"waiting for source job {src.job_name} (phase {phase}) to publish its routing "
+                f"statistics to {where} (at its first checkpoint or at the end)"
+            )
             limit = SOURCE_ACTIVE_WAIT_SECONDS
     me = client.get_job(job.namespace, job.name) or {}
     waited = _age((me.get("metadata") or {}).get("creationTimestamp"), now)
     if waited > limit:
-        return Refused(C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; gave up after {int(waited)} s "
-                       f"(limit {limit} s)")
-    return NotYet(C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; waited {int(waited)} s of {limit} s", 30.0)
+        return Refused(
+            C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; gave up after {int(waited)} s (limit {limit} s)"
+        )
+    return NotYet(
+        C.R_ROUTING_STATS_UNAVAILABLE, f"{msg}; waited {int(waited)} s of {limit} s", 30.0
+    )
 
 
 def stats_source(spec: JobSpec, stats) -> dict[str, Any] | None:
@@ -204,9 +235,14 @@ def stats_source(spec: JobSpec, stats) -> dict[str, Any] | None:
     src = spec.placement.routing_stats_from
     if src is None or stats is None:
         return None
-    return {"job": src.job_name, "configMap": src.config_map, "tokens": int(stats.tokens),
-            "steps": int(stats.steps), "numLayers": int(stats.num_layers),
-            "numExperts": int(stats.num_experts)}
+    return {
+        "job": src.job_name,
+        "configMap": src.config_map,
+        "tokens": int(stats.tokens),
+        "steps": int(stats.steps),
+        "numLayers": int(stats.num_layers),
+        "numExperts": int(stats.num_experts),
+    }
 
 
 # Plans are pure functions of (spec, nodes, reports, routing stats): jobs with the same inputs
@@ -216,8 +252,13 @@ _MEMO_SIZE = 64
 _memo_lock = threading.Lock()
 
 
-def _memo_key(spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
-              stats_raw: str | None, cpu_memory_bytes: int) -> str:
+def _memo_key(
+    spec: JobSpec,
+    nodes: list[str],
+    reports: dict[str, TopologyReport],
+    stats_raw: str | None,
+    cpu_memory_bytes: int,
+) -> str:
     h = hashlib.sha256()
     h.update(spec.immutable_hash().encode())
     for n in nodes:
@@ -253,8 +294,13 @@ def cpu_memory_per_process(spec: JobSpec, nodes: list[dict[str, Any]], names: li
     return total // spec.nodes.gpus_per_node
 
 
-def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
-              cpu_memory_bytes: int = 0) -> dict[str, Any]:
+def make_plan(
+    client,
+    job: JobRef,
+    spec: JobSpec,
+    reports: dict[str, TopologyReport],
+    cpu_memory_bytes: int = 0,
+) -> dict[str, Any]:
     """The plan stage: the MoEPlan v1 document for ``spec`` on the first ``nodes.count``
     discovered nodes. Raises :class:`NotYet` or :class:`Refused` (module docstring)."""
     try:
@@ -263,15 +309,26 @@ def make_plan(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyRep
         raise Refused.invalid_spec(exc) from None
 
 
-def _plan_document(client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport],
-                   cpu_memory_bytes: int) -> dict[str, Any]:
+def _plan_document(
+    client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport], cpu_memory_bytes: int
+) -> dict[str, Any]:
     nodes = list(reports)[: spec.nodes.count]
     if len(nodes) < spec.nodes.count:
-        raise NotYet(C.R_NO_CANDIDATE_NODES, f"{len(nodes)} node(s) discovered, "
-                     f"spec.nodes.count is {spec.nodes.count}", 15.0)
+        raise NotYet(
+            C.R_NO_CANDIDATE_NODES,
+            f"{len(nodes)} node(s) discovered, spec.nodes.count is {spec.nodes.count}",
+            15.0,
+        )
     stats = read_routing_stats(client, job, spec)
-    stats_digest = None if stats is None else hashlib.sha256(
-        stats.load.tobytes() + stats.coact.tobytes() + repr((stats.top_k, stats.tokens)).encode()).hexdigest()
+    stats_digest = (
+        None
+        if stats is None
+        else hashlib.sha256(
+            stats.load.tobytes()
+            + stats.coact.tobytes()
+            + repr((stats.top_k, stats.tokens)).encode()
+        ).hexdigest()
+    )
     key = _memo_key(spec, nodes, reports, stats_digest, cpu_memory_bytes)
     with _memo_lock:
         hit = _MEMO.get(key)
@@ -291,29 +348,57 @@ def _plan_document(client, job: JobRef, spec: JobSpec, reports: dict[str, Topolo
     return doc
 
 
-def plan_request(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
-                 stats: RoutingStats | None, cpu_memory_bytes: int) -> PlanRequest:
+def plan_request(
+    job: JobRef,
+    spec: JobSpec,
+    nodes: list[str],
+    reports: dict[str, TopologyReport],
+    stats: RoutingStats | None,
+    cpu_memory_bytes: int,
+) -> PlanRequest:
     """The core's request for ``spec`` on ``nodes``: where spec fields become planner inputs
     (:data:`SPEC_FIELD` maps the planner's errors back)."""
     model = resolve_model(spec)
     t = spec.training
-    opts = TrainingOptions(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps,
-                           checkpoint_every_steps=spec.checkpoint.every_steps, seed=t.seed,
-                           data={"kind": spec.data.kind.lower(), "path": spec.data.path})
+    opts = TrainingOptions(
+        steps=t.steps,
+        lr=t.lr,
+        warmup_steps=t.warmup_steps,
+        checkpoint_every_steps=spec.checkpoint.every_steps,
+        seed=t.seed,
+        data={"kind": spec.data.kind.lower(), "path": spec.data.path},
+    )
     cpu = spec.device == "CPU"
     return PlanRequest(
-        job.name, job.namespace, model, None if cpu else [reports[n] for n in nodes],
-        nodes=nodes, gpus_per_node=None if cpu else spec.nodes.gpus_per_node,
-        strategy=STRATEGY[spec.placement.strategy], routing_stats=stats,
-        global_batch=t.global_batch, micro_batch=t.micro_batch, seq_len=t.seq_len,
-        ep_size=spec.placement.expert_parallel_size, device="cpu" if cpu else "cuda",
-        procs_per_node=spec.nodes.gpus_per_node, cpu_memory_bytes=cpu_memory_bytes,
-        training=opts, ds_overrides=spec.deepspeed_overrides,
-        dispatcher=DISPATCHER[spec.placement.dispatcher])
+        job.name,
+        job.namespace,
+        model,
+        None if cpu else [reports[n] for n in nodes],
+        nodes=nodes,
+        gpus_per_node=None if cpu else spec.nodes.gpus_per_node,
+        strategy=STRATEGY[spec.placement.strategy],
+        routing_stats=stats,
+        global_batch=t.global_batch,
+        micro_batch=t.micro_batch,
+        seq_len=t.seq_len,
+        ep_size=spec.placement.expert_parallel_size,
+        device="cpu" if cpu else "cuda",
+        procs_per_node=spec.nodes.gpus_per_node,
+        cpu_memory_bytes=cpu_memory_bytes,
+        training=opts,
+        ds_overrides=spec.deepspeed_overrides,
+        dispatcher=DISPATCHER[spec.placement.dispatcher],
+    )
 
 
-def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, TopologyReport],
-               stats: RoutingStats | None, cpu_memory_bytes: int) -> dict[str, Any]:
+def _make_plan(
+    job: JobRef,
+    spec: JobSpec,
+    nodes: list[str],
+    reports: dict[str, TopologyReport],
+    stats: RoutingStats | None,
+    cpu_memory_bytes: int,
+) -> dict[str, Any]:
     request = plan_request(job, spec, nodes, reports, stats, cpu_memory_bytes)
     try:
         plan = build_plan(request)
@@ -323,12 +408,17 @@ def _make_plan(job: JobRef, spec: JobSpec, nodes: list[str], reports: dict[str, 
         if not spec.deepspeed_overrides:
             raise
         # the core reads the merged DeepSpeed config: a wrong type deep in an override lands here
-        raise SpecError("spec.deepspeedOverrides", f"a value has the wrong type for the DeepSpeed "
-                        f"config ({type(exc).__name__}: {exc})") from None
+        raise SpecError(
+            "spec.deepspeedOverrides",
+            f"a value has the wrong type for the DeepSpeed config ({type(exc).__name__}: {exc})",
+        ) from None
     size = len(plan_json(plan.document))
     if size > MAX_PLAN_BYTES:
-        raise Refused(C.R_PLAN_TOO_LARGE, f"the plan is {size} bytes; a ConfigMap holds at most "
-                      f"{MAX_PLAN_BYTES} (fewer nodes, experts or layers)")
+        raise Refused(
+            C.R_PLAN_TOO_LARGE,
+            f"the plan is {size} bytes; a ConfigMap holds at most "
+            f"{MAX_PLAN_BYTES} (fewer nodes, experts or layers)",
+        )
     return plan.document
 
 
@@ -347,12 +437,17 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
     mem = plan.get("memory") or {}
     # strategy: the layout the plan has (a strategy that needed routing statistics and had none
     # fell back to contiguous: requestedStrategy then says what the spec asked for)
-    out = {"worldSize": plan.get("worldSize"), "epSize": plan.get("epSize"),
-           "nodes": rank2node(plan), "strategy": pl.get("fellBackTo") or pl.get("strategy"),
-           "requestedStrategy": pl.get("strategy") if pl.get("fellBackTo") else None,
-           "device": plan.get("device"),
-           "estimatedPeakBytesPerGpu": mem.get("estimatedPeakBytes"),
-           "gpuMemoryBytes": mem.get("gpuMemoryBytes"), "fits": mem.get("fits")}
+    out = {
+        "worldSize": plan.get("worldSize"),
+        "epSize": plan.get("epSize"),
+        "nodes": rank2node(plan),
+        "strategy": pl.get("fellBackTo") or pl.get("strategy"),
+        "requestedStrategy": pl.get("strategy") if pl.get("fellBackTo") else None,
+        "device": plan.get("device"),
+        "estimatedPeakBytesPerGpu": mem.get("estimatedPeakBytes"),
+        "gpuMemoryBytes": mem.get("gpuMemoryBytes"),
+        "fits": mem.get("fits"),
+    }
     if "crossGroupVsContiguous" in q:
         out["crossGroupVsContiguous"] = f"{float(q['crossGroupVsContiguous']):.3f}"
     if "maxMeanLoad" in q:
@@ -365,9 +460,14 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
 
 def describe(s: dict[str, Any]) -> str:
     gib = (s.get("estimatedPeakBytesPerGpu") or 0) / 2**30
-    asked = (f" ({s['requestedStrategy']} asked, no routing statistics)"
-             if s.get("requestedStrategy") else "")
-    return (f"{s.get('strategy')} placement{asked} on {', '.join(s.get('nodes', []))}: world size "
-            f"{s.get('worldSize')}, EP size {s.get('epSize')}, cross-group traffic "
-            f"{s.get('crossGroupVsContiguous', '?')}x contiguous, est. peak {gib:.2f} GiB per "
-            f"{'process' if s.get('device') == 'cpu' else 'GPU'}")
+    asked = (
+        f" ({s['requestedStrategy']} asked, no routing statistics)"
+        if s.get("requestedStrategy")
+        else ""
+    )
+    return (
+        f"{s.get('strategy')} placement{asked} on {', '.join(s.get('nodes', []))}: world size "
+        f"{s.get('worldSize')}, EP size {s.get('epSize')}, cross-group traffic "
+        f"{s.get('crossGroupVsContiguous', '?')}x contiguous, est. peak {gib:.2f} GiB per "
+        f"{'process' if s.get('device') == 'cpu' else 'GPU'}"
+    )

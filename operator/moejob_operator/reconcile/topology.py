@@ -25,18 +25,19 @@ from . import machine
 from .outcome import NotYet
 
 MAX_CANDIDATES = 64
-MESSAGE_TAIL = 200   # characters of a failed discovery pod's termination message in the condition
+MESSAGE_TAIL = 200  # characters of a failed discovery pod's termination message in the condition
 
 
 @dataclass(frozen=True)
 class Discovered:
-    reports: dict[str, TopologyReport]    # node -> report, in candidate order
-    message: str                          # for the TopologyDiscovered condition
+    reports: dict[str, TopologyReport]  # node -> report, in candidate order
+    message: str  # for the TopologyDiscovered condition
 
 
 def _discovered(reports: dict[str, TopologyReport]) -> Discovered:
-    return Discovered(reports, f"fresh topology reports for {len(reports)} node(s): "
-                               f"{', '.join(reports)}")
+    return Discovered(
+        reports, f"fresh topology reports for {len(reports)} node(s): {', '.join(reports)}"
+    )
 
 
 _parsed: dict[tuple[str, str], TopologyReport | None] = {}
@@ -66,7 +67,9 @@ def _parse_cached(cm: dict[str, Any]) -> TopologyReport | None:
     return report
 
 
-def _fresh(cm: dict[str, Any] | None, node: dict[str, Any], now: dt.datetime) -> TopologyReport | None:
+def _fresh(
+    cm: dict[str, Any] | None, node: dict[str, Any], now: dt.datetime
+) -> TopologyReport | None:
     """The cached report when it is current (age, boot id: D.cached_report_is_current) and valid."""
     if not D.cached_report_is_current(cm, node, now=now)[0]:
         return None
@@ -85,11 +88,17 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
     job = JobRef.from_body(body)
     nodes = {n["metadata"]["name"]: n for n in client.list_nodes()}
     candidates = machine.candidate_nodes(
-        list(nodes.values()), node_names=spec.nodes.node_names,
-        selectors=[spec.nodes.node_selector, spec.scheduling.node_selector])[:MAX_CANDIDATES]
+        list(nodes.values()),
+        node_names=spec.nodes.node_names,
+        selectors=[spec.nodes.node_selector, spec.scheduling.node_selector],
+    )[:MAX_CANDIDATES]
     if len(candidates) < spec.nodes.count:
-        raise NotYet(C.R_NO_CANDIDATE_NODES, f"{len(candidates)} ready node(s) match the job, "
-                     f"spec.nodes.count is {spec.nodes.count}", 15.0)
+        raise NotYet(
+            C.R_NO_CANDIDATE_NODES,
+            f"{len(candidates)} ready node(s) match the job, "
+            f"spec.nodes.count is {spec.nodes.count}",
+            15.0,
+        )
     reports: dict[str, TopologyReport] = {}
     missing = []
     for node in candidates:
@@ -102,39 +111,59 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
     # enough fresh reports: no need to probe the rest
     if len(reports) >= spec.nodes.count or not missing:
         if len(reports) < spec.nodes.count:
-            raise NotYet(C.R_DISCOVERY_FAILED, f"only {len(reports)} node(s) have a topology "
-                         "report", 2.0, failed=True)
+            raise NotYet(
+                C.R_DISCOVERY_FAILED,
+                f"only {len(reports)} node(s) have a topology report",
+                2.0,
+                failed=True,
+            )
         return _discovered(reports)
 
     # ServiceAccount, Role (may update every candidate's report), RoleBinding; pods below
     owner = owner_reference(job)
-    for obj in D.discovery_children(job.name, candidates, namespace=job.namespace, image=spec.image,
-                                    owner=owner)[:3]:
+    for obj in D.discovery_children(
+        job.name, candidates, namespace=job.namespace, image=spec.image, owner=owner
+    )[:3]:
         client.create(obj)
     # Discovery pods are per node and namespace (moe-discovery-<node>): another job's may be
     # running for the same node already; its report serves this job too.
-    pods = {p["metadata"]["name"]: p for p in client.list_pods(
-        job.namespace, {C.LABEL_COMPONENT: D.COMPONENT, C.LABEL_MANAGED_BY: C.MANAGED_BY})}
+    pods = {
+        p["metadata"]["name"]: p
+        for p in client.list_pods(
+            job.namespace, {C.LABEL_COMPONENT: D.COMPONENT, C.LABEL_MANAGED_BY: C.MANAGED_BY}
+        )
+    }
     failed, rerun = [], []
-    tolerations = [t.model_dump(by_alias=True, exclude_none=True)
-                   for t in spec.scheduling.tolerations or ()]
+    tolerations = [
+        t.model_dump(by_alias=True, exclude_none=True) for t in spec.scheduling.tolerations or ()
+    ]
     for node in missing:
         name = D.discovery_pod_name(node)
         pod = pods.get(name)
         if pod is None:
-            client.create(D.discovery_pod(
-                node, namespace=job.namespace, image=spec.image,
-                service_account=D.discovery_account_name(job.name), owner=owner,
-                job_name=job.name, image_pull_policy=spec.image_pull_policy,
-                tolerations=tolerations))
+            client.create(
+                D.discovery_pod(
+                    node,
+                    namespace=job.namespace,
+                    image=spec.image,
+                    service_account=D.discovery_account_name(job.name),
+                    owner=owner,
+                    job_name=job.name,
+                    image_pull_policy=spec.image_pull_policy,
+                    tolerations=tolerations,
+                )
+            )
             continue
         phase = (pod.get("status") or {}).get("phase")
         if phase not in ("Failed", "Succeeded"):
             continue
         if phase == "Succeeded":
             # The pod publishes before it exits: the cached read above may predate its report.
-            report = _fresh(client.get_configmap(job.namespace, D.topology_configmap_name(node)),
-                            nodes[node], now)
+            report = _fresh(
+                client.get_configmap(job.namespace, D.topology_configmap_name(node)),
+                nodes[node],
+                now,
+            )
             if report is not None:
                 reports[node] = report
                 continue
@@ -144,12 +173,17 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
             why = _termination_message(pod)
             failed.append(f"{node} (exit code {view.exit_code}{': ' + why if why else ''})")
         else:
-            rerun.append(node)      # an earlier run's pod: its report has aged out since
+            rerun.append(node)  # an earlier run's pod: its report has aged out since
         client.delete_pod(job.namespace, name, uid=view.uid)
-    if all(node in reports for node in missing):     # every pod had published after all
+    if all(node in reports for node in missing):  # every pod had published after all
         return _discovered(reports)
     if failed:
-        raise NotYet(C.R_DISCOVERY_FAILED, f"discovery failed on {', '.join(failed)}; retrying",
-                     10.0, failed=True)
-    raise NotYet(C.R_DISCOVERY_PENDING, f"discovery running on {', '.join(missing)}",
-                 1.0 if rerun else 2.0)
+        raise NotYet(
+            C.R_DISCOVERY_FAILED,
+            f"discovery failed on {', '.join(failed)}; retrying",
+            10.0,
+            failed=True,
+        )
+    raise NotYet(
+        C.R_DISCOVERY_PENDING, f"discovery running on {', '.join(missing)}", 1.0 if rerun else 2.0
+    )

@@ -15,8 +15,9 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import nvml_probe, nvml_record, publish
 from .nvml_probe import DiscoveryError
@@ -25,17 +26,26 @@ from .nvml_probe import DiscoveryError
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-discover", description=__doc__.split("\n")[0])
     p.add_argument("--output", "-o", help="also write the report to this file ('-' = stdout)")
-    p.add_argument("--no-stdout", action="store_true",
-                   help="do not print the report on stdout (default: print it)")
+    p.add_argument(
+        "--no-stdout",
+        action="store_true",
+        help="do not print the report on stdout (default: print it)",
+    )
     p.add_argument("--configmap", help="publish into this ConfigMap (key topology.json)")
     p.add_argument("--namespace", help="namespace of --configmap (default: the pod's)")
     p.add_argument("--node", help="node name (default: $NODE_NAME, else the hostname)")
-    p.add_argument("--fake-nvml", metavar="NAME|PATH",
-                   help=f"replay a recorded NVML fixture instead of the driver "
-                        f"(also ${nvml_record.FIXTURE_ENV}); dev/test only: needs the dev package's "
-                        f"moe_fake_nvml, which the images do not install")
-    p.add_argument("--record", metavar="FILE",
-                   help="also write what real NVML answered, as a fake-NVML recording")
+    p.add_argument(
+        "--fake-nvml",
+        metavar="NAME|PATH",
+        help=f"replay a recorded NVML fixture instead of the driver "
+        f"(also ${nvml_record.FIXTURE_ENV}); dev/test only: needs the dev package's "
+        f"moe_fake_nvml, which the images do not install",
+    )
+    p.add_argument(
+        "--record",
+        metavar="FILE",
+        help="also write what real NVML answered, as a fake-NVML recording",
+    )
     p.add_argument("--verbose", "-v", action="store_true", help="list NVML calls that failed")
     return p
 
@@ -58,9 +68,12 @@ def _fake_nvml():
     try:
         import moe_fake_nvml
     except ImportError as err:
-        raise DiscoveryError(f"fake NVML asked for (--fake-nvml or ${nvml_record.FIXTURE_ENV}) but "
-                             f"the dev package's moe_fake_nvml is not installed here ({err}); "
-                             "on a real node, unset it", nvml_probe.EXIT_CONFIG) from err
+        raise DiscoveryError(
+            f"fake NVML asked for (--fake-nvml or ${nvml_record.FIXTURE_ENV}) but "
+            f"the dev package's moe_fake_nvml is not installed here ({err}); "
+            "on a real node, unset it",
+            nvml_probe.EXIT_CONFIG,
+        ) from err
     return moe_fake_nvml
 
 
@@ -73,8 +86,11 @@ def _nvml(args: argparse.Namespace) -> tuple[Any, str, str | None]:
             recording, name = fake.load_recording(fixture)
         except fake.RecordingError as err:
             raise DiscoveryError(f"fake NVML: {err}", nvml_probe.EXIT_CONFIG) from err
-        print(f"moe-discover: WARNING: FAKE NVML: replaying recorded fixture {name!r}; "
-              "this report describes no real hardware", file=sys.stderr)
+        print(
+            f"moe-discover: WARNING: FAKE NVML: replaying recorded fixture {name!r}; "
+            "this report describes no real hardware",
+            file=sys.stderr,
+        )
         return fake.FakeNvml(recording), "fake-nvml", name
     import pynvml  # only here: a fake run must not need the bindings' library
 
@@ -95,8 +111,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         for line in failed:
             print(f"moe-discover: NVML: {line}", file=sys.stderr)
     if isinstance(nvml, nvml_record.RecordingNvml):
-        nvml.recording["description"] = (f"recorded by moe-discover on node {node!r}, driver "
-                                          f"{report['driverVersion']}")
+        nvml.recording["description"] = (
+            f"recorded by moe-discover on node {node!r}, driver {report['driverVersion']}"
+        )
         Path(args.record).write_text(json.dumps(nvml.recording, indent=1) + "\n")
     text = json.dumps(report, indent=2) + "\n"
     if args.output and args.output != "-":
@@ -110,8 +127,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         try:
             how = publish.publish_configmap(report, args.configmap, namespace)
         except publish.PublishError as err:
-            raise DiscoveryError(f"could not publish the report: {err} [{line}]",
-                                 nvml_probe.EXIT_PUBLISH_FAILED) from err
+            raise DiscoveryError(
+                f"could not publish the report: {err} [{line}]", nvml_probe.EXIT_PUBLISH_FAILED
+            ) from err
         print(f"moe-discover: ConfigMap {namespace}/{args.configmap} {how}", file=sys.stderr)
         line += f" configmap={namespace}/{args.configmap}"
     publish.write_termination_log(line)

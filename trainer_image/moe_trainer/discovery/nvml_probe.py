@@ -21,11 +21,11 @@ REPORT_VERSION = 1
 
 # Exit codes of `moe-discover` (sysexits.h names); docs/discovery.md lists them.
 EXIT_OK = 0
-EXIT_USAGE = 64          # EX_USAGE: bad command line
-EXIT_NO_DRIVER = 69      # EX_UNAVAILABLE: no NVML library / driver not loaded / no GPU visible
-EXIT_NVML_ERROR = 70     # EX_SOFTWARE: NVML failed in a way that leaves nothing true to report
+EXIT_USAGE = 64  # EX_USAGE: bad command line
+EXIT_NO_DRIVER = 69  # EX_UNAVAILABLE: no NVML library / driver not loaded / no GPU visible
+EXIT_NVML_ERROR = 70  # EX_SOFTWARE: NVML failed in a way that leaves nothing true to report
 EXIT_PUBLISH_FAILED = 75  # EX_TEMPFAIL: report built but the ConfigMap write failed (retry)
-EXIT_CONFIG = 78         # EX_CONFIG: unknown fake-NVML fixture, unreadable recording
+EXIT_CONFIG = 78  # EX_CONFIG: unknown fake-NVML fixture, unreadable recording
 
 # NVML constants (nvml.h); read from the module when it has them, these are the fallbacks.
 _ERR_INVALID_ARGUMENT = 2
@@ -36,13 +36,21 @@ _NVLINK_DEVICE_TYPE_GPU = 0
 _NVLINK_DEVICE_TYPE_SWITCH = 2
 _P2P_CAPS_INDEX_NVLINK = 2
 _P2P_STATUS_OK = 0
-_NVLINK_MAX_LINKS = 18    # NVLink 4 (H100/H200); newer bindings say 36, older ones 6 or 12
+_NVLINK_MAX_LINKS = 18  # NVLink 4 (H100/H200); newer bindings say 36, older ones 6 or 12
 
 # GB/s per link and direction by compute capability (NVML reports no link bandwidth): P100 NVLink1
 # 20; V100 NVLink2, Turing bridges, A100 NVLink3, H100/H200 NVLink4 25; GA102 bridges (RTX A6000,
 # A40, RTX 3090: 112.5 GB/s both directions over 4 links) 14.0625; B200/B300 NVLink5 50.
-_NVLINK_GBPS_BY_CC = {"6.0": 20.0, "7.0": 25.0, "7.5": 25.0, "8.0": 25.0, "8.6": 14.0625,
-                      "9.0": 25.0, "10.0": 50.0, "10.3": 50.0}
+_NVLINK_GBPS_BY_CC = {
+    "6.0": 20.0,
+    "7.0": 25.0,
+    "7.5": 25.0,
+    "8.0": 25.0,
+    "8.6": 14.0625,
+    "9.0": 25.0,
+    "10.0": 50.0,
+    "10.3": 50.0,
+}
 _NVLINK_GBPS_DEFAULT = 25.0
 _PCIE_LEVEL_UNKNOWN = 50  # NVML_TOPOLOGY_SYSTEM: when NVML cannot say, assume the farthest tier
 
@@ -82,8 +90,10 @@ def parse_bus_id(text: str | bytes) -> PciAddress:
     if not match:
         raise ValueError(f"{text!r} is not a PCI bus id")
     return PciAddress(
-        domain=int(match["domain"] or "0", 16), bus=int(match["bus"], 16),
-        device=int(match["device"], 16), function=int(match["function"], 16),
+        domain=int(match["domain"] or "0", 16),
+        bus=int(match["bus"], 16),
+        device=int(match["device"], 16),
+        function=int(match["function"], 16),
     )
 
 
@@ -106,7 +116,11 @@ def pci_address(info: Any) -> PciAddress | None:
             address = PciAddress(int(info.domain), int(info.bus), int(info.device), 0)
         except (AttributeError, TypeError, ValueError):
             return None
-    if address.bus == 0xFF and address.device == 0xFF and address.domain in (0xFFFF, 0xFFFFFFF, 0xFFFFFFFF):
+    if (
+        address.bus == 0xFF
+        and address.device == 0xFF
+        and address.domain in (0xFFFF, 0xFFFFFFF, 0xFFFFFFFF)
+    ):
         return None
     return address
 
@@ -131,7 +145,7 @@ class _Nvml:
         self.mod = nvml
         self.error_type: type[BaseException] = getattr(nvml, "NVMLError", Exception)
         self.errors: list[str] = []
-        self.last_error: int | None = None   # NVML code of the last failed call
+        self.last_error: int | None = None  # NVML code of the last failed call
 
     def const(self, name: str, default: int) -> int:
         return int(getattr(self.mod, name, default))
@@ -176,7 +190,9 @@ def nvml_init(nvml: Any) -> None:
         if code in (_ERR_LIBRARY_NOT_FOUND, _ERR_DRIVER_NOT_LOADED):
             raise DiscoveryError(
                 f"no NVIDIA driver on this node: NVML says {err!s} (code {code}); is the pod on a "
-                "GPU node with the NVIDIA container runtime?", EXIT_NO_DRIVER) from err
+                "GPU node with the NVIDIA container runtime?",
+                EXIT_NO_DRIVER,
+            ) from err
         raise DiscoveryError(f"NVML init failed: {err!s} (code {code})", EXIT_NVML_ERROR) from err
 
 
@@ -221,12 +237,15 @@ def _numa_node(nv: _Nvml, handle: Any) -> int | None:
     return None
 
 
-def _remote_kind(nv: _Nvml, handle: Any, link: int, remote: PciAddress | None,
-                 gpu_addresses: set[PciAddress]) -> str:
+def _remote_kind(
+    nv: _Nvml, handle: Any, link: int, remote: PciAddress | None, gpu_addresses: set[PciAddress]
+) -> str:
     """'gpu' | 'switch' | 'other'. Drivers older than the RemoteDeviceType call: a remote that is
     one of this node's GPUs is 'gpu', anything else behind an NVLink is taken as an NVSwitch."""
+
     def by_pci() -> int:
         return _NVLINK_DEVICE_TYPE_GPU if remote in gpu_addresses else _NVLINK_DEVICE_TYPE_SWITCH
+
     kind = nv.call("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link, missing=by_pci)
     if kind is None:
         kind = by_pci()
@@ -243,21 +262,29 @@ def _probe_links(nv: _Nvml, handle: Any, gpu_addresses: set[PciAddress]) -> list
     for link in range(nv.const("NVML_NVLINK_MAX_LINKS", _NVLINK_MAX_LINKS)):
         state = nv.call("nvmlDeviceGetNvLinkState", handle, link)
         if state is None and (link == 0 or nv.last_error == _ERR_INVALID_ARGUMENT):
-            break   # "Not Supported" on link 0: no NVLink (one H200 in a VM); past the last link
+            break  # "Not Supported" on link 0: no NVLink (one H200 in a VM); past the last link
         if not state:
             continue
         info = nv.call("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
         remote = pci_address(info) if info is not None else None
-        links.append({
-            "link": link,
-            "remote": _remote_kind(nv, handle, link, remote, gpu_addresses),
-            "remotePciBusId": str(remote) if remote else None,
-        })
+        links.append(
+            {
+                "link": link,
+                "remote": _remote_kind(nv, handle, link, remote, gpu_addresses),
+                "remotePciBusId": str(remote) if remote else None,
+            }
+        )
     return links
 
 
-def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = None,
-          now: _dt.datetime | None = None) -> tuple[dict, list[str]]:
+def probe(
+    nvml: Any,
+    *,
+    node: str,
+    source: str = "nvml",
+    fixture: str | None = None,
+    now: _dt.datetime | None = None,
+) -> tuple[dict, list[str]]:
     """Run NVML discovery; returns (TopologyReport v1 dict, NVML calls that failed).
 
     Raises DiscoveryError when NVML is absent or cannot list the GPUs. Calls nvmlShutdown.
@@ -276,15 +303,19 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
                     continue
             handles.append(handle)
         if not handles:
-            raise DiscoveryError("NVML is loaded but sees no GPU: is NVIDIA_VISIBLE_DEVICES set "
-                                 "and the NVIDIA runtime in use?", EXIT_NO_DRIVER)
+            raise DiscoveryError(
+                "NVML is loaded but sees no GPU: is NVIDIA_VISIBLE_DEVICES set "
+                "and the NVIDIA runtime in use?",
+                EXIT_NO_DRIVER,
+            )
         gpus = [_probe_gpu(nv, i, h) for i, h in enumerate(handles)]
         addresses = {parse_bus_id(g["pciBusId"]) for g in gpus if g["pciBusId"]}
         for gpu, handle in zip(gpus, handles, strict=True):
             gpu["nvlinks"] = _probe_links(nv, handle, addresses)
             if gpu["nvlinks"]:
-                gpu["nvlinkLinkGBps"] = _NVLINK_GBPS_BY_CC.get(gpu["computeCapability"],
-                                                               _NVLINK_GBPS_DEFAULT)
+                gpu["nvlinkLinkGBps"] = _NVLINK_GBPS_BY_CC.get(
+                    gpu["computeCapability"], _NVLINK_GBPS_DEFAULT
+                )
         report = {
             "kind": REPORT_KIND,
             "version": REPORT_VERSION,
@@ -292,7 +323,8 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
             "source": source,
             "fixture": fixture,
             "collectedAt": (now or _dt.datetime.now(_dt.UTC))
-            .astimezone(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            .astimezone(_dt.UTC)
+            .strftime("%Y-%m-%dT%H:%M:%SZ"),
             "driverVersion": _text(nv.call("nvmlSystemGetDriverVersion")),
             "cudaDriverVersion": cuda_version_string(nv.call("nvmlSystemGetCudaDriverVersion")),
             "gpus": gpus,
@@ -300,7 +332,7 @@ def probe(nvml: Any, *, node: str, source: str = "nvml", fixture: str | None = N
             "pcieLevel": _pcie_matrix(nv, handles),
         }
     finally:
-        with contextlib.suppress(Exception):   # a failed shutdown changes nothing we report
+        with contextlib.suppress(Exception):  # a failed shutdown changes nothing we report
             nvml.nvmlShutdown()
     return report, nv.errors
 
@@ -309,8 +341,13 @@ def _p2p_matrix(nv: _Nvml, handles: list) -> list[list[bool]]:
     caps = nv.const("NVML_P2P_CAPS_INDEX_NVLINK", _P2P_CAPS_INDEX_NVLINK)
     ok = nv.const("NVML_P2P_STATUS_OK", _P2P_STATUS_OK)
     n = len(handles)
-    return [[i == j or nv.call("nvmlDeviceGetP2PStatus", handles[i], handles[j], caps) == ok
-             for j in range(n)] for i in range(n)]
+    return [
+        [
+            i == j or nv.call("nvmlDeviceGetP2PStatus", handles[i], handles[j], caps) == ok
+            for j in range(n)
+        ]
+        for i in range(n)
+    ]
 
 
 def _pcie_matrix(nv: _Nvml, handles: list) -> list[list[int]]:

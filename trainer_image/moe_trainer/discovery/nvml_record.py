@@ -19,9 +19,15 @@ RECORDING_KIND = "NvmlRecording"
 RECORDING_VERSION = 1
 FIXTURE_ENV = "MOE_FAKE_NVML_FIXTURE"
 
-CONSTANTS = ("NVML_P2P_CAPS_INDEX_NVLINK", "NVML_AFFINITY_SCOPE_NODE", "NVML_P2P_STATUS_OK", "NVML_NVLINK_DEVICE_TYPE_GPU",
-             "NVML_NVLINK_DEVICE_TYPE_SWITCH", "NVML_NVLINK_DEVICE_TYPE_IBMNPU",
-             "NVML_NVLINK_DEVICE_TYPE_UNKNOWN")
+CONSTANTS = (
+    "NVML_P2P_CAPS_INDEX_NVLINK",
+    "NVML_AFFINITY_SCOPE_NODE",
+    "NVML_P2P_STATUS_OK",
+    "NVML_NVLINK_DEVICE_TYPE_GPU",
+    "NVML_NVLINK_DEVICE_TYPE_SWITCH",
+    "NVML_NVLINK_DEVICE_TYPE_IBMNPU",
+    "NVML_NVLINK_DEVICE_TYPE_UNKNOWN",
+)
 PCI_FIELDS = ("busId", "busIdLegacy", "domain", "bus", "device", "pciDeviceId", "pciSubSystemId")
 
 
@@ -51,13 +57,24 @@ class RecordingNvml:
         for name in CONSTANTS:
             if hasattr(real, name):
                 setattr(self, name, getattr(real, name))
-        self.recording: dict = {"kind": RECORDING_KIND, "version": RECORDING_VERSION,
-                                "fixture": fixture, "description": description,
-                                "gpus": []}
+        self.recording: dict = {
+            "kind": RECORDING_KIND,
+            "version": RECORDING_VERSION,
+            "fixture": fixture,
+            "description": description,
+            "gpus": [],
+        }
         self._handles: list[Any] = []
-        absent = [n for n in ("nvmlDeviceGetNumaNodeId", "nvmlDeviceGetMemoryAffinity",
-                              "nvmlDeviceGetNvLinkRemoteDeviceType",
-                              "nvmlDeviceIsMigDeviceHandle") if not hasattr(real, n)]
+        absent = [
+            n
+            for n in (
+                "nvmlDeviceGetNumaNodeId",
+                "nvmlDeviceGetMemoryAffinity",
+                "nvmlDeviceGetNvLinkRemoteDeviceType",
+                "nvmlDeviceIsMigDeviceHandle",
+            )
+            if not hasattr(real, n)
+        ]
         if absent:
             self.recording["absentFunctions"] = absent
         for name in absent:
@@ -92,12 +109,16 @@ class RecordingNvml:
         self._real.nvmlShutdown()
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        return self._record(self.recording, "nvmlSystemGetDriverVersion",
-                            self._real.nvmlSystemGetDriverVersion)
+        return self._record(
+            self.recording, "nvmlSystemGetDriverVersion", self._real.nvmlSystemGetDriverVersion
+        )
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self._record(self.recording, "nvmlSystemGetCudaDriverVersion",
-                            self._real.nvmlSystemGetCudaDriverVersion)
+        return self._record(
+            self.recording,
+            "nvmlSystemGetCudaDriverVersion",
+            self._real.nvmlSystemGetCudaDriverVersion,
+        )
 
     def nvmlDeviceGetCount(self) -> int:
         return self._real.nvmlDeviceGetCount()
@@ -114,8 +135,9 @@ class RecordingNvml:
         return value
 
     def _dev(self, name: str, handle: Any, encode=lambda v: v) -> Any:
-        return self._record(self._gpu(handle), name, getattr(self._real, name), handle,
-                            encode=encode)
+        return self._record(
+            self._gpu(handle), name, getattr(self._real, name), handle, encode=encode
+        )
 
     def nvmlDeviceGetUUID(self, handle):
         return self._dev("nvmlDeviceGetUUID", handle)
@@ -133,9 +155,15 @@ class RecordingNvml:
         return self._dev("nvmlDeviceGetNumaNodeId", handle)
 
     def nvmlDeviceGetMemoryAffinity(self, handle, node_set_size, scope):
-        return self._record(self._gpu(handle), "nvmlDeviceGetMemoryAffinity",
-                            self._real.nvmlDeviceGetMemoryAffinity, handle, node_set_size, scope,
-                            encode=lambda words: [int(w) for w in words])
+        return self._record(
+            self._gpu(handle),
+            "nvmlDeviceGetMemoryAffinity",
+            self._real.nvmlDeviceGetMemoryAffinity,
+            handle,
+            node_set_size,
+            scope,
+            encode=lambda words: [int(w) for w in words],
+        )
 
     def nvmlDeviceGetCudaComputeCapability(self, handle):
         return self._dev("nvmlDeviceGetCudaComputeCapability", handle, encode=list)
@@ -146,8 +174,14 @@ class RecordingNvml:
     def _lnk(self, name: str, handle: Any, link: int, encode=lambda v: v) -> Any:
         links = self._gpu(handle).setdefault("nvlinks", {})
         try:
-            return self._record(links.setdefault(str(link), {}), name,
-                                getattr(self._real, name), handle, link, encode=encode)
+            return self._record(
+                links.setdefault(str(link), {}),
+                name,
+                getattr(self._real, name),
+                handle,
+                link,
+                encode=encode,
+            )
         finally:
             if name == "nvmlDeviceGetNvLinkState":
                 links["count"] = max(int(links.get("count", 0)), link + 1)

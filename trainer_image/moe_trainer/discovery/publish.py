@@ -21,12 +21,12 @@ from moe_contracts import env as E
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TERMINATION_LOG = Path("/dev/termination-log")
-TOPOLOGY_KEY = E.TOPOLOGY_KEY               # docs/contracts.md (moe_contracts.env)
+TOPOLOGY_KEY = E.TOPOLOGY_KEY  # docs/contracts.md (moe_contracts.env)
 LABEL_COMPONENT = "moe-operator.io/component"
 LABEL_NODE = "moe-operator.io/node"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-ANNOTATION_GPU_SET = "moe-operator.io/gpu-uuid-set"   # sha256 of the sorted GPU UUIDs
-ANNOTATION_BOOT_ID = "moe-operator.io/boot-id"        # host boot id at discovery time
+ANNOTATION_GPU_SET = "moe-operator.io/gpu-uuid-set"  # sha256 of the sorted GPU UUIDs
+ANNOTATION_BOOT_ID = "moe-operator.io/boot-id"  # host boot id at discovery time
 
 
 class PublishError(Exception):
@@ -58,11 +58,16 @@ def configmap_body(report: dict, name: str, namespace: str) -> dict:
     if (bid := boot_id()) is not None:
         annotations[ANNOTATION_BOOT_ID] = bid
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": {
-            "name": name, "namespace": namespace,
-            "labels": {LABEL_COMPONENT: "topology", LABEL_NODE: label_value(report["node"]),
-                       LABEL_MANAGED_BY: "moe-operator"},
+            "name": name,
+            "namespace": namespace,
+            "labels": {
+                LABEL_COMPONENT: "topology",
+                LABEL_NODE: label_value(report["node"]),
+                LABEL_MANAGED_BY: "moe-operator",
+            },
             "annotations": annotations,
         },
         "data": {TOPOLOGY_KEY: json.dumps(report, separators=(",", ":"))},
@@ -85,8 +90,9 @@ class ApiConfig:
             host = os.environ.get("KUBERNETES_SERVICE_HOST")
             port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
             if not host:
-                raise PublishError("not in a pod: KUBERNETES_SERVICE_HOST is unset "
-                                   "(and MOE_KUBE_API is not given)")
+                raise PublishError(
+                    "not in a pod: KUBERNETES_SERVICE_HOST is unset (and MOE_KUBE_API is not given)"
+                )
             host = f"[{host}]" if ":" in host else host
             base = f"https://{host}:{port}"
         token_file = Path(os.environ.get("MOE_KUBE_TOKEN_FILE", SA_DIR / "token"))
@@ -94,8 +100,9 @@ class ApiConfig:
         token = token_file.read_text().strip() if token_file.exists() else None
         return cls(base, token, str(ca_file) if ca_file.exists() else None)
 
-    def request(self, method: str, path: str, body: dict | None = None, *,
-                attempts: int = 4) -> tuple[int, dict]:
+    def request(
+        self, method: str, path: str, body: dict | None = None, *, attempts: int = 4
+    ) -> tuple[int, dict]:
         """(HTTP status, decoded body). Transport errors are retried: an API server that refuses
         a request (403) may close the connection while a larger body is still being sent, which
         the client sees as an EOF/reset, not as the 403 (seen here against kube-apiserver 1.20,
@@ -106,7 +113,7 @@ class ApiConfig:
             except PublishError:
                 if attempt == attempts - 1:
                     raise
-                time.sleep(0.2 * 2 ** attempt)
+                time.sleep(0.2 * 2**attempt)
         raise AssertionError("unreachable")
 
     def _request_once(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
@@ -132,8 +139,7 @@ class ApiConfig:
             raise PublishError(f"{method} {self.base_url}{path}: {err}") from err
 
 
-def publish_configmap(report: dict, name: str, namespace: str,
-                      api: ApiConfig | None = None) -> str:
+def publish_configmap(report: dict, name: str, namespace: str, api: ApiConfig | None = None) -> str:
     """Create or replace ConfigMap `namespace/name` holding the report; returns 'created' or
     'replaced'. Raises PublishError with the API server's message on any other answer."""
     api = api or ApiConfig.from_env()
@@ -146,12 +152,15 @@ def publish_configmap(report: dict, name: str, namespace: str,
         try:
             status, payload = api.request("PUT", f"{collection}/{name}", body)
         except PublishError as err:
-            raise PublishError(f"{err} (a refused update can look like this: may this pod's "
-                               f"ServiceAccount update configmaps/{name}?)") from err
+            raise PublishError(
+                f"{err} (a refused update can look like this: may this pod's "
+                f"ServiceAccount update configmaps/{name}?)"
+            ) from err
         if status == 200:
             return "replaced"
-    raise PublishError(f"ConfigMap {namespace}/{name}: HTTP {status}: "
-                       f"{payload.get('message', payload)}")
+    raise PublishError(
+        f"ConfigMap {namespace}/{name}: HTTP {status}: {payload.get('message', payload)}"
+    )
 
 
 def summary(report: dict) -> str:
@@ -160,9 +169,11 @@ def summary(report: dict) -> str:
     names = sorted({str(g.get("name")) for g in gpus})
     kinds = sorted({link["remote"] for g in gpus for link in g["nvlinks"]})
     links = sum(len(g["nvlinks"]) for g in gpus)
-    return (f"node={report['node']} source={report['source']} gpus={len(gpus)} "
-            f"model={'/'.join(names)} nvlinks={links}({','.join(kinds) or 'none'}) "
-            f"gpuSet={gpu_set_digest(report)}")
+    return (
+        f"node={report['node']} source={report['source']} gpus={len(gpus)} "
+        f"model={'/'.join(names)} nvlinks={links}({','.join(kinds) or 'none'}) "
+        f"gpuSet={gpu_set_digest(report)}"
+    )
 
 
 def write_termination_log(text: str, path: Path | None = None) -> bool:

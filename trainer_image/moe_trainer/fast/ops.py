@@ -11,6 +11,7 @@ the grouped linear saves the parameter itself, so ZeRO-3 re-gathers it for backw
 for `nn.Linear`. Nothing in the hot path syncs with the host (no `.item()`, `.tolist()`,
 `nonzero`, `bincount` on CUDA, boolean indexing).
 """
+
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,13 @@ class DispatchPlan:
     __slots__ = ("inv", "offsets", "perm", "token_idx", "top_k")
 
     def __init__(self, perm, inv, offsets, token_idx, top_k):
-        self.perm, self.inv, self.offsets, self.token_idx, self.top_k = perm, inv, offsets, token_idx, top_k
+        self.perm, self.inv, self.offsets, self.token_idx, self.top_k = (
+            perm,
+            inv,
+            offsets,
+            token_idx,
+            top_k,
+        )
 
     def tokens_per_expert(self) -> torch.Tensor:
         """counts[E] (int32, on device, no host sync)."""
@@ -74,7 +81,9 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_sorted):
         (inv,) = ctx.saved_tensors
         num_slots, hidden = grad_sorted.shape
-        grad_x = grad_sorted.index_select(0, inv).view(num_slots // ctx.top_k, ctx.top_k, hidden).sum(1)
+        grad_x = (
+            grad_sorted.index_select(0, inv).view(num_slots // ctx.top_k, ctx.top_k, hidden).sum(1)
+        )
         return grad_x, None, None, None
 
 
@@ -140,7 +149,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return _GroupedLinear.apply(x, weight, offsets)
 
 
-def grouped_linear_loop(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_linear_loop(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
     """Reference path (any dtype/device): a loop over experts. Syncs once (offsets.tolist())."""
     outs, start = [], 0
     for e, end in enumerate(offsets.tolist()):
