@@ -1,9 +1,13 @@
 """Placement solvers: invariants, exact baselines, golden tiny cases, and brute-force optimality."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from moe_contracts.routing import read_routing_stats
 from moe_contracts.topology import parse_topology, report_to_json
+from moejob_operator.core import placement
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import (
     BRUTE_FORCE_LIMIT,
@@ -14,6 +18,8 @@ from moejob_operator.core.placement import (
 )
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
 from moejob_operator.core.topology import ClusterTopology, load_topology
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def _stats_from_tokens(te, num_experts):
@@ -239,15 +245,7 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
     # Top-2 routing the trainer recorded on real text (64 experts), EP over 8 NVLink groups of 4
     # GPUs: the descent from the flat EPLB packing alone ends in a local optimum; more starts under
     # the same load limit keep more co-activation inside groups, and no GPU goes over the limit.
-    from pathlib import Path
-
-    from moe_contracts.routing import read_routing_stats
-    from moejob_operator.core import placement
-
-    st = read_routing_stats(
-        Path(__file__).resolve().parents[1]
-        / "benchmarks/results/routing_stats_real_text_e64_top2_fit.json"
-    )
+    st = read_routing_stats(RESULTS / "routing_stats_real_text_e64_top2_fit.json")
     rank_node = rank_group = np.arange(32) // 4
     A = 2.0 * (rank_group[:, None] == rank_group[None, :])
     gained = 0
@@ -281,3 +279,63 @@ def test_heldout_estimate_raises_only_fitted_layouts():
         assert heldout_estimate(solve(other, topo, st, **kw), 0.9) == 0.9
     fell_back = solve("topology_aware", topo, None, **kw)
     assert fell_back.fell_back and heldout_estimate(fell_back, 1.0) == 1.0
+
+
+def test_swap_deltas_match_a_recount():
+    """``_swap_deltas`` against summing the weights of each token's distinct labels before and
+    after each swap."""
+    rng = np.random.default_rng(3)
+    E, T, k, levels = 12, 300, 4, 3
+    te = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    X = np.zeros((T, E), dtype=np.float32)
+    X[np.arange(T)[:, None], te] = 1
+    label = rng.permutation(np.arange(E) % levels)
+
+    weight = np.array([0.5, 0.75, 1.0])
+
+    def distinct(lab: np.ndarray) -> float:
+        return sum(weight[sorted(set(lab[row].tolist()))].sum() for row in te)
+
+    delta = placement._swap_deltas(X, label, weight)
+    base = distinct(label)
+    checked = 0
+    for a in range(E):
+        for b in range(E):
+            if label[a] != label[b]:
+                swapped = label.copy()
+                swapped[a], swapped[b] = label[b], label[a]
+                assert delta[a, b] == pytest.approx(distinct(swapped) - base, abs=1e-3)
+                checked += 1
+    assert checked > 50
+
+
+def test_token_refinement_lowers_exact_top_k_cost_under_the_load_limit():
+    """Top-8 routing the trainer recorded on real text: the pair objective counts a token's 28
+    pairs, the cost model only its distinct groups. With token samples, topology_aware refines on
+    the exact cost: better than the pair-only placement (same co-activation, samples cut away)
+    on the same tokens, and every GPU stays under the load limit."""
+    st = read_routing_stats(RESULTS / "routing_stats_real_text_e64_top8_fit.json")
+    assert st.top_k == 8 and st.token_experts is not None
+    topo = ClusterTopology.synthetic(nodes=8, gpus_per_node=4, group_size=4)
+    kw = dict(ep_size=32, num_experts=64, num_layers=st.num_layers)
+    refined = solve("topology_aware", topo, st, **kw)
+    pair_only = solve("topology_aware", topo, st.without_tokens(), **kw)
+    balanced = solve("balanced", topo, st, **kw)
+    s_ref, s_pair = (score(p, topo, st, hidden_size=1) for p in (refined, pair_only))
+    assert s_ref.cross_group_bytes_per_step < 0.995 * s_pair.cross_group_bytes_per_step
+    for layer in range(st.num_layers):
+        load = st.load[layer].astype(float)
+        cap = np.bincount(balanced.expert2rank(layer), weights=load, minlength=32).max()
+        for p in (refined, pair_only):
+            ranks = p.expert2rank(layer)
+            assert np.bincount(ranks, minlength=32).tolist() == [2] * 32
+            assert np.bincount(ranks, weights=load, minlength=32).max() <= 1.02 * cap + 1e-6
+
+
+def test_token_refinement_is_skipped_for_top_2_and_large_models():
+    st2 = synthetic_trace(2, 16, 2, 500, seed=1)
+    assert placement._refine_sample(st2, 0, 2) is None  # the pair objective is exact
+    st4 = synthetic_trace(2, 16, 4, 5000, seed=1)
+    sample = placement._refine_sample(st4, 1, 2)
+    assert sample is not None and sample.shape == (5000, 4)
+    assert placement._refine_sample(st4, 1, 4096) is None  # below MIN_REFINE_TOKENS
