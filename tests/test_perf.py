@@ -5,6 +5,8 @@ one H200 / two H200s / CPU, and `moe-train` with every option on against the sto
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -290,3 +292,44 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
+
+
+def _zero3_steps(mode: str) -> dict:
+    from moe_trainer.launch import free_port
+
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "zero3_step_worker.py"), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_zero3_fused_step_matches_deepspeeds_step():
+    """ZeRO-3, bf16 with fp32 masters, torch fused AdamW, clipping that triggers every step (two
+    sub-groups): with ``install_zero3_fused_step`` the optimizer gets the clipping scale as
+    ``grad_scale`` (DeepSpeed's own step hands it nothing and multiplies the gradients instead),
+    and the fp32 master weights after each of 4 steps equal DeepSpeed's own step's."""
+    lean, stock = _zero3_steps("patched"), _zero3_steps("stock")
+    assert lean["installed"] == ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+    assert stock["installed"] == [] and set(stock["scales"]) == {None}
+    assert lean["subGroups"] == 2 and len(lean["scales"]) == 2 * 4
+    for step, norm in enumerate(lean["norms"]):
+        assert norm > 0.05  # clipping at 0.05 triggers
+        for scale in lean["scales"][2 * step : 2 * step + 2]:
+            assert scale == pytest.approx((norm + 1e-6) / 0.05, rel=1e-5)
+    assert lean["norms"] == pytest.approx(stock["norms"], rel=1e-5)
+    for got, want in zip(lean["masters"], stock["masters"], strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert lean["masters"][-1] != pytest.approx(lean["masters"][0], abs=1e-3)  # it trained

@@ -5,7 +5,11 @@ docs/performance.md and docs/contracts.md).
                    ZeRO-3 fetch/release hooks stay outside the compiled region, on the layer)
   fusedLoss        LM head + cross-entropy in token chunks, gradients computed in the forward
                    (no [tokens, vocab] fp32 logits tensor; the same matmul FLOPs)
-  fusedOptimizer   torch.optim.AdamW(fused=True) (one kernel over all tensors of a group)
+  fusedOptimizer   torch.optim.AdamW(fused=True) (one kernel over all tensors of a group);
+                   under ZeRO-3 also a leaner step around it (`install_zero3_fused_step`): the
+                   gradient-clipping scale goes into the AdamW kernel (`grad_scale`) instead of a
+                   separate multiply over every fp32 gradient, and the gradient norm is taken in
+                   fp32 (one read of the gradients) instead of over an fp64 copy of them
   zeroLeafModules  class names DeepSpeed ZeRO-3 treats as leaves (`set_z3_leaf_modules`): one
                    fetch/release and one pair of hooks per decoder layer instead of per submodule
   lossChunkTokens  tokens per chunk of the fused loss [8192]
@@ -208,3 +212,50 @@ def apply_before_initialize(model: nn.Module, spec: PerfSpec, device: torch.devi
 
 def fused_optimizer_ok(spec: PerfSpec, device: torch.device) -> bool:
     return spec.fused_optimizer and device.type == "cuda"
+
+
+def install_zero3_fused_step(zero_opt) -> list[str]:
+    """Lean ZeRO-3 optimizer step around torch's fused AdamW, on a DeepSpeed 0.19
+    ``DeepSpeedZeroOptimizer_Stage3`` (``engine.optimizer``); returns what was installed (nothing
+    when the optimizer is not that or the step is not the plain GPU path).
+
+    DeepSpeed's step multiplies every fp32 gradient partition by ``1 / (loss scale x clip
+    factor)`` (``unscale_and_clip_grads``, even when that is 1) and then runs the optimizer, a
+    second full pass over the gradients. Torch's fused AdamW divides by ``grad_scale`` inside
+    its kernel (the hook ``torch.amp.GradScaler`` uses), so the factor is handed over instead:
+    the same update, up to the rounding of a division instead of a multiply by the reciprocal.
+    The gradient norm for clipping is taken per fp32 gradient in fp32 (DeepSpeed's
+    ``get_norm_dtype`` casts each one to fp64 first: a copy twice its size); the per-tensor norms
+    are still summed as DeepSpeed does."""
+    from deepspeed.runtime.zero import stage3
+
+    inner = getattr(zero_opt, "optimizer", None)
+    if not (
+        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
+        and isinstance(inner, torch.optim.AdamW)
+        and inner.defaults.get("fused")
+        and not zero_opt.offload_optimizer
+        and not getattr(zero_opt, "torch_autocast_gradscaler", None)
+        and not getattr(zero_opt, "zenflow", False)
+        and not getattr(zero_opt, "use_muon", False)
+    ):
+        return []
+
+    def unscale_and_clip_grads(sub_group_id, total_norm):
+        combined = zero_opt.loss_scale
+        if zero_opt.clip_grad > 0.0:
+            clip = ((total_norm / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad
+            combined = torch.clamp(clip, min=1.0) * zero_opt.loss_scale
+        if isinstance(combined, torch.Tensor):
+            grad = zero_opt.fp32_partitioned_groups_flat[sub_group_id].grad
+            inner.grad_scale = combined.to(device=grad.device, dtype=torch.float32).reshape(1)
+        else:
+            inner.grad_scale = None if combined == 1 else torch.tensor([float(combined)])
+
+    zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
+    stage3.get_norm_dtype = _fp32_norm_dtype
+    return ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+
+
+def _fp32_norm_dtype() -> torch.dtype:
+    return torch.float32

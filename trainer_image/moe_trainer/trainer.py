@@ -167,6 +167,10 @@ class Trainer:
             lr_scheduler=None if "scheduler" in cfg else make_sched,
             config=cfg,
         )
+        if fused_opt:
+            lean = perf.install_zero3_fused_step(self.engine.optimizer)
+            if self.is_rank0 and lean:
+                log.info("ZeRO-3 step: %s", "; ".join(lean))
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
         self.dispatcher = self.install_dispatcher()
         self.probe = routing.RouterProbe(self.blocks)

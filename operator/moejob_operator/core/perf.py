@@ -86,7 +86,11 @@ def choose(
     perf: dict[str, Any] = {}
     if not has_optimizer:
         perf["fusedOptimizer"] = True
-        notes.append("fusedOptimizer: torch AdamW(fused=True), one kernel per parameter group")
+        notes.append(
+            "fusedOptimizer: torch AdamW(fused=True), one kernel per parameter group; under "
+            "ZeRO-3 the clipping scale goes into that kernel and the clipping norm is taken in "
+            "fp32 (no extra pass over the gradients, no fp64 copy)"
+        )
     perf["fusedLoss"] = True
     perf["lossChunkTokens"] = LOSS_CHUNK_TOKENS
     notes.append(
