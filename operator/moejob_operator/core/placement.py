@@ -463,7 +463,7 @@ def _refine_tokens(
     rank_node: np.ndarray,
     n: int,
     limit: float,
-    max_swaps: int = 128,
+    max_swaps: int = 64,
 ) -> np.ndarray:
     """Steepest descent on the exact cost of sampled tokens ``te[T, k]``: swaps of two experts
     in different NVLink groups that lower ``sum_t`` remote-group sends + remote-node sends
@@ -484,12 +484,18 @@ def _refine_tokens(
     group_ranks = [np.flatnonzero(rank_group == g) for g in range(G)]
     node_of_group = np.array([rank_node[r[0]] for r in group_ranks])
     room = np.array([len(r) for r in group_ranks]) * limit + 1e-9  # a group's load limit
+    one_group_per_node = len(np.unique(node_of_group)) == G
     for _ in range(max_swaps):
         grp = rank_group[e2r]
-        delta = _swap_deltas(X, grp, w_group)
-        if N > 1:
-            node = node_of_group[grp]
-            delta += np.where(node[:, None] == node[None, :], 0.0, _swap_deltas(X, node, w_node))
+        if one_group_per_node:  # a node's sends are its group's: one pass with both weights
+            delta = _swap_deltas(X, grp, w_group + w_node[node_of_group])
+        else:
+            delta = _swap_deltas(X, grp, w_group)
+            if N > 1:
+                node = node_of_group[grp]
+                delta += np.where(
+                    node[:, None] == node[None, :], 0.0, _swap_deltas(X, node, w_node)
+                )
         delta[grp[:, None] == grp[None, :]] = np.inf
         group_load = np.bincount(grp, weights=load, minlength=G)
         dl = load[None, :] - load[:, None]  # a's group gains load[b] - load[a]
