@@ -23,7 +23,7 @@ cfg = {
     "zero_optimization": {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
-        "sub_group_size": 20000,
+        "sub_group_size": 10000,
     },
     "zero_allow_untested_optimizer": True,
 }
