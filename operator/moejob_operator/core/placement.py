@@ -256,18 +256,12 @@ def _repacking_swap(
         if not gain[i, e] > 1e-7:
             return False
         a = int(R[i])
-        ga, ge = group_of_rank[e2r[a]], group_of_rank[e2r[e]]
-        trial = e2r.copy()
-        trial[a], trial[e] = e2r[e], e2r[a]
-        packed = []
-        for g in (ga, ge):
-            ranks = np.flatnonzero(group_of_rank == g)
-            experts = np.flatnonzero(np.isin(trial, ranks))
-            b = _lpt(load[experts], np.full(len(ranks), n))
-            if np.bincount(b, weights=load[experts], minlength=len(ranks)).max() > cap:
-                break
-            packed.append((experts, ranks[b]))
-        else:
+        grp = group_of_rank[e2r]
+        trial = grp.copy()
+        trial[a], trial[e] = grp[e], grp[a]
+        group_ranks = [np.flatnonzero(group_of_rank == g) for g in range(group_of_rank.max() + 1)]
+        packed = _pack_groups(load, trial, (grp[a], grp[e]), group_ranks, n, cap)
+        if packed is not None:
             for experts, ranks in packed:
                 e2r[experts] = ranks
             return True
