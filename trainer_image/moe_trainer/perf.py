@@ -214,10 +214,15 @@ def fused_optimizer_ok(spec: PerfSpec, device: torch.device) -> bool:
     return spec.fused_optimizer and device.type == "cuda"
 
 
+# DeepSpeed versions whose ZeRO-3 step the lean step was checked against (install_zero3_fused_step)
+LEAN_STEP_DEEPSPEED = ("0.19.",)
+
+
 def install_zero3_fused_step(zero_opt) -> list[str]:
     """Lean ZeRO-3 optimizer step around torch's fused AdamW, on a DeepSpeed 0.19
     ``DeepSpeedZeroOptimizer_Stage3`` (``engine.optimizer``); returns what was installed (nothing
-    when the optimizer is not that or the step is not the plain GPU path).
+    when the optimizer is not that, the step is not the plain GPU path, or DeepSpeed is not a
+    version in ``LEAN_STEP_DEEPSPEED``).
 
     DeepSpeed's step multiplies every fp32 gradient partition by ``1 / (loss scale x clip
     factor)`` (``unscale_and_clip_grads``, even when that is 1) and then runs the optimizer, a
@@ -227,6 +232,7 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
     The gradient norm for clipping is taken per fp32 gradient in fp32 (DeepSpeed's
     ``get_norm_dtype`` casts each one to fp64 first: a copy twice its size); the per-tensor norms
     are still summed as DeepSpeed does."""
+    import deepspeed
     from deepspeed.runtime.zero import stage3
 
     inner = getattr(zero_opt, "optimizer", None)
@@ -234,10 +240,16 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
         isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
         and isinstance(inner, torch.optim.AdamW)
         and inner.defaults.get("fused")
-        and not zero_opt.offload_optimizer
+        and not getattr(zero_opt, "offload_optimizer", True)
         and not getattr(zero_opt, "torch_autocast_gradscaler", None)
         and not getattr(zero_opt, "zenflow", False)
         and not getattr(zero_opt, "use_muon", False)
+        # the DeepSpeed step this replaces a part of; other versions keep their own
+        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
+        and all(
+            hasattr(zero_opt, a)
+            for a in ("clip_grad", "loss_scale", "fp32_partitioned_groups_flat")
+        )
     ):
         return []
 
@@ -253,8 +265,11 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
             inner.grad_scale = None if combined == 1 else torch.tensor([float(combined)])
 
     zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
-    stage3.get_norm_dtype = _fp32_norm_dtype
-    return ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+    done = ["clipping scale inside fused AdamW"]
+    if callable(getattr(stage3, "get_norm_dtype", None)):
+        stage3.get_norm_dtype = _fp32_norm_dtype
+        done.append("gradient norm in fp32")
+    return done
 
 
 def _fp32_norm_dtype() -> torch.dtype:
