@@ -151,7 +151,13 @@ def add_plan(sub) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--checkpoint-every", type=int, default=5)
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="optimizer steps between checkpoints (default 50, as the CRD's "
+        "spec.checkpoint.everySteps)",
+    )
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--activation-checkpointing", action="store_true")

@@ -50,7 +50,7 @@ class TrainingOptions:
     steps: int = 20
     lr: float = 1e-3
     warmup_steps: int = 2
-    checkpoint_every_steps: int = 5
+    checkpoint_every_steps: int = 50  # the CRD's spec.checkpoint.everySteps default
     seed: int = 1234
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
