@@ -1,4 +1,6 @@
-"""benchmarks/placement_bound.py: the LP bound is never below what the best placement achieves."""
+"""benchmarks/placement_bound.py: the LP bound is never below what the best placement achieves, and
+the search's best placement is a real one (never below the optimum) that finds the optimum on small
+instances."""
 
 import itertools
 import sys
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from placement_bound import connectivity, together_bound
+from placement_bound import best_found, connectivity, together_bound
 
 
 def _partitions(E, m):
@@ -56,3 +58,17 @@ def test_bound_is_tight_when_blocks_fit_the_groups():
 def test_bound_refuses_what_it_cannot_bound():
     with pytest.raises(ValueError, match="top-2 or 2 groups"):
         together_bound(np.array([[0, 1, 2]]), 8, 2, 4)
+
+
+@pytest.mark.parametrize(("top_k", "m", "seed"), [(2, 4, 1), (3, 4, 2), (4, 4, 3), (3, 2, 4)])
+def test_best_found_is_a_placement_and_finds_the_optimum_of_small_instances(top_k, m, seed):
+    E = 8
+    rng = np.random.default_rng(seed)
+    popularity = rng.gamma(0.7, size=E)
+    te = np.array(
+        [rng.choice(E, top_k, replace=False, p=popularity / popularity.sum()) for _ in range(300)]
+    )
+    best_lam = min(connectivity(te, grp).sum() for grp in _partitions(E, m))
+    r = best_found(te, E, m, starts=8)
+    assert r["bestLambda"] == best_lam
+    assert 1 <= r["startsReachingBest"] <= 8
