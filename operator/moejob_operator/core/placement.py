@@ -252,14 +252,14 @@ def _repacking_swap(
     different groups), apply the first that leaves both groups packable under ``cap``, with
     both groups LPT-packed onto their GPUs. Returns whether one was applied."""
     flat = np.argsort(-gain, axis=None)[:tries]
+    grp = group_of_rank[e2r]
+    group_ranks = [np.flatnonzero(group_of_rank == g) for g in range(group_of_rank.max() + 1)]
     for i, e in zip(*np.unravel_index(flat, gain.shape), strict=True):
         if not gain[i, e] > 1e-7:
             return False
         a = int(R[i])
-        grp = group_of_rank[e2r]
         trial = grp.copy()
         trial[a], trial[e] = grp[e], grp[a]
-        group_ranks = [np.flatnonzero(group_of_rank == g) for g in range(group_of_rank.max() + 1)]
         packed = _pack_groups(load, trial, (grp[a], grp[e]), group_ranks, n, cap)
         if packed is not None:
             for experts, ranks in packed:
@@ -479,6 +479,7 @@ def _refine_tokens(
     node_of_group = np.array([rank_node[r[0]] for r in group_ranks])
     room = np.array([len(r) for r in group_ranks]) * limit + 1e-9  # a group's load limit
     one_group_per_node = len(np.unique(node_of_group)) == G
+    dl = load[None, :] - load[:, None]  # a swap moves load[b] - load[a] into a's group
     for _ in range(max_swaps):
         grp = rank_group[e2r]
         if one_group_per_node:  # a node's sends are its group's: one pass with both weights
@@ -492,7 +493,6 @@ def _refine_tokens(
                 )
         delta[grp[:, None] == grp[None, :]] = np.inf
         group_load = np.bincount(grp, weights=load, minlength=G)
-        dl = load[None, :] - load[:, None]  # a's group gains load[b] - load[a]
         delta[(group_load[grp][:, None] + dl > room[grp][:, None])] = np.inf
         delta[(group_load[grp][None, :] - dl > room[grp][None, :])] = np.inf
         order = np.argsort(delta, axis=None)
@@ -501,7 +501,7 @@ def _refine_tokens(
                 return e2r
             trial = grp.copy()
             trial[a], trial[b] = grp[b], grp[a]
-            packed = _pack_groups(load, trial, (grp[a], grp[b]), group_ranks, n, limit)
+            packed = _pack_groups(load, trial, (grp[a], grp[b]), group_ranks, n, limit + 1e-9)
             if packed is not None:
                 for experts, ranks in packed:
                     e2r[experts] = ranks
@@ -517,16 +517,16 @@ def _pack_groups(
     groups: tuple[int, ...],
     group_ranks: list[np.ndarray],
     n: int,
-    limit: float,
+    cap: float,
 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """LPT-pack each of ``groups``' experts onto its GPUs: ``[(experts, ranks)]``, or None when
-    a GPU would exceed ``limit``."""
+    a GPU would exceed ``cap`` (the load limit with its tolerance)."""
     out = []
     for g in groups:
         ranks = group_ranks[g]
         experts = np.flatnonzero(group_of_expert == g)
         b = _lpt(load[experts], np.full(len(ranks), n))
-        if np.bincount(b, weights=load[experts], minlength=len(ranks)).max() > limit + 1e-9:
+        if np.bincount(b, weights=load[experts], minlength=len(ranks)).max() > cap:
             return None
         out.append((experts, ranks[b]))
     return out
