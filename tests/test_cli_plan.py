@@ -336,3 +336,17 @@ def test_plan_reports_a_held_out_estimate_above_the_fitted_ratio(capsys, tmp_pat
         min(1.0, q["crossGroupVsContiguous"] * (1 + HELDOUT_OPTIMISM)), abs=1e-4
     )
     assert f"~{q['crossGroupVsContiguousHeldOut']:.2f}x expected on new tokens" in out
+
+
+def test_plan_defaults_checkpoint_as_the_crd(capsys, tmp_path):
+    """`moectl plan` without --checkpoint-every checkpoints as often as a MoETrainingJob that
+    leaves spec.checkpoint.everySteps out (it said 5 while the CRD said 50)."""
+    from moejob_operator.spec import Checkpoint
+
+    out_file = tmp_path / "plan.json"
+    code, _, err = _run(
+        capsys, "plan", "--topology", "single-h200", "--model", "tiny-mixtral", "-o", str(out_file)
+    )
+    assert code == 0, err
+    every = read_plan(out_file)["training"]["checkpointEverySteps"]
+    assert every == Checkpoint().every_steps == 50

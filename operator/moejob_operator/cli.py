@@ -123,6 +123,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def add_plan(sub) -> None:
     from .core.placement import STRATEGIES
+    from .core.plan import TrainingOptions
+
+    defaults = TrainingOptions()
 
     p = sub.add_parser(
         "plan",
@@ -148,18 +151,18 @@ def add_plan(sub) -> None:
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, help="sequences per rank per forward")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
     p.add_argument(
         "--checkpoint-every",
         type=int,
-        default=50,
-        help="optimizer steps between checkpoints (default 50, as the CRD's "
+        default=defaults.checkpoint_every_steps,
+        help="optimizer steps between checkpoints (default %(default)s, as the CRD's "
         "spec.checkpoint.everySteps)",
     )
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
+    p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--no-autoep", action="store_true", help="ZeRO-3 without expert parallelism")
     p.add_argument(
