@@ -238,6 +238,30 @@ def test_first_failure_stops_the_others_and_is_the_exit_code(code, tmp_path):
     assert f"rank1 exited with code {code} first" in res.describe()
 
 
+def test_a_killed_rank_counts_first_over_the_peer_that_lost_it(tmp_path):
+    """Rank 1 is killed (SIGKILL) while connected to rank 0, which exits 75 the moment the
+    connection drops (as a gloo/NCCL rank does on a lost peer). Both usually die within one
+    poll of the gang; the killed rank is the cause and must be reported first."""
+    port_file = tmp_path / "port"
+    peer = _py(
+        "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1); "
+        f"open({str(port_file)!r} + '.tmp', 'w').write(str(s.getsockname()[1])); "
+        f"import os; os.rename({str(port_file)!r} + '.tmp', {str(port_file)!r}); "
+        "c, _ = s.accept(); c.recv(1); sys.exit(75)"
+    )
+    victim = _py(
+        "import os, signal, socket, time\n"
+        f"while not os.path.exists({str(port_file)!r}): time.sleep(0.01)\n"
+        f"c = socket.create_connection(('127.0.0.1', int(open({str(port_file)!r}).read())))\n"
+        "time.sleep(0.3); os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    with open(tmp_path / "out", "w") as out:
+        res = gang.Gang([peer, victim], _envs(2), stop_seconds=2.0, out=out).run()
+    assert res.codes == [75, 128 + signal.SIGKILL]
+    assert res.first_failure == 1 and res.exit_code == 128 + signal.SIGKILL
+    assert "rank1 exited with code 137 first" in res.describe()
+
+
 def test_output_is_prefixed_per_rank(tmp_path):
     out = tmp_path / "out"
     with open(out, "w") as f:

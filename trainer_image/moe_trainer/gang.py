@@ -18,7 +18,9 @@ Semantics:
 - SIGTERM / SIGINT to this process are forwarded to every rank; ranks still alive after
   ``grace_seconds`` are killed;
 - the first rank that exits non-zero stops the others: SIGTERM, then SIGKILL after
-  ``stop_seconds``; its code (a signal N reads 128+N) is the gang's exit code.
+  ``stop_seconds``; its code (a signal N reads 128+N) is the gang's exit code. Ranks found dead
+  in the same poll: one killed by a signal counts as first (the others may have exited because
+  they lost it), else the lowest rank.
 """
 
 from __future__ import annotations
@@ -210,16 +212,22 @@ class Gang:
         stop_at: float | None = None
         while True:
             alive = 0
+            failed_now = []
             for r, p in enumerate(self.procs):
                 rc = p.poll()
                 if rc is None:
                     alive += 1
                     continue
                 res.codes[r] = exit_code(rc)
-                if rc != 0 and res.first_failure is None and self._signal is None:
-                    res.first_failure = r
-                    stop_at = time.monotonic() + self.stop_after
-                    self._send(signal.SIGTERM)
+                if rc != 0:
+                    failed_now.append((rc >= 0, r))
+            if failed_now and res.first_failure is None and self._signal is None:
+                # Several ranks found dead in one poll: which went first is unknown, but a rank
+                # killed by a signal cannot have been reacting to its peers, while one that
+                # exited on its own may have (a lost peer), so the killed one speaks first.
+                res.first_failure = min(failed_now)[1]
+                stop_at = time.monotonic() + self.stop_after
+                self._send(signal.SIGTERM)
             res.signal = self._signal
             if not alive:
                 break
