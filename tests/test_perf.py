@@ -294,7 +294,7 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), losses
 
 
-def _zero3_steps(mode: str, nproc: int) -> dict:
+def _zero3_steps(mode: str, nproc: int, accumulation: int = 1) -> dict:
     """Run tests/zero3_step_worker.py on ``nproc`` ranks (gloo); rank 0's report."""
     from moe_trainer.launch import free_port
 
@@ -307,7 +307,7 @@ def _zero3_steps(mode: str, nproc: int) -> dict:
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "zero3_step_worker.py"), mode],
+            [sys.executable, str(ROOT / "tests" / "zero3_step_worker.py"), mode, str(accumulation)],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -351,3 +351,24 @@ def test_zero3_fused_step_matches_deepspeeds_step(nproc):
     for got, want in zip(lean["masters"], stock["masters"], strict=True):
         assert got == pytest.approx(want, rel=2e-2, abs=1e-4)
     assert lean["masters"][-1] != pytest.approx(lean["masters"][0], abs=1e-3)  # it trained
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_single_rank_grads_equal_deepspeeds_reduce_path(accumulation):
+    """One rank: with ``install_single_rank_grads`` no gradient goes through DeepSpeed's
+    bucket / reduce-scatter path (including the leaf module's, reduced by its module hook), and
+    training is bit for bit DeepSpeed's own: the same global norms and fp32 master weights after
+    every step, with one micro-batch per step (copy) and with two (the second is added)."""
+    lean, stock = _zero3_steps("grads", 1, accumulation), _zero3_steps("stock", 1, accumulation)
+    assert lean["installed"] == ["gradients straight into the fp32 partitions (one rank)"]
+    assert lean["stockGradPathCalls"] == 0
+    assert stock["installed"] == [] and stock["stockGradPathCalls"] == 6 * 4 * accumulation
+    assert lean["norms"] == stock["norms"]
+    assert lean["masters"] == stock["masters"]
+    assert lean["masters"][-1] != pytest.approx(lean["masters"][0], abs=1e-3)  # it trained
+
+
+def test_single_rank_grads_stay_off_on_two_ranks():
+    """Two ranks need the reduction: nothing is installed and DeepSpeed's path runs."""
+    two = _zero3_steps("grads", 2)
+    assert two["installed"] == [] and two["stockGradPathCalls"] > 0

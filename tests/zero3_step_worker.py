@@ -1,7 +1,11 @@
-"""One process, CPU, gloo: a small model under DeepSpeed ZeRO-3 (bf16, fp32 masters) with torch's
-fused AdamW and gradient clipping that triggers; with or without ``install_zero3_fused_step``.
-Prints JSON: the fp32 master weights after each step, the global gradient norms, and what the
-optimizer was handed as ``grad_scale``. Used by tests/test_perf.py."""
+"""CPU, gloo, one process per rank: a small model under DeepSpeed ZeRO-3 (bf16, fp32 masters) with
+torch's fused AdamW and gradient clipping that triggers. ``argv[1]``: ``stock`` (DeepSpeed as is),
+``patched`` (``install_zero3_fused_step``) or ``grads`` (``install_single_rank_grads``);
+``argv[2]``: gradient accumulation steps (default 1). One Linear sits in a ZeRO-3 leaf module
+(its gradients reach the optimizer through the leaf hook, not the per-parameter one).
+Prints JSON: the fp32 master weights after each step, the global gradient norms, what the
+optimizer was handed as ``grad_scale``, and how often DeepSpeed's own gradient path ran.
+Used by tests/test_perf.py."""
 
 import json
 import sys
@@ -12,12 +16,21 @@ from torch import nn
 
 from moe_trainer import perf
 
-patched = sys.argv[1] == "patched"
+mode = sys.argv[1]
+accumulation = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Linear(64, 8))
+
+
+class Leaf(nn.Sequential):
+    pass
+
+
+model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), Leaf(nn.Linear(256, 64)), nn.Linear(64, 8))
+deepspeed.utils.set_z3_leaf_modules(model, [Leaf])
 cfg = {
     "train_micro_batch_size_per_gpu": 16,
+    "gradient_accumulation_steps": accumulation,
     "gradient_clipping": 0.05,
     "bf16": {"enabled": True},
     "zero_optimization": {
@@ -33,7 +46,22 @@ engine, _, _, _ = deepspeed.initialize(
     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
     config=cfg,
 )
-installed = perf.install_zero3_fused_step(engine.optimizer) if patched else []
+stock_calls = 0
+stock_path = engine.optimizer.reduce_independent_p_g_buckets_and_remove_grads
+
+
+def counting_stock_path(param):
+    global stock_calls
+    stock_calls += 1
+    return stock_path(param)
+
+
+engine.optimizer.reduce_independent_p_g_buckets_and_remove_grads = counting_stock_path
+installed = {
+    "stock": lambda o: [],
+    "patched": perf.install_zero3_fused_step,
+    "grads": perf.install_single_rank_grads,
+}[mode](engine.optimizer)
 inner = engine.optimizer.optimizer
 scales, norms, masters = [], [], []
 orig_step = inner.step
@@ -48,11 +76,12 @@ def spy_step(*a, **kw):
 inner.step = spy_step
 g = torch.Generator().manual_seed(1)
 for _ in range(4):
-    x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
-    y = torch.randn(16, 8, generator=g).to(torch.bfloat16)
-    loss = ((engine(x) - y).float() ** 2).mean() * 100
-    engine.backward(loss)
-    engine.step()
+    for _micro in range(accumulation):
+        x = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+        y = torch.randn(16, 8, generator=g).to(torch.bfloat16)
+        loss = ((engine(x) - y).float() ** 2).mean() * 100
+        engine.backward(loss)
+        engine.step()
     norms.append(float(engine.get_global_grad_norm()))
     masters.append(
         [float(v) for f in engine.optimizer.fp32_partitioned_groups_flat for v in f.detach()[:50]]
@@ -65,6 +94,7 @@ print(
             "norms": norms,
             "masters": masters,
             "subGroups": len(engine.optimizer.fp32_partitioned_groups_flat),
+            "stockGradPathCalls": stock_calls,
         }
     )
 )

@@ -9,7 +9,9 @@ docs/performance.md and docs/contracts.md).
                    under ZeRO-3 also a leaner step around it (`install_zero3_fused_step`): the
                    gradient-clipping scale goes into the AdamW kernel (`grad_scale`) instead of a
                    separate multiply over every fp32 gradient, and the gradient norm is taken in
-                   fp32 (one read of the gradients) instead of over an fp64 copy of them
+                   fp32 (one read of the gradients) instead of over an fp64 copy of them;
+                   on one rank each gradient goes straight into its fp32 partition
+                   (`install_single_rank_grads`) instead of through the reduce-scatter path
   zeroLeafModules  class names DeepSpeed ZeRO-3 treats as leaves (`set_z3_leaf_modules`): one
                    fetch/release and one pair of hooks per decoder layer instead of per submodule
   lossChunkTokens  tokens per chunk of the fused loss [8192]
@@ -274,3 +276,69 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
 
 def _fp32_norm_dtype() -> torch.dtype:
     return torch.float32
+
+
+def install_single_rank_grads(zero_opt) -> list[str]:
+    """On one rank, hand each bf16 gradient straight to its ZeRO-3 fp32 partition: one converting
+    copy (or add, when accumulating micro-batches) per parameter, on the compute stream. Returns
+    what was installed (nothing unless the whole job is one rank, the optimizer is a DeepSpeed
+    ``DeepSpeedZeroOptimizer_Stage3`` of a version in ``LEAN_STEP_DEEPSPEED``, and none of the
+    features that reshape gradients on their way is on: offload, ZenFlow, Muon, AutoTP folding,
+    gradient pre-division).
+
+    DeepSpeed's reduce path is built for many ranks and runs unchanged on one: it copies each
+    gradient into a bucket, concatenates the bucket for ``reduce_scatter_coalesced`` (a second
+    copy), divides it by the world size of one, "reduce-scatters" it, converts the partition to
+    fp32 (a third pass) and copies that into the partition buffer (a fourth). With one rank every
+    partition is the whole gradient, so the result is the same bits as one conversion: the
+    gradient rounded to the communication dtype (as the stock path rounds it), then copied or added
+    in fp32. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything the hand-off
+    does not cover (a partition whose size is not the gradient's, a parameter DeepSpeed does not
+    hold a partition for) goes the stock way."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import stage3
+
+    if not (
+        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
+        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
+        and (not dist.is_initialized() or dist.get_world_size() == 1)
+        and not getattr(zero_opt, "offload_optimizer", True)
+        and not getattr(zero_opt, "zenflow", False)
+        and not getattr(zero_opt, "use_muon", False)
+        and getattr(zero_opt, "autoep_folding_tp_group", None) is None
+        and getattr(zero_opt, "gradient_predivide_factor", None) == 1.0
+        and getattr(zero_opt, "sequence_parallel_size", 1) == 1
+    ):
+        return []
+    parts = getattr(zero_opt, "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition", None)
+    stock = getattr(zero_opt, "reduce_independent_p_g_buckets_and_remove_grads", None)
+    if not isinstance(parts, dict) or stock is None:
+        return []
+
+    @torch.no_grad()
+    def hand_off(param) -> None:
+        if not getattr(param, "ds_grad_is_ready", True):  # the stock path's own check
+            return
+        grad, part = param.grad, parts.get(getattr(param, "ds_id", None))
+        if (
+            grad is None
+            or part is None
+            or grad.numel() != part.numel()
+            or zero_opt.autoep_folding_tp_group is not None  # configured after initialize
+        ):
+            stock(param)
+            return
+        comm = zero_opt.get_param_comm_dtype(param)
+        if grad.dtype != comm:
+            grad = grad.to(comm)
+        if zero_opt.micro_step_id == 0:
+            # the multi-tensor copy casts with the types known at compile time, in aligned vector
+            # loads; Tensor.copy_ from bf16 to fp32 takes CUDA's per-element dynamic-cast loop
+            torch._foreach_copy_([part], [grad.reshape(-1)])
+        else:
+            part.add_(grad.reshape(-1))
+        param.grad = None
+
+    zero_opt.reduce_independent_p_g_buckets_and_remove_grads = hand_off
+    return ["gradients straight into the fp32 partitions (one rank)"]

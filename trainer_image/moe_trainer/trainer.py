@@ -169,6 +169,7 @@ class Trainer:
         )
         if fused_opt:
             lean = perf.install_zero3_fused_step(self.engine.optimizer)
+            lean += perf.install_single_rank_grads(self.engine.optimizer)
             if self.is_rank0 and lean:
                 log.info("ZeRO-3 step: %s", "; ".join(lean))
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
