@@ -22,6 +22,8 @@ Variants (each in its own process; clean CUDA memory and DeepSpeed state):
   fast_nocompile   fast without compileLayers (ablation)
   fast_hf          fast with HF's grouped_mm experts instead of the grouped block (ablation)
   fast_smallbucket fast with HF's reduce_bucket_size h*h instead of one bucket (ablation)
+  fast_stockgrads  fast with DeepSpeed's own gradient reduce path on one rank instead of
+                   `install_single_rank_grads` (ablation)
   fast_bf16master  fast + DeepSpeed's bf16 master weights, gradients and Adam moments
                    (bf16.bf16_master_weights_and_grads + bf16_optimizer_states; not the default)
 Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
@@ -55,6 +57,7 @@ TRAINER_VARIANTS = (
     "fast_nocompile",
     "fast_hf",
     "fast_smallbucket",
+    "fast_stockgrads",
     "fast_bf16master",
 )
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
@@ -322,8 +325,22 @@ def trainer_worker(
 
     _env_single(_free_port())
     from moe_contracts.plan import parse_plan
-    from moe_trainer import distenv
+    from moe_trainer import distenv, perf
     from moe_trainer.trainer import Trainer
+
+    lean: list[str] = []  # what the trainer installed around DeepSpeed's ZeRO-3 optimizer
+
+    def recording(install):
+        def wrapped(zero_opt):
+            done = [] if variant == "fast_stockgrads" and install is grads else install(zero_opt)
+            lean.extend(done)
+            return done
+
+        return wrapped
+
+    grads = perf.install_single_rank_grads
+    perf.install_zero3_fused_step = recording(perf.install_zero3_fused_step)
+    perf.install_single_rank_grads = recording(grads)
 
     total = warmup + steps + (2 if profile else 0)  # + one profiled step + one sync-debug step
     doc = plan_doc(size, variant, total, data)
@@ -385,6 +402,7 @@ def trainer_worker(
         "tokensPerSecond": tokens / timed,
         "tokensPerStep": tokens,
         "losses": trainer.losses,
+        "leanZero3": lean,
         "peakTflops": peak,
         "plan": {
             "moeImpl": t.moe_impl,
