@@ -1,6 +1,7 @@
-"""RoutingStats v1: reading/writing with invariants, counting, and the synthetic trace."""
+"""RoutingStats v1/v2: reading/writing with invariants, counting, and the synthetic trace."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -72,6 +73,20 @@ def test_write_read_round_trip(tmp_path, trace):
     assert read_routing_stats(v1).token_experts is None
 
 
+def test_sample_steps_round_trip_and_old_documents_still_read(tmp_path, trace):
+    """``tokenSamples.steps`` (the step of each sampled token) survives write/read; a document
+    without it reads with ``token_steps`` None."""
+    steps = np.arange(trace.token_experts.shape[1]) % 100 + 201
+    stamped = dataclasses.replace(trace, token_steps=steps)
+    path = tmp_path / "routing_stats.json"
+    write_routing_stats(stamped, path)
+    back = read_routing_stats(path)
+    assert np.array_equal(back.token_steps, steps)
+    assert np.array_equal(back.token_experts, trace.token_experts)
+    assert read_routing_stats(trace.to_json()).token_steps is None
+    assert stamped.without_tokens().token_steps is None
+
+
 def test_top_k_above_two_without_samples_is_not_exact(trace):
     four = synthetic_trace(1, 8, 4, 200, seed=0)
     assert four.exact and not four.without_tokens().exact and trace.without_tokens().exact
@@ -123,6 +138,18 @@ def _bad(mutate, match, trace):
         (
             lambda d: d["tokenSamples"].update(experts=[[[1, 2]]]),
             r"tokenSamples.experts: shape \[1, 1, 2\] .* is not \[numLayers=3\]",
+        ),
+        (
+            lambda d: d["tokenSamples"].update(steps=[1] * 3999),
+            r"tokenSamples.steps: shape \[3999\] .* is not \[samples=4000\] of integers",
+        ),
+        (
+            lambda d: d["tokenSamples"].update(steps=[1.5] * 4000),
+            r"tokenSamples.steps: shape \[4000\] \(float64\) is not \[samples=4000\]",
+        ),
+        (
+            lambda d: d["tokenSamples"].update(steps=[1] * 3 + [0] + [1] * 3996),
+            r"tokenSamples.steps\[3\]: 0 is not a 1-based step",
         ),
         (
             lambda d: d.update(tokens=10, load=[[0] * 16] * 3, coactivation=[[[0] * 16] * 16] * 3),

@@ -1,7 +1,6 @@
 """The trainer's token sample: the bottom-k keys of everything routed, across micro steps, resumes
 and ranks (merged over gloo), reported in original expert ids; too-large documents publish a cut."""
 
-import json
 import socket
 
 import numpy as np
@@ -10,9 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_contracts.env import ROUTING_STATS_KEY as KEY
+from moe_contracts.routing import decode_configmap, parse_routing_stats, routing_stats_doc
 from moe_contracts.routing import encode_configmap as encode
-from moe_contracts.routing import parse_routing_stats, routing_stats_doc
 from moe_trainer.token_samples import TokenSampler, to_original_ids
 
 L, K, E = 3, 2, 8
@@ -100,6 +98,33 @@ def test_original_ids_and_document():
     doc = routing_stats_doc(load, co, 2, 1, 2, "m", samples=[[[6, 7], [0, 1]], [[4, 5], [2, 3]]])
     parse_routing_stats(doc)
     assert doc["version"] == 2 and doc["tokenSamples"]["experts"][0] == [[6, 7], [0, 1]]
+    assert "steps" not in doc["tokenSamples"]
+    doc = routing_stats_doc(
+        load, co, 2, 1, 2, "m", samples=[[[6, 7], [0, 1]], [[4, 5], [2, 3]]], sample_steps=[5, 3]
+    )
+    assert parse_routing_stats(doc).token_steps.tolist() == [5, 3]
+
+
+def test_trainer_document_carries_the_step_of_each_sampled_token():
+    """``Trainer.routing_doc`` on a merged sample: ``tokenSamples.steps[s]`` is the step token s
+    was routed at, in the order of ``tokenSamples.experts[l]`` (whole tokens are sampled, so
+    one order serves every layer)."""
+    from types import SimpleNamespace
+
+    from moe_trainer.trainer import Trainer
+
+    s = TokenSampler(L, K, 64, 7, 0, 1)
+    _feed(s, 0)
+    merged = s.merge("cpu")
+    keys, ex, steps = _all_tokens([0])
+    acc = SimpleNamespace(load=torch.zeros(L, E), coact=torch.zeros(L, E, E), tokens=0, steps=6)
+    fake = SimpleNamespace(acc=acc, permutation=[list(range(E))] * L, top_k=K, model_name="m")
+    doc = Trainer.routing_doc(fake, merged)
+    order = torch.argsort(keys)[:64]
+    assert doc["tokenSamples"]["steps"] == steps[order].tolist()
+    for layer in range(L):
+        want = torch.sort(ex[order][:, layer], dim=-1).values.tolist()
+        assert doc["tokenSamples"]["experts"][layer] == want
 
 
 def _worker(rank, world, port, out):
@@ -136,11 +161,12 @@ def test_too_large_document_publishes_a_cut_sample():
     for a, b in te:
         co[0, a, b] += 1
         co[0, b, a] += 1
-    doc = routing_stats_doc(load, co, 2000, 1, K, "m", samples=[te.tolist()])
+    steps = (np.arange(2000) * 7919 % 300 + 1).tolist()  # the key order mixes the steps
+    doc = routing_stats_doc(load, co, 2000, 1, K, "m", samples=[te.tolist()], sample_steps=steps)
     full = encode(doc, limit=10**9)
     assert full.samples == 2000
     enc = encode(doc, limit=2000)
     assert enc.key is not None and 0 < enc.samples < 2000
-    sent = json.loads(enc.body["data"][KEY]) if enc.key == KEY else None
-    if sent is not None:
-        assert sent["tokenSamples"]["experts"][0] == te.tolist()[: enc.samples]
+    sent = decode_configmap(enc.body)
+    assert sent.token_experts[0].tolist() == te.tolist()[: enc.samples]
+    assert sent.token_steps.tolist() == steps[: enc.samples]  # cut with the experts: aligned

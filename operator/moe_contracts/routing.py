@@ -9,7 +9,10 @@ or, above ``LIMIT_BYTES``, gzip + base64 under ``binaryData[routing_stats.json.g
 ``load[num_layers, num_experts]`` counts token->expert assignments, ``coact[num_layers,
 num_experts, num_experts]`` counts tokens whose top-k held both i and j (symmetric, zero
 diagonal); ``token_experts[num_layers, num_samples, top_k]`` (v2 ``tokenSamples``) keeps a
-uniform sample of the window's tokens' expert sets. Expert ids are original ids.
+uniform sample of the window's tokens' expert sets (the same tokens, in the same order, in every
+layer) and optionally ``token_steps[num_samples]`` the 1-based training step each sampled token
+was routed at (``tokenSamples.steps``: lets the planner split the sample in time). Expert ids are
+original ids.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class RoutingStats:
     model: str = ""
     token_experts: np.ndarray | None = field(default=None, repr=False)  # [L, T, top_k] or None
     planted_clusters: np.ndarray | None = field(default=None, repr=False)  # [L, E], synthetic only
+    token_steps: np.ndarray | None = field(default=None, repr=False)  # [T] 1-based steps, or None
 
     def to_json(self) -> dict[str, Any]:
         doc = {
@@ -68,6 +72,8 @@ class RoutingStats:
         }
         if self.token_experts is not None:
             doc["tokenSamples"] = {"experts": self.token_experts.tolist()}
+            if self.token_steps is not None:
+                doc["tokenSamples"]["steps"] = self.token_steps.tolist()
         return doc
 
     @property
@@ -177,15 +183,22 @@ def parse_routing_stats(obj: Any) -> RoutingStats:
                 f"{DOCUMENT} coactivation[{layer}][{i}]: row sums to {int(rows[i])}, "
                 f"expected (topK-1)*load[{layer}][{i}] = {int(want[i])}"
             )
-    samples = _token_samples(obj, L, E, k, tokens) if obj["version"] >= 2 else None
-    return RoutingStats(L, E, k, tokens, load, coact, steps, h.source, h.model, samples)
+    samples, sample_steps = (
+        _token_samples(obj, L, E, k, tokens) if obj["version"] >= 2 else (None, None)
+    )
+    return RoutingStats(
+        L, E, k, tokens, load, coact, steps, h.source, h.model, samples, token_steps=sample_steps
+    )
 
 
-def _token_samples(obj: dict[str, Any], L: int, E: int, k: int, tokens: int) -> np.ndarray | None:
-    """``tokenSamples.experts[L][S][k]`` -> ``token_experts[L, S, k]`` (None when absent)."""
+def _token_samples(
+    obj: dict[str, Any], L: int, E: int, k: int, tokens: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """``tokenSamples.experts[L][S][k]`` -> ``token_experts[L, S, k]`` and the optional
+    ``tokenSamples.steps[S]`` -> ``token_steps[S]`` (None when absent)."""
     ts = obj.get("tokenSamples")
     if ts is None:
-        return None
+        return None, None
     if not isinstance(ts, dict) or "experts" not in ts:
         raise DocumentError(f"{DOCUMENT} tokenSamples: expected an object with 'experts'")
     try:
@@ -193,7 +206,7 @@ def _token_samples(obj: dict[str, Any], L: int, E: int, k: int, tokens: int) -> 
     except ValueError:
         raise _err("tokenSamples.experts", "...", "is a ragged array") from None
     if ex.size == 0:
-        return None
+        return None, None
     if ex.ndim != 3 or ex.shape[0] != L or ex.shape[2] != k or ex.dtype.kind not in "iu":
         raise DocumentError(
             f"{DOCUMENT} tokenSamples.experts: shape {list(ex.shape)} ({ex.dtype}) is "
@@ -216,7 +229,26 @@ def _token_samples(obj: dict[str, Any], L: int, E: int, k: int, tokens: int) -> 
             ex[idx].tolist(),
             "repeats an expert (a token's top-k are distinct)",
         )
-    return srt.astype(np.int64)
+    return srt.astype(np.int64), _sample_steps(ts, ex.shape[1])
+
+
+def _sample_steps(ts: dict[str, Any], S: int) -> np.ndarray | None:
+    """``tokenSamples.steps[S]``: one 1-based training step per sampled token, or None."""
+    if ts.get("steps") is None:
+        return None
+    try:
+        st = np.array(ts["steps"])
+    except ValueError:
+        raise _err("tokenSamples.steps", "...", "is a ragged array") from None
+    if st.ndim != 1 or len(st) != S or (S and st.dtype.kind not in "iu"):
+        raise DocumentError(
+            f"{DOCUMENT} tokenSamples.steps: shape {list(st.shape)} ({st.dtype}) is not "
+            f"[samples={S}] of integers (one step per sampled token)"
+        )
+    if (st < 1).any():
+        i = int(np.flatnonzero(st < 1)[0])
+        raise _err(f"tokenSamples.steps[{i}]", int(st[i]), "is not a 1-based step")
+    return st.astype(np.int64)
 
 
 def read_routing_stats(src: str | Path | dict[str, Any]) -> RoutingStats:
@@ -239,10 +271,12 @@ def routing_stats_doc(
     model: str,
     source: str = "trainer",
     samples: list[Any] | None = None,
+    sample_steps: list[int] | None = None,
 ) -> dict[str, Any]:
     """The RoutingStats v2 document the trainer writes: ``load[L, E]``, ``coact[L, E, E]`` in
     original expert ids; ``samples[L][S][k]`` (original ids) a uniform sample of the window's
-    tokens' expert sets (left out when None or empty)."""
+    tokens' expert sets (left out when None or empty) and ``sample_steps[S]`` the 1-based step
+    each of those tokens was routed at."""
     load = np.rint(np.asarray(load)).astype(np.int64)
     coact = np.rint(np.asarray(coact)).astype(np.int64)
     num_layers, num_experts = load.shape
@@ -261,6 +295,8 @@ def routing_stats_doc(
     doc = stats.to_json()
     if has_samples:
         doc["tokenSamples"] = {"experts": samples}
+        if sample_steps is not None:
+            doc["tokenSamples"]["steps"] = [int(x) for x in sample_steps]
     return doc
 
 
@@ -278,8 +314,11 @@ class Encoded:
 
 def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
     """The merge-patch for the ConfigMap: the whole document when it fits, else the smallest cut
-    of ``tokenSamples`` (halving: a prefix of a uniform sample is uniform) that fits."""
-    samples: list[Any] = (doc.get("tokenSamples") or {}).get("experts") or []
+    of ``tokenSamples`` (halving: the trainer's sample is in key order, so a prefix of it is
+    uniform; ``steps`` is cut with it and stays aligned) that fits."""
+    ts = doc.get("tokenSamples") or {}
+    samples: list[Any] = ts.get("experts") or []
+    sample_steps: list[Any] | None = ts.get("steps")
     n = len(samples[0]) if samples else 0
     while True:
         enc = _encode(doc, limit)
@@ -289,6 +328,8 @@ def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
         doc = dict(doc)
         if n:
             doc["tokenSamples"] = {"experts": [layer[:n] for layer in samples]}
+            if sample_steps is not None:
+                doc["tokenSamples"]["steps"] = sample_steps[:n]
         else:
             doc.pop("tokenSamples")
 

@@ -179,8 +179,18 @@ def _window(ckpt: Path, full: dict, a, end: int) -> dict:
     smp = last["samples"]  # sorted by key: any prefix is uniform
     keep = ((smp["steps"] > start) & (smp["steps"] <= end)).numpy()
     ex = smp["experts"].numpy()[keep][: a.samples].astype(np.int64)  # [S, L, k]
+    sample_steps = smp["steps"].numpy()[keep][: a.samples].tolist()  # [S], same order
     samples = np.sort(ex.transpose(1, 0, 2), axis=-1).tolist()
-    return routing_stats_doc(load, co, tokens, steps, full["topK"], full["model"], samples=samples)
+    return routing_stats_doc(
+        load,
+        co,
+        tokens,
+        steps,
+        full["topK"],
+        full["model"],
+        samples=samples,
+        sample_steps=sample_steps,
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ A ConfigMap holds at most 1 MiB (`data` + `binaryData`), and co-activation is `L
   - JSON (compact) up to LIMIT_BYTES        -> `data["routing_stats.json"]`;
   - else gzip + base64 up to LIMIT_BYTES    -> `binaryData["routing_stats.json.gz"]`;
   - else, when the document carries `tokenSamples`, the same with the sample cut in half (a
-    prefix of a uniform sample is uniform) until it fits, down to none;
+    prefix of a uniform sample is uniform; `tokenSamples.steps` is cut with it) until it fits,
+    down to none;
   - else nothing is patched: the log and the progress document say so, and the statistics stay in
     `<checkpoint dir>/routing_stats.json` (the file always keeps the whole sample).
 Each patch removes the other key (merge-patch null), so a reader never sees two generations.

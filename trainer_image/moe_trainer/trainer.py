@@ -337,7 +337,7 @@ class Trainer:
     # ---- reports -----------------------------------------------------------------------------
     def routing_doc(self, merged: dict | None = None) -> dict:
         """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token
-        sample."""
+        sample and the step of each sampled token (same order: the sampler keeps whole tokens)."""
         load, coact = routing.to_original_ids(
             self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(), self.permutation
         )
@@ -352,6 +352,7 @@ class Trainer:
             self.top_k,
             self.model_name,
             samples=samples,
+            sample_steps=None if merged is None else merged["steps"].tolist(),
         )
 
     def write_routing(self, merged: dict | None = None) -> None:
