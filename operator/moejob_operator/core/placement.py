@@ -38,9 +38,10 @@ BRUTE_FORCE_LIMIT = 200_000  # candidate assignments per layer
 # plan's held-out estimate is the in-sample ratio times (1 + HELDOUT_OPTIMISM), set to the mean
 # over both recordings and all EP layouts of the held-out evaluation
 # (benchmarks/results/placement-heldout.json, ``meanOptimism``; the range is in docs/placement.md).
-# A split of one window's own samples shows no such optimism (the drift is between windows, which
-# one window cannot show), so it is a calibration on those two recordings, not a per-plan
-# measurement.
+# A random split of one window's own samples shows no such optimism; a split in time
+# (``tokenSamples.steps``) sees drift but not how much of it reaches the next window (it predicted
+# worse than this constant: benchmarks/results/placement-timesplit.json, docs/placement.md), so
+# this is a calibration on those two recordings, not a per-plan measurement.
 HELDOUT_OPTIMISM = 0.035
 # topology_aware refines from several starts (the flat EPLB packing, then random packings under
 # the load limit) and keeps the best: MULTI_START_WORK // (layers x experts) starts, 1..16. A start
