@@ -108,3 +108,6 @@ def test_core_plan_trains_on_two_cpu_processes(tmp_path):
     stats = contract_routing.read_routing_stats(tmp_path / "ck" / "routing_stats.json")
     assert (stats.num_layers, stats.num_experts, stats.top_k, stats.steps) == (4, 8, 2, 4)
     assert stats.tokens == 4 * 4 * 64  # steps x global batch x seqLen
+    # the sample (merged over both ranks) says which step each of its tokens came from
+    assert stats.token_steps is not None and len(stats.token_steps) == stats.token_experts.shape[1]
+    assert set(stats.token_steps.tolist()) == {1, 2, 3, 4}
