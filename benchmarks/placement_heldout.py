@@ -2,7 +2,9 @@
 
     R=benchmarks/results/routing_stats_real_text_e64
     .venv/bin/python benchmarks/placement_heldout.py \
-        ${R}_top8_fit.json:${R}_top8_test.json ${R}_top2_fit.json:${R}_top2_test.json
+        ${R}_top8_fit.json:${R}_top8_test.json ${R}_top2_fit.json:${R}_top2_test.json \
+        ${R}_top8_fit_steps.json:${R}_top8_test_steps.json \
+        ${R}_top2_fit_steps.json:${R}_top2_test_steps.json ${R}_top4_fit.json:${R}_top4_test.json
 
 Each pair is two disjoint windows of one training run (``moe_trainer.record_routing --test-out``).
 Every solver places on the *fit* window; placements are scored on the *test* window's token
@@ -10,12 +12,14 @@ samples (exact cost model: a token is sent once per remote NVLink group / node h
 its experts). "in sample" is the placement scored on the fit window (exactly, from its token
 samples), "predicted" what the plan reports as its held-out estimate
 (``quality.crossGroupVsContiguousHeldOut``: ``placement.heldout_estimate``, the in-sample ratio
-raised by the mean optimism measured here), "pair bound" what the plan would report without
-samples (pair counts only). Two reference rows: ``topology_aware`` with no load limit (what
-co-activation alone gives) and fitted on the pair counts only (without the exact refinement on
-the token samples). ``optimism`` = measured / in sample for the fitted strategies; the
-mean is what ``placement.HELDOUT_OPTIMISM`` is set from, and ``correctionCrossCheck`` applies
-each recording's own mean optimism to the *other* recording (how well the correction carries).
+raised by the mean optimism measured here for its top-k), "pair bound" what the plan would
+report without samples (pair counts only). Two reference rows: ``topology_aware`` with no load
+limit (what co-activation alone gives) and fitted on the pair counts only (without the exact
+refinement on the token samples). ``optimism`` = measured / in sample for the fitted strategies; its
+mean per top-k is what ``placement.HELDOUT_OPTIMISM`` is set from, and ``leaveOneRecordingOut``
+predicts each recording from the *other* recordings only (their per-top-k means, interpolated as
+the plan does by ``placement.heldout_optimism``): how well the correction carries to a run it was
+not calibrated on. ``singleConstantLeaveOneOut`` does the same with one mean for every top-k.
 Writes ``benchmarks/results/placement-heldout.{json,md}``; threads pinned to 1.
 """
 
@@ -33,7 +37,13 @@ from pathlib import Path
 
 from moe_contracts.routing import read_routing_stats
 from moejob_operator.core.cost import score
-from moejob_operator.core.placement import FITTED_STRATEGIES, heldout_estimate, solve
+from moejob_operator.core.placement import (
+    FITTED_STRATEGIES,
+    HELDOUT_OPTIMISM,
+    heldout_estimate,
+    heldout_optimism,
+    solve,
+)
 from moejob_operator.core.topology import ClusterTopology
 
 # (name, topology, EP size): EP spanning 2 and 8 NVLink groups
@@ -91,7 +101,7 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
         for strategy, (p, s_test, s_fit, s_pair) in out.items():
             measured = s_test.cross_group_bytes_per_step / c_test
             in_sample = s_fit.cross_group_bytes_per_step / c_fit
-            predicted = heldout_estimate(p, in_sample)
+            predicted = heldout_estimate(p, in_sample, fit.top_k)
             rows.append(
                 {
                     "input": f"{Path(fit_path).name} -> {Path(test_path).name}",
@@ -122,6 +132,39 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
                 }
             )
     return rows
+
+
+def _leave_one_out(fitted: list[dict], per_top_k: bool) -> list[dict]:
+    """Per recording (fit/test pair): predict its fitted rows from the other recordings only,
+    with their per-top-k mean optimisms interpolated as the plan does (``per_top_k``), or with one
+    mean over all of them."""
+    out = []
+    for rec in dict.fromkeys(r["input"] for r in fitted):
+        mine = [r for r in fitted if r["input"] == rec]
+        others = [r for r in fitted if r["input"] != rec]
+        if not others:
+            continue
+        k = mine[0]["topK"]
+        if per_top_k:
+            table = {}
+            for kk in {r["topK"] for r in others}:
+                vals = [r["optimism"] for r in others if r["topK"] == kk]
+                table[kk] = sum(vals) / len(vals)
+            mean = heldout_optimism(k, table)
+        else:
+            mean = sum(r["optimism"] for r in others) / len(others)
+        out.append(
+            {
+                "recording": rec,
+                "topK": k,
+                "calibratedOptimism": mean,
+                "errors": [
+                    r["inSampleVsContiguous"] * (1 + mean) / r["measuredVsContiguous"] - 1
+                    for r in mine
+                ],
+            }
+        )
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -178,30 +221,27 @@ def main(argv=None) -> None:
             f"({'ok' if ok[2] else 'MISS'})"
         )
     fitted = [r for r in rows if r["strategy"] in FITTED_STRATEGIES]
-    optimism = sum(r["optimism"] for r in fitted) / len(fitted)
-    verdicts.append(
-        "fitted strategies: in sample / held out optimism "
-        f"{min(r['optimism'] for r in fitted):+.1%} "
-        f"to {max(r['optimism'] for r in fitted):+.1%}, mean {optimism:+.1%} "
-        f"(placement.HELDOUT_OPTIMISM must match it)"
-    )
-    cross = []
+    by_k: dict[int, float] = {}
     for k in sorted({r["topK"] for r in fitted}):
         own = [r["optimism"] for r in fitted if r["topK"] == k]
-        other = [r for r in fitted if r["topK"] != k]
-        if not other:
-            continue
-        mean = sum(own) / len(own)
-        errs = [
-            r["inSampleVsContiguous"] * (1 + mean) / r["measuredVsContiguous"] - 1 for r in other
-        ]
-        cross.append(
-            {"calibratedOnTopK": k, "optimism": mean, "worstErrorOnOthers": max(errs, key=abs)}
-        )
+        by_k[k] = sum(own) / len(own)
         verdicts.append(
-            f"correction calibrated on top-{k} only ({mean:+.1%}) applied to the other "
-            f"recording: worst prediction error {max(errs, key=abs):+.1%}"
+            f"fitted strategies, top-{k}: in sample / held out optimism "
+            f"{min(own):+.1%} to {max(own):+.1%}, mean {by_k[k]:+.2%} "
+            f"(placement.HELDOUT_OPTIMISM[{k}] = {HELDOUT_OPTIMISM.get(k, float('nan')):.3f} "
+            "must match it)"
         )
+    loro = _leave_one_out(fitted, per_top_k=True)
+    single = _leave_one_out(fitted, per_top_k=False)
+    for name, res in (("per top-k", loro), ("one constant for all", single)):
+        errs = [e for c in res for e in c["errors"]]
+        if errs:
+            verdicts.append(
+                f"leave one recording out, {name}: worst prediction error "
+                f"{max(errs, key=abs):+.1%}, mean |error| {sum(map(abs, errs)) / len(errs):.1%}, "
+                f"{sum(abs(e) <= TARGETS['prediction_error'] for e in errs)} of {len(errs)} "
+                f"within {TARGETS['prediction_error']:.0%}"
+            )
     drift = max(r["worstLayerLoadDrift"] for r in rows if r["strategy"] in STRATEGIES[1:])
     verdicts.append(
         f"worst-layer max/mean load, test / fit, largest over non-contiguous placements: "
@@ -212,8 +252,14 @@ def main(argv=None) -> None:
         "verdicts": verdicts,
         "targets": TARGETS,
         "maxWorstLayerLoadDrift": drift,
-        "meanOptimism": optimism,
-        "correctionCrossCheck": cross,
+        "meanOptimismByTopK": {str(k): v for k, v in by_k.items()},
+        "meanOptimismByRecording": {
+            rec: sum(r["optimism"] for r in fitted if r["input"] == rec)
+            / sum(r["input"] == rec for r in fitted)
+            for rec in dict.fromkeys(r["input"] for r in fitted)
+        },
+        "leaveOneRecordingOut": loro,
+        "singleConstantLeaveOneOut": single,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@
         ${R}_top2_fit_steps.json:${R}_top2_test_steps.json
 
 The plan's held-out estimate (``placement.heldout_estimate``) raises the in-sample cross-group
-ratio by a constant, ``HELDOUT_OPTIMISM``, calibrated on two recordings. With
+ratio by a constant per top-k, ``HELDOUT_OPTIMISM``, calibrated on recorded runs
+(``placement_heldout.py``, these recordings among them). With
 ``tokenSamples.steps`` a plan could instead measure the drift on its own window: fit
 ``topology_aware`` on the samples of the window's earlier half (load and co-activation counted
 from them, token refinement on them), score it on that half and on the later half, and take the
@@ -15,7 +16,7 @@ writes:
 
 - measured: ``topology_aware`` fitted on the whole fit window, scored on the test window (the
   held-out evaluation), and its optimism (measured / in sample - 1);
-- constant: the plan's estimate today, in sample x (1 + HELDOUT_OPTIMISM);
+- constant: the plan's estimate today, in sample x (1 + heldout_optimism(top-k));
 - time split, scaled: in sample x (1 + split optimism x d), ``d`` = the distance from the fit
   window's centre to the next window's (its length) over the distance between the halves' centres
   (the mean steps of their samples, ~2): routing drift taken as linear in steps;
@@ -119,7 +120,7 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
         in_sample, measured = _ratio(p, c, topo, fit), _ratio(p, c, topo, test)
         split = _optimism(first, second, c, topo, ep)
         predicted = {
-            "constant": heldout_estimate(p, in_sample),
+            "constant": heldout_estimate(p, in_sample, fit.top_k),
             "splitScaled": in_sample * (1 + split * scale),
             "splitUnscaled": in_sample * (1 + split),
         }
@@ -250,8 +251,10 @@ def main(argv=None) -> None:
     s = summary
     verdicts = [
         (
-            f"constant (HELDOUT_OPTIMISM {HELDOUT_OPTIMISM:.1%}, calibrated on the recordings "
-            f"without steps): worst error {s['constant']['worstAbsError']:.1%}, mean "
+            "constant (the plan's HELDOUT_OPTIMISM, "
+            + ", ".join(f"top-{k} {v:.1%}" for k, v in sorted(HELDOUT_OPTIMISM.items()))
+            + ", calibrated on these and other recordings): worst error "
+            f"{s['constant']['worstAbsError']:.1%}, mean "
             f"{s['constant']['meanAbsError']:.1%}"
         ),
         (

@@ -324,7 +324,7 @@ def test_plan_shows_dedup_and_autoep_bytes_side_by_side(capsys, tmp_path):
 
 
 def test_plan_reports_a_held_out_estimate_above_the_fitted_ratio(capsys, tmp_path):
-    from moejob_operator.core.placement import HELDOUT_OPTIMISM
+    from moejob_operator.core.placement import heldout_optimism
 
     stats = routing.synthetic_trace(
         4, 8, 2, 2048, num_clusters=2, cluster_affinity=1.0, zipf_s=0.0, seed=2
@@ -333,7 +333,7 @@ def test_plan_reports_a_held_out_estimate_above_the_fitted_ratio(capsys, tmp_pat
     q = doc["placement"]["quality"]
     assert q["crossGroupVsContiguous"] < 0.95
     assert q["crossGroupVsContiguousHeldOut"] == pytest.approx(
-        min(1.0, q["crossGroupVsContiguous"] * (1 + HELDOUT_OPTIMISM)), abs=1e-4
+        min(1.0, q["crossGroupVsContiguous"] * (1 + heldout_optimism(2))), abs=1e-4
     )
     assert f"~{q['crossGroupVsContiguousHeldOut']:.2f}x expected on new tokens" in out
 

@@ -1,5 +1,6 @@
 """Placement solvers: invariants, exact baselines, golden tiny cases, and brute-force optimality."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -267,18 +268,46 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
 
 
 def test_heldout_estimate_raises_only_fitted_layouts():
-    from moejob_operator.core.placement import HELDOUT_OPTIMISM, heldout_estimate
+    from moejob_operator.core.placement import heldout_estimate, heldout_optimism
 
     topo = ClusterTopology.synthetic(nodes=2, gpus_per_node=4, group_size=4)
     st = synthetic_trace(2, 16, 2, 2000, seed=1)
     kw = dict(ep_size=8, num_experts=16, num_layers=2)
     ta = solve("topology_aware", topo, st, **kw)
-    assert heldout_estimate(ta, 0.7) == pytest.approx(0.7 * (1 + HELDOUT_OPTIMISM))
-    assert heldout_estimate(ta, 0.995) == 1.0
+    for k in (2, 4, 8):
+        assert heldout_estimate(ta, 0.7, k) == pytest.approx(0.7 * (1 + heldout_optimism(k)))
+    assert heldout_estimate(ta, 0.995, 2) == 1.0
     for other in ("contiguous", "round_robin", "balanced"):
-        assert heldout_estimate(solve(other, topo, st, **kw), 0.9) == 0.9
+        assert heldout_estimate(solve(other, topo, st, **kw), 0.9, 2) == 0.9
     fell_back = solve("topology_aware", topo, None, **kw)
-    assert fell_back.fell_back and heldout_estimate(fell_back, 1.0) == 1.0
+    assert fell_back.fell_back and heldout_estimate(fell_back, 1.0, 2) == 1.0
+
+
+def test_heldout_optimism_interpolates_in_log_top_k_and_clamps():
+    from moejob_operator.core.placement import heldout_optimism
+
+    table = {2: 0.06, 8: 0.02}
+    assert heldout_optimism(2, table) == 0.06 and heldout_optimism(8, table) == 0.02
+    assert heldout_optimism(4, table) == pytest.approx(0.04)  # halfway in log2
+    assert heldout_optimism(1, table) == 0.06 and heldout_optimism(16, table) == 0.02
+    assert 0.02 < heldout_optimism(6, table) < heldout_optimism(4, table)
+    with pytest.raises(ValueError, match="empty table"):
+        heldout_optimism(2, {})
+
+
+def test_heldout_optimism_is_the_measured_mean_per_top_k():
+    """The plan's held-out correction is the held-out evaluation's measured mean optimism of each
+    recorded top-k (benchmarks/results/placement-heldout.json), and that evaluation also predicted
+    every recording from the others alone (leave one recording out)."""
+    from moejob_operator.core.placement import HELDOUT_OPTIMISM
+
+    res = json.loads((RESULTS / "placement-heldout.json").read_text())
+    means = {int(k): v for k, v in res["meanOptimismByTopK"].items()}
+    assert set(means) == set(HELDOUT_OPTIMISM)
+    for k, mean in means.items():
+        assert HELDOUT_OPTIMISM[k] == pytest.approx(mean, abs=5e-4), k
+    held = res["leaveOneRecordingOut"]
+    assert {c["topK"] for c in held} == set(means) and all(c["errors"] for c in held)
 
 
 def test_swap_deltas_match_a_recount():
