@@ -296,7 +296,10 @@ class Trainer:
         load = torch.zeros(L, E, dtype=torch.float64, device=env.device)
         coact = torch.zeros(L, E, E, dtype=torch.float64, device=env.device)
         maxlog = torch.zeros(L, dtype=torch.float64, device=env.device)
-        lm_total = aux_total = 0.0
+        # summed on the device in fp64 (the same arithmetic as Python floats of each micro step's
+        # values) and read once per step: a read per micro-batch stalls the GPU each time
+        lm_total = torch.zeros((), dtype=torch.float64, device=env.device)
+        aux_total = torch.zeros((), dtype=torch.float64, device=env.device)
         for micro in range(t.grad_accum):
             batch = torch.from_numpy(
                 self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size)
@@ -329,10 +332,11 @@ class Trainer:
             load += sl
             coact += sc
             maxlog = torch.maximum(maxlog, sm)
-            lm_total += lm.item() / t.grad_accum
-            aux_total += (aux.item() if aux is not None else 0.0) / t.grad_accum
+            lm_total += lm.detach().to(torch.float64) / t.grad_accum
+            if aux is not None:
+                aux_total += aux.detach().to(torch.float64) / t.grad_accum
             self.probe.clear()
-        return lm_total, aux_total, load, coact, maxlog
+        return float(lm_total), float(aux_total), load, coact, maxlog
 
     # ---- reports -----------------------------------------------------------------------------
     def routing_doc(self, merged: dict | None = None) -> dict:
