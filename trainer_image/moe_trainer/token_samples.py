@@ -88,7 +88,9 @@ class TokenSampler:
 
     def _keep(self, keys, experts, steps) -> None:
         if len(keys) > self.capacity:
-            order = torch.argsort(keys)[: self.capacity]
+            # the bottom-capacity set, in no particular order (merge sorts): a selection, not a
+            # sort of the whole holding on the host every step
+            order = torch.topk(keys, self.capacity, largest=False, sorted=False).indices
             keys, experts, steps = keys[order], experts[order], steps[order]
         self.keys, self.experts, self.steps = keys, experts, steps
 
