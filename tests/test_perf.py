@@ -187,8 +187,9 @@ def test_cpu_plans_have_no_performance_block():
 
 @pytest.mark.slow
 def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
-    """`moe-train` (one process, ZeRO-3, CPU) with fused loss, ZeRO-3 leaf decoder layers and
-    compiled decoder layers (aot_eager on CPU) trains the same function as without them."""
+    """`moe-train` (one process, ZeRO-3, CPU) with fused loss, ZeRO-3 leaf decoder layers,
+    compiled decoder layers (aot_eager on CPU) and the one-rank gradient hand-off of
+    `fusedOptimizer` (fused AdamW itself is GPU-only) trains the same function as without them."""
     from moe_trainer.launch import launch
 
     base = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
@@ -226,6 +227,7 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
         "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + "
         "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
     )
+    assert "ZeRO-3 step: gradients straight into the fp32 partitions (one rank)" in log
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses

@@ -167,11 +167,11 @@ class Trainer:
             lr_scheduler=None if "scheduler" in cfg else make_sched,
             config=cfg,
         )
-        if fused_opt:
-            lean = perf.install_zero3_fused_step(self.engine.optimizer)
+        lean = perf.install_zero3_fused_step(self.engine.optimizer) if fused_opt else []
+        if self.perf.fused_optimizer:  # the gradient hand-off needs no fused kernel (CPU too)
             lean += perf.install_single_rank_grads(self.engine.optimizer)
-            if self.is_rank0 and lean:
-                log.info("ZeRO-3 step: %s", "; ".join(lean))
+        if self.is_rank0 and lean:
+            log.info("ZeRO-3 step: %s", "; ".join(lean))
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]
         self.dispatcher = self.install_dispatcher()
         self.probe = routing.RouterProbe(self.blocks)
