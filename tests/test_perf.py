@@ -296,7 +296,7 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), losses
 
 
-def _zero3_steps(mode: str, nproc: int, accumulation: int = 1) -> dict:
+def _zero3_steps(mode: str, nproc: int, accumulation: int = 1, clipping: float = 0.05) -> dict:
     """Run tests/zero3_step_worker.py on ``nproc`` ranks (gloo); rank 0's report."""
     from moe_trainer.launch import free_port
 
@@ -309,7 +309,13 @@ def _zero3_steps(mode: str, nproc: int, accumulation: int = 1) -> dict:
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "zero3_step_worker.py"), mode, str(accumulation)],
+            [
+                sys.executable,
+                str(ROOT / "tests" / "zero3_step_worker.py"),
+                mode,
+                str(accumulation),
+                str(clipping),
+            ],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -352,6 +358,18 @@ def test_zero3_fused_step_matches_deepspeeds_step(nproc):
     assert lean["masters"][0] == pytest.approx(stock["masters"][0], rel=1e-5, abs=1e-7)
     for got, want in zip(lean["masters"], stock["masters"], strict=True):
         assert got == pytest.approx(want, rel=2e-2, abs=1e-4)
+    assert lean["masters"][-1] != pytest.approx(lean["masters"][0], abs=1e-3)  # it trained
+
+
+def test_zero3_fused_step_hands_no_scale_when_clipping_does_not_trigger():
+    """Clipping threshold above every gradient norm: the factor is exactly 1, so the fused AdamW
+    gets no ``grad_scale`` (no division, no write-back of the gradients) and the master weights
+    are DeepSpeed's own step's bit for bit (its multiply by 1/1 is exact too)."""
+    lean, stock = _zero3_steps("patched", 1, clipping=1e6), _zero3_steps("stock", 1, clipping=1e6)
+    assert lean["installed"] == ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+    assert len(lean["scales"]) == lean["subGroups"] * 4 and set(lean["scales"]) == {None}
+    assert lean["masters"] == stock["masters"]
+    assert lean["norms"] == pytest.approx(stock["norms"], rel=1e-5)
     assert lean["masters"][-1] != pytest.approx(lean["masters"][0], abs=1e-3)  # it trained
 
 

@@ -1,7 +1,8 @@
 """CPU, gloo, one process per rank: a small model under DeepSpeed ZeRO-3 (bf16, fp32 masters) with
 torch's fused AdamW and gradient clipping that triggers. ``argv[1]``: ``stock`` (DeepSpeed as is),
 ``patched`` (``install_zero3_fused_step``) or ``grads`` (``install_single_rank_grads``);
-``argv[2]``: gradient accumulation steps (default 1). One Linear sits in a ZeRO-3 leaf module
+``argv[2]``: gradient accumulation steps (default 1); ``argv[3]``: the clipping threshold
+(default 0.05, which the gradient norms exceed every step). One Linear sits in a ZeRO-3 leaf module
 (its gradients reach the optimizer through the leaf hook, not the per-parameter one).
 Prints JSON: the fp32 master weights after each step, the global gradient norms, what the
 optimizer was handed as ``grad_scale``, and how often DeepSpeed's own gradient path ran.
@@ -18,6 +19,7 @@ from moe_trainer import perf
 
 mode = sys.argv[1]
 accumulation = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+clipping = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 
@@ -31,7 +33,7 @@ deepspeed.utils.set_z3_leaf_modules(model, [Leaf])
 cfg = {
     "train_micro_batch_size_per_gpu": 16,
     "gradient_accumulation_steps": accumulation,
-    "gradient_clipping": 0.05,
+    "gradient_clipping": clipping,
     "bf16": {"enabled": True},
     "zero_optimization": {
         "stage": 3,

@@ -230,7 +230,8 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
     factor)`` (``unscale_and_clip_grads``, even when that is 1) and then runs the optimizer, a
     second full pass over the gradients. Torch's fused AdamW divides by ``grad_scale`` inside
     its kernel (the hook ``torch.amp.GradScaler`` uses), so the factor is handed over instead:
-    the same update, up to the rounding of a division instead of a multiply by the reciprocal.
+    the same update, up to the rounding of a division instead of a multiply by the reciprocal;
+    when the factor is 1 (clipping does not trigger, bf16 has no loss scale) none is handed over.
     The gradient norm for clipping is taken per fp32 gradient in fp32 (DeepSpeed's
     ``get_norm_dtype`` casts each one to fp64 first: a copy twice its size); the per-tensor norms
     are still summed as DeepSpeed does."""
@@ -255,16 +256,28 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
     ):
         return []
 
+    last: dict = {"norm": None, "scale": None}  # one factor per step, for every sub-group
+
     def unscale_and_clip_grads(sub_group_id, total_norm):
+        if last["norm"] is total_norm:
+            inner.grad_scale = last["scale"]
+            return
         combined = zero_opt.loss_scale
         if zero_opt.clip_grad > 0.0:
             clip = ((total_norm / zero_opt.loss_scale) + 1e-6) / zero_opt.clip_grad
             combined = torch.clamp(clip, min=1.0) * zero_opt.loss_scale
         if isinstance(combined, torch.Tensor):
-            grad = zero_opt.fp32_partitioned_groups_flat[sub_group_id].grad
-            inner.grad_scale = combined.to(device=grad.device, dtype=torch.float32).reshape(1)
+            # A factor of exactly 1 (no clipping, no loss scale) goes as no scale at all: the
+            # kernel then neither divides nor writes the gradients back. Asking costs no wait:
+            # DeepSpeed's step has just read this norm on the host (``is_invalid_grad_norm``).
+            if bool(combined == 1):
+                inner.grad_scale = None
+            else:
+                grad = zero_opt.fp32_partitioned_groups_flat[sub_group_id].grad
+                inner.grad_scale = combined.to(device=grad.device, dtype=torch.float32).reshape(1)
         else:
             inner.grad_scale = None if combined == 1 else torch.tensor([float(combined)])
+        last["norm"], last["scale"] = total_norm, inner.grad_scale
 
     zero_opt.unscale_and_clip_grads = unscale_and_clip_grads
     done = ["clipping scale inside fused AdamW"]
