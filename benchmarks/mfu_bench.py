@@ -150,6 +150,27 @@ def gpu_memory(torch) -> dict:
     }
 
 
+def copy_sites(prof, top: int = 8) -> list[dict]:
+    """Where the GPU time of ``aten::copy_`` comes from (``MFU_PROFILE_STACKS=1``: the profiled
+    step records shapes and Python stacks): device time grouped by input dtypes and the innermost
+    frames of the calling code."""
+    groups: dict = {}
+    for e in prof.events():
+        if e.name != "aten::copy_" or e.self_device_time_total <= 0:
+            continue
+        frames, q = [], e.cpu_parent  # with_stack: Python frames are the op's parents
+        while q is not None and len(frames) < 5:
+            if ".py(" in q.name and "torch/" not in q.name:
+                frames.append(q.name)
+            q = q.cpu_parent
+        key = (str(e.input_shapes[:2]), " <- ".join(frames))
+        g = groups.setdefault(key, {"ms": 0.0, "calls": 0})
+        g["ms"] += e.self_device_time_total / 1e3
+        g["calls"] += 1
+    rows = [{"shapes": k[0], "stack": k[1], **v} for k, v in groups.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
     """GPU busy (union of kernel intervals) vs idle over the profiled step; top kernels/host ops."""
     import tempfile
@@ -295,11 +316,11 @@ def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> d
     return doc
 
 
-def variant_estimate(size: str, doc: dict) -> int:
+def variant_estimate(size: str, doc: dict, variant: str = "") -> int:
     """The memory model's peak for the plan as this variant runs it (variants that change the
     planner's document after planning get their own estimate, not the planner's)."""
     from moejob_operator.core import models as core_models
-    from moejob_operator.core.memory import estimate_memory
+    from moejob_operator.core.memory import estimate_memory, grad_handoff_applies
 
     preset, seq, micro = SIZES[size]
     perf_doc = doc["training"].get("performance") or {}
@@ -314,6 +335,9 @@ def variant_estimate(size: str, doc: dict) -> int:
         fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
         if perf_doc.get("fusedLoss")
         else None,
+        # fast_stockgrads turns the trainer's hand-off off after planning
+        grad_handoff=grad_handoff_applies(doc["deepspeed"], perf_doc)
+        and variant != "fast_stockgrads",
     )
     return est.total
 
@@ -370,7 +394,8 @@ def trainer_worker(
             acts = [ProfilerActivity.CPU] + (
                 [ProfilerActivity.CUDA] if env.device.type == "cuda" else []
             )
-            prof_box["p"] = tprof(activities=acts)
+            stacks = bool(os.environ.get("MFU_PROFILE_STACKS"))
+            prof_box["p"] = tprof(activities=acts, with_stack=stacks, record_shapes=stacks)
             prof_box["p"].__enter__()
             prof_box["t"] = time.perf_counter()
         if profile and step == total - 1 and "p" in prof_box:
@@ -411,7 +436,7 @@ def trainer_worker(
             "persistenceThreshold": doc["deepspeed"]["zero_optimization"].get(
                 "stage3_param_persistence_threshold"
             ),
-            "estimatedPeakBytes": variant_estimate(size, doc),
+            "estimatedPeakBytes": variant_estimate(size, doc, variant),
             "plannerEstimatedPeakBytes": doc["memory"]["estimatedPeakBytes"],
             "memoryBreakdown": doc["memory"]["breakdown"],
         },
@@ -423,6 +448,8 @@ def trainer_worker(
     }
     if "wall" in prof_box:
         out["profile"] = profile_summary(prof_box["p"], prof_box["wall"])
+        if os.environ.get("MFU_PROFILE_STACKS"):
+            out["profile"]["copySites"] = copy_sites(prof_box["p"])
         out["profile"]["hostSyncs"] = sorted(syncs.items(), key=lambda kv: -kv[1])
     out["memory"]["allocatedAfterInitBytes"] = after_init
     trainer.close()
@@ -798,7 +825,7 @@ def main(argv=None) -> None:
             for r in results["runs"]:
                 if r.get("kind") == "trainer" and "error" not in r:
                     r["plan"]["estimatedPeakBytes"] = variant_estimate(
-                        r["size"], plan_doc(r["size"], r["variant"], 10)
+                        r["size"], plan_doc(r["size"], r["variant"], 10), r["variant"]
                     )
         print(render(results))
         return

@@ -162,3 +162,29 @@ def test_benchmark_estimate_is_exposed():
     assert 5 * GiB < gpu.total < 40 * GiB
     assert cpu.breakdown["optimizerBytes"] == gpu.breakdown["optimizerBytes"]  # 12 B/param both
     assert cpu.breakdown["gradientsBytes"] == 2 * gpu.breakdown["gradientsBytes"]  # fp32 vs bf16
+
+
+def test_one_rank_gradient_handoff_keeps_one_gradient_not_all():
+    """With the trainer's one-rank hand-off (fusedOptimizer, ZeRO-3) a 16-bit gradient lives only
+    until it is copied into its fp32 partition: the gradients term is the largest tensor's, not the
+    whole model's. More than one rank, or optimizer offload, keep DeepSpeed's reduce path."""
+    spec, stock = _estimate("bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False)
+    _, lean = _estimate(
+        "bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False, grad_handoff=True
+    )
+    largest = max(memory._param_tensors(spec, 1))
+    assert stock.breakdown["gradientsBytes"] == pytest.approx(2 * spec.counts().total, rel=1e-6)
+    assert lean.breakdown["gradientsBytes"] == 2 * largest
+    assert stock.total - lean.total > 0.9 * (2 * spec.counts().total - 2 * largest)
+    _, two = _estimate("bench-mixtral-3b", world=2, ep=1, seq=2048, autoep=False, grad_handoff=True)
+    _, two_stock = _estimate("bench-mixtral-3b", world=2, ep=1, seq=2048, autoep=False)
+    assert two.total == two_stock.total
+    z3 = {"zero_optimization": {"stage": 3}}
+    assert memory.grad_handoff_applies(z3, {"fusedOptimizer": True})
+    assert not memory.grad_handoff_applies(z3, {"fusedOptimizer": False})
+    assert not memory.grad_handoff_applies(z3, None)
+    assert not memory.grad_handoff_applies(
+        {"zero_optimization": {"stage": 2}}, {"fusedOptimizer": True}
+    )
+    off = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    assert not memory.grad_handoff_applies(off, {"fusedOptimizer": True})

@@ -70,6 +70,19 @@ def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
     return ADAM_BYTES, STEP_TEMP_BYTES
 
 
+def grad_handoff_applies(dsconfig: dict[str, Any], performance: dict[str, Any] | None) -> bool:
+    """Whether the trainer hands gradients straight to their fp32 partitions (with
+    ``training.performance.fusedOptimizer``, ZeRO-3, no optimizer offload; ``estimate_memory``
+    checks the world size of one)."""
+    zero = dsconfig.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    return (
+        bool((performance or {}).get("fusedOptimizer"))
+        and zero.get("stage", 0) >= 3
+        and (offload in (None, "none"))
+    )
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """``breakdown``: term -> bytes (camelCase keys, as in the MoEPlan ``memory.breakdown``)."""
@@ -212,11 +225,16 @@ def estimate_memory(
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
     device: str = "gpu",
     fused_loss_chunk: int | None = None,
+    grad_handoff: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
 
     ``fused_loss_chunk``: tokens per chunk of the fused LM head + cross-entropy
-    (``training.performance.fusedLoss``); None = logits materialised (``tokens x V x (p + 8)``)."""
+    (``training.performance.fusedLoss``); None = logits materialised (``tokens x V x (p + 8)``).
+    ``grad_handoff``: the trainer's one-rank gradient hand-off (``fusedOptimizer`` on one rank,
+    ZeRO-3; ``moe_trainer.perf.install_single_rank_grads``): each 16-bit gradient is copied into
+    its fp32 partition as soon as it is produced and freed, so at most the largest one exists at a
+    time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it)."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
@@ -240,6 +258,9 @@ def estimate_memory(
             * p
         )
     grads = per_gpu(stage >= 2) * p
+    handoff = grad_handoff and stage >= 3 and world_size == 1
+    if handoff:
+        grads = max(_param_tensors(model, ep)) * p
     adam_bytes, step_temp_bytes = optimizer_bytes(dsconfig)
     optim = per_gpu(stage >= 1) * adam_bytes
 
@@ -301,6 +322,7 @@ def estimate_memory(
             else "no expert parallelism"
         ),
         f"largest gathered module: {gathered_name}",
+        *(["16-bit gradients handed to their fp32 partitions one at a time"] if handoff else []),
         f"activations: {tokens} tokens/micro-batch, checkpointing "
         f"{'on' if activation_checkpointing else 'off'}, "
         + (

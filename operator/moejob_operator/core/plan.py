@@ -29,7 +29,13 @@ from . import perf as perf_mod
 from . import placement as placement_mod
 from .dsconfig import CPU, GpuCaps, choose_ep_size, deepspeed_config
 from .errors import DoesNotFit, FieldError
-from .memory import DEFAULT_CAPACITY_FACTOR, GiB, MemoryEstimate, estimate_memory
+from .memory import (
+    DEFAULT_CAPACITY_FACTOR,
+    GiB,
+    MemoryEstimate,
+    estimate_memory,
+    grad_handoff_applies,
+)
 from .models import FAMILIES, MoEModelSpec, ResolvedModel, spec_from_hf_config
 from .routing import synthetic_trace
 from .topology import ClusterTopology
@@ -610,6 +616,7 @@ def _fit_memory(
             fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
             if perf_doc.get("fusedLoss")
             else None,
+            grad_handoff=grad_handoff_applies(config, perf_doc),
         )
 
     warnings = []
