@@ -158,9 +158,9 @@ def copy_sites(prof, top: int = 8) -> list[dict]:
     for e in prof.events():
         if e.name != "aten::copy_" or e.self_device_time_total <= 0:
             continue
-        frames, q = [], e.cpu_parent  # with_stack: Python frames are the op's parents
-        while q is not None and len(frames) < 5:
-            if ".py(" in q.name and "torch/" not in q.name:
+        frames, q = [], e.cpu_parent  # the enclosing ops and (with_stack) Python frames
+        while q is not None and len(frames) < 6:
+            if "torch/" not in q.name and not q.name.startswith("<built-in"):
                 frames.append(q.name)
             q = q.cpu_parent
         key = (str(e.input_shapes[:2]), " <- ".join(frames))

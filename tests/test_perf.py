@@ -345,7 +345,12 @@ def test_zero3_fused_step_matches_deepspeeds_step(nproc):
     like any two runs that differ in rounding, so later steps are compared loosely (a missing or
     doubled clipping scale is off by orders of magnitude)."""
     lean, stock = _zero3_steps("patched", nproc), _zero3_steps("stock", nproc)
-    assert lean["installed"] == ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+    one_rank = ["gradient norm in one multi-tensor pass (one rank)"] if nproc == 1 else []
+    assert lean["installed"] == [
+        "clipping scale inside fused AdamW",
+        "gradient norm in fp32",
+        *one_rank,
+    ]
     assert stock["installed"] == [] and set(stock["scales"]) == {None}
     groups = lean["subGroups"]
     assert groups >= 2 and len(lean["scales"]) == groups * 4
@@ -366,7 +371,7 @@ def test_zero3_fused_step_hands_no_scale_when_clipping_does_not_trigger():
     gets no ``grad_scale`` (no division, no write-back of the gradients) and the master weights
     are DeepSpeed's own step's bit for bit (its multiply by 1/1 is exact too)."""
     lean, stock = _zero3_steps("patched", 1, clipping=1e6), _zero3_steps("stock", 1, clipping=1e6)
-    assert lean["installed"] == ["clipping scale inside fused AdamW", "gradient norm in fp32"]
+    assert lean["installed"][:2] == ["clipping scale inside fused AdamW", "gradient norm in fp32"]
     assert len(lean["scales"]) == lean["subGroups"] * 4 and set(lean["scales"]) == {None}
     assert lean["masters"] == stock["masters"]
     assert lean["norms"] == pytest.approx(stock["norms"], rel=1e-5)

@@ -284,6 +284,26 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
     if callable(getattr(stage3, "get_norm_dtype", None)):
         stage3.get_norm_dtype = _fp32_norm_dtype
         done.append("gradient norm in fp32")
+    import torch.distributed as dist
+
+    stock_norm = getattr(zero_opt, "get_grad_norm_direct", None)
+    if callable(stock_norm) and (not dist.is_initialized() or dist.get_world_size() == 1):
+
+        def grad_norm_direct(gradients, params, norm_type=2):
+            """One rank: every gradient counts once and nothing is reduced, so DeepSpeed's norm is
+            the 2-norm of the per-tensor 2-norms. DeepSpeed casts each 16-bit gradient to fp32
+            first (a copy of every gradient); the multi-tensor norm accumulates in fp32 from the
+            16-bit values in one pass. An inf/nan norm is -1, as DeepSpeed returns it."""
+            grads = list(gradients)
+            if float(norm_type) != 2.0 or not grads:
+                return stock_norm(gradients, params, norm_type)
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+            total = torch.sum(torch.pow(torch.stack(norms), 2.0)) ** 0.5
+            bad = total.isinf().logical_or(total.isnan())
+            return torch.where(bad, torch.full_like(total, -1.0), total)
+
+        zero_opt.get_grad_norm_direct = grad_norm_direct
+        done.append("gradient norm in one multi-tensor pass (one rank)")
     return done
 
 
