@@ -166,7 +166,7 @@ def test_benchmark_estimate_is_exposed():
 
 def test_one_rank_gradient_handoff_keeps_one_gradient_not_all():
     """With the trainer's one-rank hand-off (fusedOptimizer, ZeRO-3) a 16-bit gradient lives only
-    until it is copied into its fp32 partition: the gradients term is the largest tensor's, not the
+    until it is copied into its partition: the gradients term is the largest tensor's, not the
     whole model's. More than one rank, or optimizer offload, keep DeepSpeed's reduce path."""
     spec, stock = _estimate("bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False)
     _, lean = _estimate(

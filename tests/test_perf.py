@@ -227,7 +227,7 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
         "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + "
         "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
     )
-    assert "ZeRO-3 step: gradients straight into the fp32 partitions (one rank)" in log
+    assert "ZeRO-3 step: gradients straight into their ZeRO-3 partitions (one rank)" in log
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
@@ -385,7 +385,7 @@ def test_single_rank_grads_equal_deepspeeds_reduce_path(accumulation):
     training is bit for bit DeepSpeed's own: the same global norms and fp32 master weights after
     every step, with one micro-batch per step (copy) and with two (the second is added)."""
     lean, stock = _zero3_steps("grads", 1, accumulation), _zero3_steps("stock", 1, accumulation)
-    assert lean["installed"] == ["gradients straight into the fp32 partitions (one rank)"]
+    assert lean["installed"] == ["gradients straight into their ZeRO-3 partitions (one rank)"]
     assert lean["stockGradPathCalls"] == 0
     assert stock["installed"] == [] and stock["stockGradPathCalls"] == 6 * 4 * accumulation
     assert lean["norms"] == stock["norms"]

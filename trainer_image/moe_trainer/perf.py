@@ -10,7 +10,7 @@ docs/performance.md and docs/contracts.md).
                    gradient-clipping scale goes into the AdamW kernel (`grad_scale`) instead of a
                    separate multiply over every fp32 gradient, and the gradient norm is taken in
                    fp32 (one read of the gradients) instead of over an fp64 copy of them;
-                   on one rank each gradient goes straight into its fp32 partition
+                   on one rank each gradient goes straight into its ZeRO-3 partition
                    (`install_single_rank_grads`) instead of through the reduce-scatter path
   zeroLeafModules  class names DeepSpeed ZeRO-3 treats as leaves (`set_z3_leaf_modules`): one
                    fetch/release and one pair of hooks per decoder layer instead of per submodule
@@ -312,7 +312,8 @@ def _fp32_norm_dtype() -> torch.dtype:
 
 
 def install_single_rank_grads(zero_opt) -> list[str]:
-    """On one rank, hand each bf16 gradient straight to its ZeRO-3 fp32 partition: one converting
+    """On one rank, hand each 16-bit gradient straight to its ZeRO-3 gradient partition (in
+    DeepSpeed's gradient-accumulation dtype: the 16-bit one by default under bf16, or fp32): one
     copy (or add, when accumulating micro-batches) per parameter, on the compute stream. Returns
     what was installed (nothing unless the whole job is one rank, the optimizer is a DeepSpeed
     ``DeepSpeedZeroOptimizer_Stage3`` of a version in ``LEAN_STEP_DEEPSPEED``, and none of the
@@ -322,10 +323,10 @@ def install_single_rank_grads(zero_opt) -> list[str]:
     DeepSpeed's reduce path is built for many ranks and runs unchanged on one: it copies each
     gradient into a bucket, concatenates the bucket for ``reduce_scatter_coalesced`` (a second
     copy), divides it by the world size of one, "reduce-scatters" it, converts the partition to
-    fp32 (a third pass) and copies that into the partition buffer (a fourth). With one rank every
-    partition is the whole gradient, so the result is the same bits as one conversion: the
-    gradient rounded to the communication dtype (as the stock path rounds it), then copied or added
-    in fp32. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything the hand-off
+    the accumulation dtype and copies that into the partition buffer. With one rank every
+    partition is the whole gradient, so the result is the same bits as one copy: the gradient
+    rounded to the communication dtype (as the stock path rounds it), then copied or added in the
+    accumulation dtype. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything the hand-off
     does not cover (a partition whose size is not the gradient's, a parameter DeepSpeed does not
     hold a partition for) goes the stock way."""
     import deepspeed
@@ -374,4 +375,4 @@ def install_single_rank_grads(zero_opt) -> list[str]:
         param.grad = None
 
     zero_opt.reduce_independent_p_g_buckets_and_remove_grads = hand_off
-    return ["gradients straight into the fp32 partitions (one rank)"]
+    return ["gradients straight into their ZeRO-3 partitions (one rank)"]

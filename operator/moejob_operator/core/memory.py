@@ -71,7 +71,7 @@ def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
 
 
 def grad_handoff_applies(dsconfig: dict[str, Any], performance: dict[str, Any] | None) -> bool:
-    """Whether the trainer hands gradients straight to their fp32 partitions (with
+    """Whether the trainer hands gradients straight to their ZeRO-3 partitions (with
     ``training.performance.fusedOptimizer``, ZeRO-3, no optimizer offload; ``estimate_memory``
     checks the world size of one)."""
     zero = dsconfig.get("zero_optimization") or {}
@@ -233,7 +233,7 @@ def estimate_memory(
     (``training.performance.fusedLoss``); None = logits materialised (``tokens x V x (p + 8)``).
     ``grad_handoff``: the trainer's one-rank gradient hand-off (``fusedOptimizer`` on one rank,
     ZeRO-3; ``moe_trainer.perf.install_single_rank_grads``): each 16-bit gradient is copied into
-    its fp32 partition as soon as it is produced and freed, so at most the largest one exists at a
+    its ZeRO-3 partition as soon as it is produced and freed, so at most the largest one exists at a
     time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it)."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
@@ -322,7 +322,7 @@ def estimate_memory(
             else "no expert parallelism"
         ),
         f"largest gathered module: {gathered_name}",
-        *(["16-bit gradients handed to their fp32 partitions one at a time"] if handoff else []),
+        *(["16-bit gradients handed to their partitions one at a time"] if handoff else []),
         f"activations: {tokens} tokens/micro-batch, checkpointing "
         f"{'on' if activation_checkpointing else 'off'}, "
         + (
