@@ -326,9 +326,9 @@ def install_single_rank_grads(zero_opt) -> list[str]:
     the accumulation dtype and copies that into the partition buffer. With one rank every
     partition is the whole gradient, so the result is the same bits as one copy: the gradient
     rounded to the communication dtype (as the stock path rounds it), then copied or added in the
-    accumulation dtype. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything the hand-off
-    does not cover (a partition whose size is not the gradient's, a parameter DeepSpeed does not
-    hold a partition for) goes the stock way."""
+    accumulation dtype. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything
+    the hand-off does not cover (a partition whose size is not the gradient's, a parameter
+    DeepSpeed does not hold a partition for) goes the stock way."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.zero import stage3
