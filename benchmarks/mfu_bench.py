@@ -24,6 +24,8 @@ Variants (each in its own process; clean CUDA memory and DeepSpeed state):
   fast_smallbucket fast with HF's reduce_bucket_size h*h instead of one bucket (ablation)
   fast_stockgrads  fast with DeepSpeed's own gradient reduce path on one rank instead of
                    `install_single_rank_grads` (ablation)
+  fast_bf16accum   fast with DeepSpeed's default 16-bit gradient accumulation instead of the
+                   planner's fp32 one (each sub-group's fp32 gradient is then one cast copy)
   fast_bf16master  fast + DeepSpeed's bf16 master weights, gradients and Adam moments
                    (bf16.bf16_master_weights_and_grads + bf16_optimizer_states; not the default)
 Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
@@ -58,6 +60,7 @@ TRAINER_VARIANTS = (
     "fast_hf",
     "fast_smallbucket",
     "fast_stockgrads",
+    "fast_bf16accum",
     "fast_bf16master",
 )
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
@@ -310,6 +313,8 @@ def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> d
         tr["moeImpl"] = "hf"
     if variant.endswith("bf16master") and (doc["deepspeed"].get("bf16") or {}).get("enabled"):
         doc["deepspeed"]["bf16"].update(BF16_MASTER)
+    if variant == "fast_bf16accum":
+        (doc["deepspeed"].get("data_types") or {}).pop("grad_accum_dtype", None)
     if variant == "fast_smallbucket":
         h = model.spec.hidden_size
         doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] = h * h
@@ -338,6 +343,7 @@ def variant_estimate(size: str, doc: dict, variant: str = "") -> int:
         # fast_stockgrads turns the trainer's hand-off off after planning
         grad_handoff=grad_handoff_applies(doc["deepspeed"], perf_doc)
         and variant != "fast_stockgrads",
+        compiled_layers=bool(perf_doc.get("compileLayers")),
     )
     return est.total
 
@@ -365,6 +371,7 @@ def trainer_worker(
     grads = perf.install_single_rank_grads
     perf.install_zero3_fused_step = recording(perf.install_zero3_fused_step)
     perf.install_single_rank_grads = recording(grads)
+    perf.install_flat_sub_group_grads = recording(perf.install_flat_sub_group_grads)
 
     total = warmup + steps + (2 if profile else 0)  # + one profiled step + one sync-debug step
     doc = plan_doc(size, variant, total, data)

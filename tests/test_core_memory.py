@@ -166,16 +166,33 @@ def test_benchmark_estimate_is_exposed():
 
 def test_one_rank_gradient_handoff_keeps_one_gradient_not_all():
     """With the trainer's one-rank hand-off (fusedOptimizer, ZeRO-3) a 16-bit gradient lives only
-    until it is copied into its partition: the gradients term is the largest tensor's, not the
-    whole model's. More than one rank, or optimizer offload, keep DeepSpeed's reduce path."""
+    until it is copied into its partition, and the reduce bucket it no longer uses is freed: the
+    gradients term is the partitions plus the largest tensor's gradient, and no bucket (DeepSpeed's
+    path holds the bucket and concatenates it to reduce). More than one rank, or optimizer
+    offload, keep DeepSpeed's reduce path."""
     spec, stock = _estimate("bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False)
     _, lean = _estimate(
         "bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False, grad_handoff=True
     )
-    largest = max(memory._param_tensors(spec, 1))
-    assert stock.breakdown["gradientsBytes"] == pytest.approx(2 * spec.counts().total, rel=1e-6)
-    assert lean.breakdown["gradientsBytes"] == 2 * largest
-    assert stock.total - lean.total > 0.9 * (2 * spec.counts().total - 2 * largest)
+    largest, total = max(memory._param_tensors(spec, 1)), spec.counts().total
+    bucket = spec.hidden_size**2  # deepspeed_config's reduce_bucket_size (h*h)
+    assert stock.breakdown["gradientsBytes"] == pytest.approx(2 * total, rel=1e-6)
+    assert stock.breakdown["buffersBytes"] == 2 * (2 * bucket)  # bucket + its concatenation
+    assert lean.breakdown["gradientsBytes"] == pytest.approx(2 * total + 2 * largest, rel=1e-6)
+    assert lean.breakdown["buffersBytes"] == 0
+    assert lean.total - stock.total == pytest.approx(
+        1.1 * (2 * largest - 4 * bucket), rel=1e-3
+    )  # + fragmentation
+    _, all_in_one = _estimate(
+        "bench-mixtral-3b",
+        world=1,
+        ep=1,
+        seq=2048,
+        micro=8,
+        autoep=False,
+        overrides={"zero_optimization": {"reduce_bucket_size": total}},
+    )
+    assert all_in_one.breakdown["buffersBytes"] == 2 * (2 * total)  # bucket + its concatenation
     _, two = _estimate("bench-mixtral-3b", world=2, ep=1, seq=2048, autoep=False, grad_handoff=True)
     _, two_stock = _estimate("bench-mixtral-3b", world=2, ep=1, seq=2048, autoep=False)
     assert two.total == two_stock.total
@@ -188,3 +205,54 @@ def test_one_rank_gradient_handoff_keeps_one_gradient_not_all():
     )
     off = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     assert not memory.grad_handoff_applies(off, {"fusedOptimizer": True})
+
+
+def test_fp32_gradient_accumulation_counts_4_bytes_and_drops_the_step_copy():
+    """``data_types.grad_accum_dtype: fp32``: the gradient partitions are 4 B per element; with the
+    trainer's lean step the optimizer's fp32 gradients are those partitions (no 4 B copy at the
+    step), without it DeepSpeed still copies each sub-group."""
+    fp32 = {"data_types": {"grad_accum_dtype": "fp32"}}
+    kw = dict(world=1, ep=1, seq=2048, micro=8, autoep=False, overrides=fp32)
+    spec, lean = _estimate("bench-mixtral-3b", grad_handoff=True, **kw)
+    _, stock = _estimate("bench-mixtral-3b", **kw)
+    total, largest = spec.counts().total, max(memory._param_tensors(spec, 1))
+    assert lean.breakdown["gradientsBytes"] == pytest.approx(4 * total + 2 * largest, rel=1e-6)
+    assert stock.breakdown["gradientsBytes"] == pytest.approx(4 * total, rel=1e-6)
+    assert memory.grad_accum_bytes(fp32) == 4
+    assert memory.grad_accum_bytes({"bf16": {"enabled": True}}) == 2
+    assert memory.grad_accum_bytes({"data_types": {"grad_accum_dtype": "bf16"}}) == 2
+    # the step phase: a model whose optimizer step is the peak (tiny activations)
+    step = dict(world=1, ep=1, seq=16, micro=1, autoep=False)
+    _, s_lean = _estimate("bench-mixtral-3b", grad_handoff=True, overrides=fp32, **step)
+    _, s_bf16 = _estimate("bench-mixtral-3b", grad_handoff=True, **step)
+    assert s_lean.peak_phase == s_bf16.peak_phase == "optimizer step"
+    sub_group = 1_000_000_000  # deepspeed_config's sub_group_size
+    # fp32 partitions: +2 B per element, and no 4 B fp32 copy of a sub-group
+    assert s_lean.total - s_bf16.total == pytest.approx(1.1 * (2 * total - 4 * sub_group), rel=1e-3)
+
+
+def test_one_rank_parameters_are_their_partitions():
+    """On one rank ZeRO-3 hands out a parameter as a view of its partition
+    (``_no_gather_coalesced``): no persistent copies, nothing gathered. On two ranks both count."""
+    spec, one = _estimate("bench-mixtral-3b", world=1, ep=1, seq=2048, micro=8, autoep=False)
+    _, two = _estimate("bench-mixtral-3b", world=2, ep=1, seq=2048, micro=8, autoep=False)
+    total = spec.counts().total
+    assert one.breakdown["parametersBytes"] == pytest.approx(2 * total, rel=1e-6)
+    assert one.breakdown["gatheredParametersBytes"] == 0
+    assert two.breakdown["parametersBytes"] > 2 * total / 2
+    assert two.breakdown["gatheredParametersBytes"] > 0
+
+
+def test_compiled_layers_save_fewer_activations():
+    """compileLayers: the non-logit activations scale by COMPILED_ACTIVATION_FACTOR instead of
+    ACTIVATION_FACTOR; the fused loss's buffers do not change."""
+    kw = dict(world=1, ep=1, seq=2048, micro=8, autoep=False, fused_loss_chunk=8192)
+    _, eager = _estimate("bench-mixtral-3b", **kw)
+    _, compiled = _estimate("bench-mixtral-3b", compiled_layers=True, **kw)
+    spec = models.resolve_model("bench-mixtral-3b").spec
+    logits = memory.fused_loss_bytes(spec, 2048 * 8, 8192, 2)
+    a_eager = eager.breakdown["activationsBytes"] - logits
+    a_compiled = compiled.breakdown["activationsBytes"] - logits
+    ratio = memory.COMPILED_ACTIVATION_FACTOR / memory.ACTIVATION_FACTOR
+    assert a_compiled == pytest.approx(ratio * a_eager, rel=1e-6)
+    assert compiled.total < eager.total

@@ -124,10 +124,16 @@ def test_planner_picks_the_fast_path_on_one_h200():
     assert zero["stage"] == 3
     assert zero["stage3_param_persistence_threshold"] > 2 * 16 * 4096 * 2048  # the largest tensor
     assert zero["reduce_bucket_size"] == spec.counts().total
-    # the memory model counts the persistent copy and the one big bucket, and no gathers
-    br = doc["memory"]["breakdown"]
-    assert br["parametersBytes"] == 2 * 2 * spec.counts().total
-    assert br["buffersBytes"] == 2 * spec.counts().total and br["gatheredParametersBytes"] == 0
+    # fp32 gradient partitions (the optimizer steps on slices of them)
+    assert doc["deepspeed"]["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert any(r.startswith("data_types.grad_accum_dtype fp32") for r in p["reasons"])
+    # the memory model: on one rank the parameters are their partitions (persistent or gathered,
+    # no second copy), the gradient partitions are fp32 (+ the 16-bit gradient on its way), the
+    # reduce bucket is freed by the hand-off
+    br, total = doc["memory"]["breakdown"], spec.counts().total
+    assert br["parametersBytes"] == 2 * total and br["gatheredParametersBytes"] == 0
+    assert br["gradientsBytes"] == 4 * total + 2 * 2 * 16 * 4096 * 2048
+    assert br["buffersBytes"] == 0
     summary = plan.summary()
     assert "MoE impl   grouped; performance options (planner's choice, why):" in summary
     assert "epSize 1 leaves AutoEP nothing to parallelise" in summary
@@ -165,6 +171,17 @@ def test_user_overrides_win():
     assert doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] == 123
     assert doc["training"]["performance"]["compileLayers"] is False
     assert any("set by the user" in r for r in doc["training"]["performance"]["reasons"])
+    kept = _plan(
+        ["h200-vm-1gpu.json"], ds_overrides={"data_types": {"grad_accum_dtype": "bf16"}}
+    ).document
+    assert kept["deepspeed"]["data_types"] == {"grad_accum_dtype": "bf16"}
+    assert (
+        "data_types.grad_accum_dtype: the user's setting is kept"
+        in (kept["training"]["performance"]["reasons"])
+    )
+    # the memory model follows the user's dtype: 16-bit partitions
+    spec = core_models.resolve_model("bench-mixtral-3b").spec
+    assert kept["memory"]["breakdown"]["gradientsBytes"] < 3 * spec.counts().total
 
 
 def test_cpu_plans_have_no_performance_block():
@@ -188,8 +205,9 @@ def test_cpu_plans_have_no_performance_block():
 @pytest.mark.slow
 def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
     """`moe-train` (one process, ZeRO-3, CPU) with fused loss, ZeRO-3 leaf decoder layers,
-    compiled decoder layers (aot_eager on CPU) and the one-rank gradient hand-off of
-    `fusedOptimizer` (fused AdamW itself is GPU-only) trains the same function as without them."""
+    compiled decoder layers (aot_eager on CPU), the one-rank gradient hand-off and the optimizer
+    stepping on slices of the (fp32 here) gradient partitions of `fusedOptimizer` (fused AdamW
+    itself is GPU-only) trains the same function as without them."""
     from moe_trainer.launch import launch
 
     base = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
@@ -227,7 +245,11 @@ def test_moe_train_with_every_option_matches_the_stock_path(tmp_path):
         "performance options: 2 ZeRO-3 leaf modules (MixtralDecoderLayer); fused LM head + "
         "cross-entropy (50 tokens per chunk); torch.compile of 2 decoder layers" in log
     )
-    assert "ZeRO-3 step: gradients straight into their ZeRO-3 partitions (one rank)" in log
+    assert (
+        "ZeRO-3 step: gradients straight into their ZeRO-3 partitions (one rank); reduce bucket "
+        "freed (unused with the hand-off); fp32 gradients as slices of the gradient partitions "
+        "(fp32 accumulation, no copy)" in log
+    )
     assert len(losses["fast"]) == 3
     for a, b in zip(losses["stock"], losses["fast"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), losses
@@ -296,7 +318,13 @@ def test_fused_loss_under_autoep_two_ranks_matches_the_stock_path(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), losses
 
 
-def _zero3_steps(mode: str, nproc: int, accumulation: int = 1, clipping: float = 0.05) -> dict:
+def _zero3_steps(
+    mode: str,
+    nproc: int,
+    accumulation: int = 1,
+    clipping: float = 0.05,
+    accum_dtype: str = "bf16",
+) -> dict:
     """Run tests/zero3_step_worker.py on ``nproc`` ranks (gloo); rank 0's report."""
     from moe_trainer.launch import free_port
 
@@ -315,6 +343,7 @@ def _zero3_steps(mode: str, nproc: int, accumulation: int = 1, clipping: float =
                 mode,
                 str(accumulation),
                 str(clipping),
+                accum_dtype,
             ],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
             stdout=subprocess.PIPE,
@@ -385,7 +414,10 @@ def test_single_rank_grads_equal_deepspeeds_reduce_path(accumulation):
     training is bit for bit DeepSpeed's own: the same global norms and fp32 master weights after
     every step, with one micro-batch per step (copy) and with two (the second is added)."""
     lean, stock = _zero3_steps("grads", 1, accumulation), _zero3_steps("stock", 1, accumulation)
-    assert lean["installed"] == ["gradients straight into their ZeRO-3 partitions (one rank)"]
+    assert lean["installed"] == [
+        "gradients straight into their ZeRO-3 partitions (one rank)",
+        "reduce bucket freed (unused with the hand-off)",
+    ]
     assert lean["stockGradPathCalls"] == 0
     assert stock["installed"] == [] and stock["stockGradPathCalls"] == 6 * 4 * accumulation
     assert lean["norms"] == stock["norms"]
@@ -397,3 +429,47 @@ def test_single_rank_grads_stay_off_on_two_ranks():
     """Two ranks need the reduction: nothing is installed and DeepSpeed's path runs."""
     two = _zero3_steps("grads", 2)
     assert two["installed"] == [] and two["stockGradPathCalls"] > 0
+
+
+@pytest.mark.parametrize(
+    ("nproc", "accumulation", "accum_dtype"),
+    [(1, 1, "bf16"), (1, 2, "fp32"), (2, 1, "bf16"), (2, 2, "fp32")],
+)
+def test_flat_sub_group_grads_equal_deepspeeds_copies(nproc, accumulation, accum_dtype):
+    """``install_flat_sub_group_grads`` hands the optimizer each sub-group's gradient as one slice
+    of the gradient partitions (fp32 accumulation) or one cast of it (bf16) instead of DeepSpeed's
+    concatenate-and-convert: on one and two ranks, with one and two micro-batches, the global
+    norms and fp32 master weights are DeepSpeed's own bit for bit (several sub-groups)."""
+    flat = _zero3_steps("flat", nproc, accumulation, accum_dtype=accum_dtype)
+    stock = _zero3_steps("stock", nproc, accumulation, accum_dtype=accum_dtype)
+    kind = (
+        "fp32 gradients as slices of the gradient partitions (fp32 accumulation, no copy)"
+        if accum_dtype == "fp32"
+        else "fp32 gradients cast from one slice of the bfloat16 gradient partitions (one copy)"
+    )
+    assert flat["installed"] == [kind] and stock["installed"] == []
+    assert (
+        flat["accumDtype"]
+        == stock["accumDtype"]
+        == f"torch.{ {'bf16': 'bfloat16', 'fp32': 'float32'}[accum_dtype] }"
+    )
+    assert flat["subGroups"] >= 2
+    assert flat["stockPrepareCalls"] == 0 and stock["stockPrepareCalls"] == flat["subGroups"] * 4
+    assert flat["norms"] == stock["norms"]
+    assert flat["masters"] == stock["masters"]
+    assert flat["masters"][-1] != pytest.approx(flat["masters"][0], abs=1e-3)  # it trained
+
+
+def test_fp32_accumulation_with_the_lean_step_trains_as_bf16_accumulation():
+    """One rank, one micro-batch per step: a 16-bit gradient is exactly representable in fp32, so
+    with everything the trainer installs the fp32-accumulation run (its gradients are slices of
+    the partitions) trains bit for bit as the bf16-accumulation run (one cast per sub-group), and
+    both as DeepSpeed's own step with fp32 accumulation to the fused step's tolerance."""
+    fp32 = _zero3_steps("lean", 1, accum_dtype="fp32")
+    bf16 = _zero3_steps("lean", 1, accum_dtype="bf16")
+    stock = _zero3_steps("stock", 1, accum_dtype="fp32")
+    assert fp32["installed"][-1].startswith("fp32 gradients as slices")
+    assert bf16["installed"][-1].startswith("fp32 gradients cast from one slice")
+    assert fp32["norms"] == bf16["norms"] and fp32["masters"] == bf16["masters"]
+    assert fp32["masters"][0] == pytest.approx(stock["masters"][0], rel=1e-5, abs=1e-7)
+    assert fp32["norms"][0] == pytest.approx(stock["norms"][0], rel=1e-5)

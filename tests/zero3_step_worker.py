@@ -1,11 +1,14 @@
 """CPU, gloo, one process per rank: a small model under DeepSpeed ZeRO-3 (bf16, fp32 masters) with
 torch's fused AdamW and gradient clipping that triggers. ``argv[1]``: ``stock`` (DeepSpeed as is),
-``patched`` (``install_zero3_fused_step``) or ``grads`` (``install_single_rank_grads``);
+``patched`` (``install_zero3_fused_step``), ``grads`` (``install_single_rank_grads``), ``flat``
+(``install_flat_sub_group_grads``) or ``lean`` (all three, as the trainer installs them);
 ``argv[2]``: gradient accumulation steps (default 1); ``argv[3]``: the clipping threshold
-(default 0.05, which the gradient norms exceed every step). One Linear sits in a ZeRO-3 leaf module
+(default 0.05, which the gradient norms exceed every step); ``argv[4]``: DeepSpeed's gradient
+accumulation dtype (``bf16`` default, or ``fp32``). One Linear sits in a ZeRO-3 leaf module
 (its gradients reach the optimizer through the leaf hook, not the per-parameter one).
 Prints JSON: the fp32 master weights after each step, the global gradient norms, what the
-optimizer was handed as ``grad_scale``, and how often DeepSpeed's own gradient path ran.
+optimizer was handed as ``grad_scale``, and how often DeepSpeed's own gradient path and its fp32
+gradient preparation ran.
 Used by tests/test_perf.py."""
 
 import json
@@ -20,6 +23,7 @@ from moe_trainer import perf
 mode = sys.argv[1]
 accumulation = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 clipping = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+accum_dtype = sys.argv[4] if len(sys.argv) > 4 else "bf16"
 deepspeed.init_distributed(dist_backend="gloo")
 torch.manual_seed(0)
 
@@ -41,6 +45,7 @@ cfg = {
         "sub_group_size": 10000,
     },
     "zero_allow_untested_optimizer": True,
+    "data_types": {"grad_accum_dtype": accum_dtype},
 }
 engine, _, _, _ = deepspeed.initialize(
     model=model,
@@ -59,10 +64,27 @@ def counting_stock_path(param):
 
 
 engine.optimizer.reduce_independent_p_g_buckets_and_remove_grads = counting_stock_path
+stock_prepares = 0
+stock_prepare = engine.optimizer._prepare_fp32_grad_for_sub_group
+
+
+def counting_stock_prepare(sub_group_id):
+    global stock_prepares
+    stock_prepares += 1
+    return stock_prepare(sub_group_id)
+
+
+engine.optimizer._prepare_fp32_grad_for_sub_group = counting_stock_prepare
 installed = {
     "stock": lambda o: [],
     "patched": perf.install_zero3_fused_step,
     "grads": perf.install_single_rank_grads,
+    "flat": perf.install_flat_sub_group_grads,
+    "lean": lambda o: (
+        perf.install_zero3_fused_step(o)
+        + perf.install_single_rank_grads(o)
+        + perf.install_flat_sub_group_grads(o)
+    ),
 }[mode](engine.optimizer)
 inner = engine.optimizer.optimizer
 scales, norms, masters = [], [], []
@@ -97,6 +119,8 @@ print(
             "masters": masters,
             "subGroups": len(engine.optimizer.fp32_partitioned_groups_flat),
             "stockGradPathCalls": stock_calls,
+            "stockPrepareCalls": stock_prepares,
+            "accumDtype": str(engine.optimizer.grad_partitions_flat_buffer.dtype),
         }
     )
 )

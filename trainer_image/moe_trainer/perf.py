@@ -11,7 +11,9 @@ docs/performance.md and docs/contracts.md).
                    separate multiply over every fp32 gradient, and the gradient norm is taken in
                    fp32 (one read of the gradients) instead of over an fp64 copy of them;
                    on one rank each gradient goes straight into its ZeRO-3 partition
-                   (`install_single_rank_grads`) instead of through the reduce-scatter path
+                   (`install_single_rank_grads`) instead of through the reduce-scatter path;
+                   the step's fp32 gradients are slices of the gradient partitions
+                   (`install_flat_sub_group_grads`) instead of a concatenated, converted copy
   zeroLeafModules  class names DeepSpeed ZeRO-3 treats as leaves (`set_z3_leaf_modules`): one
                    fetch/release and one pair of hooks per decoder layer instead of per submodule
   lossChunkTokens  tokens per chunk of the fused loss [8192]
@@ -349,6 +351,14 @@ def install_single_rank_grads(zero_opt) -> list[str]:
     stock = getattr(zero_opt, "reduce_independent_p_g_buckets_and_remove_grads", None)
     if not isinstance(parts, dict) or stock is None:
         return []
+    done = ["gradients straight into their ZeRO-3 partitions (one rank)"]
+    fallback, freed = stock, _free_reduce_buckets(zero_opt)
+    if freed is not None:
+        done.append("reduce bucket freed (unused with the hand-off)")
+
+        def fallback(param) -> None:
+            freed()
+            stock(param)
 
     @torch.no_grad()
     def hand_off(param) -> None:
@@ -361,7 +371,7 @@ def install_single_rank_grads(zero_opt) -> list[str]:
             or grad.numel() != part.numel()
             or zero_opt.autoep_folding_tp_group is not None  # configured after initialize
         ):
-            stock(param)
+            fallback(param)
             return
         comm = zero_opt.get_param_comm_dtype(param)
         if grad.dtype != comm:
@@ -375,4 +385,106 @@ def install_single_rank_grads(zero_opt) -> list[str]:
         param.grad = None
 
     zero_opt.reduce_independent_p_g_buckets_and_remove_grads = hand_off
-    return ["gradients straight into their ZeRO-3 partitions (one rank)"]
+    return done
+
+
+def _free_reduce_buckets(zero_opt):
+    """Free DeepSpeed's reduce buckets (``contiguous_gradients``: one ``reduce_bucket_size``
+    buffer per gradient dtype, allocated at initialize), which the hand-off leaves unused;
+    returns the function that allocates them again (for a gradient that takes the stock path),
+    or None when there is nothing to free."""
+    buckets = getattr(zero_opt, "ipg_buckets", None)
+    if not isinstance(buckets, dict) or not buckets:
+        return None
+    if not all(isinstance(getattr(b, "buffer", None), torch.Tensor) for b in buckets.values()):
+        return None
+    shapes = {dtype: (b.buffer.numel(), b.buffer.device) for dtype, b in buckets.items()}
+    for dtype, b in buckets.items():
+        b.buffer = torch.empty(0, dtype=dtype, device=shapes[dtype][1])
+
+    def allocate() -> None:
+        for dtype, b in buckets.items():
+            numel, device = shapes[dtype]
+            if b.buffer is not None and b.buffer.numel() < numel:
+                b.buffer = torch.empty(numel, dtype=dtype, device=device)
+
+    return allocate
+
+
+def install_flat_sub_group_grads(zero_opt) -> list[str]:
+    """The optimizer step's fp32 gradient of each sub-group without DeepSpeed's two copies.
+    Returns what was installed (nothing unless the optimizer is a DeepSpeed
+    ``DeepSpeedZeroOptimizer_Stage3`` of a version in ``LEAN_STEP_DEEPSPEED`` without optimizer
+    offload).
+
+    DeepSpeed keeps the rank's gradient partitions in one flat buffer in its gradient-accumulation
+    dtype and, for each sub-group, concatenates them (``torch.cat``: a copy) and converts the
+    result to fp32 (a second copy, in CUDA's per-element dynamic-cast loop). The partitions of a
+    sub-group lie next to each other in that buffer, so the same values are one slice of it: with
+    fp32 accumulation (``data_types.grad_accum_dtype``) the slice itself is the gradient (no copy);
+    with 16-bit accumulation one multi-tensor copy casts it. A sub-group whose partitions are not
+    one slice (a frozen parameter's zeros) goes the stock way. The optimizer may write into the
+    gradient it is handed (fused AdamW unscales in place when given ``grad_scale``); the slice is
+    overwritten by the next step's first micro-batch, as DeepSpeed's copy would have been."""
+    import deepspeed
+    from deepspeed.runtime.zero import stage3
+
+    stock = getattr(zero_opt, "_prepare_fp32_grad_for_sub_group", None)
+    if not (
+        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
+        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
+        and not getattr(zero_opt, "offload_optimizer", True)
+        and callable(stock)
+        and isinstance(getattr(zero_opt, "grad_partitions_flat_buffer", None), torch.Tensor)
+    ):
+        return []
+
+    def prepare(sub_group_id: int) -> None:
+        fp32 = zero_opt.fp32_partitioned_groups_flat[sub_group_id]
+        flat = _one_slice(
+            zero_opt.averaged_gradients[sub_group_id], zero_opt.grad_partitions_flat_buffer
+        )
+        if flat is None or flat.numel() != fp32.numel() or flat.device != fp32.device:
+            stock(sub_group_id)
+            return
+        if flat.dtype == fp32.dtype:
+            fp32.grad = flat
+        else:
+            grad = torch.empty_like(fp32)
+            torch._foreach_copy_([grad], [flat])
+            fp32.grad = grad
+        zero_opt.averaged_gradients[sub_group_id] = None
+
+    zero_opt._prepare_fp32_grad_for_sub_group = prepare
+    accum = zero_opt.grad_partitions_flat_buffer.dtype
+    return [
+        "fp32 gradients as slices of the gradient partitions (fp32 accumulation, no copy)"
+        if accum == torch.float32
+        else f"fp32 gradients cast from one slice of the {str(accum).removeprefix('torch.')} "
+        "gradient partitions (one copy)"
+    ]
+
+
+def _one_slice(tensors, buffer: torch.Tensor) -> torch.Tensor | None:
+    """``buffer``'s slice that ``tensors`` (1-D views of it, in order) tile, or None."""
+    if not tensors:
+        return None
+    base = buffer.untyped_storage().data_ptr()
+    start = expected = None
+    for t in tensors:
+        if (
+            t.dtype != buffer.dtype
+            or t.dim() != 1
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != base
+            or (expected is not None and t.storage_offset() != expected)
+        ):
+            return None
+        if start is None:
+            start = t.storage_offset()
+        expected = t.storage_offset() + t.numel()
+    assert start is not None and expected is not None
+    offset = start - buffer.storage_offset()
+    if offset < 0 or expected - buffer.storage_offset() > buffer.numel():
+        return None
+    return buffer.narrow(0, offset, expected - start)

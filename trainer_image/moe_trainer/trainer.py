@@ -168,8 +168,9 @@ class Trainer:
             config=cfg,
         )
         lean = perf.install_zero3_fused_step(self.engine.optimizer) if fused_opt else []
-        if self.perf.fused_optimizer:  # the gradient hand-off needs no fused kernel (CPU too)
+        if self.perf.fused_optimizer:  # these need no fused kernel (CPU too)
             lean += perf.install_single_rank_grads(self.engine.optimizer)
+            lean += perf.install_flat_sub_group_grads(self.engine.optimizer)
         if self.is_rank0 and lean:
             log.info("ZeRO-3 step: %s", "; ".join(lean))
         self.blocks = [r.block for r in models.find_moe_layers(self.engine.module)]

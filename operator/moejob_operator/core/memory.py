@@ -11,22 +11,28 @@ is the *gathered* working set: a layer gathers only its ``E / ep`` local experts
 Terms (bytes, per GPU; ``p`` = 2 for bf16/fp16, 4 for fp32):
 
 * parameters: ``p * params / world`` + small params kept whole (numel below
-  ``stage3_param_persistence_threshold``: norms, small routers);
-* gradients: same sharding, ``p`` bytes each;
+  ``stage3_param_persistence_threshold``: norms, small routers); on one rank a whole parameter
+  is a view of its partition (``_no_gather_coalesced``), so neither term adds anything there;
+* gradients: same sharding, in the gradient-accumulation dtype (ZeRO-3 keeps the rank's
+  partitions in one flat buffer of ``data_types.grad_accum_dtype``, default the 16-bit one), plus
+  the 16-bit gradients on their way (with the trainer's one-rank hand-off, the largest one);
 * optimizer: Adam, fp32 master + m + v = 12 bytes per sharded parameter;
 * gathered: the largest module ZeRO-3 gathers (full ``p``-byte params plus their full gradient
-  during backward, before the reduce-scatter) + the prefetch bucket;
+  during backward, before the reduce-scatter) + the prefetch bucket; nothing on one rank;
 * activations: see :func:`activation_bytes_per_token_layer` (saved tensors per token per layer,
-  from the transformers 5.17.0 forward), times ``ACTIVATION_FACTOR``; with activation
+  from the transformers 5.17.0 forward), times ``ACTIVATION_FACTOR`` (``COMPILED_ACTIVATION_FACTOR``
+  with ``compileLayers``: the compiled layer saves fewer intermediates); with activation
   checkpointing only each layer's input is kept, plus one layer recomputed; plus the logits
   (``V * (p + 8)`` per token: bf16 logits, fp32 upcast and log-softmax in the loss);
 * MoE dispatch: all-to-all send + receive buffers, ``tokens * top_k * h * p * capacity``;
-* buffers: the gradient reduce bucket (ZeRO-3: one; ZeRO-1/2: two with ``overlap_comm``);
+* buffers: the gradient reduce bucket (ZeRO-3: one, plus its concatenated copy while it is
+  reduced; ZeRO-1/2: two with ``overlap_comm``); none with the one-rank hand-off, which frees it;
 * overhead: CUDA context, NCCL and cuBLAS workspaces (``GPU_CONTEXT_BYTES``) plus allocator
   fragmentation (``FRAGMENTATION`` of the dynamic total). On CPU, the process baseline.
 
 The peak is ``max(forward/backward, optimizer step)``: at the step activations are gone but a
-fp32 copy of one ``sub_group_size`` slice of the gradients is made.
+fp32 copy of one ``sub_group_size`` slice of the gradients is made (not with the trainer's lean
+step and fp32 gradient accumulation: the slices are the partitions themselves).
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ GiB = 1 << 30
 # Calibrated on one H200 (bench-mixtral, bf16, seq 1024, ZeRO-3): the formula over-counted measured
 # activation memory by 1/0.845 (micro-batch 16) and 1/0.855 (32); see docs/planning.md.
 ACTIVATION_FACTOR = 0.85
+# With compileLayers (torch.compile of each decoder layer; Inductor recomputes cheap pointwise ops
+# instead of saving them): calibrated on one H200 (benchmarks/results/mfu_h200_run8.json, 3.4 B
+# model, fp32 and bf16 gradient accumulation alike): the peak allocation less the states after the
+# first step, the fused loss's buffers and the gradient in flight; see docs/planning.md.
+COMPILED_ACTIVATION_FACTOR = 0.65
 DEFAULT_CAPACITY_FACTOR = 2.0  # all-to-all receive buffer vs a perfectly balanced one
 GPU_CONTEXT_BYTES = int(1.5 * GiB)  # CUDA context ~0.5 GiB + NCCL ~0.5 GiB + cuBLAS/workspaces
 CPU_BASELINE_BYTES = int(0.6 * GiB)  # python + torch + deepspeed + transformers imported (RSS)
@@ -68,6 +79,15 @@ def optimizer_bytes(dsconfig: dict[str, Any]) -> tuple[int, int]:
     ):
         return BF16_MASTER_ADAM_BYTES, BF16_MASTER_STEP_TEMP_BYTES
     return ADAM_BYTES, STEP_TEMP_BYTES
+
+
+def grad_accum_bytes(dsconfig: dict[str, Any]) -> int:
+    """Bytes per element of ZeRO's gradient partitions (``data_types.grad_accum_dtype``; DeepSpeed
+    defaults it to the model's dtype)."""
+    dtype = (dsconfig.get("data_types") or {}).get("grad_accum_dtype")
+    if dtype is None:
+        return precision_bytes(dsconfig)
+    return {"fp32": 4, "fp16": 2, "bf16": 2}.get(str(dtype), 4)
 
 
 def grad_handoff_applies(dsconfig: dict[str, Any], performance: dict[str, Any] | None) -> bool:
@@ -226,6 +246,7 @@ def estimate_memory(
     device: str = "gpu",
     fused_loss_chunk: int | None = None,
     grad_handoff: bool = False,
+    compiled_layers: bool = False,
 ) -> MemoryEstimate:
     """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
 
@@ -234,7 +255,10 @@ def estimate_memory(
     ``grad_handoff``: the trainer's one-rank gradient hand-off (``fusedOptimizer`` on one rank,
     ZeRO-3; ``moe_trainer.perf.install_single_rank_grads``): each 16-bit gradient is copied into
     its ZeRO-3 partition as soon as it is produced and freed, so at most the largest one exists at a
-    time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it)."""
+    time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it),
+    and the unused reduce bucket is freed; at any world size with ZeRO-3 the optimizer step then
+    takes its fp32 gradients as slices of fp32 partitions (no copy) where gradients accumulate in
+    fp32. ``compiled_layers``: ``training.performance.compileLayers``."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
@@ -252,21 +276,27 @@ def estimate_memory(
 
     params = per_gpu(stage >= 3) * p
     persistent = 0
-    if stage >= 3:
+    one_rank = world_size == 1  # a gathered parameter is a view of its partition
+    if stage >= 3 and not one_rank:
         persistent = (
             _persistent_elements(model, zero.get("stage3_param_persistence_threshold", 100_000), ep)
             * p
         )
-    grads = per_gpu(stage >= 2) * p
-    handoff = grad_handoff and stage >= 3 and world_size == 1
-    if handoff:
-        grads = max(_param_tensors(model, ep)) * p
+    accum = grad_accum_bytes(dsconfig) if stage >= 3 else p
+    grads = per_gpu(stage >= 2) * accum
+    handoff = grad_handoff and stage >= 3 and one_rank
+    if handoff:  # + the 16-bit gradient on its way to its partition
+        grads += max(_param_tensors(model, ep)) * p
     adam_bytes, step_temp_bytes = optimizer_bytes(dsconfig)
+    if grad_handoff and stage >= 3 and accum == 4 and adam_bytes == ADAM_BYTES:
+        step_temp_bytes -= 4  # the fp32 gradient slices are the partitions (no copy)
     optim = per_gpu(stage >= 1) * adam_bytes
 
     gathered = 0
     gathered_name = "none (stage < 3: parameters are resident)"
-    if stage >= 3:
+    if stage >= 3 and one_rank:
+        gathered_name = "none (one rank: gathered parameters are views of their partitions)"
+    elif stage >= 3:
         threshold = zero.get("stage3_param_persistence_threshold", 100_000)
         if max(_param_tensors(model, ep)) <= threshold:
             gathered_name = "none (every parameter persistent)"
@@ -284,15 +314,22 @@ def estimate_memory(
         logits = fused_loss_bytes(model, tokens, fused_loss_chunk, p)
     else:
         logits = tokens * model.vocab_size * (p + 8)
-    activations = int(ACTIVATION_FACTOR * act) + logits
+    factor = COMPILED_ACTIVATION_FACTOR if compiled_layers else ACTIVATION_FACTOR
+    activations = int(factor * act) + logits
     dispatch = 0
     if autoep and ep > 1:
         dispatch = int(2 * tokens * model.top_k * model.hidden_size * p * capacity_factor)
 
-    # ZeRO-3 allocates one contiguous reduce bucket per gradient dtype (stage3.py, "IPG");
-    # ZeRO-1/2 double-buffer it with overlap_comm
-    double = zero.get("overlap_comm") and stage < 3
-    buffers = zero.get("reduce_bucket_size", 500_000_000) * p * (2 if double else 1)
+    # ZeRO-3 allocates one contiguous reduce bucket per gradient dtype (stage3.py, "IPG") and
+    # concatenates it for the reduce-scatter (one more copy of the filled part); the one-rank
+    # hand-off frees it. ZeRO-1/2 double-buffer it with overlap_comm.
+    bucket = zero.get("reduce_bucket_size", 500_000_000)
+    if handoff:
+        buffers = 0
+    elif stage >= 3:
+        buffers = (bucket + min(bucket, dense + expert)) * p
+    else:
+        buffers = bucket * p * (2 if zero.get("overlap_comm") else 1)
 
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
     sub_group = zero.get("sub_group_size", 1_000_000_000)
@@ -322,9 +359,16 @@ def estimate_memory(
             else "no expert parallelism"
         ),
         f"largest gathered module: {gathered_name}",
-        *(["16-bit gradients handed to their partitions one at a time"] if handoff else []),
+        *(
+            ["16-bit gradients handed to their partitions one at a time (reduce bucket freed)"]
+            if handoff
+            else []
+        ),
+        f"gradient partitions in {accum} B per element"
+        + (" (data_types.grad_accum_dtype)" if "data_types" in dsconfig else ""),
         f"activations: {tokens} tokens/micro-batch, checkpointing "
         f"{'on' if activation_checkpointing else 'off'}, "
+        f"{'compiled layers, ' if compiled_layers else ''}"
         + (
             f"fused loss ({fused_loss_chunk}-token chunks) {logits / GiB:.3f} GiB"
             if fused_loss_chunk

@@ -20,7 +20,11 @@ Rules (docs/planning.md, measured in docs/performance.md):
   gather/release at all, for one extra 16-bit copy of the parameters (the memory model counts it);
   and the reduce bucket holds every gradient (``reduce_bucket_size`` = all parameters): one
   reduce after backward instead of one per large tensor, each of which DeepSpeed 0.19.8 tracks
-  with an event it blocks the host on when more than two are in flight.
+  with an event it blocks the host on when more than two are in flight. With ``fusedOptimizer``
+  on a bf16 GPU also ``data_types.grad_accum_dtype: fp32``: the trainer's hand-off casts each
+  16-bit gradient once into its fp32 partition and the optimizer steps on slices of the
+  partitions (``moe_trainer.perf.install_flat_sub_group_grads``), instead of DeepSpeed's
+  concatenate-then-convert copy of every sub-group each step; +2 B per parameter.
 
 Measured and not chosen: DeepSpeed's bf16 master weights (``bf16.bf16_master_weights_and_grads``
 + ``bf16_optimizer_states``) make the 3.4 B step ~9% faster but the 200-step loss curve ends ~5%
@@ -31,7 +35,7 @@ above the fp32-master path (outside the 3% tolerance; docs/performance.md). A us
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .dsconfig import GpuCaps
@@ -53,6 +57,7 @@ class PerfChoice:
     autoep: bool  # whether AutoEP stays on
     zero_overrides: dict[str, Any]  # merged into deepspeed.zero_optimization
     notes: tuple[str, ...]
+    data_types: dict[str, Any] = field(default_factory=dict)  # merged into deepspeed.data_types
 
 
 def largest_tensor(spec: MoEModelSpec) -> int:
@@ -78,6 +83,7 @@ def choose(
     zero_stage: int = 3,
     user_perf: dict[str, Any] | None = None,
     user_zero: dict[str, Any] | None = None,
+    user_data_types: dict[str, Any] | None = None,
 ) -> PerfChoice:
     """The fast settings for this model on this GPU set, and why."""
     if gpu.is_cpu:
@@ -140,6 +146,17 @@ def choose(
             "reduced once after backward instead of once per large tensor (each reduce "
             "records an event DeepSpeed waits on, which stalls the host mid-backward)"
         )
+    data_types: dict[str, Any] = {}
+    if world_size == 1 and zero_stage == 3 and perf.get("fusedOptimizer") and gpu.supports_bf16:
+        if "grad_accum_dtype" in (user_data_types or {}):
+            notes.append("data_types.grad_accum_dtype: the user's setting is kept")
+        else:
+            data_types["grad_accum_dtype"] = "fp32"
+            notes.append(
+                "data_types.grad_accum_dtype fp32: one rank, so each 16-bit gradient is cast "
+                "once into its fp32 partition and the optimizer steps on slices of those "
+                "partitions (no per-step concatenate-and-convert copy; +2 B per parameter)"
+            )
     if user_zero:
         for key in list(zero_overrides):
             if key in user_zero:
@@ -151,4 +168,4 @@ def choose(
         )
         perf.update(copy.deepcopy(user_perf))
     perf["reasons"] = list(notes)
-    return PerfChoice(perf, moe_impl, use_autoep, zero_overrides, tuple(notes))
+    return PerfChoice(perf, moe_impl, use_autoep, zero_overrides, tuple(notes), data_types)

@@ -491,6 +491,8 @@ class _DeepSpeed:
         )
         if self.perf is not None and self.perf.zero_overrides:
             cfg["zero_optimization"].update(self.perf.zero_overrides)
+        if self.perf is not None and self.perf.data_types:
+            cfg.setdefault("data_types", {}).update(self.perf.data_types)
         return cfg, warnings
 
 
@@ -510,6 +512,7 @@ def _deepspeed(req: PlanRequest, world: int, ep: int, caps: GpuCaps) -> _DeepSpe
             zero_stage=user_zero.get("stage", 3),
             user_perf=req.training.extra.get("performance"),
             user_zero=user_zero,
+            user_data_types=overrides.get("data_types") or {},
         )
         autoep = choice.autoep
     unrendered = _DeepSpeed({}, [], choice, req, world, ep, caps, autoep)
@@ -617,6 +620,7 @@ def _fit_memory(
             if perf_doc.get("fusedLoss")
             else None,
             grad_handoff=grad_handoff_applies(config, perf_doc),
+            compiled_layers=bool(perf_doc.get("compileLayers")),
         )
 
     warnings = []
