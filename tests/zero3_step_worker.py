@@ -54,28 +54,23 @@ engine, _, _, _ = deepspeed.initialize(
     optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
     config=cfg,
 )
-stock_calls = 0
-stock_path = engine.optimizer.reduce_independent_p_g_buckets_and_remove_grads
+calls = {}
 
 
-def counting_stock_path(param):
-    global stock_calls
-    stock_calls += 1
-    return stock_path(param)
+def count_calls(obj, attr):
+    """Replace obj.attr by a wrapper that counts calls in calls[attr]."""
+    original = getattr(obj, attr)
+    calls[attr] = 0
+
+    def counted(*args, **kwargs):
+        calls[attr] += 1
+        return original(*args, **kwargs)
+
+    setattr(obj, attr, counted)
 
 
-engine.optimizer.reduce_independent_p_g_buckets_and_remove_grads = counting_stock_path
-stock_prepares = 0
-stock_prepare = engine.optimizer._prepare_fp32_grad_for_sub_group
-
-
-def counting_stock_prepare(sub_group_id):
-    global stock_prepares
-    stock_prepares += 1
-    return stock_prepare(sub_group_id)
-
-
-engine.optimizer._prepare_fp32_grad_for_sub_group = counting_stock_prepare
+count_calls(engine.optimizer, "reduce_independent_p_g_buckets_and_remove_grads")
+count_calls(engine.optimizer, "_prepare_fp32_grad_for_sub_group")
 installed = {
     "stock": lambda o: [],
     "patched": perf.install_zero3_fused_step,
@@ -119,8 +114,8 @@ print(
             "norms": norms,
             "masters": masters,
             "subGroups": len(engine.optimizer.fp32_partitioned_groups_flat),
-            "stockGradPathCalls": stock_calls,
-            "stockPrepareCalls": stock_prepares,
+            "stockGradPathCalls": calls["reduce_independent_p_g_buckets_and_remove_grads"],
+            "stockPrepareCalls": calls["_prepare_fp32_grad_for_sub_group"],
             "accumDtype": str(engine.optimizer.grad_partitions_flat_buffer.dtype),
         }
     )
