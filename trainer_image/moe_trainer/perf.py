@@ -222,6 +222,20 @@ def fused_optimizer_ok(spec: PerfSpec, device: torch.device) -> bool:
 LEAN_STEP_DEEPSPEED = ("0.19.",)
 
 
+def _lean_step_stage3(zero_opt) -> bool:
+    """Whether ``zero_opt`` is the DeepSpeed ZeRO-3 optimizer whose step the lean-step installs
+    replace parts of: ``DeepSpeedZeroOptimizer_Stage3`` of a version in ``LEAN_STEP_DEEPSPEED``
+    (other versions keep their own step), without optimizer offload."""
+    import deepspeed
+    from deepspeed.runtime.zero import stage3
+
+    return (
+        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
+        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
+        and not getattr(zero_opt, "offload_optimizer", True)
+    )
+
+
 def install_zero3_fused_step(zero_opt) -> list[str]:
     """Lean ZeRO-3 optimizer step around torch's fused AdamW, on a DeepSpeed 0.19
     ``DeepSpeedZeroOptimizer_Stage3`` (``engine.optimizer``); returns what was installed (nothing
@@ -237,20 +251,16 @@ def install_zero3_fused_step(zero_opt) -> list[str]:
     The gradient norm for clipping is taken per fp32 gradient in fp32 (DeepSpeed's
     ``get_norm_dtype`` casts each one to fp64 first: a copy twice its size); the per-tensor norms
     are still summed as DeepSpeed does."""
-    import deepspeed
     from deepspeed.runtime.zero import stage3
 
     inner = getattr(zero_opt, "optimizer", None)
     if not (
-        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
+        _lean_step_stage3(zero_opt)
         and isinstance(inner, torch.optim.AdamW)
         and inner.defaults.get("fused")
-        and not getattr(zero_opt, "offload_optimizer", True)
         and not getattr(zero_opt, "torch_autocast_gradscaler", None)
         and not getattr(zero_opt, "zenflow", False)
         and not getattr(zero_opt, "use_muon", False)
-        # the DeepSpeed step this replaces a part of; other versions keep their own
-        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
         and all(
             hasattr(zero_opt, a)
             for a in ("clip_grad", "loss_scale", "fp32_partitioned_groups_flat")
@@ -331,15 +341,11 @@ def install_single_rank_grads(zero_opt) -> list[str]:
     accumulation dtype. The copy is ``torch._foreach_copy_`` (what FSDP2 casts with). Anything
     the hand-off does not cover (a partition whose size is not the gradient's, a parameter
     DeepSpeed does not hold a partition for) goes the stock way."""
-    import deepspeed
     import torch.distributed as dist
-    from deepspeed.runtime.zero import stage3
 
     if not (
-        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
-        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
+        _lean_step_stage3(zero_opt)
         and (not dist.is_initialized() or dist.get_world_size() == 1)
-        and not getattr(zero_opt, "offload_optimizer", True)
         and not getattr(zero_opt, "zenflow", False)
         and not getattr(zero_opt, "use_muon", False)
         and getattr(zero_opt, "autoep_folding_tp_group", None) is None
@@ -426,14 +432,9 @@ def install_flat_sub_group_grads(zero_opt) -> list[str]:
     one slice (a frozen parameter's zeros) goes the stock way. The optimizer may write into the
     gradient it is handed (fused AdamW unscales in place when given ``grad_scale``); the slice is
     overwritten by the next step's first micro-batch, as DeepSpeed's copy would have been."""
-    import deepspeed
-    from deepspeed.runtime.zero import stage3
-
     stock = getattr(zero_opt, "_prepare_fp32_grad_for_sub_group", None)
     if not (
-        isinstance(zero_opt, stage3.DeepSpeedZeroOptimizer_Stage3)
-        and deepspeed.__version__.startswith(LEAN_STEP_DEEPSPEED)
-        and not getattr(zero_opt, "offload_optimizer", True)
+        _lean_step_stage3(zero_opt)
         and callable(stock)
         and isinstance(getattr(zero_opt, "grad_partitions_flat_buffer", None), torch.Tensor)
     ):
