@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
@@ -536,3 +537,65 @@ def test_agent_binds_pods_no_scheduler_looks_at(kube, node_agent, namespace, wai
     )
     pod = wait_for(lambda: _phase(kube, namespace, "orphan", "Succeeded"), timeout=40)
     assert pod.spec.node_name == "node-b"
+
+
+def test_gpus_granted_like_the_device_plugin(kube, node_agent, namespace, wait_for, tmp_path):
+    """Each container sees exactly the GPUs it was granted, as UUIDs in PCI bus order (what the
+    NVIDIA device plugin + runtime give it: container-relative numbering 0..n-1); two running pods
+    hold disjoint GPUs; no request -> no GPU unless NVIDIA_VISIBLE_DEVICES asks; a pod asking for
+    more GPUs than the node has is refused at admission; GPUs are released when a pod ends."""
+    from moe_localkube.gpus import read_gpus
+
+    uuids = [g.uuid for g in read_gpus(node_agent.nodes["node-b"].fixture)]
+    gate = tmp_path / "release"
+    show = f"""
+        import json, os, pathlib, time
+        print(json.dumps([os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",
+                                                      "NVIDIA_VISIBLE_DEVICES")]))
+        while {{hold}} and not pathlib.Path({str(gate)!r}).exists():
+            time.sleep(0.1)
+    """
+
+    def gpu_pod(name: str, n: int, hold: bool, **extra) -> dict:
+        limits = {"resources": {"limits": {"nvidia.com/gpu": str(n)}}} if n else {}
+        return _pod(name, show.format(hold=hold), node="node-b", container={**limits, **extra})
+
+    kube.core.create_namespaced_pod(namespace, gpu_pod("three", 3, True))
+    wait_for(
+        lambda: node_agent.read_log(namespace, "three").strip(), timeout=60, message="pod three"
+    )
+    kube.core.create_namespaced_pod(namespace, gpu_pod("two", 2, False))
+    kube.core.create_namespaced_pod(namespace, gpu_pod("none", 0, False))
+    env_all = {"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]}
+    kube.core.create_namespaced_pod(namespace, gpu_pod("all", 0, False, **env_all))
+    for name in ("two", "none", "all"):
+        wait_for(lambda n=name: _phase(kube, namespace, n, "Succeeded"), timeout=60, message=name)
+
+    def seen(name: str) -> tuple[list[str], str | None]:
+        cuda, nvidia = json.loads(node_agent.read_log(namespace, name))
+        return [u for u in cuda.split(",") if u], nvidia
+
+    three, two = seen("three")[0], seen("two")[0]
+    assert len(three) == 3 and len(two) == 2 and not set(three) & set(two)
+    for got in (three, two):
+        assert got == sorted(got, key=uuids.index)  # PCI bus order: container index = position
+        assert set(got) <= set(uuids)
+    assert seen("three")[1] == ",".join(three)
+    assert seen("none") == ([], None)
+    assert seen("all")[0] == uuids
+
+    uid3 = kube.core.read_namespaced_pod("three", namespace).metadata.uid
+    assert len(node_agent.gpus["node-b"].held_by(uid3)) == 3
+    gate.write_text("go")
+    wait_for(lambda: _phase(kube, namespace, "three", "Succeeded"), timeout=60, message="three")
+    wait_for(
+        lambda: not node_agent.gpus["node-b"].held_by(uid3), timeout=30, message="GPUs released"
+    )
+
+    too_many = gpu_pod("nine", 9, False)
+    too_many["spec"].pop("nodeSelector")
+    too_many["spec"]["nodeName"] = "node-b"  # past the scheduler, as a pinned pod would be
+    kube.core.create_namespaced_pod(namespace, too_many)
+    pod = wait_for(lambda: _phase(kube, namespace, "nine", "Failed"), timeout=60, message="nine")
+    assert pod.status.reason == "UnexpectedAdmissionError"
+    assert "Requested: 9" in pod.status.message

@@ -216,3 +216,29 @@ def test_hosts_names_and_in_place_rewrite(tmp_path):
     assert (tmp_path / "hosts").stat().st_ino == inode, (
         "bind mounts pin the inode: rewrite in place"
     )
+
+
+def test_gpu_allocator_grants_disjoint_sets_all_or_nothing():
+    from moe_localkube.gpus import GpuAdmissionError, GpuAllocator, read_gpus, visible_env
+
+    gpus = read_gpus("nvswitch-h100-8")
+    assert [g.index for g in gpus] == list(range(8)) and len({g.uuid for g in gpus}) == 8
+    alloc = GpuAllocator(gpus)
+
+    def c(name, n):
+        return {"name": name, "resources": {"limits": {"nvidia.com/gpu": n}}}
+
+    a = alloc.allocate("pod-a", [c("init", 1), c("main", 4)])
+    assert [g.index for g in a["init"]] == [0] and [g.index for g in a["main"]] == [1, 2, 3, 4]
+    assert alloc.allocate("pod-a", [c("init", 1), c("main", 4)]) == a  # retried: same grant
+    with pytest.raises(GpuAdmissionError, match="Requested: 4, Available: 3"):
+        alloc.allocate("pod-b", [c("main", 4)])
+    assert alloc.held_by("pod-b") == []  # all or nothing
+    alloc.release("pod-a")
+    b = alloc.allocate("pod-b", [c("main", 8), {"name": "side"}])
+    assert [g.index for g in b["main"]] == list(range(8)) and b["side"] == []
+    env = visible_env(b["main"][2:4], {}, gpus)
+    assert env["CUDA_VISIBLE_DEVICES"] == f"{gpus[2].uuid},{gpus[3].uuid}"
+    assert visible_env([], {}, gpus) == {"CUDA_VISIBLE_DEVICES": ""}
+    picked = visible_env([], {"NVIDIA_VISIBLE_DEVICES": f"5,{gpus[1].uuid}"}, gpus)
+    assert picked == {"CUDA_VISIBLE_DEVICES": f"{gpus[1].uuid},{gpus[5].uuid}"}

@@ -2,7 +2,9 @@
 
 Test and dev infrastructure, not product. It registers Node objects that look like GPU nodes
 (capacity ``nvidia.com/gpu``, GPU Feature Discovery labels, annotation
-``moe-operator.io/fake-topology: <NVML recording>``), heartbeats them (Lease + Ready condition),
+``moe-operator.io/fake-topology: <NVML recording>``; or this machine's real GPUs for a node
+``NAME:nvml``), heartbeats them (Lease + Ready condition), hands each container the GPUs it was
+granted as the NVIDIA device plugin + runtime do (``moe_localkube.gpus``),
 and runs the pods the scheduler binds to them as local processes (see ``podworker``), each in its
 own mount + UTS namespace, with a distinct loopback IP ``127.0.x.y`` as ``status.podIP`` and a
 shared hosts file at /etc/hosts that maps pod hostnames to those IPs. Images are ignored: the
@@ -33,8 +35,9 @@ from kubernetes.client import CoordinationV1Api, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
+from .gpus import REAL_NVML, Gpu, GpuAllocator, read_gpus, visible_env
 from .kubeletapi import KubeletApi
-from .nodes import FAKE_NVML_ENV, NodeSpec, node_manifest, node_status
+from .nodes import FAKE_NVML_ENV, GpuShape, NodeSpec, node_manifest, node_status
 from .podfiles import Mount
 from .podworker import PodWorker
 
@@ -141,6 +144,7 @@ class NodeAgent:
         self.hosts: HostsFile | None = None
         self.kubelet_api: KubeletApi | None = None
         self._workers: dict[str, PodWorker] = {}
+        self.gpus: dict[str, GpuAllocator] = {}
         self._ips: dict[str, str] = {}
         self._next_ip = 2
         self._lock = threading.Lock()
@@ -197,7 +201,14 @@ class NodeAgent:
 
     # ------------------------------------------------------------ nodes
     def _register(self, spec: NodeSpec) -> None:
-        body = node_manifest(spec)
+        gpus = read_gpus(spec.fixture)
+        self.gpus[spec.name] = GpuAllocator(gpus)
+        shape = GpuShape(
+            product=gpus[0].name.replace(" ", "-") if gpus else "NVIDIA-GPU",
+            count=len(gpus),
+            memory_mib=(gpus[0].memory_bytes >> 20) if gpus else 0,
+        )
+        body = node_manifest(spec, shape)
         try:
             self.core.create_node(body)
         except ApiException as exc:
@@ -206,7 +217,9 @@ class NodeAgent:
             self.core.patch_node(spec.name, {"metadata": body["metadata"]}, _content_type=MERGE)
         port = self.kubelet_api.port if self.kubelet_api else 0
         self.core.patch_node_status(
-            spec.name, {"status": node_status(spec, self.host_ip, port)}, _content_type=MERGE
+            spec.name,
+            {"status": node_status(spec, self.host_ip, port, shape)},
+            _content_type=MERGE,
         )
         # TaintNodesByCondition put node.kubernetes.io/not-ready on the new node; it is Ready now.
         self.core.patch_node(spec.name, {"spec": {"taints": None}}, _content_type=MERGE)
@@ -429,11 +442,25 @@ class NodeAgent:
                 "KUBERNETES_SERVICE_PORT": self.api_port,
                 "KUBERNETES_SERVICE_PORT_HTTPS": self.api_port,
                 "KUBERNETES_PORT": f"tcp://{self.api_host}:{self.api_port}",
-                FAKE_NVML_ENV: node.fixture,
             }
         )
+        if node.fixture != REAL_NVML:
+            env[FAKE_NVML_ENV] = node.fixture
         env.update(self.extra_env)
         return env
+
+    def allocate_gpus(self, pod: dict) -> dict[str, list[Gpu]]:
+        """Each container's granted GPUs (raises GpuAdmissionError when too few are free)."""
+        alloc = self.gpus[pod["spec"]["nodeName"]]
+        containers = [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]
+        return alloc.allocate(pod["metadata"]["uid"], containers)
+
+    def gpu_env(self, pod: dict, granted: list[Gpu], env: dict[str, str]) -> dict[str, str]:
+        return visible_env(granted, env, self.gpus[pod["spec"]["nodeName"]].gpus)
+
+    def release_gpus(self, uid: str) -> None:
+        for alloc in self.gpus.values():
+            alloc.release(uid)
 
     def fixed_mounts(self) -> list[Mount]:
         assert self.hosts is not None

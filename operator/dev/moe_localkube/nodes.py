@@ -1,5 +1,6 @@
-"""Fake GPU Node objects, shaped like what the kubelet, the NVIDIA device plugin and GPU Feature
-Discovery would publish for a recorded machine (an NVML recording of ``moe_fake_nvml``)."""
+"""GPU Node objects, shaped like what the kubelet, the NVIDIA device plugin and GPU Feature
+Discovery would publish for a recorded machine (an NVML recording of ``moe_fake_nvml``) or, with
+``fixture="nvml"``, for this machine's real GPUs (read with ``pynvml``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import moe_fake_nvml
+
+from .gpus import REAL_NVML, read_gpus
 
 RECORDINGS_DIR = moe_fake_nvml.recordings_dir()
 FAKE_TOPOLOGY_ANNOTATION = "moe-operator.io/fake-topology"
@@ -33,7 +36,17 @@ def known_fixtures(recordings_dir: Path = RECORDINGS_DIR) -> list[str]:
 
 
 def fixture_gpus(fixture: str, recordings_dir: Path = RECORDINGS_DIR) -> GpuShape:
-    """Product, count and memory of the GPUs in the NVML recording ``fixture``."""
+    """Product, count and memory of the GPUs in the NVML recording ``fixture`` (``"nvml"``: of
+    this machine's real GPUs)."""
+    if fixture == REAL_NVML:
+        gpus = read_gpus(REAL_NVML)
+        if not gpus:
+            raise FixtureError("nvml: this machine's NVML reports no GPU")
+        return GpuShape(
+            product=gpus[0].name.replace(" ", "-"),
+            count=len(gpus),
+            memory_mib=gpus[0].memory_bytes // MIB,
+        )
     path = recordings_dir / f"{fixture}.json"
     if not path.is_file():
         raise FixtureError(
@@ -50,7 +63,8 @@ def fixture_gpus(fixture: str, recordings_dir: Path = RECORDINGS_DIR) -> GpuShap
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """One fake node: its name and the recorded machine it pretends to be."""
+    """One node of the agent: its name and the recorded machine it pretends to be (``"nvml"``:
+    this machine's real GPUs)."""
 
     name: str
     fixture: str = "nvswitch-h100-8"
@@ -61,7 +75,7 @@ class NodeSpec:
 
     @classmethod
     def parse(cls, text: str) -> NodeSpec:
-        """``node-a:nvswitch-h100-8`` (fixture optional)."""
+        """``node-a:nvswitch-h100-8`` (fixture optional; ``gpu-0:nvml`` for the real GPUs)."""
         name, _, fixture = text.partition(":")
         if not name:
             raise ValueError(f"bad node spec {text!r}: want NAME[:FIXTURE]")
@@ -72,8 +86,8 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def node_manifest(spec: NodeSpec) -> dict:
-    gpus = fixture_gpus(spec.fixture)
+def node_manifest(spec: NodeSpec, gpus: GpuShape | None = None) -> dict:
+    gpus = gpus or fixture_gpus(spec.fixture)
     labels = {
         "kubernetes.io/hostname": spec.name,
         "kubernetes.io/os": "linux",
@@ -91,7 +105,7 @@ def node_manifest(spec: NodeSpec) -> dict:
             "name": spec.name,
             "labels": labels,
             "annotations": {
-                FAKE_TOPOLOGY_ANNOTATION: spec.fixture,
+                **({} if spec.fixture == REAL_NVML else {FAKE_TOPOLOGY_ANNOTATION: spec.fixture}),
                 "moe-operator.io/fake-node": "moe_localkube.nodeagent",
             },
         },
@@ -99,8 +113,13 @@ def node_manifest(spec: NodeSpec) -> dict:
     }
 
 
-def node_status(spec: NodeSpec, host_ip: str = "127.0.0.1", kubelet_port: int = 0) -> dict:
-    gpus = fixture_gpus(spec.fixture)
+def node_status(
+    spec: NodeSpec,
+    host_ip: str = "127.0.0.1",
+    kubelet_port: int = 0,
+    gpus: GpuShape | None = None,
+) -> dict:
+    gpus = gpus or fixture_gpus(spec.fixture)
     resources = {
         "cpu": spec.cpu,
         "memory": spec.memory,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
+from .gpus import GpuAdmissionError
 from .podfiles import ConfigError, Mount, PodFiles, container_mounts, expand, memory_dir, save_meta
 
 if TYPE_CHECKING:
@@ -337,6 +338,7 @@ class PodWorker(threading.Thread):
         elif self._shutdown_req.is_set():
             self._kill_all(2.0)
         shutil.rmtree(memory_dir(self.uid), ignore_errors=True)  # tmpfs: give the memory back
+        self.agent.release_gpus(self.uid)
 
     def _prepare(self) -> None:
         pod = {
@@ -350,13 +352,16 @@ class PodWorker(threading.Thread):
         }
         files = PodFiles(self.agent.core, pod, self.pod_dir, self.agent.run_dir)
         volumes = files.volumes()
+        granted = self.agent.allocate_gpus(pod)
         for c in [*self.inits, *self.mains]:
             if not c.spec.get("command"):
                 raise sandbox.SandboxError(
                     f"container {c.name}: no command (the node agent ignores "
                     "images and their entrypoints)"
                 )
-            self.envs[c.name] = files.env(c.spec, self.agent.base_env(pod))
+            env = files.env(c.spec, self.agent.base_env(pod))
+            env.update(self.agent.gpu_env(pod, granted.get(c.name, []), env))
+            self.envs[c.name] = env
             self.mounts[c.name] = container_mounts(c.spec, volumes)
 
     def _run(self) -> None:
@@ -373,6 +378,15 @@ class PodWorker(threading.Thread):
             try:
                 self._prepare()
                 break
+            except GpuAdmissionError as exc:  # the kubelet refuses the pod, it does not queue it
+                self.event("UnexpectedAdmissionError", str(exc), warning=True)
+                self.phase, self.reason, self.message = (
+                    "Failed",
+                    "UnexpectedAdmissionError",
+                    f"Pod was rejected: {exc}"[:MAX_MESSAGE],
+                )
+                self.report()
+                return None
             except (ConfigError, sandbox.SandboxError, ApiException) as exc:
                 reason = (
                     "CreateContainerError"
