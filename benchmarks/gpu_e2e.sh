@@ -66,7 +66,8 @@ run)
   export PATH="$gdir/bin:$PATH" MOE_KUBE_BIN_DIR="$gdir/bin"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} TORCH_EXTENSIONS_DIR="$gdir/torch_ext"
-  exec python3 -m moe_localkube.gpu_e2e --out "$out" --work "$gdir/work" "$@"
+  exec python3 -m moe_localkube.gpu_e2e --out "$out" --work "$gdir/work" \
+      --crd "$root/crds/moetrainingjob.yaml" "$@"
   ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per node the jobs ask for")
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--skip-direct", action="store_true")
+    ap.add_argument("--crd", type=Path, default=ROOT / "crds" / "moetrainingjob.yaml")
     ap.add_argument(
         "--fixture",
         default=REAL_NVML,
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["controlPlaneStartSeconds"] = round(cp.startup_seconds, 1)
         say(f"control plane ready in {cp.startup_seconds:.1f}s")
         kube = Kube.from_api_client(cp.api_client())
-        crd = yaml.safe_load((ROOT / "crds" / "moetrainingjob.yaml").read_text())
+        crd = yaml.safe_load(args.crd.read_text())
 
         ApiextensionsV1Api(kube.api_client).create_custom_resource_definition(crd)
         agent = NodeAgent(
