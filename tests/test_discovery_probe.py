@@ -324,3 +324,20 @@ def test_placeholder_remote_pci_ids_read_as_unknown():
         is None
     )
     assert str(pci_address(SimpleNamespace(busId="00000000:18:00.0"))) == "0000:18:00.0"
+
+
+def test_h200_discovery_pod_report_matches_the_direct_run():
+    """The report the discovery *pod* wrote on the real H200 (benchmarks/gpu_e2e.sh: the node
+    agent as a GPU node, the pod reading the real NVML) describes the same machine as the direct
+    `moe-discover` run recorded earlier: same GPU, bus id, links and tiers (another VM, so another
+    GPU UUID and node name), and it plans as one NVLink group."""
+    pod = json.loads((REAL_DIR / "h200-vm-1gpu-pod.json").read_text())
+    direct = json.loads((REAL_DIR / "h200-vm-1gpu.json").read_text())
+    assert pod["source"] == "nvml" and pod["fixture"] is None
+
+    def machine(doc):
+        doc = without_node_time(doc)
+        return doc | {"gpus": [{k: v for k, v in g.items() if k != "uuid"} for g in doc["gpus"]]}
+
+    assert machine(pod) == machine(direct)
+    assert nvlink_groups(parse_topology(pod)) == [[0]]
