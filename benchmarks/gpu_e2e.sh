@@ -66,8 +66,11 @@ run)
   export PATH="$gdir/bin:$PATH" MOE_KUBE_BIN_DIR="$gdir/bin"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} TORCH_EXTENSIONS_DIR="$gdir/torch_ext"
+  ck=()  # checkpoints on the tmpfs when it can hold a 3.4 B model's optimizer state (~48 GB)
+  shm=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
+  [ "${shm:-0}" -gt $((60 * 1024 * 1024)) ] && ck=(--checkpoints /dev/shm/moe-gpu-e2e-ckpt)
   exec python3 -m moe_localkube.gpu_e2e --out "$out" --work "$gdir/work" \
-      --crd "$root/crds/moetrainingjob.yaml" "$@"
+      --crd "$root/crds/moetrainingjob.yaml" "${ck[@]}" "$@"
   ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -278,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=1, help="GPUs per node the jobs ask for")
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--skip-direct", action="store_true")
+    ap.add_argument(
+        "--checkpoints",
+        type=Path,
+        help="the jobs' checkpoint hostPath (default WORK/checkpoints; a 3.4 B model's final "
+        "ZeRO-3 checkpoint with its optimizer state is tens of GB: a tmpfs writes it in seconds)",
+    )
     ap.add_argument("--crd", type=Path, default=ROOT / "crds" / "moetrainingjob.yaml")
     ap.add_argument(
         "--fixture",
@@ -291,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
     coll = args.work / "collected"
-    ckpt = args.work / "checkpoints"
-    ckpt.mkdir()
+    ckpt = args.checkpoints or args.work / "checkpoints"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    ckpt.mkdir(parents=True)
     gpus = read_gpus(args.fixture)
     jobs = [("gpu-e2e-1", None)] + ([] if args.skip_second else [("gpu-e2e-2", "gpu-e2e-1")])
     summary: dict[str, Any] = {
