@@ -33,144 +33,61 @@ builders share it (a lock per dockerd data root; archives are written atomically
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import fnmatch
-import functools
 import hashlib
-import http.server
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import binaries, procs
+from . import binaries
+from .dockerd import Dockerd, ImageError, remove_cgroup_tree, serve_directory, unmount_under
+from .image_context import (
+    DOCKERFILES,
+    REPO_ROOT,
+    context_digest,
+    copied_sources,
+    debian_mirror,
+    dockerfile_pins,
+    dockerignore,
+    sha,
+)
+from .image_tars import PAUSE_IMAGE, archive_paths, pause_image_tar
 
-REPO_ROOT = binaries.REPO_ROOT
-DOCKERFILES = {
-    "operator": REPO_ROOT / "Dockerfile",
-    "trainer": REPO_ROOT / "trainer_image" / "Dockerfile",
-}
+__all__ = [  # what callers import from here (the pieces live in the modules above)
+    "DOCKERFILES",
+    "PAUSE_IMAGE",
+    "BuildReport",
+    "BuiltImage",
+    "Dockerd",
+    "ImageBuilder",
+    "ImageError",
+    "archive_paths",
+    "context_digest",
+    "copied_sources",
+    "debian_mirror",
+    "dockerfile_pins",
+    "dockerignore",
+    "pause_image_tar",
+    "remove_cgroup_tree",
+    "serve_directory",
+    "unmount_under",
+]
+
 # Tags the tests and examples use; every image also gets a content tag (``:<key>``).
 DEFAULT_TAGS = {"operator": ("moe-operator:local",), "trainer": ("moe-trainer:local",)}
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "passwd")
 BASE_SUITE = "bookworm"
 BASE_VENV = "/usr/local/py"
-PAUSE_IMAGE = "localhost/moe-pause:" + binaries.KUBE_VERSION
-SKIP_PARTS = {"__pycache__", ".pytest_cache"}
-
-
-class ImageError(RuntimeError):
-    """An image could not be built (the message names the log to read)."""
 
 
 def images_cache_dir() -> Path:
     return binaries.cache_root() / "images"
-
-
-def debian_mirror() -> str:
-    """The Debian mirror apt uses on this host (deb822 or one-line sources), else deb.debian.org."""
-    for path in sorted(Path("/etc/apt/sources.list.d").glob("*.sources")):
-        m = re.search(r"^URIs:\s*(\S+)", path.read_text(), re.MULTILINE)
-        if m and "security" not in m.group(1):
-            return m.group(1)
-    try:
-        m = re.search(
-            r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+\S+",
-            Path("/etc/apt/sources.list").read_text(),
-            re.MULTILINE,
-        )
-        if m:
-            return m.group(1)
-    except OSError:
-        pass
-    return "http://deb.debian.org/debian"
-
-
-def _sha(*parts: bytes | str) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p.encode() if isinstance(p, str) else p)
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def _files_under(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    out = []
-    for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_PARTS and not d.endswith(".egg-info"))
-        out += [Path(root) / f for f in sorted(files) if not f.endswith(".pyc")]
-    return out
-
-
-def copied_sources(dockerfile: Path) -> list[str]:
-    """The build-context paths a Dockerfile COPYs or ADDs (``--from=`` copies excluded)."""
-    text = re.sub(r"\\\n", " ", dockerfile.read_text())
-    out = []
-    for line in text.splitlines():
-        words = line.split()
-        if (
-            len(words) >= 3
-            and words[0].upper() in ("COPY", "ADD")
-            and not any(w.startswith("--from=") for w in words)
-        ):
-            out += [w for w in words[1:-1] if not w.startswith("--")]
-    return out
-
-
-def dockerfile_pins() -> list[str]:
-    """``name==version`` arguments of the Dockerfiles' ``pip install`` commands."""
-    out = []
-    for path in DOCKERFILES.values():
-        for cmd in re.findall(r"pip install([^&]*)", re.sub(r"\\\n", " ", path.read_text())):
-            out += [
-                w.strip('"') for w in cmd.split() if re.fullmatch(r'"?[A-Za-z0-9_.-]+==[^ "]+"?', w)
-            ]
-    return sorted(set(out))
-
-
-def dockerignore(context: Path = REPO_ROOT) -> list[str]:
-    try:
-        lines = (context / ".dockerignore").read_text().splitlines()
-    except OSError:
-        return []
-    return [ln.strip().rstrip("/") for ln in lines if ln.strip() and not ln.startswith(("#", "!"))]
-
-
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    """The subset of .dockerignore matching used here: a pattern matches the path or a parent."""
-    parts = rel.split("/")
-    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    return any(
-        fnmatch.fnmatch(p, pat)
-        or fnmatch.fnmatch(p, pat.removeprefix("**/"))
-        or (fnmatch.fnmatch(parts[i - 1], pat.removeprefix("**/")) and pat.startswith("**/"))
-        for pat in patterns
-        for i, p in enumerate(prefixes, 1)
-    )
-
-
-def context_digest(dockerfile: Path, context: Path = REPO_ROOT) -> str:
-    """Hash of the Dockerfile and every file it copies from ``context`` (names and contents),
-    without what ``.dockerignore`` keeps out of the build context."""
-    ignore = dockerignore(context)
-    parts: list[bytes | str] = [dockerfile.read_bytes(), "\n".join(ignore)]
-    for src in copied_sources(dockerfile):
-        for f in _files_under(context / src):
-            rel = str(f.relative_to(context))
-            if not _ignored(rel, ignore):
-                parts += [rel, f.read_bytes()]
-    return _sha(*parts)
 
 
 @dataclass
@@ -193,234 +110,7 @@ class BuildReport:
     cached: dict[str, bool] = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- wheelhouse server
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):  # silence per-request logging
-        pass
-
-
-@contextlib.contextmanager
-def serve_directory(directory: Path, port: int = 0):
-    """Serve ``directory`` read-only on 127.0.0.1 (a ``--find-links`` page for pip); yield the
-    URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    try:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    except OSError:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, name="wheelhouse", daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-# ---------------------------------------------------------------- dockerd
-
-
-def _cgroup_dirs(name: str) -> list[Path]:
-    return [p for p in Path("/sys/fs/cgroup").glob(f"*/{name}") if p.is_dir()] + (
-        [Path("/sys/fs/cgroup") / name] if (Path("/sys/fs/cgroup") / name).is_dir() else []
-    )
-
-
-def remove_cgroup_tree(top: Path) -> None:
-    """rmdir ``top`` and everything below it, deepest first (cgroup dirs hold no files)."""
-    if not top.is_dir():
-        return
-    for root, _dirs, _ in sorted(os.walk(top), key=lambda t: -t[0].count("/")):
-        with contextlib.suppress(OSError):
-            os.rmdir(root)
-
-
-def unmount_under(prefix: Path) -> list[str]:
-    """Unmount every mount point at or below ``prefix`` (deepest first); return what was
-    unmounted."""
-    pre = os.path.realpath(str(prefix)).rstrip("/")  # /var/run/x is mounted as /run/x
-    points = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mp = line.split()[4].replace("\\040", " ")
-            if mp == pre or mp.startswith(pre + "/"):
-                points.append(mp)
-    done = []
-    for mp in sorted(set(points), key=len, reverse=True):
-        if subprocess.run(["umount", mp], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", mp], capture_output=True)
-        done.append(mp)
-    return done
-
-
-class Dockerd:
-    """A private dockerd: own data root (kept: the layer cache), socket and exec root (removed)."""
-
-    CGROUP_PARENT = "moe-docker"
-
-    def __init__(self, data_root: Path, log: Path):
-        self.data_root = data_root
-        self.log = log
-        self.exec_root = Path(
-            tempfile.mkdtemp(
-                prefix="moe-dockerd-", dir="/run" if os.access("/run", os.W_OK) else None
-            )
-        )
-        self.socket = self.exec_root / "docker.sock"
-        self.host = f"unix://{self.socket}"
-        self._proc: subprocess.Popen | None = None
-        self._lock_fd: int | None = None
-
-    def __enter__(self) -> Dockerd:
-        for tool in ("dockerd", "docker", "containerd", "runc"):
-            if not shutil.which(tool):
-                raise ImageError(
-                    f"{tool} not found: install Debian's docker.io, containerd and runc "
-                    "(scripts/dev.sh setup does it)"
-                )
-        self.data_root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(
-            self.data_root.parent / f".{self.data_root.name}.lock", os.O_CREAT | os.O_RDWR
-        )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # one dockerd per data root
-        try:
-            self._proc = procs.spawn(
-                [
-                    "dockerd",
-                    "--data-root",
-                    str(self.data_root),
-                    "--exec-root",
-                    str(self.exec_root),
-                    "-H",
-                    self.host,
-                    "--pidfile",
-                    str(self.exec_root / "dockerd.pid"),
-                    "--iptables=false",
-                    "--ip-forward=false",
-                    "--ip-masq=false",
-                    "--bridge=none",
-                    "--storage-driver",
-                    "overlay2",
-                    "--cgroup-parent",
-                    self.CGROUP_PARENT,
-                    "--exec-opt",
-                    "native.cgroupdriver=cgroupfs",
-                    "--log-level",
-                    "warn",
-                ],
-                self.log,
-                die_with_parent=threading.current_thread() is threading.main_thread(),
-            )
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise ImageError(f"dockerd exited with {self._proc.returncode}; log {self.log}")
-                if self.socket.exists() and self.docker("version", check=False).returncode == 0:
-                    return self
-                time.sleep(0.2)
-            raise ImageError(f"dockerd not answering after 60s; log {self.log}")
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        if self._proc is not None:
-            procs.stop(self._proc, grace_seconds=15)
-            self._proc = None
-        unmount_under(self.exec_root)
-        unmount_under(self.data_root)
-        shutil.rmtree(self.exec_root, ignore_errors=True)
-        for d in _cgroup_dirs(self.CGROUP_PARENT):
-            remove_cgroup_tree(d)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def docker(
-        self, *args: str, check: bool = True, log: Path | None = None, input: bytes | None = None
-    ) -> subprocess.CompletedProcess:
-        env = {
-            **os.environ,
-            "DOCKER_HOST": self.host,
-            "DOCKER_BUILDKIT": "0",
-            "DOCKER_CONFIG": str(self.exec_root / "client"),
-        }
-        if log is not None:
-            with open(log, "ab") as f:
-                res = subprocess.run(
-                    ["docker", *args], env=env, stdout=f, stderr=subprocess.STDOUT, input=input
-                )
-        else:
-            res = subprocess.run(["docker", *args], env=env, capture_output=True, input=input)
-        if check and res.returncode != 0:
-            where = f"; log {log}" if log else f": {res.stderr.decode(errors='replace')[-2000:]}"
-            raise ImageError(f"docker {' '.join(args[:3])} ... exited {res.returncode}{where}")
-        return res
-
-
 # ---------------------------------------------------------------- pause image (no docker)
-
-
-def _tar_bytes(members: list[tuple[str, bytes, int]]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data, mode in members:
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), mode, 0
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def pause_image_tar(dst: Path, pause_binary: Path, ref: str = PAUSE_IMAGE) -> Path:
-    """A ``docker save``-format archive of the sandbox image: ``FROM scratch`` + the static
-    ``pause`` binary, user 65535 (what upstream's pause image is), written without docker."""
-    layer = _tar_bytes([("pause", pause_binary.read_bytes(), 0o755)])
-    layer_id = hashlib.sha256(layer).hexdigest()
-    config = json.dumps(
-        {
-            "architecture": "amd64",
-            "os": "linux",
-            "config": {"Entrypoint": ["/pause"], "User": "65535:65535"},
-            "rootfs": {"type": "layers", "diff_ids": [f"sha256:{layer_id}"]},
-            "history": [{"created_by": "moe_localkube.images.pause_image_tar"}],
-        },
-        sort_keys=True,
-    ).encode()
-    config_id = hashlib.sha256(config).hexdigest()
-    manifest = json.dumps(
-        [{"Config": f"{config_id}.json", "RepoTags": [ref], "Layers": [f"{layer_id}/layer.tar"]}]
-    ).encode()
-    data = _tar_bytes(
-        [
-            (f"{layer_id}/layer.tar", layer, 0o644),
-            (f"{config_id}.json", config, 0o644),
-            ("manifest.json", manifest, 0o644),
-        ]
-    )
-    _write_atomic(dst, data)
-    return dst
-
-
-def archive_paths(tar: Path) -> set[str]:
-    """Every file path in the image a ``docker save`` archive holds (the union of its layers'
-    members, whiteouts not applied: a path any layer added counts), read without docker."""
-    out: set[str] = set()
-    with tarfile.open(tar) as outer:
-        manifest = json.load(outer.extractfile("manifest.json"))
-        for image in manifest:
-            for layer in image["Layers"]:
-                with tarfile.open(fileobj=outer.extractfile(layer), mode="r|*") as inner:
-                    out.update(m.name for m in inner if not m.isdir())
-    return out
-
-
-def _write_atomic(dst: Path, data: bytes) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, dst)
 
 
 # ---------------------------------------------------------------- builder
@@ -449,7 +139,7 @@ class ImageBuilder:
 
     # ---- keys
     def base_key(self) -> str:
-        return _sha(
+        return sha(
             "base-v1",
             BASE_SUITE,
             self.mirror,
@@ -459,7 +149,7 @@ class ImageBuilder:
         )[:16]
 
     def wheelhouse_key(self) -> str:
-        return _sha(
+        return sha(
             "wheels-v1",
             (REPO_ROOT / "pyproject.toml").read_bytes(),
             (REPO_ROOT / "constraints.txt").read_bytes(),
@@ -468,7 +158,7 @@ class ImageBuilder:
         )[:16]
 
     def image_key(self, name: str) -> str:
-        return _sha(
+        return sha(
             "image-v1",
             name,
             context_digest(DOCKERFILES[name]),
