@@ -33,6 +33,7 @@ class Plan:
     memory: MemoryEstimate
     warnings: tuple[str, ...]
     gpu: GpuCaps
+    sizing: Any = None  # core.sizing.Sizing when Auto fields chose the shape
 
     def summary(self) -> str:
         from .plan_text import summarize

@@ -421,36 +421,63 @@ class _Memory:
     warnings: list[str]
 
 
+def memory_estimate(
+    req: PlanRequest,
+    world: int,
+    ep: int,
+    ds: _DeepSpeed,
+    capacity: float,
+    micro: int,
+    *,
+    activation_checkpointing: bool | None = None,
+    world_scale: int = 1,
+) -> MemoryEstimate:
+    """The memory model's peak for ``req`` on ``world`` ranks at ``micro`` sequences per rank,
+    with the DeepSpeed config and the speed choices of ``ds`` (the sizing asks it for every
+    candidate shape; :func:`_fit_memory` for the plan)."""
+    t = req.training
+    perf_doc = dict(ds.perf.performance) if ds.perf and ds.perf.performance else {}
+    config = ds.config
+    return estimate_memory(
+        req.model.spec,
+        config,
+        world_size=world * world_scale,
+        ep_size=ep,
+        seq_len=req.seq_len,
+        micro_batch=micro,
+        activation_checkpointing=t.activation_checkpointing
+        if activation_checkpointing is None
+        else activation_checkpointing,
+        capacity_factor=capacity,
+        device="cpu" if req.cpu else "gpu",
+        fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
+        if perf_doc.get("fusedLoss")
+        else None,
+        grad_handoff=grad_handoff_applies(config, perf_doc),
+        compiled_layers=bool(perf_doc.get("compileLayers")),
+    )
+
+
 def _fit_memory(
     req: PlanRequest, topo: ClusterTopology, ep: int, ds: _DeepSpeed, capacity: float
 ) -> _Memory:
     """The peak memory estimate; without a requested micro-batch, the largest one (fewest
     accumulation steps) that fits. Raises ``DoesNotFit`` with what to try instead."""
-    spec, t, world = req.model.spec, req.training, topo.num_gpus
-    perf_doc = dict(ds.perf.performance) if ds.perf and ds.perf.performance else {}
+    t, world = req.training, topo.num_gpus
     config = ds.config
 
     def estimate(
-        micro: int,
-        *,
-        activation_checkpointing: bool = t.activation_checkpointing,
-        world_scale: int = 1,
+        micro: int, *, activation_checkpointing: bool | None = None, world_scale: int = 1
     ) -> MemoryEstimate:
-        return estimate_memory(
-            spec,
-            config,
-            world_size=world * world_scale,
-            ep_size=ep,
-            seq_len=req.seq_len,
-            micro_batch=micro,
+        return memory_estimate(
+            req,
+            world,
+            ep,
+            ds,
+            capacity,
+            micro,
             activation_checkpointing=activation_checkpointing,
-            capacity_factor=capacity,
-            device="cpu" if req.cpu else "gpu",
-            fused_loss_chunk=perf_doc.get("lossChunkTokens", 8192)
-            if perf_doc.get("fusedLoss")
-            else None,
-            grad_handoff=grad_handoff_applies(config, perf_doc),
-            compiled_layers=bool(perf_doc.get("compileLayers")),
+            world_scale=world_scale,
         )
 
     warnings = []
