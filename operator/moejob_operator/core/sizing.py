@@ -111,6 +111,7 @@ class Candidate:
     usable_bytes: int  # HEADROOM x the smallest GPU's memory
     step: throughput.StepTime | None = None  # None: rejected before a prediction
     rejected: str | None = None
+    workload: throughput.Workload | None = None  # what the prediction was made from
 
     @property
     def tokens_per_second(self) -> float:
@@ -288,7 +289,7 @@ def _evaluate(
         all_to_all_seconds=a2a if autoep and shape.ep_size > 1 else 0.0,
         data_parallel_gbps=data_parallel_gbps(topo),
     )
-    return Candidate(shape, est.total, usable, throughput.predict(w, caps.name))
+    return Candidate(shape, est.total, usable, throughput.predict(w, caps.name), workload=w)
 
 
 def _largest_fitting(candidates: list[Candidate]) -> tuple[Candidate | None, Candidate | None]:
@@ -413,6 +414,16 @@ def size(req: PlanRequest, auto: AutoFields) -> Sizing:
 
         raise NoShapeFits(refusal(req, auto, rejected, gpu))
     return Sizing(auto, gpu, tuple(fits), tuple(rejected))
+
+
+def evaluate(req: PlanRequest) -> Candidate:
+    """The memory estimate and predicted step time of the one shape ``req`` gives (every sizing
+    field fixed; GPUs per node and micro-batch must be given): what the sweep benchmark sets
+    beside its measurements."""
+    if req.micro_batch is None:
+        raise FieldError("microBatch", "evaluate needs a micro-batch")
+    fits, rejected, _ = search(req, AutoFields())
+    return (fits or rejected)[0]
 
 
 def plan_sized(req: PlanRequest, auto: AutoFields) -> Plan:
