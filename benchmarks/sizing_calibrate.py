@@ -18,12 +18,14 @@ Which runs (the FIT list below; every other case is held out):
   device from host time), ``mfu_h200_run10`` ``stock_levers`` (AutoEP blocks with the fused
   optimizer: the planner's path at EP size > 1), ``multigpu_h200x2_run2`` (AutoEP + ZeRO-3 on 2
   GPUs and on 1 at micro-batch 8 and 4; its measured all-to-all time gives ``link``) and
-  ``trainer_h200`` (micro-batch 16 and 32);
+  ``trainer_h200`` (micro-batch 16 and 32) and ``launcher_h200`` (the planner's plan of an 8-layer
+  model small enough to be host-bound: with the 430 M model's 4 layers it separates the host's
+  per-step from its per-layer work), ``trainer_h200_zero`` (the persistence threshold varied:
+  separates ZeRO-3's per-tensor fetches from the per-layer work);
 * held out: the repeats of those configurations in ``mfu_h200_run1-8,10``, ``multigpu_h200x2_run1``
   and ``run3``; ``userflow_h200*`` (the user flow: ``moectl plan`` defaults, another sequence
-  length for the 3.4 B model); ``trainer_h200_repeat``, ``_run1``, ``_zero`` (with the
-  persistence threshold varied); with ``--sweep``, every second sweep configuration is fitted and
-  the others held out.
+  length for the 3.4 B model); ``trainer_h200_repeat`` and ``_run1``; with ``--sweep``, every
+  second sweep configuration is fitted and the others held out.
 The runs before ``mfu_h200_run6`` ran older trainer code (the planner's 3.4 B plan reached 68-78k
 tokens/s there, 84-92k from run 7): their error is the code's change as much as the model's.
 """
@@ -77,6 +79,8 @@ FIT = {
     ("mfu_h200_run10.json", "3b:stock_levers"),
     ("multigpu_h200x2_run2.json", "*"),
     ("trainer_h200.json", "*"),
+    ("launcher_h200.json", "*"),
+    ("trainer_h200_zero.json", "*"),
 }
 
 
@@ -88,6 +92,7 @@ class Case:
     measured_seconds: float  # per optimizer step
     peak_tflops: float | None
     device_seconds: float | None = None  # GPU busy time of the profiled step (mfu runs)
+    optimizer_seconds: float | None = None  # the profiled step's fused AdamW kernel time
     a2a_measured: float | None = None  # seconds per step (multi-GPU runs)
     a2a_nominal: float | None = None
     note: str = ""
@@ -152,9 +157,19 @@ def mfu_cases() -> list[Case]:
                     r["stepMs"] / 1e3,
                     r.get("peakTflops"),
                     device_seconds=(r.get("profile") or {}).get("gpuBusyMs", 0) / 1e3 or None,
+                    optimizer_seconds=_fused_adam_seconds(r),
                 )
             )
     return out
+
+
+def _fused_adam_seconds(run: dict[str, Any]) -> float | None:
+    """GPU time of torch's fused AdamW kernel in the profiled step (its top-kernel list)."""
+    if not ((run.get("plan") or {}).get("performance") or {}).get("fusedOptimizer"):
+        return None
+    kernels = (run.get("profile") or {}).get("topKernels") or []
+    ms = sum(k["ms"] for k in kernels if "FusedOpti" in k["name"])
+    return ms / 1e3 or None
 
 
 def userflow_cases() -> list[Case]:
@@ -244,6 +259,31 @@ def trainer_bench_cases() -> list[Case]:
     return out
 
 
+def launcher_cases() -> list[Case]:
+    """``benchmarks/launcher_bench.py``: the planner's plan (``moectl plan`` on one H200) of a
+    smaller 8-layer model, the trainer called directly (median of its per-step rates)."""
+    doc = json.loads((RESULTS / "launcher_h200.json").read_text())
+    m = doc["model"]
+    cfg = {
+        "model_type": "mixtral",
+        "vocab_size": m["vocab"],
+        "hidden_size": m["hidden"],
+        "intermediate_size": m["inter"],
+        "num_hidden_layers": m["layers"],
+        "num_attention_heads": m["heads"],
+        "num_key_value_heads": m["kv_heads"],
+        "head_dim": m["hidden"] // m["heads"],
+        "max_position_embeddings": max(2048, m["seq"]),
+        "num_local_experts": m["experts"],
+        "num_experts_per_tok": m["top_k"],
+        "tie_word_embeddings": False,
+    }
+    w = _planned_fast(spec_from_hf_config(cfg), m["seq"], m["batch"])
+    tps = doc["medianDirectTokensPerSecond"]
+    name = f"8 layers, hidden {m['hidden']}, seq {m['seq']} mb {m['batch']} (direct)"
+    return [Case("launcher_h200.json", name, w, w.tokens_per_step / tps, None)]
+
+
 def sweep_cases(path: Path) -> list[Case]:
     """Configurations measured by ``benchmarks/sizing_sweep.py`` (each with its workload)."""
     doc = json.loads(path.read_text())
@@ -275,12 +315,14 @@ def fit(cases: list[Case], peak: float) -> T.Coefficients:
             res.append(pred.seconds / c.measured_seconds - 1.0)
             if c.device_seconds:  # the profile separates device time from the host's
                 res.append(pred.device / c.device_seconds - 1.0)
+            if c.optimizer_seconds:  # and the optimizer's kernel from the rest
+                res.append(terms["optimizer"] / c.optimizer_seconds - 1.0)
         return np.array(res)
 
     # start: compute at 50 % efficiency, small per-unit costs; all coefficients >= 0
     # compute >= 1: no plan runs faster than the measured peak matmul rate
-    x0 = np.array([2.0, 1e-3, 1e-3, 1e-11, 1e-11, 1e-5])
-    lower = np.array([1.0, 0, 0, 0, 0, 0])
+    x0 = np.array([2.0, 1e-2, 1e-3, 1e-3, 1e-11, 1e-11, 1e-5])
+    lower = np.array([1.0, 0, 0, 0, 0, 0, 0])
     sol = least_squares(residuals, x0, bounds=(lower, np.inf), x_scale=x0, method="trf")
     return T.Coefficients(**dict(zip(names, map(float, sol.x), strict=True)), link=float(link))
 
@@ -345,7 +387,8 @@ def markdown(cal: T.Calibration, rep: dict[str, Any]) -> str:
     )
     coefs = (
         f"Peak (measured bf16 matmul, mean of the fitted runs): {cal.peak_tflops:.1f} TFLOP/s. "
-        f"Compute efficiency 1/compute = {1 / c.compute:.3f}; host per layer pass compiled "
+        f"Compute efficiency 1/compute = {1 / c.compute:.3f}; host per step "
+        f"{c.host_step * 1e3:.3f} ms, per layer pass compiled "
         f"{c.host_compiled * 1e3:.3f} ms, eager {c.host_eager * 1e3:.3f} ms; optimizer per "
         f"element fused {c.optimizer_fused * 1e12:.1f} ps, unfused "
         f"{c.optimizer_unfused * 1e12:.1f} ps; per fetched tensor {c.fetch * 1e6:.1f} us; link "
@@ -390,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", type=Path, action="append", default=[])
     ap.add_argument("--fixture", type=Path, default=FIXTURE)
     a = ap.parse_args(argv)
-    cases = mfu_cases() + userflow_cases() + multigpu_cases() + trainer_bench_cases()
+    cases = (
+        mfu_cases() + userflow_cases() + multigpu_cases() + trainer_bench_cases() + launcher_cases()
+    )
     for path in a.sweep:
         cases += sweep_cases(path)
     peaks = [c.peak_tflops for c in cases if c.fit and c.peak_tflops]

@@ -10,11 +10,12 @@ takes the longer of the two, plus the communication that nothing hides:
   ``compute`` (1 / the efficiency the kernels reach); plus the optimizer step over the elements
   of the rank's partition, times ``optimizer_fused`` (torch's fused AdamW, the planner's choice)
   or ``optimizer_unfused`` (DeepSpeed's step): memory bound;
-* host: decoder layers x micro-steps, times ``host_compiled`` (compiled layers, ZeRO-3 leaf
-  modules: the planner's path at EP size 1) or ``host_eager`` (HF blocks and AutoEP: hooks per
-  submodule, one launch per op); plus the parameter tensors ZeRO-3 fetches and releases per
-  step (those above ``stage3_param_persistence_threshold``, forward and backward), times
-  ``fetch`` (hook work and, on several ranks, one all-gather's latency each);
+* host: ``host_step`` once per optimizer step (the step's own launches and bookkeeping: loss,
+  clipping, optimizer, scheduler); decoder layers x micro-steps, times ``host_compiled``
+  (compiled layers, ZeRO-3 leaf modules: the planner's path at EP size 1) or ``host_eager`` (HF
+  blocks and AutoEP: hooks per submodule, one launch per op); the parameter tensors ZeRO-3
+  fetches and releases per step (those above ``stage3_param_persistence_threshold``, forward and
+  backward), times ``fetch`` (hook work and, on several ranks, one all-gather's latency each);
 * communication: the all-to-all seconds of the cost model (:mod:`.cost`, the link tiers' nominal
   bandwidth) and the ZeRO-3 gathers and reduce-scatters not hidden behind compute, times
   ``link`` (measured over nominal collective time).
@@ -55,6 +56,7 @@ class Coefficients:
     """Seconds per unit of each term's count (module docstring)."""
 
     compute: float
+    host_step: float
     host_compiled: float
     host_eager: float
     optimizer_fused: float
@@ -137,6 +139,7 @@ class Workload:
         exposed = max(0.0, self.zero_comm_seconds - compute * at_peak)
         return {
             "compute": at_peak,
+            "host_step": 1.0,
             "host_compiled": self.layer_passes if self.compiled else 0.0,
             "host_eager": 0.0 if self.compiled else self.layer_passes,
             "optimizer_fused": self.optimizer_elements if self.fused_optimizer else 0.0,
@@ -245,7 +248,9 @@ def step_terms(n: dict[str, float], c: Coefficients, memory_scale: float = 1.0) 
         "compute": c.compute * n["compute"],
         "optimizer": memory_scale
         * (c.optimizer_fused * n["optimizer_fused"] + c.optimizer_unfused * n["optimizer_unfused"]),
-        "layers": c.host_compiled * n["host_compiled"] + c.host_eager * n["host_eager"],
+        "layers": c.host_step * n["host_step"]
+        + c.host_compiled * n["host_compiled"]
+        + c.host_eager * n["host_eager"],
         "fetch": c.fetch * n["fetch"],
         "communication": c.link * n["link"],
     }
