@@ -287,6 +287,8 @@ def launcher_cases() -> list[Case]:
 def sweep_cases(path: Path) -> list[Case]:
     """Configurations measured by ``benchmarks/sizing_sweep.py`` (each with its workload)."""
     doc = json.loads(path.read_text())
+    if doc.get("dryRun"):
+        raise SystemExit(f"{path}: a --dry-run sweep (CPU timings of a tiny model): not used")
     out = []
     for i, r in enumerate(x for x in doc["cases"] if x.get("measured", {}).get("tokensPerSecond")):
         w = T.Workload(**r["workload"])
