@@ -71,10 +71,10 @@ def markdown(results: list[dict]) -> str:
         "# Sizing candidates on 2 x 8 H200 (predictions)",
         "",
         (
-            "Command: `PYTHONPATH=operator .venv/bin/python benchmarks/sizing_candidates.py --out "
-            "benchmarks/results`. Two nodes of the `nvswitch-h200-8` fixture; the examples' sizing "
-            "fields `Auto`. No multi-node run measured these: the throughput model's only multi-GPU "
-            "check is the 2-GPU runs in benchmarks/results/sizing_calibration.md."
+            "Command: `PYTHONPATH=operator .venv/bin/python benchmarks/sizing_candidates.py "
+            "--out benchmarks/results`. Two nodes of the `nvswitch-h200-8` fixture; the examples' "
+            "sizing fields `Auto`. No multi-node run measured these: the throughput model's only "
+            "multi-GPU check is the 2-GPU runs in benchmarks/results/sizing_calibration.md."
         ),
     ]
     for r in results:
