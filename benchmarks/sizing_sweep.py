@@ -172,7 +172,19 @@ def case_doc(group, micro, ckpt, persistence, steps, groups, dry, auto=False) ->
         req_run = req
         if dry:  # run it on CPU: gloo, fp32 (the estimate above is the GPU plan's)
             req_run = replace(req, device="cpu", topology=None, cpu_memory_bytes=0)
-        out["plan"] = json.loads(json.dumps(build_plan(req_run).document))
+        doc = json.loads(json.dumps(build_plan(req_run).document))
+        if dry:  # the GPU plan's speed choices, on CPU (as mfu_bench --tiny): compiled layers
+            # (aot_eager), ZeRO-3 leaf layers, fused loss; with checkpointing they run together
+            doc["deepspeed"].pop("expert_parallel", None)
+            doc["training"]["moeImpl"] = "hf"
+            doc["training"]["performance"] = {
+                "fusedOptimizer": True,
+                "fusedLoss": True,
+                "lossChunkTokens": 48,
+                "zeroLeafModules": ["MixtralDecoderLayer"],
+                "compileLayers": True,
+            }
+        out["plan"] = doc
     return out
 
 

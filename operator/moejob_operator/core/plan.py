@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import placement as placement_mod
 from .errors import FieldError
+from .plan_cluster import _cluster, cpu_topology, gpu_caps, select_gpus, subset
 from .plan_document import Plan, _document, _ranks, check_plan, write_plan
 from .plan_request import PlanRequest, TrainingOptions
 from .plan_steps import (
@@ -22,7 +23,6 @@ from .plan_steps import (
     HEADROOM,
     MIN_TOKENS_PER_EXPERT,
     UNIFORM_TRACE_TOKENS,
-    _cluster,
     _deepspeed,
     _dispatcher,
     _ep_size,
@@ -30,10 +30,6 @@ from .plan_steps import (
     _place,
     _score_placement,
     _usable_stats,
-    cpu_topology,
-    gpu_caps,
-    select_gpus,
-    subset,
 )
 from .plan_text import summarize
 

@@ -32,8 +32,9 @@ from .errors import DoesNotFit, FieldError
 from .memory import DEFAULT_CAPACITY_FACTOR, GiB, precision_bytes
 from .perf import largest_tensor
 from .plan import Plan, build_plan, check_plan
+from .plan_cluster import _cluster
 from .plan_request import PlanRequest
-from .plan_steps import HEADROOM, _cluster, _deepspeed, _ep_size, memory_estimate
+from .plan_steps import HEADROOM, _deepspeed, _ep_size, memory_estimate
 from .routing import synthetic_trace
 from .topology import ClusterTopology
 
@@ -149,6 +150,8 @@ class Sizing:
         return {
             "auto": self.auto.fields(),
             "chosen": chosen.shape.to_json(),
+            # 1 unless better-ranked shapes did not fit once placed (routing statistics)
+            "chosenRank": self.candidates.index(chosen) + 1,
             "predictedTokensPerSecond": round(step.tokens_per_second, 1),
             "predictedStepSeconds": round(step.seconds, 6),
             "predictedPeakBytes": int(plan.memory.total),

@@ -18,8 +18,9 @@ import numpy as np
 
 from .dsconfig import GpuCaps
 from .memory import GiB
+from .plan_cluster import _cluster
 from .plan_request import PlanRequest
-from .plan_steps import HEADROOM, _cluster
+from .plan_steps import HEADROOM
 from .sizing import AutoFields, Candidate, Shape, search
 from .topology import ClusterTopology
 
