@@ -24,7 +24,8 @@ Which runs (the FIT list below; every other case is held out):
   separates ZeRO-3's per-tensor fetches from the per-layer work);
 * held out: the repeats of those configurations in ``mfu_h200_run1-8,10``, ``multigpu_h200x2_run1``
   and ``run3``; ``userflow_h200*`` (the user flow: ``moectl plan`` defaults, another sequence
-  length for the 3.4 B model); ``trainer_h200_repeat`` and ``_run1``; with ``--sweep``, every
+  length for the 3.4 B model); ``trainer_h200_repeat`` and ``_run1``; ``gpu_e2e_h200_run1`` (the
+  operator's GPU path: worker pods and the direct command); with ``--sweep``, every
   second sweep configuration is fitted and the others held out.
 The runs before ``mfu_h200_run6`` ran older trainer code (the planner's 3.4 B plan reached 68-78k
 tokens/s there, 84-92k from run 7): their error is the code's change as much as the model's.
@@ -284,6 +285,27 @@ def launcher_cases() -> list[Case]:
     return [Case("launcher_h200.json", name, w, w.tokens_per_step / tps, None)]
 
 
+def gpu_e2e_cases() -> list[Case]:
+    """``benchmarks/gpu_e2e.sh``: the operator's GPU path on one H200 (the planner's plan of the
+    3.4 B model; each job's worker and the same command started directly)."""
+    out = []
+    for path in sorted(RESULTS.glob("gpu_e2e_h200_run*/gpu_e2e.json")):
+        doc = json.loads(path.read_text())
+        shape = doc["shape"]
+        spec = resolve_model(shape["model"]).spec
+        w = _planned_fast(spec, shape["seqLen"], shape["microBatch"])
+        name = f"{path.parent.name}/{path.name}"
+        for key, run in doc.items():
+            if not isinstance(run, dict) or key == "shape":
+                continue
+            tps = run.get("workerMedianTokensPerSecondAfterStep10") or run.get(
+                "medianTokensPerSecondAfterStep10"
+            )
+            if tps:
+                out.append(Case(name, key, w, w.tokens_per_step / tps, None))
+    return out
+
+
 def sweep_cases(path: Path) -> list[Case]:
     """Configurations measured by ``benchmarks/sizing_sweep.py`` (each with its workload)."""
     doc = json.loads(path.read_text())
@@ -436,7 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fixture", type=Path, default=FIXTURE)
     a = ap.parse_args(argv)
     cases = (
-        mfu_cases() + userflow_cases() + multigpu_cases() + trainer_bench_cases() + launcher_cases()
+        mfu_cases()
+        + userflow_cases()
+        + multigpu_cases()
+        + trainer_bench_cases()
+        + launcher_cases()
+        + gpu_e2e_cases()
     )
     for path in a.sweep:
         cases += sweep_cases(path)
