@@ -95,6 +95,18 @@ def test_plan_quality_from_status_and_from_the_full_plan():
     assert value("moe_operator_plan_fits", namespace="ns", job="a") == 0
 
 
+def test_sizing_prediction_and_measured_ratio_from_status():
+    st = status("Running", Planned="True")
+    st["sizing"] = {"predictedTokensPerSecond": 90000, "measuredVsPredicted": "0.930"}
+    metrics.observe_job("ns", "sized", st)
+    assert value(
+        "moe_operator_sizing_predicted_tokens_per_second", namespace="ns", job="sized"
+    ) == (90000)
+    assert value("moe_operator_sizing_measured_vs_predicted", namespace="ns", job="sized") == 0.93
+    metrics.forget_job("ns", "sized")
+    assert value("moe_operator_sizing_measured_vs_predicted", namespace="ns", job="sized") is None
+
+
 def test_reconcile_timer_observes_duration_and_counts_errors_by_type():
     before_count = value("moe_operator_reconcile_duration_seconds_count") or 0
     before_err = value("moe_operator_reconcile_errors_total", error="KeyError") or 0

@@ -76,7 +76,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         checkpoint_every_steps=args.checkpoint_every,
         grad_clip=args.grad_clip,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=bool(args.activation_checkpointing),
         data=_json_arg(args.data, "--data") if args.data else {"kind": "synthetic"},
     )
     procs, memory, reports = 1, 0, None
@@ -113,12 +113,36 @@ def _run_plan(args: argparse.Namespace) -> int:
         performance=not args.no_performance,
         dispatcher=args.dispatcher,
     )
-    result = plan.build_plan(request)
+    if args.auto:
+        from .core import sizing
+
+        result = sizing.plan_sized(request, _auto_fields(args, overrides))
+    else:
+        result = plan.build_plan(request)
     print(result.summary())
+    if result.sizing is not None:
+        from .core.sizing_text import sizing_table
+
+        print(sizing_table(result.document["sizing"], result.gpu.name))
     if args.output:
         plan.write_plan(result, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _auto_fields(args: argparse.Namespace, overrides: dict):
+    """``--auto``: every sizing field the command line does not give."""
+    from .core.sizing import AutoFields
+
+    zero = overrides.get("zero_optimization") or {}
+    return AutoFields(
+        nodes=not args.nodes,
+        gpus_per_node=args.gpus_per_node is None,
+        ep_size=args.ep_size is None,
+        micro_batch=args.micro_batch is None,
+        activation_checkpointing=args.activation_checkpointing is None,
+        persistence="stage3_param_persistence_threshold" not in zero,
+    )
 
 
 def add_plan(sub) -> None:
@@ -163,7 +187,19 @@ def add_plan(sub) -> None:
     )
     p.add_argument("--grad-clip", type=float, default=defaults.grad_clip)
     p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="recompute each layer's activations in backward (default: off; with --auto chosen)",
+    )
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="size the job: nodes, GPUs per node, EP size, micro-batch, activation "
+        "checkpointing and the persistence threshold, each unless given here, chosen by "
+        "predicted tokens/s among the shapes that fit (docs/planning.md, Sizing)",
+    )
     p.add_argument("--no-autoep", action="store_true", help="ZeRO-3 without expert parallelism")
     p.add_argument(
         "--no-performance",

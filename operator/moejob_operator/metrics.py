@@ -104,6 +104,15 @@ _PLAN_GAUGES = {
         "Estimated peak memory per GPU (or process) of the plan",
     ),
     "fits": ("plan_fits", "1 when the plan's memory estimate fits the device"),
+    # status.sizing (jobs with Auto fields)
+    "predictedTokensPerSecond": (
+        "sizing_predicted_tokens_per_second",
+        "Tokens/s the sizing predicted for the shape it chose",
+    ),
+    "measuredVsPredicted": (
+        "sizing_measured_vs_predicted",
+        "Measured tokens/s (trainer progress) over the sizing's predicted tokens/s",
+    ),
 }
 
 
@@ -128,7 +137,7 @@ class JobCollector(Collector):
         conditions = {
             c.get("type"): c.get("status") for c in status.get("conditions") or () if c.get("type")
         }
-        plan = _numbers(status.get("plan") or {})
+        plan = _numbers({**(status.get("plan") or {}), **(status.get("sizing") or {})})
         with self._lock:
             st = self._jobs.setdefault((namespace, name), _JobState())
             st.conditions = conditions

@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -37,6 +37,11 @@ PROTECTED_DEEPSPEED_KEYS = (
 # Top-level spec fields that may change after the workers were launched. Everything else is
 # immutable then: the running gang, the plan and the checkpoints were built from it.
 MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
+
+# Sizing fields take an integer or ``Auto`` (the planner chooses: core.sizing, docs/planning.md)
+AUTO = "Auto"
+Auto = Literal["Auto"]
+CHECKPOINTING = ("Enabled", "Disabled", "Auto")
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _MAX_LR = Decimal(10)
@@ -138,8 +143,8 @@ class Checkpoint(_Model):
 
 
 class Nodes(_Model):
-    count: int = Field(default=1, ge=1, le=512)
-    gpus_per_node: int = Field(default=1, ge=1, le=16)
+    count: Annotated[int, Field(ge=1, le=512)] | Auto = 1
+    gpus_per_node: Annotated[int, Field(ge=1, le=16)] | Auto = 1
     node_selector: dict[str, str] | None = None
     node_names: list[str] | None = Field(default=None, max_length=512)
 
@@ -148,7 +153,8 @@ class Nodes(_Model):
         if self.node_names is not None:
             if len(set(self.node_names)) != len(self.node_names):
                 raise ValueError(f"nodeNames: {list(self.node_names)!r} lists a node twice")
-            if len(self.node_names) != self.count:
+            # with count Auto, nodeNames are the nodes the planner chooses among
+            if self.count != AUTO and len(self.node_names) != self.count:
                 raise ValueError(
                     f"nodeNames: {len(self.node_names)} names given, count is {self.count}"
                 )
@@ -158,7 +164,10 @@ class Nodes(_Model):
         return self
 
     @property
-    def world_size(self) -> int:
+    def world_size(self) -> int | None:
+        """Ranks of the job; None while a count is ``Auto`` (the plan's ``worldSize`` says)."""
+        if self.count == AUTO or self.gpus_per_node == AUTO:
+            return None
         return self.count * self.gpus_per_node
 
 
@@ -180,7 +189,8 @@ class RoutingStatsFrom(_Model):
 class Placement(_Model):
     strategy: Literal["Contiguous", "RoundRobin", "Balanced", "TopologyAware"] = "TopologyAware"
     dispatcher: Literal["AutoEP", "Dedup"] | None = None  # None: Dedup when EP > 1 (planner)
-    expert_parallel_size: int | None = Field(default=None, ge=1, le=8192)
+    # None: the largest EP size inside an NVLink group; Auto: chosen by predicted speed
+    expert_parallel_size: Annotated[int, Field(ge=1, le=8192)] | Auto | None = None
     routing_stats_from: RoutingStatsFrom | None = None
 
 
@@ -188,12 +198,15 @@ class Training(_Model):
     steps: int = Field(default=100, ge=1, le=10_000_000)
     seq_len: int = Field(default=512, ge=8, le=1_048_576)
     global_batch: int = Field(default=8, ge=1, le=1_048_576)
-    micro_batch: int = Field(default=1, ge=1, le=65_536)
+    micro_batch: Annotated[int, Field(ge=1, le=65_536)] | Auto = 1
     learning_rate: str = Field(
         default="0.0003", max_length=32, pattern=r"^[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$"
     )
     warmup_steps: int = Field(default=0, ge=0, le=10_000_000)
     seed: int = Field(default=1234, ge=0, le=4_294_967_295)
+    # absent: Disabled (no default in the CRD, so the launched-spec hash of a job that does not
+    # set it stays what it was before the field existed)
+    activation_checkpointing: Literal["Enabled", "Disabled", "Auto"] | None = None
 
     @model_validator(mode="after")
     def _lr(self) -> Training:
@@ -205,7 +218,7 @@ class Training(_Model):
             raise ValueError(
                 f"learningRate: {self.learning_rate!r} must be >= {_MIN_LR} and <= {_MAX_LR}"
             )
-        if self.micro_batch > self.global_batch:
+        if self.micro_batch != AUTO and self.micro_batch > self.global_batch:
             raise ValueError(
                 f"microBatch: {self.micro_batch} is larger than globalBatch {self.global_batch}"
             )
@@ -294,14 +307,19 @@ class JobSpec(_Model):
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
         world = self.nodes.world_size
-        per_step = self.training.micro_batch * world
-        if self.training.global_batch % per_step:
+        micro = self.training.micro_batch
+        if world is not None and micro != AUTO and self.training.global_batch % (micro * world):
             raise ValueError(
                 f"training.globalBatch: {self.training.global_batch} is not a multiple of "
-                f"microBatch * world size = {self.training.micro_batch} * {world}"
+                f"microBatch * world size = {micro} * {world}"
+            )
+        if world is not None and self.training.global_batch % world:
+            raise ValueError(
+                f"training.globalBatch: {self.training.global_batch} is not a multiple of "
+                f"the world size {world}"
             )
         ep = self.placement.expert_parallel_size
-        if ep is not None and world % ep:
+        if world is not None and isinstance(ep, int) and world % ep:
             raise ValueError(
                 f"placement.expertParallelSize: {ep} does not divide the world size "
                 f"{world} (nodes.count * nodes.gpusPerNode)"
@@ -324,8 +342,24 @@ class JobSpec(_Model):
 
     # ---- derived -----------------------------------------------------------------------
     @property
-    def grad_accum(self) -> int:
-        return self.training.global_batch // (self.training.micro_batch * self.nodes.world_size)
+    def grad_accum(self) -> int | None:
+        """Accumulation steps; None while a sizing field is ``Auto`` (the plan says)."""
+        world, micro = self.nodes.world_size, self.training.micro_batch
+        if world is None or micro == AUTO:
+            return None
+        return self.training.global_batch // (micro * world)
+
+    @property
+    def auto_fields(self) -> tuple[str, ...]:
+        """The sizing fields left to the planner (``spec.nodes.count``, ...), in spec order."""
+        values = {
+            "spec.nodes.count": self.nodes.count,
+            "spec.nodes.gpusPerNode": self.nodes.gpus_per_node,
+            "spec.placement.expertParallelSize": self.placement.expert_parallel_size,
+            "spec.training.microBatch": self.training.micro_batch,
+            "spec.training.activationCheckpointing": self.training.activation_checkpointing,
+        }
+        return tuple(k for k, v in values.items() if v == AUTO)
 
     def immutable_view(self) -> dict[str, Any]:
         """The launch-relevant part of the spec, as plain JSON (camelCase, defaults filled)."""
@@ -372,8 +406,14 @@ def _to_spec_error(raw: Any, exc: ValidationError) -> SpecError:
         for p in err.get("loc", ())
         if not (isinstance(p, str) and p.startswith(("function-", "json-", "tagged-")))
     )
-    # pydantic reports union branches as extra loc parts ('int', 'str'): drop them from the path.
-    loc = tuple(p for p in loc if p not in ("int", "str", "bool", "float"))
+    # pydantic reports union branches as extra loc parts ('int', 'str', "literal['Auto']",
+    # 'constrained-int'): drop them from the path.
+    loc = tuple(
+        p
+        for p in loc
+        if p not in ("int", "str", "bool", "float")
+        and not (isinstance(p, str) and p.startswith(("literal[", "constrained-")))
+    )
     msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
     etype = err.get("type", "")
     if etype == "value_error":
@@ -389,6 +429,8 @@ def _to_spec_error(raw: Any, exc: ValidationError) -> SpecError:
     if etype == "extra_forbidden":
         return SpecError(field, "unknown field")
     value = err.get("input", _value_at(raw, loc))
+    if any(f"literal['{AUTO}']" in map(str, e.get("loc", ())) for e in exc.errors()):
+        msg += f", or '{AUTO}'"  # a sizing field: an integer or Auto
     return SpecError(field, f"{_short(value)} is invalid ({msg})")
 
 

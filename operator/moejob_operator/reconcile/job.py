@@ -40,7 +40,7 @@ from ..status import (
     phase_of,
     set_condition,
 )
-from . import gate, machine, planning, topology
+from . import gate, machine, planning, sizing, topology
 from .client import Client, NotReady, Rejected, exceeded_quota, server_message
 from .outcome import NotYet, Refused
 from .settings import Settings
@@ -297,6 +297,7 @@ def _run(p: Pass) -> float | None:
             stage = PLAN
             plan = _new_plan(p, spec, reports.reports)
         metrics.observe_plan(p.job.namespace, p.job.name, plan)
+        sizing.status(p.status, plan)
         stage = GATE
         return _gate_launch_track(p, spec, plan)
     except (NotYet, Refused) as exc:
@@ -622,6 +623,7 @@ def _track(
     listings and the (just seeded, empty) progress read are skipped, three round trips fewer on
     the path from apply to worker pods."""
     rank2node = planning.rank2node(plan)
+    count = len(rank2node)  # spec.nodes.count, or what the sizing chose for Auto
     lost = [] if launching else _lost_nodes(p, rank2node)
     if lost:
         return _node_lost(p, spec, lost)
@@ -646,17 +648,18 @@ def _track(
             p.status[key] = 0
     d = machine.decide_gang(
         pods,
-        count=spec.nodes.count,
+        count=count,
         attempt=attempt,
         failed_restarts=int(p.status.get("failedRestarts", 0)),
         backoff_limit=spec.run_policy.backoff_limit,
         gang_complete=p.status.get("gangComplete") == attempt,
     )
-    p.status["workers"] = {"total": spec.nodes.count, **d.counts}
+    p.status["workers"] = {"total": count, **d.counts}
     if launching:
         _no_progress_yet(p)
     else:
         _progress(p)
+        sizing.status(p.status, plan)  # measured vs predicted tokens/s
 
     left = machine.seconds_left(
         parse_time(p.status.get("startTime")), p.now, spec.run_policy.active_deadline_seconds
@@ -697,7 +700,7 @@ def _track(
         h = spec.immutable_hash()
         pods_to_create = workers.worker_pods(
             p.job,
-            spec,
+            sizing.sized_spec(spec, plan),
             rank2node,
             attempt=attempt,
             spec_hash=h,
@@ -717,7 +720,7 @@ def _track(
         _crashpoint(p, "after-first-worker")
         if (
             p.status.get("gangComplete") != attempt
-            and len(d.create_ranks) + sum(d.counts.values()) >= spec.nodes.count
+            and len(d.create_ranks) + sum(d.counts.values()) >= count
         ):
             p.status["gangComplete"] = attempt
             p.event(
@@ -727,11 +730,9 @@ def _track(
                 f"{', '.join(rank2node)}",
             )
     running, succeeded = d.counts.get("running", 0), d.counts.get("succeeded", 0)
-    if running == spec.nodes.count:
-        p.cond(
-            C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{spec.nodes.count} worker pod(s) running"
-        )
-    elif succeeded and running + succeeded == spec.nodes.count:
+    if running == count:
+        p.cond(C.COND_RUNNING, TRUE, C.R_WORKERS_RUNNING, f"{count} worker pod(s) running")
+    elif succeeded and running + succeeded == count:
         pass  # ranks finishing one by one: still Running until the gang has Succeeded
     elif p.cond_status(C.COND_RUNNING) != FALSE or d.action == "create":
         # on the first launch the WorkersCreated Event says it: no second Event for "pending"
@@ -739,7 +740,7 @@ def _track(
             C.COND_RUNNING,
             FALSE,
             C.R_WORKERS_PENDING,
-            f"{d.counts.get('running', 0)} of {spec.nodes.count} worker pods running",
+            f"{d.counts.get('running', 0)} of {count} worker pods running",
             quiet=launching and p.cond_status(C.COND_RUNNING) is None,
         )
     return min(left, 60.0) if left is not None else None

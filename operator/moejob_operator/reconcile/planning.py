@@ -27,7 +27,9 @@ from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import PlanRequest, TrainingOptions, build_plan
-from ..spec import JobSpec, SpecError, parse_spec
+from ..core.sizing import plan_sized
+from ..spec import AUTO, JobSpec, SpecError, parse_spec
+from . import sizing
 from .outcome import NotYet, Refused
 
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
@@ -93,8 +95,9 @@ def prevalidate(spec: JobSpec) -> ResolvedModel:
     """What can be checked without the cluster: the model resolves, EP divides its experts.
     Runs before discovery, so a bad spec creates no children at all."""
     model = resolve_model(spec)
+    sizing.check(spec)
     ep = spec.placement.expert_parallel_size
-    if ep is not None and model.spec.num_experts % ep:
+    if isinstance(ep, int) and model.spec.num_experts % ep:
         raise SpecError(
             "spec.placement.expertParallelSize",
             f"{ep} does not divide the model's {model.spec.num_experts} experts",
@@ -291,7 +294,7 @@ def cpu_memory_per_process(spec: JobSpec, nodes: list[dict[str, Any]], names: li
                 except ValueError:
                     sizes.append(0)
         total = min(sizes) if sizes and all(sizes) else 0
-    return total // spec.nodes.gpus_per_node
+    return total // int(spec.nodes.gpus_per_node)  # CPU mode: never Auto (sizing.check)
 
 
 def make_plan(
@@ -312,8 +315,10 @@ def make_plan(
 def _plan_document(
     client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport], cpu_memory_bytes: int
 ) -> dict[str, Any]:
-    nodes = list(reports)[: spec.nodes.count]
-    if len(nodes) < spec.nodes.count:
+    count = spec.nodes.count
+    # count Auto: every discovered candidate is the sizing's to choose from
+    nodes = list(reports) if count == AUTO else list(reports)[:count]
+    if count != AUTO and len(nodes) < count:
         raise NotYet(
             C.R_NO_CANDIDATE_NODES,
             f"{len(nodes)} node(s) discovered, spec.nodes.count is {spec.nodes.count}",
@@ -367,23 +372,25 @@ def plan_request(
         checkpoint_every_steps=spec.checkpoint.every_steps,
         seed=t.seed,
         data={"kind": spec.data.kind.lower(), "path": spec.data.path},
+        activation_checkpointing=t.activation_checkpointing == "Enabled",
     )
     cpu = spec.device == "CPU"
+    gpus, ep = spec.nodes.gpus_per_node, spec.placement.expert_parallel_size
     return PlanRequest(
         job.name,
         job.namespace,
         model,
         None if cpu else [reports[n] for n in nodes],
         nodes=nodes,
-        gpus_per_node=None if cpu else spec.nodes.gpus_per_node,
+        gpus_per_node=None if cpu or gpus == AUTO else gpus,
         strategy=STRATEGY[spec.placement.strategy],
         routing_stats=stats,
         global_batch=t.global_batch,
-        micro_batch=t.micro_batch,
+        micro_batch=None if t.micro_batch == AUTO else t.micro_batch,
         seq_len=t.seq_len,
-        ep_size=spec.placement.expert_parallel_size,
+        ep_size=ep if isinstance(ep, int) else None,
         device="cpu" if cpu else "cuda",
-        procs_per_node=spec.nodes.gpus_per_node,
+        procs_per_node=gpus if isinstance(gpus, int) else 1,
         cpu_memory_bytes=cpu_memory_bytes,
         training=opts,
         ds_overrides=spec.deepspeed_overrides,
@@ -400,8 +407,9 @@ def _make_plan(
     cpu_memory_bytes: int,
 ) -> dict[str, Any]:
     request = plan_request(job, spec, nodes, reports, stats, cpu_memory_bytes)
+    auto = sizing.auto_fields(spec)
     try:
-        plan = build_plan(request)
+        plan = plan_sized(request, auto) if auto.any else build_plan(request)
     except DocumentError as exc:
         raise refusal(exc) from None
     except (TypeError, AttributeError, ValueError) as exc:
@@ -455,6 +463,8 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
     src = (plan.get("placement") or {}).get("routingStatsFrom")
     if src:
         out["routingStatsFrom"] = src.get("job") or src.get("configMap")
+    if isinstance(plan.get("sizing"), dict):
+        out["sized"] = sizing.describe(plan["sizing"])
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -470,4 +480,5 @@ def describe(s: dict[str, Any]) -> str:
         f"{s.get('worldSize')}, EP size {s.get('epSize')}, cross-group traffic "
         f"{s.get('crossGroupVsContiguous', '?')}x contiguous, est. peak {gib:.2f} GiB per "
         f"{'process' if s.get('device') == 'cpu' else 'GPU'}"
+        + (f"; {s['sized']}" if s.get("sized") else "")
     )

@@ -20,7 +20,7 @@ from .. import constants as C
 from ..builders import discovery as D
 from ..builders.common import JobRef, owner_reference
 from ..core.errors import DocumentError
-from ..spec import JobSpec
+from ..spec import AUTO, JobSpec
 from . import machine
 from .outcome import NotYet
 
@@ -92,7 +92,11 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         node_names=spec.nodes.node_names,
         selectors=[spec.nodes.node_selector, spec.scheduling.node_selector],
     )[:MAX_CANDIDATES]
-    if len(candidates) < spec.nodes.count:
+    # count Auto: at least one node, and a report from every candidate (the sizing chooses)
+    auto_count = spec.nodes.count == AUTO
+    least = 1 if auto_count else int(spec.nodes.count)
+    need = max(len(candidates), 1) if auto_count else least
+    if len(candidates) < least:
         raise NotYet(
             C.R_NO_CANDIDATE_NODES,
             f"{len(candidates)} ready node(s) match the job, "
@@ -109,8 +113,8 @@ def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
         else:
             missing.append(node)
     # enough fresh reports: no need to probe the rest
-    if len(reports) >= spec.nodes.count or not missing:
-        if len(reports) < spec.nodes.count:
+    if len(reports) >= need or not missing:
+        if len(reports) < least:
             raise NotYet(
                 C.R_DISCOVERY_FAILED,
                 f"only {len(reports)} node(s) have a topology report",
