@@ -44,7 +44,9 @@ def prepared(p: Any, spec: JobSpec, model: inspect.Inspected | None) -> planning
 
 def recheck(p: Any, spec: JobSpec, plan: dict[str, Any]) -> None:
     """Right before the first launch: the model directory still is the one planned for."""
-    inspect.recheck(p.client, p.job, spec, plan, p.status)
+    msg = inspect.recheck(p.client, p.job, spec, plan, p.status)
+    if msg is not None:
+        p.cond(C.COND_MODEL_INSPECTED, TRUE, C.R_MODEL_INSPECTED, msg)
 
 
 def exported(p: Any, doc: TrainerProgress) -> None:

@@ -184,14 +184,17 @@ def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> 
     return Inspected(model, report, msg)
 
 
-def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict) -> None:
-    """Before the first launch: the directory must still hash to the plan's contentHash."""
+def recheck(
+    client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict
+) -> str | None:
+    """Before the first launch: the directory must still hash to the plan's contentHash.
+    Returns a message when this call found it unchanged (None: nothing to check)."""
     planned = (plan.get("model") or {}).get("contentHash")
     if spec.model.path is None or not planned:
-        return
+        return None
     state = status.setdefault("model", {})
     if state.get("launchHash") == planned:
-        return
+        return None
     name = B.model_configmap_name(job)
     key = f"launch-{E.MODEL_REPORT_KEY}"
     cm = ensure_children(client, job, spec, name, B.COMPONENT_INSPECT)
@@ -220,3 +223,4 @@ def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: di
             FIELD,
         )
     state["launchHash"] = report.content_hash
+    return f"{spec.model.path} is unchanged since planning ({planned[:19]})"
