@@ -130,7 +130,7 @@ def _other_moe(d):
 
 
 def _missing_shard(d):
-    sorted(d.glob("*.safetensors"))[-1].unlink()
+    max(d.glob("*.safetensors")).unlink()
 
 
 def _truncated(d):

@@ -184,9 +184,7 @@ def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> 
     return Inspected(model, report, msg)
 
 
-def recheck(
-    client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict
-) -> str | None:
+def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict) -> str | None:
     """Before the first launch: the directory must still hash to the plan's contentHash.
     Returns a message when this call found it unchanged (None: nothing to check)."""
     planned = (plan.get("model") or {}).get("contentHash")
