@@ -24,6 +24,7 @@ from operator_harness import (
     apply_job,
     condition,
     events_for,
+    example,
     get_job,
     module_namespace,
     module_operator,
@@ -240,21 +241,36 @@ def test_jsonl_and_parquet_prepare_once_and_train(kube, ns, work, operator_proc,
     assert st["reused"] is True and st["path"] == first["jsonl-a"]["status"]["data"]["path"]
 
 
-def test_model_path_job_plans_from_the_directory(kube, ns, work, operator_proc, wait_for):
+def test_the_local_example_plans_from_the_directory_and_trains(
+    kube, ns, work, operator_proc, wait_for
+):
+    """examples/finetune-local.yaml (README "Fine-tune your own model"), its host paths moved to
+    this test's directory: a save_pretrained model with a tokenizer, chat JSONL (SFT), 2 ranks."""
     chat = write_jsonl(work / "sft" / "c.jsonl", chats(40, 3))
-    data = {"kind": "JSONL", "format": "Chat", "volume": {"hostPath": {"path": str(chat.parent)}}}
-    apply_job(kube, ns, job("from-dir", work, model=model_from(work / "model"), data=data))
-    body = wait_done(kube, ns, ["from-dir"], wait_for, operator_proc, timeout=600)["from-dir"]
+    doc = example("finetune-local.yaml")
+    spec = doc["spec"]
+    spec["model"]["volume"]["hostPath"]["path"] = str(work / "model")
+    spec["data"]["volume"]["hostPath"]["path"] = str(chat.parent)
+    spec["checkpoint"]["volume"]["hostPath"]["path"] = str(work / "ck")
+    spec["output"]["volume"]["hostPath"]["path"] = str(work / "export")
+    spec["training"]["steps"] = 4
+    name = doc["metadata"]["name"]
+    apply_job(kube, ns, doc)
+    body = wait_done(kube, ns, [name], wait_for, operator_proc, timeout=600)[name]
     assert condition(body, C.COND_SUCCEEDED).get("status") == "True", body["status"]
-    plan = json.loads(kube.core.read_namespaced_config_map("from-dir-plan", ns).data[C.PLAN_KEY])
+    plan = json.loads(kube.core.read_namespaced_config_map(f"{name}-plan", ns).data[C.PLAN_KEY])
     config = json.loads((work / "model" / "config.json").read_text())
     assert plan["model"]["hfConfig"] == config
     assert plan["model"]["path"] == "/model" and plan["model"]["preset"] is None
+    assert plan["output"] == {"path": "/output"}
     model = body["status"]["model"]
     assert plan["model"]["contentHash"] == model["contentHash"]
     assert model["family"] == "mixtral" and model["tokenizer"] is True
     assert condition(body, C.COND_MODEL_INSPECTED)["reason"] == C.R_MODEL_INSPECTED
-    assert body["status"]["data"]["lossTokens"] < body["status"]["data"]["tokens"]
+    data = body["status"]["data"]
+    assert 0 < data["lossTokens"] < data["tokens"]
+    assert plan["training"]["data"] == {"kind": "prepared", "path": data["path"]}
+    assert body["status"]["progress"]["step"] == 4
 
 
 def test_model_changed_after_planning_is_refused(kube, ns, work, operator_proc, wait_for):

@@ -183,3 +183,47 @@ def test_missing_parquet_column_names_the_file(tmp_path):
     rc, rep = run(tmp_path, data, source="parquet")
     assert rc == 1 and rep.error.code == "MissingField"
     assert rep.error.file == "part-0.parquet" and rep.error.row == 0
+
+
+def test_tokenized_kind_reads_a_prepared_directory(tmp_path):
+    """spec.data.kind Tokenized -> plan data kind "tokens": a directory with manifest.json is
+    memory-mapped like prepared data, .npy arrays are read as before."""
+    from types import SimpleNamespace
+
+    from moe_trainer.data import BatchSource, make_batch_source
+
+    data = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in sentences(20)])
+    code, rep = run(tmp_path, data)
+    assert code == 0
+    src = make_batch_source(SimpleNamespace(kind="tokens", path=rep.path), 16, 2, 0, 320)
+    assert isinstance(src, PreparedSource) and not src.masked
+    inputs, targets = src.inputs_targets(0, 0, 1, 0, 1)
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    npy = tmp_path / "npy"
+    npy.mkdir()
+    np.save(npy / "a.npy", np.arange(100, dtype=np.int32) % 300)
+    assert isinstance(
+        make_batch_source(SimpleNamespace(kind="tokens", path=str(npy)), 16, 2, 0, 320), BatchSource
+    )
+
+
+def test_masked_loss_counts_only_the_targets_that_count():
+    import torch
+    import torch.nn.functional as F
+
+    from moe_trainer.data import lm_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    targets = torch.randint(0, 11, (2, 5))
+    assert torch.equal(
+        lm_loss(logits, targets, False),
+        F.cross_entropy(logits.reshape(-1, 11), targets.reshape(-1)),
+    )
+    masked = targets.clone()
+    masked[0, :3] = IGNORE_INDEX
+    keep = masked.reshape(-1) != IGNORE_INDEX
+    want = F.cross_entropy(logits.reshape(-1, 11)[keep], targets.reshape(-1)[keep])
+    torch.testing.assert_close(lm_loss(logits, masked, True), want)
+    nothing = torch.full_like(targets, IGNORE_INDEX)
+    assert lm_loss(logits, nothing, True).item() == 0.0  # not NaN
