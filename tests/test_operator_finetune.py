@@ -19,6 +19,7 @@ from finetune_fixtures import (
     write_jsonl,
     write_parquet,
 )
+from moe_localkube.testing import WaitTimeout
 from moejob_operator import constants as C
 from operator_harness import (
     apply_job,
@@ -80,7 +81,7 @@ def workers(kube, ns, name) -> list:
     return kube.core.list_namespaced_pod(ns, label_selector=sel).items
 
 
-def wait_done(kube, ns, names, wait_for, operator_proc, timeout=300):
+def wait_done(kube, ns, names, wait_for, operator_proc, timeout=600):
     def done():
         return all(
             condition(get_job(kube, ns, n), C.COND_FAILED).get("status") == "True"
@@ -88,7 +89,15 @@ def wait_done(kube, ns, names, wait_for, operator_proc, timeout=300):
             for n in names
         )
 
-    wait_for(done, timeout=timeout, message="jobs finished\n" + operator_proc.logs())
+    try:
+        wait_for(done, timeout=timeout, message="jobs finished")
+    except WaitTimeout:
+        states = {n: (get_job(kube, ns, n).get("status") or {}).get("conditions") for n in names}
+        pods = [(p.metadata.name, p.status.phase) for p in kube.core.list_namespaced_pod(ns).items]
+        raise AssertionError(
+            f"jobs not finished: {json.dumps(states, indent=1)}\npods {pods}\n"
+            + operator_proc.logs()
+        ) from None
     return {n: get_job(kube, ns, n) for n in names}
 
 
@@ -167,9 +176,16 @@ def test_bad_models_are_refused_before_any_worker(kube, ns, work, operator_proc,
         path = _variant(work, f"bad-{slug}", change)
         names.append(f"model-{slug}")
         apply_job(kube, ns, job(names[-1], work, model=model_from(path)))
-    bodies = wait_done(kube, ns, names, wait_for, operator_proc)
+    # model.path without a volume is a directory in the image: here, none
+    apply_job(kube, ns, job("model-not-found", work, model={"path": "/no/such/model"}))
+    bodies = wait_done(kube, ns, [*names, "model-not-found"], wait_for, operator_proc)
     for name, (_, _, reason, text) in zip(names, BAD_MODELS, strict=True):
         assert_refused(kube, ns, name, bodies[name], reason, "spec.model.path", text, wait_for)
+    text = "/no/such/model is not a directory"
+    body = bodies["model-not-found"]
+    assert_refused(
+        kube, ns, "model-not-found", body, "ModelNotFound", "spec.model.path", text, wait_for
+    )
 
 
 BAD_DATA = [

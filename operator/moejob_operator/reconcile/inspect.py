@@ -105,7 +105,7 @@ def run_pod(
     the NotYet (or Refused) to raise while its report is missing."""
     name = pod_manifest["metadata"]["name"]
     pod = _pod_outcome(client, job, name, component)
-    attempts_key = f"{component}Attempts"
+    attempts_key = "failedPods"
     if pod is None:
         client.create(pod_manifest)
         return NotYet(reasons[0], f"{what} in pod {name}", 2.0)
