@@ -23,7 +23,7 @@ from .. import constants as C
 from ..builders import prepare as B
 from ..builders.common import JobRef
 from ..spec import JobSpec
-from .inspect import Inspected, ensure_children, run_pod
+from .inspect import Inspected, ensure_children, find_pod, run_pod
 from .outcome import NotYet, Refused
 
 FIELD = "spec.data"
@@ -93,8 +93,10 @@ def ensure_data(
     cm = ensure_children(client, job, spec, name, B.COMPONENT_PREPARE)
     report = _report(cm)
     if report is None or report.phase == "Preparing":
-        fresh = client.get_configmap(job.namespace, name) or {}
-        report = _report(fresh) or report
+        # the pod reports, then exits: a finished pod's last report may be newer than our read
+        pod = find_pod(client, job, B.prepare_pod_name(job), B.COMPONENT_PREPARE)
+        if (pod or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            report = _report(client.get_configmap(job.namespace, name) or {}) or report
     if report is not None and report.phase == "Failed":
         raise refusal(report)
     if report is not None and report.phase == "Done" and report.path:

@@ -58,32 +58,29 @@ def model_status(report: ModelReport, model: ResolvedModel) -> dict[str, Any]:
 
 
 def ensure_children(client, job: JobRef, spec: JobSpec, cm_name: str, component: str) -> dict:
-    """The prepare ServiceAccount/Role/binding and the report ConfigMap (seeded empty, annotated
-    with the spec it is for); a ConfigMap of an earlier spec (edited before launch) and its pod
-    go. Returns the ConfigMap."""
-    for obj in B.rbac_objects(job):
-        client.create(obj)
+    """The report ConfigMap (seeded empty, annotated with the spec it is for; created with the
+    prepare ServiceAccount, Role and binding the pods write it with). A ConfigMap of an earlier
+    spec (edited before launch) and its pods go. Returns the ConfigMap as read."""
     want = spec.immutable_hash()
     cm = client.get_configmap(job.namespace, cm_name)
     have = (((cm or {}).get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
-    if cm is not None and have != want:
-        for pod in client.list_pods(
-            job.namespace, {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
-        ):
-            client.delete_pod(
-                job.namespace, pod["metadata"]["name"], uid=pod["metadata"].get("uid")
-            )
+    if cm is not None and have == want:
+        return cm
+    if cm is not None:
+        selector = {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
+        for pod in client.list_pods(job.namespace, selector):
+            meta = pod["metadata"]
+            client.delete_pod(job.namespace, meta["name"], uid=meta.get("uid"))
         client.delete_configmap(job.namespace, cm_name)
-        cm = None
-    if cm is None:
-        seeded = B.report_configmap(job, cm_name, component)
-        seeded["metadata"]["annotations"] = {C.ANNOTATION_SPEC_HASH: want}
-        client.create(seeded)
-        cm = seeded
-    return cm
+    for obj in B.rbac_objects(job):
+        client.create(obj)
+    seeded = B.report_configmap(job, cm_name, component)
+    seeded["metadata"]["annotations"] = {C.ANNOTATION_SPEC_HASH: want}
+    client.create(seeded)
+    return seeded
 
 
-def _pod_outcome(client, job: JobRef, name: str, component: str) -> dict | None:
+def find_pod(client, job: JobRef, name: str, component: str) -> dict | None:
     for pod in client.list_pods(
         job.namespace, {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
     ):
@@ -104,7 +101,7 @@ def run_pod(
     """Create the pod when it is not there, replace a failed one (at most MAX_ATTEMPTS times):
     the NotYet (or Refused) to raise while its report is missing."""
     name = pod_manifest["metadata"]["name"]
-    pod = _pod_outcome(client, job, name, component)
+    pod = find_pod(client, job, name, component)
     attempts_key = "failedPods"
     if pod is None:
         client.create(pod_manifest)
@@ -156,7 +153,7 @@ def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> 
     report = _report(cm, E.MODEL_REPORT_KEY)
     if report is None:
         # the pod publishes, then exits: a finished pod's report may be newer than our read
-        pod = _pod_outcome(client, job, B.inspect_pod_name(job), B.COMPONENT_INSPECT)
+        pod = find_pod(client, job, B.inspect_pod_name(job), B.COMPONENT_INSPECT)
         if pod is not None and (pod.get("status") or {}).get("phase") == "Succeeded":
             report = _report(client.get_configmap(job.namespace, name) or {}, E.MODEL_REPORT_KEY)
     if report is None:
@@ -198,7 +195,7 @@ def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: di
     cm = ensure_children(client, job, spec, name, B.COMPONENT_INSPECT)
     report = _report(cm, key)
     if report is None:
-        pod = _pod_outcome(client, job, B.inspect_pod_name(job, True), B.COMPONENT_INSPECT)
+        pod = find_pod(client, job, B.inspect_pod_name(job, True), B.COMPONENT_INSPECT)
         if pod is not None and (pod.get("status") or {}).get("phase") == "Succeeded":
             report = _report(client.get_configmap(job.namespace, name) or {}, key)
     if report is None:
