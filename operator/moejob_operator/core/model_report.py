@@ -89,8 +89,9 @@ def resolve_report(report: ModelReport, path: str) -> ResolvedModel:
     :class:`ModelRefused` naming the reason."""
     where = f"{report.path}"
     for e in report.errors:
-        if e.code in _CONFIG_CODES:
-            raise ModelRefused(_ERROR_REASON[e.code], f"{where}: {e.message}")
+        if e.code in _CONFIG_CODES:  # NotFound / NoConfig messages name the directory already
+            text = e.message if e.code != "BadConfig" else f"{where}/{e.message}"
+            raise ModelRefused(_ERROR_REASON[e.code], text)
     cfg = report.config
     if cfg is None:
         raise ModelRefused(MODEL_CONFIG_MISSING, f"{where} has no readable config.json")
