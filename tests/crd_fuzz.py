@@ -119,6 +119,20 @@ PLAUSIBLE: list[tuple[tuple[str, ...], Any]] = [
     (("checkpoint", "volume"), {"persistentVolumeClaim": {"claimName": "missing-claim"}}),
     (("data",), {"kind": "Text", "path": "/data", "volume": {"configMap": {"name": "missing"}}}),
     (("model",), {"preset": "deepseek-v3"}),
+    (
+        ("model",),
+        {"path": "/model", "volume": {"persistentVolumeClaim": {"claimName": "missing-models"}}},
+    ),
+    (("model",), {"path": "/no/such/model"}),
+    (
+        ("data",),
+        {
+            "kind": "JSONL",
+            "volume": {"persistentVolumeClaim": {"claimName": "missing-corpus"}},
+            "cache": {"volume": {"persistentVolumeClaim": {"claimName": "missing-cache"}}},
+        },
+    ),
+    (("output",), {"volume": {"persistentVolumeClaim": {"claimName": "missing-exports"}}}),
     (("model",), {"preset": "tiny-qwen3-moe"}),
     (("training", "globalBatch"), 6),
     (("deepspeedOverrides",), {"zero_optimization": {"overlap_comm": False}}),

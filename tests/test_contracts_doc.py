@@ -13,9 +13,9 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from moe_contracts import data, gate, model, plan, progress, routing, topology
 from moe_contracts import env as contract_env
 from moe_contracts import exit as exit_doc
-from moe_contracts import gate, plan, progress, routing, topology
 from moejob_operator.builders import common, workers
 from moejob_operator.spec import parse_spec
 
@@ -32,6 +32,9 @@ DOCUMENTS: list[tuple[str, int, type[BaseModel]]] = [
     ("SmokePlans", gate.SMOKE_PLANS_VERSION, gate.SmokePlans),
     ("SmokeVerdict", gate.SMOKE_VERSION, gate.SmokeVerdict),
     ("GateVerdict", gate.VERDICT_VERSION, gate.GateVerdict),
+    ("ModelReport", model.MODEL_REPORT_VERSION, model.ModelReport),
+    ("DataPrepReport", data.REPORT_VERSION, data.DataPrepReport),
+    ("DataManifest", data.MANIFEST_VERSION, data.DataManifest),
 ]
 
 

@@ -1,5 +1,6 @@
 """docs/troubleshooting.md has a row for every condition reason the operator can set: the
-reasons in constants.py, the upgrade gate's own reasons, and the trainer's health finding types
+reasons in constants.py, the upgrade gate's own reasons, a refused model directory's
+(core.model_report), and the trainer's health finding types
 (which become Healthy=False reasons)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from moejob_operator import constants as C
 from moejob_operator.core import gate as core_gate
+from moejob_operator.core import model_report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,6 +23,7 @@ def documented() -> set[str]:
 def test_every_reason_has_a_row():
     reasons = {v for k, v in vars(C).items() if k.startswith("R_")}
     reasons |= {v for k, v in vars(core_gate).items() if k.startswith("R_") and isinstance(v, str)}
+    reasons |= set(model_report.REASONS)  # a refused model directory
     gate_src = (ROOT / "operator" / "moejob_operator" / "reconcile" / "gate.py").read_text()
     reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.MULTILINE))
     health_src = (ROOT / "trainer_image" / "moe_trainer" / "health.py").read_text()

@@ -72,7 +72,14 @@ def state(job: dict | None) -> tuple[str, str] | None:
         return "terminal", by_type[C.COND_FAILED]["reason"]
     if by_type.get(C.COND_SUSPENDED, {}).get("status") == "True":
         return "explained", "Suspended"
-    for ctype in (C.COND_RUNNING, C.COND_UPGRADE_VERIFIED, C.COND_PLANNED, C.COND_TOPOLOGY):
+    for ctype in (
+        C.COND_RUNNING,
+        C.COND_UPGRADE_VERIFIED,
+        C.COND_PLANNED,
+        C.COND_TOPOLOGY,
+        C.COND_DATA_PREPARED,
+        C.COND_MODEL_INSPECTED,
+    ):
         c = by_type.get(ctype)
         if c and c["status"] != "True":
             return "explained", f"{status['phase']}/{c['reason']}"

@@ -9,6 +9,8 @@ pydantic and numpy (no torch, no kubernetes, no kopf).
 - :mod:`.progress`  TrainerProgress v1 (trainer -> operator)
 - :mod:`.exit`      TrainerExit v1 (trainer -> operator, termination message)
 - :mod:`.topology`  TopologyReport v1 (discovery -> planning core)
+- :mod:`.model`     ModelReport v1 (model inspection -> planning core)
+- :mod:`.data`      DataPrepReport v1 (data preparation -> operator), DataManifest v1 (-> trainer)
 - :mod:`.gate`      SmokePlans v1, SmokeVerdict v2, GateVerdict v1 (operator <-> smoke test)
 - :mod:`.env`       the worker pods' environment and the ConfigMap keys
 - :mod:`.errors`    DocumentError, the one error type of a bad document

@@ -46,6 +46,8 @@ ROUTING_STATS_KEY: Final = (
 )
 ROUTING_STATS_GZ_KEY: Final = f"{ROUTING_STATS_KEY}.gz"  # binaryData: gzip + base64
 TOPOLOGY_KEY: Final = "topology.json"  # ConfigMap moe-topology-<node>
+MODEL_REPORT_KEY: Final = "model_report.json"  # ConfigMap <job>-model (moe-inspect)
+DATA_REPORT_KEY: Final = "data_report.json"  # ConfigMap <job>-data (moe-prepare-data)
 VERDICT_KEY: Final = "verdict.json"  # ConfigMap moe-gate-<key>
 SMOKE_PLANS_KEY: Final = "plans.json"  # ConfigMap moe-smoke-<key>-<attempt>
 SMOKE_PLANS_PATH: Final = "/etc/moe-smoke/plans.json"

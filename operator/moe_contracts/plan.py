@@ -25,7 +25,7 @@ PLAN_VERSION = 1
 DEVICES = ("cuda", "cpu")
 BALANCE_MODES = ("per_layer_aux", "global_aux", "none")
 MOE_IMPLS = ("hf", "grouped")
-DATA_KINDS = ("text", "tokens", "synthetic", "corpus")
+DATA_KINDS = ("text", "tokens", "synthetic", "corpus", "prepared")
 DISPATCHERS = ("autoep", "dedup")
 PERF_KEYS = (
     "compileLayers",
@@ -56,6 +56,8 @@ class ModelSpec(Doc):
     preset: Str | None = None
     path: Str | None = None
     hf_config: dict[str, Any] | None = None
+    # ModelReport.contentHash of ``path`` when the plan was made (the trainer re-checks it)
+    content_hash: Str | None = None
 
 
 class RankSpec(Doc):
@@ -110,7 +112,7 @@ class BalanceSpec(Doc):
 
 
 class DataSpec(Doc):
-    kind: Literal["text", "tokens", "synthetic", "corpus"] = "synthetic"
+    kind: Literal["text", "tokens", "synthetic", "corpus", "prepared"] = "synthetic"
     path: Str | None = None
     tokenizer: Str | None = None  # local HF tokenizer path; None = byte-level
 
@@ -298,7 +300,7 @@ class MoEPlan(Doc):
                 raise ValueError(
                     f"training.{name}: {ours} differs from deepspeed {ds_key} {ds_value}"
                 )
-        if tr.data.kind in ("text", "tokens") and not tr.data.path:
+        if tr.data.kind in ("text", "tokens", "prepared") and not tr.data.path:
             raise ValueError(f"training.data.path: required when data.kind is {tr.data.kind!r}")
         if tr.moe_impl == "grouped" and ep_cfg.get("enabled"):
             raise ValueError(

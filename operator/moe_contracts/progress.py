@@ -37,6 +37,15 @@ class Health(Doc):
     message: Str = ""
 
 
+class Export(Doc):
+    """The trainer's latest export of the model (``spec.output``): a Hugging Face directory."""
+
+    path: Str = Field(min_length=1)
+    bytes: Int = Field(ge=0)
+    sha256: Str = Field(min_length=1)
+    step: Int | None = Field(default=None, ge=0)
+
+
 class TrainerProgress(Doc):
     kind: Literal["TrainerProgress"] = "TrainerProgress"
     version: Literal[1] = 1
@@ -51,6 +60,7 @@ class TrainerProgress(Doc):
     moe: dict[str, Any] | None = None
     health: tuple[Health, ...] = ()
     routing_stats: dict[str, Any] | None = None  # the last RoutingStats publish attempt
+    output: Export | None = None  # the latest export (spec.output), once there is one
 
 
 def parse_progress(text: str | bytes | dict[str, Any]) -> TrainerProgress:

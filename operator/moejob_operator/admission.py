@@ -315,6 +315,41 @@ def _volumes(spec: JobSpec, policy: Policy) -> None:
                 f"{spec.data.path!r} is also spec.checkpoint.path: "
                 "two volumes cannot be mounted at one path",
             )
+    _job_input_volumes(spec, policy)
+
+
+def _job_input_volumes(spec: JobSpec, policy: Policy) -> None:
+    """The model, data-cache and output volumes: allowed host paths, claim names, and mount
+    paths apart from each other and from the checkpoint and data mounts (none inside another:
+    the prepare pod and the workers mount them together)."""
+    mounts = [("spec.checkpoint.path", spec.checkpoint.path)]
+    if spec.data.volume is not None:
+        mounts.append(("spec.data.path", spec.data.path))
+    extra = []
+    if spec.model.path is not None and spec.model.volume is not None:
+        extra.append(("spec.model", spec.model.volume, spec.model.path))
+    if spec.data.cache is not None:
+        extra.append(("spec.data.cache", spec.data.cache.volume, spec.data.cache.path))
+    if spec.output is not None:
+        extra.append(("spec.output", spec.output.volume, spec.output.path))
+    for field, vol, path in extra:
+        if vol.host_path is not None:
+            _host_path(f"{field}.volume.hostPath.path", vol.host_path.path, policy)
+        if vol.persistent_volume_claim is not None:
+            _object_name(
+                f"{field}.volume.persistentVolumeClaim.claimName",
+                vol.persistent_volume_claim.claim_name,
+            )
+        norm = _mount_path(f"{field}.path", path)
+        for other_field, other in mounts:
+            o = posixpath.normpath(other)
+            if norm == o or norm.startswith(o + "/") or o.startswith(norm + "/"):
+                raise SpecError(
+                    f"{field}.path",
+                    f"{path!r} overlaps {other_field} {other!r}: each volume needs a mount "
+                    "path of its own",
+                )
+        mounts.append((f"{field}.path", path))
 
 
 # ---- quantities ---------------------------------------------------------------------------

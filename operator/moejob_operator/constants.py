@@ -58,8 +58,12 @@ COND_FAILED = "Failed"
 COND_SUSPENDED = "Suspended"
 COND_HEALTHY = "Healthy"
 COND_RECONCILED = "Reconciled"  # only after a pass failed: False while retrying, True once past
+COND_MODEL_INSPECTED = "ModelInspected"  # only with spec.model.path
+COND_DATA_PREPARED = "DataPrepared"  # only with spec.data.kind JSONL / Parquet
 CONDITION_TYPES = (
     COND_SPEC_ACCEPTED,
+    COND_MODEL_INSPECTED,
+    COND_DATA_PREPARED,
     COND_TOPOLOGY,
     COND_PLANNED,
     COND_UPGRADE_VERIFIED,
@@ -114,6 +118,16 @@ R_CHECKPOINT_NOT_WRITABLE = "CheckpointNotWritable"
 R_CHECKPOINT_VOLUME_FULL = "CheckpointVolumeFull"
 R_DATA_NOT_FOUND = "DataNotFound"
 R_OUT_OF_MEMORY = "OutOfMemory"
+# Model inspection and data preparation (the refusals of a model: core.model_report.REASONS)
+R_INSPECTION_PENDING = "InspectionPending"
+R_INSPECTION_FAILED = "InspectionFailed"
+R_MODEL_INSPECTED = "ModelInspected"
+R_MODEL_CHANGED = "ModelChanged"
+R_DATA_PREPARING = "DataPreparing"
+R_DATA_PREPARED = "DataPrepared"
+R_DATA_PREP_FAILED = "DataPrepFailed"
+R_INVALID_DATA = "InvalidData"
+R_MODEL_EXPORTED = "ModelExported"
 
 # Reconcile timing (seconds)
 TOPOLOGY_REPORT_MAX_AGE_SECONDS = (
@@ -129,3 +143,6 @@ PORT_SLOTS = 6000
 CHECKPOINT_VOLUME = "checkpoint"
 DATA_VOLUME = "data"
 PLAN_VOLUME = "plan"
+MODEL_VOLUME = "model"
+CACHE_VOLUME = "data-cache"
+OUTPUT_VOLUME = "output"

@@ -113,27 +113,72 @@ class CheckpointVolume(_Model):
 
 
 # ---- spec groups ---------------------------------------------------------------------------
+# a path inside a volume (the kubelet refuses one that leaves it)
+_SUB_PATH = r"^[^/]"
+
+
 class ModelRef(_Model):
     preset: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*$")
     hf_config: dict[str, Any] | None = None
     path: str | None = Field(default=None, max_length=1024, pattern=r"^/")
+    volume: CheckpointVolume | None = None  # mounted read-only at ``path``
+    sub_path: str | None = Field(default=None, min_length=1, max_length=1024, pattern=_SUB_PATH)
 
     @model_validator(mode="after")
     def _one(self) -> ModelRef:
         _exactly_one(self, ("preset", "hf_config", "path"), "model")
+        if self.path is None and self.volume is not None:
+            raise ValueError("volume: only with model.path (the directory it holds)")
+        if self.sub_path is not None and self.volume is None:
+            raise ValueError("subPath: only with model.volume")
         return self
+
+
+class DataCache(_Model):
+    path: str = Field(default="/data-cache", max_length=1024, pattern=r"^/")
+    volume: CheckpointVolume
+
+
+# data kinds a data-prepare pod tokenizes once before the workers start
+PREPARED_KINDS = ("JSONL", "Parquet")
 
 
 class Data(_Model):
-    kind: Literal["Text", "Synthetic"] = "Synthetic"
+    kind: Literal["Text", "JSONL", "Parquet", "Tokenized", "Synthetic"] = "Synthetic"
     path: str = Field(default="/data", max_length=1024, pattern=r"^/")
     volume: DataVolume | None = None
+    # None reads as Text (no default written: a job launched before this field keeps its hash)
+    format: Literal["Text", "Chat"] | None = None
+    field: str | None = Field(default=None, min_length=1, max_length=256)
+    cache: DataCache | None = None
 
     @model_validator(mode="after")
     def _text_needs_volume(self) -> Data:
-        if self.kind == "Text" and self.volume is None:
-            raise ValueError("volume: required when kind is 'Text'")
+        if self.kind != "Synthetic" and self.volume is None:
+            raise ValueError(f"volume: required when kind is {self.kind!r}")
+        if self.kind not in PREPARED_KINDS:
+            for name, value in (("format", self.format == "Chat"), ("field", self.field)):
+                if value:
+                    raise ValueError(f"{name}: only with kind JSONL or Parquet, not {self.kind!r}")
+            if self.cache is not None:
+                raise ValueError(f"cache: only with kind JSONL or Parquet, not {self.kind!r}")
         return self
+
+    @property
+    def field_name(self) -> str:
+        """The column / key holding the text (``text``) or the conversation (``messages``)."""
+        return self.field or ("messages" if self.format == "Chat" else "text")
+
+    @property
+    def prepared(self) -> bool:
+        return self.kind in PREPARED_KINDS
+
+
+class Output(_Model):
+    path: str = Field(default="/output", max_length=1024, pattern=r"^/")
+    volume: CheckpointVolume
+    sub_path: str | None = Field(default=None, min_length=1, max_length=1024, pattern=_SUB_PATH)
+    every_checkpoints: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class Checkpoint(_Model):
@@ -295,6 +340,7 @@ class JobSpec(_Model):
     model: ModelRef
     data: Data = Data()
     checkpoint: Checkpoint = Checkpoint()
+    output: Output | None = None
     nodes: Nodes = Nodes()
     placement: Placement = Placement()
     training: Training = Training()
@@ -333,6 +379,12 @@ class JobSpec(_Model):
                     f"deepspeedOverrides.{'.'.join(path)}: the plan sets this key; "
                     "it cannot be overridden"
                 )
+        if self.data.prepared and self.data.cache is None and self.checkpoint.volume is None:
+            raise ValueError(
+                f"data.cache: required for kind {self.data.kind!r} when checkpoint.volume is "
+                "not set (the prepared shards must outlive the prepare pod: they go to "
+                "data.cache.volume, else under checkpoint.path)"
+            )
         if self.training.warmup_steps > self.training.steps:
             raise ValueError(
                 f"training.warmupSteps: {self.training.warmup_steps} exceeds "

@@ -114,6 +114,12 @@ def phase_of(conditions: list[dict[str, Any]] | None) -> str:
         return "Restarting"
     if not conditions:
         return "Pending"
+    for ctype, phase in (
+        (C.COND_MODEL_INSPECTED, "Inspecting"),
+        (C.COND_DATA_PREPARED, "PreparingData"),
+    ):
+        if cond(ctype) and cond(ctype).get("status") != TRUE:
+            return phase
     if cond(C.COND_TOPOLOGY).get("status") != TRUE:
         return "Discovering"
     if cond(C.COND_PLANNED).get("status") != TRUE:
@@ -129,7 +135,15 @@ def event_type_for(t: Transition) -> str:
         (t.type == C.COND_FAILED and t.status == TRUE)
         or (t.type == C.COND_HEALTHY and t.status == FALSE)
         or (
-            t.type in (C.COND_SPEC_ACCEPTED, C.COND_PLANNED, C.COND_TOPOLOGY, C.COND_RECONCILED)
+            t.type
+            in (
+                C.COND_SPEC_ACCEPTED,
+                C.COND_PLANNED,
+                C.COND_TOPOLOGY,
+                C.COND_RECONCILED,
+                C.COND_MODEL_INSPECTED,
+                C.COND_DATA_PREPARED,
+            )
             and t.status == FALSE
         )
         or (t.type == C.COND_UPGRADE_VERIFIED and t.reason == C.R_GATE_SKIPPED)

@@ -17,6 +17,8 @@ import numpy as np
 
 from moe_trainer.corpus import DOC_SEPARATOR, build_corpus
 
+IGNORE_INDEX = -100  # a target that does not count in the loss (cross_entropy's default)
+
 
 class DataError(ValueError):
     """The data source is missing, empty or too short."""
@@ -111,6 +113,15 @@ class BatchSource:
                 )
         self._orders: dict[int, np.ndarray] = {}
 
+    masked = False  # every target counts (prepared chat data has a loss mask: prepared.py)
+
+    def inputs_targets(
+        self, step: int, micro: int, grad_accum: int, dp_rank: int, dp_size: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs[mb, seq_len], targets[mb, seq_len]) of :meth:`batch`."""
+        b = self.batch(step, micro, grad_accum, dp_rank, dp_size)
+        return b[:, :-1], b[:, 1:]
+
     def _window(self, sample: int) -> np.ndarray:
         if self.tokens is None:
             rng = np.random.default_rng([self.seed, sample])
@@ -135,12 +146,30 @@ class BatchSource:
 def make_batch_source(
     data_spec, seq_len: int, micro_batch: int, seed: int, vocab_size: int
 ) -> BatchSource:
-    """From the plan's `training.data`: kind text | tokens | corpus | synthetic."""
+    """From the plan's `training.data`: kind text | tokens | corpus | synthetic | prepared."""
     kind = data_spec.kind
     if kind == "synthetic":
         return BatchSource(None, seq_len, micro_batch, seed, vocab_size)
+    if kind == "prepared" or (
+        kind == "tokens" and (Path(data_spec.path) / "manifest.json").is_file()
+    ):
+        from moe_trainer.prepared import PreparedSource
+
+        return PreparedSource(data_spec.path, seq_len, micro_batch, seed, vocab_size)
     if kind == "tokens":
         return BatchSource(tokens_from_npy(data_spec.path), seq_len, micro_batch, seed, vocab_size)
     tok = make_tokenizer(data_spec.tokenizer)
     path = data_spec.path if kind == "text" else build_corpus(cache_dir=data_spec.path)
     return BatchSource(tokens_from_text(path, tok), seq_len, micro_batch, seed, vocab_size)
+
+
+def lm_loss(logits, targets, masked: bool):
+    """Cross-entropy of ``logits[mb, seq, V]`` against ``targets[mb, seq]``: the mean over every
+    target, or with ``masked`` over the targets that count (0 when none does, not NaN)."""
+    import torch.nn.functional as F
+
+    x, y = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    if not masked:
+        return F.cross_entropy(x, y)
+    valid = (y != IGNORE_INDEX).sum().clamp(min=1)
+    return F.cross_entropy(x, y, ignore_index=IGNORE_INDEX, reduction="sum") / valid

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
@@ -302,18 +301,18 @@ class Trainer:
         lm_total = torch.zeros((), dtype=torch.float64, device=env.device)
         aux_total = torch.zeros((), dtype=torch.float64, device=env.device)
         for micro in range(t.grad_accum):
-            batch = torch.from_numpy(
-                self.source.batch(step, micro, t.grad_accum, env.rank, env.world_size)
+            inputs, targets = (
+                torch.from_numpy(a).to(env.device)
+                for a in self.source.inputs_targets(
+                    step, micro, t.grad_accum, env.rank, env.world_size
+                )
             )
-            batch = batch.to(env.device)
             self.probe.clear()
             if self.perf.fused_loss:
-                lm = self.engine(input_ids=batch[:, :-1], targets=batch[:, 1:]).loss
+                lm = self.engine(input_ids=inputs, targets=targets).loss
             else:
-                logits = self.engine(input_ids=batch[:, :-1]).logits
-                lm = F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
-                )
+                logits = self.engine(input_ids=inputs).logits
+                lm = data_mod.lm_loss(logits, targets, self.source.masked)
             if faults is not None and faults.nan_due(
                 step + 1
             ):  # test hook: poison this step's loss

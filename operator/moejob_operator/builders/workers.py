@@ -15,6 +15,7 @@ from moe_contracts import env as E
 
 from .. import constants as C
 from ..spec import JobSpec
+from . import volumes as volumes_mod
 from .common import (
     JobRef,
     checkpoint_dir,
@@ -72,40 +73,17 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
         {"name": C.PLAN_VOLUME, "mountPath": C.PLAN_MOUNT_DIR, "readOnly": True}
     ]
 
-    ck = spec.checkpoint.volume
-    if ck is None:
-        volumes.append({"name": C.CHECKPOINT_VOLUME, "emptyDir": {}})
-    elif ck.persistent_volume_claim is not None:
-        volumes.append(
-            {
-                "name": C.CHECKPOINT_VOLUME,
-                "persistentVolumeClaim": {"claimName": ck.persistent_volume_claim.claim_name},
-            }
-        )
-    else:
-        volumes.append(
-            {
-                "name": C.CHECKPOINT_VOLUME,
-                "hostPath": {"path": ck.host_path.path, "type": "DirectoryOrCreate"},
-            }
-        )
-    mounts.append({"name": C.CHECKPOINT_VOLUME, "mountPath": spec.checkpoint.path})
-
-    dv = spec.data.volume
-    if dv is not None:
-        if dv.persistent_volume_claim is not None:
-            src: dict[str, Any] = {
-                "persistentVolumeClaim": {
-                    "claimName": dv.persistent_volume_claim.claim_name,
-                    "readOnly": dv.persistent_volume_claim.read_only,
-                }
-            }
-        elif dv.host_path is not None:
-            src = {"hostPath": {"path": dv.host_path.path, "type": "Directory"}}
-        else:
-            src = {"configMap": {"name": dv.config_map.name}}
-        volumes.append({"name": C.DATA_VOLUME, **src})
-        mounts.append({"name": C.DATA_VOLUME, "mountPath": spec.data.path, "readOnly": True})
+    pairs = [
+        volumes_mod.checkpoint(spec),
+        volumes_mod.data(spec),
+        volumes_mod.model(spec),
+        volumes_mod.cache(spec, read_only=True),
+        volumes_mod.output(spec),
+    ]
+    for pair in pairs:
+        if pair is not None:
+            volumes.append(pair[0])
+            mounts.append(pair[1])
 
     # The trainer's API credentials: a bound, expiring ServiceAccount token (what 1.21+ injects by
     # default), projected explicitly. Unlike the legacy automount it does not make admission wait

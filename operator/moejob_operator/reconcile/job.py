@@ -40,7 +40,7 @@ from ..status import (
     phase_of,
     set_condition,
 )
-from . import gate, machine, planning, sizing, topology
+from . import gate, inputs, machine, planning, sizing, topology
 from .client import Client, NotReady, Rejected, exceeded_quota, server_message
 from .outcome import NotYet, Refused
 from .settings import Settings
@@ -156,6 +156,9 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         ("progress", dict),
         ("health", list),
         ("launchedFields", dict),
+        ("model", dict),
+        ("data", dict),
+        ("output", dict),
     ):
         if key in status and not isinstance(status[key], kind):
             status.pop(key)
@@ -276,6 +279,8 @@ class Stage:
 
 
 VALIDATE = Stage(C.COND_SPEC_ACCEPTED, FALSE)  # planning.accept: Refused only
+INSPECT = Stage(C.COND_MODEL_INSPECTED, UNKNOWN)  # inspect.ensure_model / recheck
+PREPARE = Stage(C.COND_DATA_PREPARED, UNKNOWN)  # dataprep.ensure_data
 DISCOVER = Stage(C.COND_TOPOLOGY, UNKNOWN)  # topology.ensure_reports: NotYet only
 PLAN = Stage(C.COND_PLANNED, FALSE)  # planning.make_plan
 GATE = Stage(C.COND_UPGRADE_VERIFIED, UNKNOWN, refusal_event=True)  # gate.check
@@ -292,10 +297,15 @@ def _run(p: Pass) -> float | None:
         stage = DISCOVER
         plan = _stored_plan(p, spec)
         if plan is None:
+            stage = INSPECT
+            model = inputs.inspected(p, spec)
+            stage = PREPARE
+            found = inputs.prepared(p, spec, model)
+            stage = DISCOVER
             reports = topology.ensure_reports(p.client, p.body, spec, p.now)
             p.cond(C.COND_TOPOLOGY, TRUE, C.R_DISCOVERED, reports.message)
             stage = PLAN
-            plan = _new_plan(p, spec, reports.reports)
+            plan = _new_plan(p, spec, reports.reports, found)
         metrics.observe_plan(p.job.namespace, p.job.name, plan)
         sizing.status(p.status, plan)
         stage = GATE
@@ -335,6 +345,11 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
         p.cond(C.COND_SUSPENDED, FALSE, C.R_NOT_SUSPENDED, "not suspended", quiet=True)
 
     launching = not _is_launched(p.status)
+    if launching:
+        try:
+            inputs.recheck(p, spec, plan)
+        except (NotYet, Refused) as exc:
+            return _settle(p, INSPECT, exc)
     if not launching:
         _persist_plan(p)  # a re-plan (node lost): the plan before the pods
         return _track(p, spec, plan)
@@ -486,7 +501,9 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
     return None
 
 
-def _new_plan(p: Pass, spec: JobSpec, reports: dict[str, Any]) -> dict[str, Any]:
+def _new_plan(
+    p: Pass, spec: JobSpec, reports: dict[str, Any], found: planning.Inputs
+) -> dict[str, Any]:
     """The plan stage (raises NotYet / Refused); the ConfigMap is written later in this pass."""
     cpu_memory = (
         0
@@ -495,7 +512,9 @@ def _new_plan(p: Pass, spec: JobSpec, reports: dict[str, Any]) -> dict[str, Any]
             spec, p.client.list_nodes(), list(reports)[: spec.nodes.count]
         )
     )
-    plan = planning.make_plan(p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory)
+    plan = planning.make_plan(
+        p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory, inputs=found
+    )
     # Written later in this pass: with the launch batch (one round trip fewer on the way to the
     # workers), else before the pass returns (_persist_plan).
     p.new_plan_cm = configmaps.plan_configmap(
@@ -762,6 +781,7 @@ def _progress(p: Pass) -> None:
     except DocumentError:
         return
     p.status["progress"] = machine.progress_status(doc)
+    inputs.exported(p, doc)
     findings = machine.health_findings(doc)
     warnings = [f for f in findings if f["severity"] == "Warning"]
     old = {(f["type"], f["message"]) for f in p.status.get("health") or ()}

@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from moe_contracts.progress import parse_progress
@@ -57,7 +58,9 @@ SPEC_FIELD = {
 }
 
 
-def resolve_model(spec: JobSpec) -> ResolvedModel:
+def resolve_model(spec: JobSpec) -> ResolvedModel | None:
+    """The model of a preset or hfConfig; None for ``model.path`` (its inspection report
+    gives it)."""
     m = spec.model
     try:
         if m.preset is not None:
@@ -84,20 +87,17 @@ def resolve_model(spec: JobSpec) -> ResolvedModel:
         raise SpecError(
             "spec.model.hfConfig" if m.hf_config is not None else "spec.model.preset", str(exc)
         ) from None
-    raise SpecError(
-        "spec.model.path",
-        f"{m.path!r}: the operator plans from a preset or hfConfig; "
-        "a model directory is only readable inside the worker",
-    )
+    return None  # model.path: the inspection pod reads it (reconcile/inspect.py)
 
 
-def prevalidate(spec: JobSpec) -> ResolvedModel:
+def prevalidate(spec: JobSpec) -> ResolvedModel | None:
     """What can be checked without the cluster: the model resolves, EP divides its experts.
-    Runs before discovery, so a bad spec creates no children at all."""
+    Runs before discovery, so a bad spec creates no children at all (a model directory is
+    checked once its inspection report is there)."""
     model = resolve_model(spec)
     sizing.check(spec)
     ep = spec.placement.expert_parallel_size
-    if isinstance(ep, int) and model.spec.num_experts % ep:
+    if model is not None and isinstance(ep, int) and model.spec.num_experts % ep:
         raise SpecError(
             "spec.placement.expertParallelSize",
             f"{ep} does not divide the model's {model.spec.num_experts} experts",
@@ -297,23 +297,67 @@ def cpu_memory_per_process(spec: JobSpec, nodes: list[dict[str, Any]], names: li
     return total // int(spec.nodes.gpus_per_node)  # CPU mode: never Auto (sizing.check)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What the stages before planning found: the inspected model of ``spec.model.path`` (and
+    its content hash) and the plan's ``training.data`` when a prepare pod made it."""
+
+    model: ResolvedModel | None = None
+    content_hash: str | None = None
+    tokenizer: str | None = None  # the model directory, when it holds a tokenizer
+    data: dict[str, Any] | None = None
+
+    def key(self) -> str:
+        return repr((self.content_hash, self.tokenizer, sorted((self.data or {}).items())))
+
+
 def make_plan(
     client,
     job: JobRef,
     spec: JobSpec,
     reports: dict[str, TopologyReport],
     cpu_memory_bytes: int = 0,
+    inputs: Inputs | None = None,
 ) -> dict[str, Any]:
     """The plan stage: the MoEPlan v1 document for ``spec`` on the first ``nodes.count``
     discovered nodes. Raises :class:`NotYet` or :class:`Refused` (module docstring)."""
     try:
-        return _plan_document(client, job, spec, reports, cpu_memory_bytes)
+        return _plan_document(client, job, spec, reports, cpu_memory_bytes, inputs or Inputs())
     except SpecError as exc:
         raise Refused.invalid_spec(exc) from None
 
 
+def plan_data(spec: JobSpec, inputs: Inputs) -> dict[str, Any]:
+    """The plan's ``training.data``: prepared shards, text or token files, or synthetic."""
+    if inputs.data is not None:
+        return dict(inputs.data)
+    d = spec.data
+    if d.kind == "Tokenized":
+        return {"kind": "tokens", "path": d.path}
+    out: dict[str, Any] = {"kind": d.kind.lower(), "path": d.path}
+    if d.kind == "Text" and inputs.tokenizer:
+        out["tokenizer"] = inputs.tokenizer
+    return out
+
+
+def output_section(spec: JobSpec) -> dict[str, Any] | None:
+    """The plan's ``output`` (the trainer exports there): ``spec.output`` as the workers see it."""
+    o = spec.output
+    if o is None:
+        return None
+    out: dict[str, Any] = {"path": o.path}
+    if o.every_checkpoints is not None:
+        out["everyCheckpoints"] = o.every_checkpoints
+    return out
+
+
 def _plan_document(
-    client, job: JobRef, spec: JobSpec, reports: dict[str, TopologyReport], cpu_memory_bytes: int
+    client,
+    job: JobRef,
+    spec: JobSpec,
+    reports: dict[str, TopologyReport],
+    cpu_memory_bytes: int,
+    inputs: Inputs,
 ) -> dict[str, Any]:
     count = spec.nodes.count
     # count Auto: every discovered candidate is the sizing's to choose from
@@ -334,7 +378,7 @@ def _plan_document(
             + repr((stats.top_k, stats.tokens)).encode()
         ).hexdigest()
     )
-    key = _memo_key(spec, nodes, reports, stats_digest, cpu_memory_bytes)
+    key = _memo_key(spec, nodes, reports, f"{stats_digest}|{inputs.key()}", cpu_memory_bytes)
     with _memo_lock:
         hit = _MEMO.get(key)
         if hit is not None:
@@ -342,7 +386,7 @@ def _plan_document(
     if hit is not None:
         doc = {**copy.deepcopy(hit), "job": {"namespace": job.namespace, "name": job.name}}
     else:
-        doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes)
+        doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes, inputs)
         with _memo_lock:
             _MEMO[key] = copy.deepcopy(doc)
             while len(_MEMO) > _MEMO_SIZE:
@@ -350,6 +394,11 @@ def _plan_document(
     source = stats_source(spec, stats)
     if source is not None and isinstance(doc.get("placement"), dict):
         doc["placement"]["routingStatsFrom"] = source
+    if inputs.content_hash is not None:
+        doc["model"]["contentHash"] = inputs.content_hash
+    output = output_section(spec)
+    if output is not None:
+        doc["output"] = output
     return doc
 
 
@@ -360,10 +409,14 @@ def plan_request(
     reports: dict[str, TopologyReport],
     stats: RoutingStats | None,
     cpu_memory_bytes: int,
+    inputs: Inputs | None = None,
 ) -> PlanRequest:
     """The core's request for ``spec`` on ``nodes``: where spec fields become planner inputs
     (:data:`SPEC_FIELD` maps the planner's errors back)."""
-    model = resolve_model(spec)
+    inputs = inputs or Inputs()
+    model = inputs.model or resolve_model(spec)
+    if model is None:
+        raise SpecError("spec.model.path", "no inspection report of the model directory yet")
     t = spec.training
     opts = TrainingOptions(
         steps=t.steps,
@@ -371,7 +424,7 @@ def plan_request(
         warmup_steps=t.warmup_steps,
         checkpoint_every_steps=spec.checkpoint.every_steps,
         seed=t.seed,
-        data={"kind": spec.data.kind.lower(), "path": spec.data.path},
+        data=plan_data(spec, inputs),
         activation_checkpointing=t.activation_checkpointing == "Enabled",
     )
     cpu = spec.device == "CPU"
@@ -405,8 +458,9 @@ def _make_plan(
     reports: dict[str, TopologyReport],
     stats: RoutingStats | None,
     cpu_memory_bytes: int,
+    inputs: Inputs,
 ) -> dict[str, Any]:
-    request = plan_request(job, spec, nodes, reports, stats, cpu_memory_bytes)
+    request = plan_request(job, spec, nodes, reports, stats, cpu_memory_bytes, inputs)
     auto = sizing.auto_fields(spec)
     try:
         plan = plan_sized(request, auto) if auto.any else build_plan(request)
