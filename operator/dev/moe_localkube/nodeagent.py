@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
 from .gpus import REAL_NVML, Gpu, GpuAllocator, read_gpus, visible_env
+from .imageids import ImageIds
 from .kubeletapi import KubeletApi
 from .nodes import FAKE_NVML_ENV, GpuShape, NodeSpec, node_manifest, node_status
 from .podfiles import Mount
@@ -126,6 +127,7 @@ class NodeAgent:
         bind_fallback_seconds: float = 15.0,
         resync_seconds: float = 10.0,
         heartbeat_seconds: float = 10.0,
+        image_ids: dict[str, dict[str, str]] | None = None,
     ):
         self.api = api_client
         self.core = CoreV1Api(api_client)
@@ -136,6 +138,8 @@ class NodeAgent:
         server = urlparse(api_server or api_client.configuration.host)
         self.api_host, self.api_port = server.hostname or "127.0.0.1", str(server.port or 443)
         self.host_ip = host_ip
+        # the digest each node reports for an image (imageID); tests change it (a re-push)
+        self.image_ids = ImageIds(image_ids)
         self.extra_env = dict(extra_env or {})
         self.bind_fallback_seconds = bind_fallback_seconds
         self.resync_seconds, self.heartbeat_seconds = resync_seconds, heartbeat_seconds
@@ -571,11 +575,19 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated NAME[:FIXTURE]",
     )
     ap.add_argument("--run-dir", default=None, help="pod logs and files (default: a new temp dir)")
+    ap.add_argument(
+        "--image-ids",
+        default=None,
+        help='JSON {"node": {"image": "sha256:..."}}: the digest each node reports for a tag',
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api = config.new_client_from_config(config_file=args.kubeconfig)
     agent = NodeAgent(
-        api, [NodeSpec.parse(s) for s in args.nodes.split(",") if s], run_dir=args.run_dir
+        api,
+        [NodeSpec.parse(s) for s in args.nodes.split(",") if s],
+        run_dir=args.run_dir,
+        image_ids=json.loads(args.image_ids) if args.image_ids else None,
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
