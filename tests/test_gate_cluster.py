@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from moe_contracts import gate as contract_gate
-from moe_contracts.gate import parse_gate_verdict
+from moe_contracts.gate import parse_gate_verdict, parse_smoke_golden
 from moe_localkube.testing import unique_name
 from moe_trainer import smoke
 from moejob_operator import constants as C
@@ -75,7 +75,9 @@ v = {"kind": "SmokeVerdict", "version": SMOKE_VERSION, "passed": not failed,
      "failedCheck": "numerics" if failed else None, "failedCase": cases[0] if failed else None,
      "cases": cases, "checks": checks, "exception": None,
      "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "transformers": "5.17.0", "cuda": None},
-     "durationSeconds": 4.0, "standIn": True}
+     "durationSeconds": 4.0, "standIn": True,
+     "golden": {c: {"loss": [5.0, 4.9], "gradNorm": [2.0, 1.9], "update": {"experts": [0.5, 0.4]}}
+                for c in cases}}
 if failed:
     v["exception"] = "CheckFailed: experts: gradient is zero"
 open("/dev/termination-log", "w").write(json.dumps(v))
@@ -205,7 +207,7 @@ def test_a_failed_smoke_test_blocks_launch_and_says_why(
     )
     cond = verified(kube, namespace, "gate-fail")
     assert (cond["status"], cond["reason"]) == ("False", G.R_SMOKE_TEST_FAILED)
-    assert "check 'initialize' of case 'mixtral' failed" in cond["message"]
+    assert "check 'capabilities' of case 'mixtral' failed" in cond["message"]
     assert (
         "stage3_max_reuse_distance" in cond["message"]
         and "Extra inputs are not permitted" in cond["message"]
@@ -225,15 +227,15 @@ def test_a_failed_smoke_test_blocks_launch_and_says_why(
         timeout=10,
         message="Warning event SmokeTestFailed",
     )
-    assert "check 'initialize' of case 'mixtral' failed" in warnings[0].message
+    assert "check 'capabilities' of case 'mixtral' failed" in warnings[0].message
     out = kubectl.run("describe", "moejob", "gate-fail", "-n", namespace)
-    assert "SmokeTestFailed" in out.stdout and "initialize" in out.stdout, out.stdout
+    assert "SmokeTestFailed" in out.stdout and "capabilities" in out.stdout, out.stdout
     # the real moe-smoke ran in the pod and its verdict is stored
     key = G.identity_for(image, None, "CPU").key
     stored = parse_gate_verdict(
         kube.core.read_namespaced_config_map(f"moe-gate-{key}", gate_ns).data[G.VERDICT_KEY]
     )
-    assert stored["failedCheck"] == "initialize" and stored["versions"]["deepspeed"] == "0.19.8"
+    assert stored["failedCheck"] == "capabilities" and stored["versions"]["deepspeed"] == "0.19.8"
 
 
 def test_skipping_the_gate_is_audited(kube, namespace, operator_proc, gate_ns, wait_for, tmp_path):
@@ -363,6 +365,13 @@ def test_a_tag_pushed_again_before_a_run_is_tested_as_the_new_build_first(
     assert len(smoke_jobs(kube, gate_ns, key_of(image))) == 1
     tag = stored(kube, gate_ns, key_of(image))
     assert tag["passed"] and tag["observedDigest"] == d2
+    # build 2's smoke run got build 1's golden values (same plans, same hardware) to drift from
+    golden = parse_smoke_golden(
+        kube.core.read_namespaced_config_map(f"moe-smoke-{key_of(image, d2)}-1", gate_ns).data[
+            "golden.json"
+        ]
+    )
+    assert golden["against"]["digest"] == d1 and set(golden["cases"]) == {c.name for c in CPU_CASES}
     # the probes go once the build is known
     wait_for(
         lambda: (

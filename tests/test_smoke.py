@@ -72,9 +72,28 @@ def run_smoke(tmp_path, plans_file, *args, fault=None, fault_step=1, timeout=400
     )
 
 
+GOLDEN = {  # the golden values of an earlier image (made up here; the operator keeps real ones)
+    "kind": "SmokeGolden",
+    "version": 1,
+    "goldenKey": "0123456789abcdef",
+    "against": {"image": "reg.io/trainer:old", "digest": "sha256:" + "0" * 64, "verifiedAt": "t0"},
+    "cases": {
+        c: {
+            "loss": [5.8, 5.5, 5.3, 5.0, 4.8],
+            "gradNorm": [2.2] * 5,
+            "update": {"experts": [0.6] * 5},
+        }
+        for c in CASES
+    },
+}
+
+
 @pytest.fixture(scope="module")
 def passing(tmp_path_factory, plans_file):
-    return run_smoke(tmp_path_factory.mktemp("smoke-pass"), plans_file)
+    work = tmp_path_factory.mktemp("smoke-pass")
+    golden = work / "golden.json"
+    golden.write_text(json.dumps(GOLDEN))
+    return run_smoke(work, plans_file, "--golden", str(golden))
 
 
 @pytest.mark.slow
@@ -126,6 +145,12 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     assert all(
         len(g["loss"]) == 5 and len(g["update"]["experts"]) == 5 for g in v["golden"].values()
     )
+    # ... and their drift from the earlier image's, in the verdict and the numerics messages
+    assert v["goldenDrift"]["against"]["image"] == "reg.io/trainer:old"
+    for case in CASES:
+        drift = v["goldenDrift"]["cases"][case]
+        assert 0 < drift["loss"] < 1 and drift["update"] > 0, drift
+        assert "drift from the golden values of sha256:0000" in by[("numerics", case)]
     short = contract_gate.parse_smoke_verdict(
         term
     )  # the termination log holds it, compacted to 4 KiB
@@ -290,6 +315,10 @@ def test_usage_errors_exit_2(tmp_path, plans_file, capsys):
         smoke.run(["--gpu", "--plans", str(plans_file)]) == smoke.EXIT_USAGE
     )  # CPU plans, GPU run
     assert smoke.run(["--nproc", "2"]) == smoke.EXIT_USAGE
+    bad_golden = tmp_path / "golden.json"
+    bad_golden.write_text(json.dumps(dict(GOLDEN, kind="Nope")))
+    assert smoke.run(["--cpu", "--plans", str(plans_file), "--golden", str(bad_golden)]) == 2
+    assert "SmokeGolden kind: 'Nope'" in capsys.readouterr().err
 
 
 # ---- pure pieces ---------------------------------------------------------------------------

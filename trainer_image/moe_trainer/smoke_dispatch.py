@@ -4,11 +4,11 @@ against the plan's byte model for the tokens those steps routed.
 A dispatcher that silently stops de-duplicating (or falls back to AutoEP's all-to-all) computes
 the same numbers and passes every numeric check; only its bytes change. So each compared step
 records what every all-to-all sent (the trainer's ``CommTimer``, per tier of the receiver; the
-dedup dispatcher's own counters besides) and which experts every token chose (a forward hook on
-each AutoEP router: every forward, so an activation-checkpoint recompute counts as the second
-forward it is), and :func:`moe_contracts.dispatch.tier_bytes` (the model ``core.dispatch``
-predicts a plan's ``placement.quality.dispatch`` with) says what the plan's dispatcher must send
-for exactly those tokens: equal, byte for byte, summed over ranks.
+dedup dispatcher's own counters besides) and which experts every token chose (:class:`TokenLog`),
+and :func:`moe_contracts.dispatch.tier_bytes` (the model ``core.dispatch`` predicts a plan's
+``placement.quality.dispatch`` with) says what the plan's dispatcher must send for exactly those
+tokens, one forward per micro-step and one more where activation checkpointing recomputes it:
+equal, byte for byte, summed over ranks.
 
 The tokens' experts (slot ids) are also compared with the plain model's routing under the plan's
 permutation: a placement that was not applied routes the same tokens to other slots.
@@ -24,37 +24,27 @@ import torch
 from moe_contracts.dispatch import DISPATCHERS, TIERS, tier_bytes
 
 
-class RoutingTape:
-    """Forward hooks on the routers of ``blocks`` (AutoEP's ``router``, or a Hugging Face block's
-    ``gate``): every forward's chosen experts ``[T, K]`` per layer, and the hidden-state row size
-    in bytes a dispatcher sends."""
+class TokenLog:
+    """The experts each micro-step's tokens chose, per MoE layer (slot ids ``[T, K]``), as the
+    trainer's own router probe saw them: read where ``Trainer.train_step`` hands them to its token
+    sampler, once per micro-step, before backward. (No hooks of its own: a hook added after
+    ``torch.compile`` would recompile the decoder layers.)"""
 
-    def __init__(self, blocks):
-        self.events: list[list[torch.Tensor]] = [[] for _ in blocks]
-        self.row_bytes = 0
-        self._handles = []
-        for i, b in enumerate(blocks):
-            router = getattr(b, "router", None)
-            if router is not None and hasattr(router, "gate"):  # AutoEP: (scores, experts, ..)
-                self._handles.append(router.register_forward_hook(self._hook(i, 1)))
-            else:  # HF block: (logits, weights, experts)
-                self._handles.append(b.gate.register_forward_hook(self._hook(i, 2)))
+    def __init__(self, trainer):
+        self.trainer, self.events = trainer, []
+        self.inner = trainer.samples.add
+        trainer.samples.add = self.add
 
-    def _hook(self, i, index):
-        def hook(_m, inputs, out):
-            x = inputs[0]
-            self.row_bytes = x.element_size() * x.shape[-1]
-            self.events[i].append(out[index].detach().to("cpu", torch.long).clone())
-
-        return hook
+    def add(self, topk, step, micro):
+        self.events.append([t.detach().to("cpu", torch.long).clone() for t in topk])
+        return self.inner(topk, step, micro)
 
     def take(self) -> list[list[torch.Tensor]]:
-        out, self.events = self.events, [[] for _ in self.events]
+        out, self.events = self.events, []
         return out
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        self.trainer.samples.add = self.inner
 
 
 @dataclass
@@ -108,16 +98,6 @@ def predict(
             for t in TIERS:
                 out[d][t] += got[d][t]
     return out
-
-
-def first_forwards(events: list[list[torch.Tensor]], grad_accum: int):
-    """Per layer ``[M]`` routing of each micro-step's first forward, and forward passes per
-    micro-step (2 where activation checkpointing recomputes the forward in backward)."""
-    counts = {len(e) for e in events}
-    if len(counts) != 1 or next(iter(counts)) % grad_accum:
-        raise ValueError(f"router forwards per layer {sorted(counts)} for {grad_accum} micro-steps")
-    f = next(iter(counts)) // grad_accum
-    return [[events[layer][m * f] for layer in range(len(events))] for m in range(grad_accum)], f
 
 
 def routing_mismatch(ours, ref, margins) -> tuple[float, float]:

@@ -180,7 +180,10 @@ def run_steps(run, failed):
             "the plan's deepspeed.optimizer/scheduler blocks are not modelled by the reference"
         )
     ref = _reference(run)
-    tape = D.RoutingTape(tr.blocks)
+    tape = D.TokenLog(tr)
+    forwards = 2 if p.raw["training"].get("activationCheckpointing") else 1
+    half = any((p.deepspeed.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
+    row_bytes = engine.module.config.hidden_size * (2 if half else 4)
     experts, layers = _expert_slices(engine)
     names = [n for n, _ in engine.module.named_parameters()]
     counters = _dedup_counters()
@@ -210,8 +213,10 @@ def run_steps(run, failed):
                 [run._batch(k, m, r) for m in range(t.grad_accum)] for r in range(env.world_size)
             ]
             rs = ref.step(batches)
-            mine, f = D.first_forwards(tape.take(), t.grad_accum)
-            sb, share, margin, counts = _step_bytes(run, mine, f, comm, counted, rs, tape.row_bytes)
+            mine = tape.take()
+            sb, share, margin, counts = _step_bytes(
+                run, mine, forwards, comm, counted, rs, row_bytes
+            )
             same_tokens = _slot_counts(rs.topk, tr.num_experts) == counts  # [L, E]
             steps.append((sb, share))
             if share and margin < C.TIE_MARGIN and not ties:
