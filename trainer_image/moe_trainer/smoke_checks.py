@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -382,10 +381,6 @@ def fused_adam(env) -> str:
     if not bool((p < 1).all()):
         raise CheckFailed("FusedAdam.step() did not move the parameter against its gradient")
     return f"FusedAdam built and stepped in {time.perf_counter() - t0:.1f}s"
-
-
-def fmt(xs) -> str:
-    return "[" + ", ".join(f"{x:.3f}" if math.isfinite(x) else str(x) for x in xs) + "]"
 
 
 def dump(path: Path, doc) -> None:

@@ -128,8 +128,8 @@ def _step_bytes(run, mine, f, comm: dict, counted: dict, rs, row_bytes: int):
     return D.StepBytes(measured, dedup, predicted), share, margin, counts
 
 
-def _compare(run, k, lm, aux, got, rs, views, tol, tokens) -> list[str]:
-    """Problems of step ``k``, the root cause first. ``tokens``: (expert slices, whether each
+def _compare(run, lm, aux, got, rs, views, tol, tokens) -> list[str]:
+    """Problems of one step, the root cause first. ``tokens``: (expert slices, whether each
     (layer, slot) got as many tokens as in the reference, the tokens it got)."""
     r, clip = run.env.rank, run.plan.training.grad_clip
     grads, ours_u, m1, m2, lr, opt_step, gnorm = got
@@ -193,9 +193,10 @@ def run_steps(run, failed):
     worst: dict[str, float] = {}  # largest deviation per tolerance key, over the steps
     per_step: list[dict[str, float]] = []
     try:
+        after = S.master_weights(engine)
         for k in range(t.steps):
             lr = S.learning_rate(engine)
-            before = S.master_weights(engine)
+            before = after  # the weights after the previous step
             grads: dict = {}
             tr.timer.take()
             if counters is not None:
@@ -235,7 +236,7 @@ def run_steps(run, failed):
                 for d in (rs.grads, rs.updates, rs.exp_avg, rs.exp_avg_sq)
             )
             got = (grads, ours_u, m1, m2, lr, opt_step, gnorm)
-            problems = _compare(run, k, lm, aux, got, rs, views, tol, (layers, same_tokens, counts))
+            problems = _compare(run, lm, aux, got, rs, views, tol, (layers, same_tokens, counts))
             if share and margin >= C.TIE_MARGIN:
                 problems.append(
                     f"{share:.1%} of the (token, layer) routed to other experts than in the "
