@@ -575,19 +575,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated NAME[:FIXTURE]",
     )
     ap.add_argument("--run-dir", default=None, help="pod logs and files (default: a new temp dir)")
-    ap.add_argument(
-        "--image-ids",
-        default=None,
-        help='JSON {"node": {"image": "sha256:..."}}: the digest each node reports for a tag',
-    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     api = config.new_client_from_config(config_file=args.kubeconfig)
     agent = NodeAgent(
-        api,
-        [NodeSpec.parse(s) for s in args.nodes.split(",") if s],
-        run_dir=args.run_dir,
-        image_ids=json.loads(args.image_ids) if args.image_ids else None,
+        api, [NodeSpec.parse(s) for s in args.nodes.split(",") if s], run_dir=args.run_dir
     )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
