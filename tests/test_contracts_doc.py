@@ -31,6 +31,7 @@ DOCUMENTS: list[tuple[str, int, type[BaseModel]]] = [
     ("TrainerExit", exit_doc.EXIT_VERSION, exit_doc.TrainerExit),
     ("SmokePlans", gate.SMOKE_PLANS_VERSION, gate.SmokePlans),
     ("SmokeVerdict", gate.SMOKE_VERSION, gate.SmokeVerdict),
+    ("SmokeGolden", gate.GOLDEN_VERSION, gate.SmokeGolden),
     ("GateVerdict", gate.VERDICT_VERSION, gate.GateVerdict),
     ("ModelReport", model.MODEL_REPORT_VERSION, model.ModelReport),
     ("DataPrepReport", data.REPORT_VERSION, data.DataPrepReport),

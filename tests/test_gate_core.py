@@ -40,7 +40,7 @@ def smoke_doc(passed=True, failed=None, ds="0.19.8", message="boom", case=None) 
         checks.append({"name": name, "case": c, "passed": True, "seconds": 1.0, "message": "ok"})
     return {
         "kind": "SmokeVerdict",
-        "version": 2,
+        "version": contract_gate.SMOKE_VERSION,
         "passed": passed,
         "failedCheck": failed,
         "failedCase": case if failed else None,
@@ -115,8 +115,9 @@ def test_smoke_verdict_reader():
     assert parse_smoke_verdict(json.dumps(smoke_doc()))["passed"] is True
     with pytest.raises(DocumentError, match="SmokeVerdict kind: 'Nope'"):
         parse_smoke_verdict(dict(smoke_doc(), kind="Nope"))
-    with pytest.raises(DocumentError, match=r"version: 1 is not a known version \[2\]"):
-        parse_smoke_verdict(dict(smoke_doc(), version=1))
+    # v2 (before capabilities/dispatch and multi-step numerics): an image older than the operator
+    with pytest.raises(DocumentError, match=r"version: 2 is not a known version \[3\]"):
+        parse_smoke_verdict(dict(smoke_doc(), version=2))
     with pytest.raises(DocumentError, match="failedCheck: required when passed is false"):
         parse_smoke_verdict(dict(smoke_doc(), passed=False))
     doc = smoke_doc()
@@ -258,7 +259,7 @@ def test_a_job_that_waited_reads_smoke_test_passed_others_cached_verdict():
     waited = decide(IDENT, rec, None, NOW, CFG, waited=True)
     assert (waited.action, waited.status, waited.reason) == ("none", "True", G.R_SMOKE_TEST_PASSED)
     assert decide(IDENT, rec, None, NOW, CFG).reason == G.R_CACHED_VERDICT
-    bad = decide(IDENT, None, finished(smoke_doc(False, "train"), code=1), NOW, CFG).record
+    bad = decide(IDENT, None, finished(smoke_doc(False, "numerics"), code=1), NOW, CFG).record
     assert "cached" not in decide(IDENT, bad, None, NOW, CFG, waited=True).message
 
 
@@ -410,7 +411,7 @@ def test_a_leftover_job_counts_from_when_it_ran_and_an_expired_one_is_replaced()
 
 def test_failure_message_says_how_to_test_again_now():
     d = decide(
-        IDENT, None, finished(smoke_doc(False, "train", message="loss is nan"), code=1), NOW, CFG
+        IDENT, None, finished(smoke_doc(False, "numerics", message="loss is nan"), code=1), NOW, CFG
     )
     assert (
         f"kubectl -n moe-system delete job moe-smoke-x-1 configmap moe-gate-{IDENT.key}"
@@ -470,7 +471,7 @@ def test_a_pass_must_cover_every_case_it_was_given():
     short = smoke_doc()
     short["checks"] = [c for c in short["checks"] if c["case"] != "deepseek-v3"]
     d = decide(IDENT, None, finished(short))
-    assert d.status == "False" and "missing ['initialize[deepseek-v3]'" in d.message
+    assert d.status == "False" and "missing ['capabilities[deepseek-v3]'" in d.message
 
 
 def test_a_failure_names_the_check_and_the_case():

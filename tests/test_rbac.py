@@ -174,7 +174,7 @@ def derived_needs() -> dict[str, set[Need]]:
     assert watched, "childwatch.py lists nothing? update derived_needs"
     job_side |= watched | {(g, r, "watch") for g, r, v in watched if v == "list"}
     for path in sorted((PKG / "reconcile").glob("*.py")):
-        if path.name not in ("client.py", "gate.py"):
+        if path.name not in ("client.py", "gate.py", "gate_store.py"):
             job_side |= api_calls(path.read_text())
     job = JobRef(namespace="ns", name="job", uid="u")
     job_side |= role_needs(
@@ -183,7 +183,10 @@ def derived_needs() -> dict[str, set[Need]]:
             *discovery.discovery_children(job.name, ["node-a"], namespace="ns", image="i"),
         ]
     )
-    gate_src = (PKG / "reconcile" / "gate.py").read_text()
+    # the gate's calls: reconcile/gate.py and its store (both in the operator's namespace)
+    gate_src = "\n".join(
+        (PKG / "reconcile" / name).read_text() for name in ("gate.py", "gate_store.py")
+    )
     gate = api_calls(gate_src)
     for name in set(re.findall(r"self\.client\.(\w+)\(", gate_src)) - {"create"}:
         gate |= per_method[name]

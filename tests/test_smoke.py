@@ -30,14 +30,16 @@ def plans_file(tmp_path_factory):
     return path
 
 
-def run_smoke(tmp_path, plans_file, *args, fault=None, timeout=400):
+def run_smoke(tmp_path, plans_file, *args, fault=None, fault_step=1, timeout=400):
     out = tmp_path / "verdict.json"
     term = tmp_path / "termination-log"
     term.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MOE_FAULT", "SMOKE_FAULT"))}
     if fault:
         env.update(
-            SMOKE_FAULT=fault, PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")])
+            SMOKE_FAULT=fault,
+            SMOKE_FAULT_STEP=str(fault_step),
+            PYTHONPATH=os.pathsep.join([str(FAULTS), env.get("PYTHONPATH", "")]),
         )
     t0 = time.monotonic()
     p = subprocess.run(
@@ -70,9 +72,28 @@ def run_smoke(tmp_path, plans_file, *args, fault=None, timeout=400):
     )
 
 
+GOLDEN = {  # the golden values of an earlier image (made up here; the operator keeps real ones)
+    "kind": "SmokeGolden",
+    "version": 1,
+    "goldenKey": "0123456789abcdef",
+    "against": {"image": "reg.io/trainer:old", "digest": "sha256:" + "0" * 64, "verifiedAt": "t0"},
+    "cases": {
+        c: {
+            "loss": [5.8, 5.5, 5.3, 5.0, 4.8],
+            "gradNorm": [2.2] * 5,
+            "update": {"experts": [0.6] * 5},
+        }
+        for c in CASES
+    },
+}
+
+
 @pytest.fixture(scope="module")
 def passing(tmp_path_factory, plans_file):
-    return run_smoke(tmp_path_factory.mktemp("smoke-pass"), plans_file)
+    work = tmp_path_factory.mktemp("smoke-pass")
+    golden = work / "golden.json"
+    golden.write_text(json.dumps(GOLDEN))
+    return run_smoke(work, plans_file, "--golden", str(golden))
 
 
 @pytest.mark.slow
@@ -100,20 +121,36 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     assert by[("initialize", "qwen3-moe-edp")].endswith("AutoEPMoELayer, dispatcher autoep")
     for case in ("mixtral", "deepseek-v3"):
         assert by[("initialize", case)].endswith("DedupEPMoELayer, dispatcher dedup")
+        # the bytes are the plan's byte model's for the tokens routed
+        assert "equal to the plan's byte model" in by[("dispatch", case)]
+    assert "no all-to-all traffic" in by[("dispatch", "qwen3-moe-edp")]
     for case in CASES:
+        assert "AutoEP preset" in by[("capabilities", case)]
         part, total = map(int, by[("partition", case)].split(" tensors")[0].split(" of "))
         assert part / total >= 0.5, by[("partition", case)]  # ZeRO-3 partitions most
         assert "as planned" in by[("permutation", case)]
+        numerics = by[("numerics", case)]
+        assert numerics.startswith("5 optimizer steps match plain PyTorch"), numerics
         for group in ("router", "experts", "attention", "embeddings"):
-            assert group in by[("numerics", case)].split(" (")[0]
-        assert "balance mode per_layer_aux" in by[("train", case)]
-        assert (
-            "tensors identical" in by[("resume", case)]
-            and "= uninterrupted" in by[("resume", case)]
-        )
+            assert group in numerics.split(") gradients")[0]
+        # the clipping case: the gradients exceed the threshold at every compared step
+        assert "clipping active at 5 of 5 steps" in numerics, numerics
+        assert "Adam moments, step count" in by[("resume", case)]
+        assert "equal the uninterrupted run's" in by[("resume", case)]
     assert "shared_experts" in by[("numerics", "deepseek-v3")]
     assert "28 expert slots moved" in by[("permutation", "mixtral")]
     assert by[("fused_adam", None)].startswith("fallback")
+    # golden values per case and step, for the next image's drift report
+    assert set(v["golden"]) == set(CASES)
+    assert all(
+        len(g["loss"]) == 5 and len(g["update"]["experts"]) == 5 for g in v["golden"].values()
+    )
+    # ... and their drift from the earlier image's, in the verdict and the numerics messages
+    assert v["goldenDrift"]["against"]["image"] == "reg.io/trainer:old"
+    for case in CASES:
+        drift = v["goldenDrift"]["cases"][case]
+        assert 0 < drift["loss"] < 1 and drift["update"] > 0, drift
+        assert "drift from the golden values of sha256:0000" in by[("numerics", case)]
     short = contract_gate.parse_smoke_verdict(
         term
     )  # the termination log holds it, compacted to 4 KiB
@@ -126,47 +163,107 @@ def test_real_cpu_run_passes_every_check_of_every_family(passing):
     )
 
 
-# One simulated broken upgrade per gap the old gate had (issue 18); each must fail the named check
-# of the named case with a message that says what broke.
-FAULT_CASES = {
-    "drop-planner-key": (
-        "initialize",
-        "mixtral",
-        ["stage3_max_reuse_distance", "Extra inputs are not permitted"],
-    ),
+# One simulated broken upgrade per class of fault the gate must name (tests/smoke_faults), each
+# started at optimizer step 1 and at step 3 where it is a fault of a training step: (check, case,
+# words the message must hold). Faults of a step run on the first case only (mixtral: the fault
+# stops the run there); the rest need the case they break.
+STEP_FAULTS = {
     "zero-expert-grads": (
         "numerics",
         "mixtral",
-        ["experts: grad is zero", "the group does not move"],
+        ["experts: gradient is zero", "the group does not move", "expert gradient zero counts"],
     ),
-    "edp-reduction": ("numerics", "qwen3-moe-edp", ["experts: grad differs from the reference"]),
+    "edp-reduction": (
+        "numerics",
+        "qwen3-moe-edp",
+        ["experts: gradient differs from the reference"],
+    ),
+    "no-clipping": (
+        "numerics",
+        "mixtral",
+        ["gradient clipping", "exceeds gradient_clipping 0.5", "the gradients were not clipped"],
+    ),
+    "no-dedup": (
+        "dispatch",
+        "mixtral",
+        ["the plan's byte model predicts", "the dispatcher does not de-duplicate"],
+    ),
+}
+LOAD_FAULTS = {
+    "resume-weights-only": (
+        "resume",
+        "mixtral",
+        [
+            "optimizer step count 1, uninterrupted 6",
+            "learning-rate schedule was not restored",
+            "Adam first moment (exp_avg)",
+            "Adam second moment (exp_avg_sq)",
+        ],
+    ),
+    "drop-planner-key": (
+        "capabilities",
+        "mixtral",
+        ["deepspeed 0.19.8", "zero_optimization.stage3_max_reuse_distance", "Extra inputs"],
+    ),
+    "no-autoep": (
+        "capabilities",
+        "mixtral",
+        ["deepspeed 0.19.8: it has no AutoEP", "auto_ep_layer", "expert_parallel enabled"],
+    ),
+    "autoep-not-applied": (
+        "initialize",
+        "mixtral",
+        ["AutoEP was not applied to every MoE block", "MixtralSparseMoeBlock"],
+    ),
     "deepseek-routing": (
         "permutation",
         "deepseek-v3",
         ["computes a different function than the plain model"],
     ),
 }
+FAULT_RUNS = [(f, s) for f in sorted(STEP_FAULTS) for s in (1, 3)] + [
+    (f, 1) for f in sorted(LOAD_FAULTS)
+]
+
+
+@pytest.fixture(scope="module")
+def first_case_plans(tmp_path_factory):
+    """The plans with only the case a fault breaks first: a failing run stops there anyway."""
+    out = {}
+    for case in CASES:
+        path = tmp_path_factory.mktemp(f"plans-{case}") / "plans.json"
+        doc = smoke_plans("cpu")
+        doc["cases"] = [c for c in doc["cases"] if c["name"] == case]
+        path.write_text(json.dumps(doc))
+        out[case] = path
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", sorted(FAULT_CASES))
-def test_each_broken_upgrade_fails_the_gate_naming_the_cause(tmp_path, plans_file, fault):
-    check, case, words = FAULT_CASES[fault]
-    p, v, _, term, _ = run_smoke(tmp_path, plans_file, fault=fault)
+@pytest.mark.parametrize(("fault", "step"), FAULT_RUNS, ids=[f"{f}@{s}" for f, s in FAULT_RUNS])
+def test_each_broken_upgrade_fails_the_gate_naming_the_cause(
+    tmp_path, first_case_plans, fault, step
+):
+    check, case, words = {**STEP_FAULTS, **LOAD_FAULTS}[fault]
+    p, v, _, term, _ = run_smoke(tmp_path, first_case_plans[case], fault=fault, fault_step=step)
     assert p.returncode == 1, p.stderr[-2000:]
     assert (v["passed"], v["failedCheck"], v["failedCase"]) == (False, check, case), v["checks"][-1]
     last = v["checks"][-1]
     assert (last["name"], last["case"], last["passed"]) == (check, case, False)
     for w in words:
         assert w in last["message"], last["message"]
-    assert all(c["passed"] for c in v["checks"][:-1])  # the cases before it passed
+    if fault in STEP_FAULTS and check == "numerics":
+        assert f"optimizer step {step} of 5" in last["message"], last["message"]
+    if fault in STEP_FAULTS and check == "dispatch":
+        assert last["message"].startswith(f"rank 0: CheckFailed: step {step}:"), last["message"]
+    assert all(c["passed"] for c in v["checks"][:-1])  # the checks before it passed
     rec = G.decide(
         G.identity_for("reg.io/t:1", None, "CPU"),
         None,
         G.SmokeObservation("moe-smoke-k-1", True, 1, term),
         dt.datetime.now(dt.UTC),
         G.GateConfig(),
-        cases=CASES,
+        cases=[case],
     )
     assert rec.status == "False" and f"check '{check}' of case '{case}' failed" in rec.message
 
@@ -218,6 +315,10 @@ def test_usage_errors_exit_2(tmp_path, plans_file, capsys):
         smoke.run(["--gpu", "--plans", str(plans_file)]) == smoke.EXIT_USAGE
     )  # CPU plans, GPU run
     assert smoke.run(["--nproc", "2"]) == smoke.EXIT_USAGE
+    bad_golden = tmp_path / "golden.json"
+    bad_golden.write_text(json.dumps(dict(GOLDEN, kind="Nope")))
+    assert smoke.run(["--cpu", "--plans", str(plans_file), "--golden", str(bad_golden)]) == 2
+    assert "SmokeGolden kind: 'Nope'" in capsys.readouterr().err
 
 
 # ---- pure pieces ---------------------------------------------------------------------------
@@ -239,10 +340,10 @@ def test_merge_a_check_passes_only_when_every_rank_passed_it():
     ok = [(n, c, True, "ok") for n, c in EXPECTED]
     v = smoke.merge([_rank(ok), _rank(ok)], [0, 0], [[], []], False, 600, 10.0, EXPECTED)
     assert v["passed"] and len(v["checks"]) == len(EXPECTED) and v["cases"] == ["a", "b"]
-    r1 = _rank([*ok[:3], ("permutation", "a", False, "misplaced")], "Tb\nX")
+    r1 = _rank([*ok[:4], ("permutation", "a", False, "misplaced")], "Tb\nX")
     r0 = _rank(
         [
-            *ok[:3],
+            *ok[:4],
             ("permutation", "a", False, "RuntimeError: Connection closed by peer [127.0.0.1]"),
         ]
     )
@@ -253,7 +354,13 @@ def test_merge_a_check_passes_only_when_every_rank_passed_it():
 
 
 def test_merge_a_rank_that_died_names_the_unfinished_check_and_keeps_its_output():
-    r0 = _rank([("imports", None, True, "ok"), ("initialize", "a", True, "ok")])
+    r0 = _rank(
+        [
+            ("imports", None, True, "ok"),
+            ("capabilities", "a", True, "ok"),
+            ("initialize", "a", True, "ok"),
+        ]
+    )
     v = smoke.merge(
         [r0, None],
         [-9, 139],

@@ -50,9 +50,9 @@ def test_image_command_runs_the_image_with_one_gpu_and_the_plans_mounted():
 def test_format_names_the_failed_check_and_the_exception():
     doc = {
         "kind": "SmokeVerdict",
-        "version": 2,
+        "version": 3,
         "passed": False,
-        "failedCheck": "train",
+        "failedCheck": "numerics",
         "failedCase": "mixtral",
         "worldSize": 2,
         "cases": ["mixtral"],
@@ -65,7 +65,7 @@ def test_format_names_the_failed_check_and_the_exception():
                 "message": "deepspeed 0.19.8",
             },
             {
-                "name": "train",
+                "name": "numerics",
                 "case": "mixtral",
                 "passed": False,
                 "seconds": 1.5,
@@ -77,9 +77,9 @@ def test_format_names_the_failed_check_and_the_exception():
         "versions": {"deepspeed": "0.19.8", "torch": "2.13.0", "device": "cpu"},
     }
     text = format_verdict(doc)
-    assert "PASS  imports" in text and "FAIL  train [mixtral]" in text
+    assert "PASS  imports" in text and "FAIL  numerics [mixtral]" in text
     assert (
-        "FAILED at check 'train' of case 'mixtral' after 12.0s" in text
+        "FAILED at check 'numerics' of case 'mixtral' after 12.0s" in text
         and "CheckFailed: loss is nan" in text
     )
     assert text.splitlines()[0].startswith(

@@ -11,7 +11,9 @@ pydantic and numpy (no torch, no kubernetes, no kopf).
 - :mod:`.topology`  TopologyReport v1 (discovery -> planning core)
 - :mod:`.model`     ModelReport v1 (model inspection -> planning core)
 - :mod:`.data`      DataPrepReport v1 (data preparation -> operator), DataManifest v1 (-> trainer)
-- :mod:`.gate`      SmokePlans v1, SmokeVerdict v2, GateVerdict v1 (operator <-> smoke test)
+- :mod:`.gate`      SmokePlans v1, SmokeVerdict v3, SmokeGolden v1, GateVerdict v1 (operator <->
+                    smoke test)
+- :mod:`.dispatch`  the byte model of ``placement.quality.dispatch`` (planner and smoke test)
 - :mod:`.env`       the worker pods' environment and the ConfigMap keys
 - :mod:`.errors`    DocumentError, the one error type of a bad document
 """

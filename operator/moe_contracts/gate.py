@@ -2,7 +2,7 @@
 
 - ``SmokePlans`` v1: the operator renders the smoke test's cases (each a complete MoEPlan) into
   ConfigMap ``moe-smoke-<key>-<attempt>``; ``moe-smoke`` reads them (:func:`parse_smoke_plans`).
-- ``SmokeVerdict`` v2: ``moe-smoke`` writes it (stdout, ``--output``, compacted into the
+- ``SmokeVerdict`` v3: ``moe-smoke`` writes it (stdout, ``--output``, compacted into the
   termination log); the operator's gate and ``moectl smoke`` read it (:func:`parse_smoke_verdict`).
 - ``GateVerdict`` v1: the operator's stored verdict per gate identity, ConfigMap
   ``moe-gate-<key>`` (:func:`parse_gate_verdict`).
@@ -20,17 +20,25 @@ from .errors import DocumentError, check_kind_version
 from .plan import PlanError, parse_plan
 
 SMOKE_PLANS_KIND, SMOKE_PLANS_VERSION = "SmokePlans", 1
-SMOKE_KIND, SMOKE_VERSION = "SmokeVerdict", 2
+SMOKE_KIND, SMOKE_VERSION = "SmokeVerdict", 3
 VERDICT_KIND, VERDICT_VERSION = "GateVerdict", 1
 
 # Check kinds, in the order a passing run reports them: `imports`, per case the phase-1 checks,
-# per case `resume`, `fused_adam`.
-CASE_CHECKS = ("initialize", "partition", "permutation", "numerics", "train", "checkpoint")
+# per case `resume`, `fused_adam` (docs/gate.md describes each).
+CASE_CHECKS = (
+    "capabilities",
+    "initialize",
+    "partition",
+    "permutation",
+    "numerics",
+    "dispatch",
+    "checkpoint",
+)
 CHECKS = ("imports", *CASE_CHECKS, "resume", "fused_adam")
 
 
 def expected_checks(cases: list[str]) -> list[tuple[str, str | None]]:
-    """(check, case) of a passing SmokeVerdict v2 over ``cases``, in order."""
+    """(check, case) of a passing SmokeVerdict v3 over ``cases``, in order."""
     out: list[tuple[str, str | None]] = [("imports", None)]
     out += [(c, n) for n in cases for c in CASE_CHECKS]
     out += [("resume", n) for n in cases]
@@ -70,7 +78,7 @@ def parse_smoke_plans(doc: Any) -> SmokePlans:
     return plans
 
 
-# ---- SmokeVerdict v2 ----------------------------------------------------------------------------
+# ---- SmokeVerdict v3 ----------------------------------------------------------------------------
 class SmokeCheck(Doc):
     name: Str
     case: Str | None = None
@@ -81,7 +89,7 @@ class SmokeCheck(Doc):
 
 class SmokeVerdict(Doc):
     kind: Literal["SmokeVerdict"] = "SmokeVerdict"
-    version: Literal[2] = 2
+    version: Literal[3] = 3
     passed: Bool
     failed_check: Str | None  # required, null when passed
     failed_case: Str | None = None
@@ -90,6 +98,9 @@ class SmokeVerdict(Doc):
     exception: Str | None  # required, null when passed
     versions: dict[str, Any]
     duration_seconds: Float
+    # per case: {"loss": [..], "gradNorm": [..], "update": {group: [..]}} per compared step
+    golden: dict[str, Any] | None = None
+    golden_drift: dict[str, Any] | None = None  # vs --golden: {"against": .., "cases": {..}}
 
     @model_validator(mode="after")
     def _consistent(self) -> SmokeVerdict:
@@ -103,7 +114,7 @@ class SmokeVerdict(Doc):
 
 
 def parse_smoke_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
-    """Check a SmokeVerdict v2 (JSON text or decoded); returns it. Raises DocumentError."""
+    """Check a SmokeVerdict v3 (JSON text or decoded); returns it. Raises DocumentError."""
     return read_document(SMOKE_KIND, (SMOKE_VERSION,), SmokeVerdict, text)[0]
 
 
@@ -135,3 +146,54 @@ class GateVerdict(Doc):
 def parse_gate_verdict(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
     """Check a GateVerdict v1 read back from the store; returns it. Raises DocumentError."""
     return read_document(VERDICT_KIND, (VERDICT_VERSION,), GateVerdict, text)[0]
+
+
+# ---- SmokeGolden v1 ----------------------------------------------------------------------------
+GOLDEN_KIND, GOLDEN_VERSION = "SmokeGolden", 1
+
+
+class SmokeGolden(Doc):
+    kind: Literal["SmokeGolden"] = "SmokeGolden"
+    version: Literal[1] = 1
+    golden_key: Str  # what the values are comparable over: the smoke plans and the hardware
+    against: dict[str, Any]  # the image that produced them: image, digest, verifiedAt, versions
+    cases: dict[str, dict[str, Any]]
+
+
+def parse_smoke_golden(text: str | bytes | dict[str, Any]) -> dict[str, Any]:
+    """Check a SmokeGolden v1 (the golden values of the last image that passed the same smoke
+    plans on the same hardware: the operator keeps them in the verdict ConfigMap and hands them
+    to the next smoke run). Raises DocumentError."""
+    return read_document(GOLDEN_KIND, (GOLDEN_VERSION,), SmokeGolden, text)[0]
+
+
+def _series_drift(now: list[Any], before: list[Any]) -> float:
+    worst = 0.0
+    for a, b in zip(now, before, strict=False):
+        if not (isinstance(a, int | float) and isinstance(b, int | float)):
+            continue
+        if a != a or b != b:  # NaN
+            return float("inf")
+        worst = max(worst, abs(a - b) / max(abs(b), 1e-12))
+    return worst
+
+
+def golden_drift(now: dict[str, Any] | None, before: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per case of ``before`` (a SmokeGolden's ``cases``) also in ``now`` (a SmokeVerdict's
+    ``golden``): the largest relative change over the compared steps of the loss, the gradient
+    norm and any group's update norm."""
+    out: dict[str, dict[str, float]] = {}
+    for case, prev in before.items():
+        cur = (now or {}).get(case)
+        if not cur:
+            continue
+        updates = [
+            _series_drift(cur.get("update", {}).get(g, []), series)
+            for g, series in prev.get("update", {}).items()
+        ]
+        out[case] = {
+            "loss": round(_series_drift(cur.get("loss", []), prev.get("loss", [])), 6),
+            "gradNorm": round(_series_drift(cur.get("gradNorm", []), prev.get("gradNorm", [])), 6),
+            "update": round(max(updates, default=0.0), 6),
+        }
+    return out

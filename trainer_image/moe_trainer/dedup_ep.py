@@ -498,8 +498,11 @@ def install(blocks, layouts: list[Layout]) -> list:
     cls = layer_class()
     for block, layout in zip(blocks, layouts, strict=True):
         if not isinstance(block, AutoEPMoELayer):
+            import deepspeed
+
             raise DispatchError(
-                f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}"
+                f"dispatcher 'dedup' needs AutoEP layers, got {type(block).__name__}: AutoEP "
+                f"was not applied to every MoE block (deepspeed {deepspeed.__version__})"
             )
         if block.ep_size == 1:
             continue

@@ -8,14 +8,18 @@ exactly as for a job (`moejob_operator.core.smoke_plans`), mounted at /etc/moe-s
 The cases cover every model family the planner supports, gradient accumulation, activation
 checkpointing, the per-layer balancing loss and (on CPU) EP < world.
 
-Two phases of rank processes (torchrun-style env, no launcher):
-  train   imports, then per case: initialize, partition, permutation, numerics, train, checkpoint
+Two phases of rank processes (torchrun-style env, no launcher; `moe_trainer.smoke_runner`):
+  train   imports, then per case: capabilities, initialize, partition, permutation, numerics,
+          dispatch, checkpoint
   resume  new processes, per case: load the checkpoint and continue; then fused_adam
 (`moe_trainer.smoke_checks` describes each check). The run stops at the first failure.
 
-Verdict (docs/contracts.md, `SmokeVerdict` v2): JSON on stdout (and `--output`), compacted into
+Verdict (docs/contracts.md, `SmokeVerdict` v3): JSON on stdout (and `--output`), compacted into
 `/dev/termination-log` when that file exists (the kubelet creates it), so the operator reads the
-verdict from the pod status. Exit code 0 passed, 1 failed, 2 usage.
+verdict from the pod status. It carries each case's golden values (per step: loss, gradient norm,
+per-group update norms); with ``--golden`` (the values of the last image that passed on the same
+plans and hardware, which the operator keeps) also their drift. Exit code 0 passed, 1 failed,
+2 usage.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from pathlib import Path
 
 from moe_contracts import env
 from moe_contracts.errors import DocumentError
-from moe_contracts.gate import SMOKE_KIND, SMOKE_VERSION, expected_checks, parse_smoke_plans
+from moe_contracts.gate import (
+    SMOKE_KIND,
+    SMOKE_VERSION,
+    expected_checks,
+    golden_drift,
+    parse_smoke_golden,
+    parse_smoke_plans,
+)
 from moe_trainer.gang import Gang
 from moe_trainer.launch import free_port, rank_env
 
@@ -69,7 +80,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import logging
     import warnings
 
-    from moe_trainer.smoke_checks import Recorder, run_phase
+    from moe_trainer.smoke_runner import Recorder, run_phase
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
@@ -87,6 +98,7 @@ def worker_main(args: argparse.Namespace) -> int:
         rec,
         cpu=args.cpu,
         expect_deepspeed=args.expect_deepspeed,
+        tolerances=args.tolerances,
     )
     return EXIT_PASS if ok else EXIT_FAIL
 
@@ -114,6 +126,7 @@ def run_ranks(
         ]
         + (["--cpu"] if args.cpu else [])
         + (["--expect-deepspeed", args.expect_deepspeed] if args.expect_deepspeed else [])
+        + (["--tolerances", args.tolerances] if args.tolerances else [])
     )
     envs = [
         rank_env(env, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)
@@ -197,6 +210,7 @@ def merge(
         )
         exception = "\n".join(list(tails[r])[-15:])[-3000:] if tails else None
     versions = next((res["versions"] for res in results if res and res.get("versions")), {})
+    golden = (results[0] or {}).get("golden") if results else None
     return {
         "kind": SMOKE_KIND,
         "version": SMOKE_VERSION,
@@ -209,6 +223,7 @@ def merge(
         "versions": versions,
         "worldSize": len(results),
         "durationSeconds": round(duration, 2),
+        "golden": golden or None,
     }
 
 
@@ -227,7 +242,39 @@ def compact(verdict: dict, limit: int = TERMINATION_LIMIT) -> str:
             elif c["passed"]:
                 c["message"] = c["message"][:cap]
         text = json.dumps(v, separators=(",", ":"))
+    for key in ("goldenDrift", "golden"):  # the drift is in the numerics messages as well
+        if len(text.encode()) <= limit:
+            return text
+        v[key] = None
+        text = json.dumps(v, separators=(",", ":"))
     return text[:limit] if len(text.encode()) > limit else text
+
+
+def read_golden(path: str) -> dict:
+    """A SmokeGolden v1 document (``moe_contracts.gate.parse_smoke_golden``)."""
+    try:
+        return parse_smoke_golden(Path(path).read_text())
+    except OSError as exc:
+        raise PlansError(f"cannot read the golden values {path}: {exc.strerror or exc}") from None
+    except DocumentError as exc:
+        raise PlansError(f"{path}: {exc}") from None
+
+
+def add_drift(verdict: dict, golden: dict) -> None:
+    """The drift of this run's golden values from ``golden`` (the last image that passed the same
+    plans on the same hardware): in the verdict, and appended to each case's numerics message."""
+    drift = golden_drift(verdict.get("golden"), golden["cases"])
+    against = golden.get("against") or {}
+    who = against.get("digest") or against.get("image") or "?"
+    verdict["goldenDrift"] = {"against": against, "cases": drift}
+    for c in verdict["checks"]:
+        d = drift.get(c.get("case") or "")
+        if c["name"] == "numerics" and d:
+            c["message"] += (
+                f"; drift from the golden values of {who} ({against.get('verifiedAt', '?')}): "
+                f"loss {d['loss']:.2g}, gradient norm {d['gradNorm']:.2g}, update norms "
+                f"{d['update']:.2g} (largest relative change over the steps)"
+            )
 
 
 def run(argv=None) -> int:
@@ -256,6 +303,18 @@ def run(argv=None) -> int:
         "--timeout", type=float, default=600, help="seconds before the ranks are killed"
     )
     ap.add_argument("--workdir", help="scratch dir (checkpoints, rank results); default a temp dir")
+    ap.add_argument(
+        "--golden",
+        metavar="FILE",
+        help="SmokeGolden values of the last image that passed these plans on this hardware: "
+        "the verdict reports the drift from them (the operator mounts them when it has some)",
+    )
+    ap.add_argument(
+        "--tolerances",
+        metavar="FILE",
+        help="a SmokeTolerances table instead of the packaged one (benchmarks/smoke_tolerances.py "
+        "measures the spread of correct runs with unbounded ones)",
+    )
     ap.add_argument("--worker", choices=("train", "resume"), help=argparse.SUPPRESS)
     try:
         args = ap.parse_args(argv)
@@ -271,6 +330,7 @@ def run(argv=None) -> int:
         return EXIT_USAGE
     try:
         plans = read_plans(args.plans)
+        golden = read_golden(args.golden) if args.golden else None
     except PlansError as exc:
         print(f"moe-smoke: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -311,6 +371,8 @@ def run(argv=None) -> int:
     verdict = merge(
         results, codes, tails, timed_out, args.timeout, time.perf_counter() - t0, expected
     )
+    if golden is not None:
+        add_drift(verdict, golden)
     text = json.dumps(verdict, indent=2)
     print(text, flush=True)
     if args.output:

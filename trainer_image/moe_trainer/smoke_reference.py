@@ -1,41 +1,28 @@
-"""The smoke run's numeric reference: the first optimizer step in plain PyTorch, no DeepSpeed.
+"""The smoke run's numeric reference: the trainer's optimizer steps in plain PyTorch, no DeepSpeed.
 
-The trainer's first step under ZeRO-3 + AutoEP (gradient accumulation, data- and
-expert-data-parallel reduction, clipping, AdamW, the LR warmup) must move every parameter the way
-the same math does on one process: the model built from the plan (same seed, same placement
-permutation), every rank's micro-batches of step 0, loss = LM cross-entropy + coef x the per-layer
-balancing loss (the trainer's own `routing.balance_loss` on the Hugging Face routers), the mean
-over ranks and micro-steps, gradient clipping, and one step of the trainer's optimizer.
+The trainer's steps under ZeRO-3 + AutoEP (gradient accumulation, data- and expert-data-parallel
+reduction, clipping, AdamW, the LR warmup and decay) must move every parameter the way the same
+math does on one process: the model built from the plan (same seed, same placement permutation),
+every rank's micro-batches of each step, loss = LM cross-entropy + coef x the per-layer balancing
+loss (the trainer's own `routing.balance_loss` on the Hugging Face routers), the mean over ranks
+and micro-steps, gradient clipping, one step of the trainer's optimizer and scheduler.
+:class:`ReferenceRun` keeps its optimizer across steps, so a fault that starts at a later step
+(or one whose effect only shows once Adam's moments mix steps, like clipping) is compared too.
 
-Compared per parameter *group* (router, experts, shared_experts, attention, embeddings, norms,
-dense_mlp), on each rank's own view (AutoEP: the rank's local experts): the gradient at the
-accumulation boundary (before clipping) and the update. A group whose update is zero ("does not
-move"), has the wrong size or points elsewhere ("moves wrongly") fails and is named.
-
-Why gradients as well as updates: Adam's first update is g / (|g| + eps), close to sign(g), so it
-cannot see a gradient that is, say, twice too large (a wrong expert-data-parallel average).
+Parameter *groups* (router, experts, shared_experts, attention, embeddings, norms, dense_mlp) are
+compared on each rank's own view (AutoEP: the rank's local experts): :func:`hf_view` maps the
+engine's parameter names and shapes to this model's.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 GROUPS = ("router", "experts", "shared_experts", "attention", "embeddings", "norms", "dense_mlp")
-
-# Tolerances: relative size |a|/|b| - 1 and cosine 1 - cos(a, b), per group.
-# fp32 (CPU): reduction order only. bf16/fp16 (GPU): 16-bit activations flip near-tied top-k
-# choices of a few tokens (each expert sees ~16 tokens here) and the sign of tiny gradients, whose
-# Adam update is then +-lr instead of -+lr; still far from what a broken group gives (size 0 or
-# x2, cosine near 0).
-TOLERANCE = {
-    "fp32": {"grad_ratio": 1e-3, "grad_cos": 1e-5, "update_ratio": 1e-3, "update_cos": 1e-4},
-    "half": {"grad_ratio": 0.2, "grad_cos": 0.1, "update_ratio": 0.25, "update_cos": 0.3},
-}
 
 
 def group_of(name: str) -> str:
@@ -87,93 +74,138 @@ def hf_view(
     return ref[name]
 
 
-def reference_step(
-    model,
-    batches: list[torch.Tensor],
-    *,
-    num_experts: int,
-    balance_mode: str,
-    balance_coef: float,
-    grad_clip: float,
-    make_optimizer,
-    make_scheduler,
-):
-    """One optimizer step of ``model`` (HF blocks, placement applied) on ``batches`` (every rank's
-    micro-batches of step 0, each [micro, seq + 1]). Returns (grads, updates), name -> tensor."""
-    from moe_trainer import models, routing
+@dataclass
+class StepRecord:
+    """One optimizer step, as both sides record it (name -> tensor in the HF or engine layout).
 
-    model.train()
-    blocks = [r.block for r in models.find_moe_layers(model)]
-    probe = routing.RouterProbe(blocks)
-    params = dict(model.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
-    for batch in batches:
-        probe.clear()
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+    ``lm[R]`` / ``balance[R]``: each rank's mean LM / balancing loss over its micro-steps;
+    ``grad_norm``: the global gradient norm before clipping; ``lr``: the learning rate this step
+    used; ``grads`` at the accumulation boundary (before clipping), ``updates`` (weights after -
+    before), ``exp_avg`` / ``exp_avg_sq`` (Adam's moments after the step), ``opt_step`` (the
+    optimizer's step count after it); ``topk[R][M][L]``: the experts each token chose (slot ids),
+    per rank, micro-step and layer (the reference's; the engine records its own routing apart),
+    ``margin[R][M][L]``: per token, the gap between its k-th and (k+1)-th router logit over the
+    largest |logit| (a near-tie, where arithmetic noise may pick the other expert, has a tiny
+    one)."""
+
+    lm: list[float]
+    balance: list[float]
+    grad_norm: float
+    lr: float
+    grads: dict[str, torch.Tensor]
+    updates: dict[str, torch.Tensor]
+    exp_avg: dict[str, torch.Tensor]
+    exp_avg_sq: dict[str, torch.Tensor]
+    opt_step: int
+    topk: list[list[list[torch.Tensor]]] = field(default_factory=list)
+    margin: list[list[list[torch.Tensor]]] = field(default_factory=list)
+
+
+class ReferenceRun:
+    """The trainer's optimizer steps on ``model`` (HF blocks, placement applied) in one process.
+
+    ``make_optimizer(params)`` / ``make_scheduler(optimizer)``: the trainer's AdamW and LR
+    schedule; ``grad_clip``: the clipping threshold (0: none)."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        num_experts: int,
+        balance_mode: str,
+        balance_coef: float,
+        grad_clip: float,
+        make_optimizer,
+        make_scheduler,
+    ):
+        from moe_trainer import models, routing
+
+        self.model = model.train()
+        self.num_experts, self.balance_mode, self.balance_coef = (
+            num_experts,
+            balance_mode,
+            balance_coef,
         )
-        aux = routing.balance_loss(probe, num_experts, balance_mode)
-        if aux is not None and balance_coef:
-            loss = loss + balance_coef * aux
-        (loss / len(batches)).backward()
-    probe.remove()
-    grads = {
-        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-        for n, p in params.items()
-    }
-    if grad_clip and grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(
-            [p for p in params.values() if p.grad is not None], grad_clip
+        self.grad_clip = grad_clip
+        self.params = dict(model.named_parameters())
+        self.opt = make_optimizer([p for p in self.params.values() if p.requires_grad])
+        self.sched = make_scheduler(self.opt)
+        self.probe = routing.RouterProbe([r.block for r in models.find_moe_layers(model)])
+
+    def step(self, batches: list[list[torch.Tensor]]) -> StepRecord:
+        """One optimizer step on ``batches[R][M]`` (every rank's micro-batches of the step, each
+        ``[micro, seq + 1]``)."""
+        from moe_trainer import routing
+
+        params, n = self.params, sum(len(b) for b in batches)
+        lr = float(self.opt.param_groups[0]["lr"])
+        before = {k: p.detach().clone() for k, p in params.items()}
+        self.opt.zero_grad(set_to_none=True)
+        lm, balance, topk, margin = [], [], [], []
+        for rank_batches in batches:
+            r_lm, r_aux, r_topk, r_margin = 0.0, 0.0, [], []
+            for batch in rank_batches:
+                self.probe.clear()
+                logits = self.model(input_ids=batch[:, :-1]).logits
+                loss = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+                )
+                r_lm += float(loss) / len(rank_batches)
+                r_topk.append([t.detach().clone() for t in self.probe.topk])
+                r_margin.append(
+                    [
+                        _margin(lg, t)
+                        for lg, t in zip(self.probe.logits, self.probe.topk, strict=True)
+                    ]
+                )
+                aux = routing.balance_loss(self.probe, self.num_experts, self.balance_mode)
+                if aux is not None:
+                    r_aux += float(aux) / len(rank_batches)
+                    if self.balance_coef:
+                        loss = loss + self.balance_coef * aux
+                (loss / n).backward()
+            lm.append(r_lm)
+            balance.append(r_aux)
+            topk.append(r_topk)
+            margin.append(r_margin)
+        grads = {
+            k: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+            for k, p in params.items()
+        }
+        with_grad = [p for p in params.values() if p.grad is not None]
+        if self.grad_clip and self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, self.grad_clip)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad.double()) for p in with_grad])
+            )
+        self.opt.step()
+        self.sched.step()
+        state = {k: self.opt.state.get(p, {}) for k, p in params.items()}
+        zeros = {k: torch.zeros_like(p) for k, p in params.items()}
+        return StepRecord(
+            lm=lm,
+            balance=balance,
+            grad_norm=float(norm),
+            lr=lr,
+            grads=grads,
+            updates={k: params[k].detach() - before[k] for k in params},
+            exp_avg={k: state[k].get("exp_avg", zeros[k]).detach().clone() for k in params},
+            exp_avg_sq={k: state[k].get("exp_avg_sq", zeros[k]).detach().clone() for k in params},
+            opt_step=max((int(s["step"]) for s in state.values() if "step" in s), default=0),
+            topk=topk,
+            margin=margin,
         )
-    opt = make_optimizer([p for p in params.values() if p.requires_grad])
-    sched = make_scheduler(opt)
-    opt.step()
-    sched.step()
-    updates = {n: params[n].detach() - before[n] for n in params}
-    return grads, updates
+
+    def close(self) -> None:
+        self.probe.remove()
 
 
-def _compare(ours: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(|ours| / |want|, cos(ours, want)) of two flat float64 vectors."""
-    a, b = ours.double(), want.double()
-    na, nb = float(a.norm()), float(b.norm())
-    ratio = na / nb if nb > 0 else (math.inf if na > 0 else 1.0)
-    cos = float(a @ b) / (na * nb) if na > 0 and nb > 0 else (1.0 if na == nb == 0 else 0.0)
-    return ratio, cos
-
-
-def compare_groups(
-    ours: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: dict[str, float], what: str
-) -> tuple[list[dict], list[str]]:
-    """Per group: size ratio and cosine of ``ours`` vs ``want`` (same names, same shapes).
-    Returns (rows, problems); a problem names the group and what is wrong with it."""
-    by_group: dict[str, tuple[list, list]] = {}
-    for name, w in want.items():
-        o = ours[name]
-        if tuple(o.shape) != tuple(w.shape):
-            raise ValueError(f"{name}: engine shape {tuple(o.shape)} != reference {tuple(w.shape)}")
-        g = by_group.setdefault(group_of(name), ([], []))
-        g[0].append(o.float().flatten().cpu())
-        g[1].append(w.float().flatten().cpu())
-    rows, problems = [], []
-    for group in GROUPS:
-        if group not in by_group:
-            continue
-        o, w = torch.cat(by_group[group][0]), torch.cat(by_group[group][1])
-        ratio, cos = _compare(o, w)
-        rows.append({"group": group, "ratio": ratio, "cos": cos, "norm": float(w.norm())})
-        if float(w.norm()) == 0:
-            continue
-        if float(o.norm()) == 0:
-            problems.append(
-                f"{group}: {what} is zero (the reference's norm is {float(w.norm()):.3g}): "
-                "the group does not move"
-            )
-        elif abs(ratio - 1) > tol[f"{what}_ratio"] or 1 - cos > tol[f"{what}_cos"]:
-            problems.append(
-                f"{group}: {what} differs from the reference: size x{ratio:.4g}, cosine {cos:.6f} "
-                f"(tolerance: size within {tol[f'{what}_ratio']:g}, cosine >= "
-                f"{1 - tol[f'{what}_cos']:g})"
-            )
-    return rows, problems
+def _margin(logits: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """``[T]``: (k-th - (k+1)-th largest router logit) / max |logit| of each token."""
+    k = topk.shape[-1]
+    s = torch.sort(logits.detach().float(), dim=-1, descending=True).values
+    if s.shape[-1] <= k:
+        return torch.ones(s.shape[0])
+    scale = s.abs().max().clamp(min=1e-30)
+    return ((s[:, k - 1] - s[:, k]) / scale).cpu()

@@ -23,9 +23,9 @@ from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
+from moe_trainer import capabilities, models, perf, routing
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
-from moe_trainer import models, perf, routing
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
@@ -105,6 +105,8 @@ class Trainer:
         import deepspeed
 
         p, t = self.plan, self.t
+        dispatcher = p.placement.dispatcher if p.placement and p.ep_size > 1 else None
+        capabilities.check(deepspeed_config(p), dispatcher)  # before our layers import DeepSpeed's
         model = self.initial_model()
         models.apply_moe_impl(model, t.moe_impl)
         if p.raw.get("training", {}).get("activationCheckpointing"):
@@ -313,9 +315,7 @@ class Trainer:
             else:
                 logits = self.engine(input_ids=inputs).logits
                 lm = data_mod.lm_loss(logits, targets, self.source.masked)
-            if faults is not None and faults.nan_due(
-                step + 1
-            ):  # test hook: poison this step's loss
+            if faults is not None and faults.nan_due(step + 1):  # test hook: poison the loss
                 lm = lm * float("nan")
             if not self.probe.captured():
                 raise RuntimeError(
@@ -323,9 +323,8 @@ class Trainer:
                 )
             aux = routing.balance_loss(self.probe, E, t.balance.mode)
             loss = lm if aux is None or t.balance.coef == 0 else lm + t.balance.coef * aux
-            sl, sc, sm = routing.step_counts(
-                self.probe, E
-            )  # before backward: recompute re-fires hooks
+            # counted before backward: an activation-checkpoint recompute fires the hooks again
+            sl, sc, sm = routing.step_counts(self.probe, E)
             self.samples.add(self.probe.topk, step + 1, micro)
             self.engine.backward(loss)
             self.engine.step()

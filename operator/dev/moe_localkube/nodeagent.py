@@ -36,6 +36,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import procs, sandbox
 from .gpus import REAL_NVML, Gpu, GpuAllocator, read_gpus, visible_env
+from .imageids import ImageIds
 from .kubeletapi import KubeletApi
 from .nodes import FAKE_NVML_ENV, GpuShape, NodeSpec, node_manifest, node_status
 from .podfiles import Mount
@@ -126,6 +127,7 @@ class NodeAgent:
         bind_fallback_seconds: float = 15.0,
         resync_seconds: float = 10.0,
         heartbeat_seconds: float = 10.0,
+        image_ids: dict[str, dict[str, str]] | None = None,
     ):
         self.api = api_client
         self.core = CoreV1Api(api_client)
@@ -136,6 +138,8 @@ class NodeAgent:
         server = urlparse(api_server or api_client.configuration.host)
         self.api_host, self.api_port = server.hostname or "127.0.0.1", str(server.port or 443)
         self.host_ip = host_ip
+        # the digest each node reports for an image (imageID); tests change it (a re-push)
+        self.image_ids = ImageIds(image_ids)
         self.extra_env = dict(extra_env or {})
         self.bind_fallback_seconds = bind_fallback_seconds
         self.resync_seconds, self.heartbeat_seconds = resync_seconds, heartbeat_seconds

@@ -55,6 +55,7 @@ class ContainerRun:
         self.last_terminated: dict | None = None
         self.next_start = 0.0
         self.final = False  # terminated and will not restart
+        self.image_id = ""  # what the node's runtime reports it ran (set at start)
 
     def log_path(self, attempt: int | None = None) -> Path:
         return self.logs_dir / f"{self.name}.{self.restarts if attempt is None else attempt}.log"
@@ -71,7 +72,7 @@ class ContainerRun:
         return {
             "name": self.name,
             "image": self.spec.get("image", ""),
-            "imageID": "",
+            "imageID": self.image_id,
             "containerID": f"moe-localkube://{self.proc.pid}" if self.proc else None,
             "ready": running and not init,
             "started": running,
@@ -222,6 +223,9 @@ class PodWorker(threading.Thread):
     def _start(self, c: ContainerRun) -> None:
         c.restarts += 1
         c.terminated, c.waiting = None, {}
+        c.image_id = self.agent.image_ids.image_id(
+            self.spec.get("nodeName", ""), c.spec.get("image", "")
+        )
         c.term_file.write_bytes(b"")
         spec = c.spec
         env = self.envs[c.name]

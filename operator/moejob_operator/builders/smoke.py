@@ -14,6 +14,7 @@ from moe_contracts import env as E
 
 from .. import constants as C
 from ..core import gate as G
+from ..core.gate import golden as GG
 from .common import resources
 from .workers import RUN_AS_USER
 
@@ -23,6 +24,7 @@ PLANS_DIR = E.SMOKE_PLANS_PATH.rsplit("/", 1)[
     0
 ]  # the SmokePlans ConfigMap (as a job's plan at /etc/moe)
 PLANS_KEY = E.SMOKE_PLANS_KEY
+GOLDEN_KEY = GG.GOLDEN_DATA_KEY  # the last image's golden values, beside the plans
 
 
 def _labels(component: str, identity: G.Identity) -> dict[str, str]:
@@ -33,18 +35,28 @@ def _labels(component: str, identity: G.Identity) -> dict[str, str]:
     }
 
 
-def smoke_args(identity: G.Identity) -> list[str]:
+def smoke_args(identity: G.Identity, golden: bool = False) -> list[str]:
     args = ["--workdir", f"{SCRATCH}/work", "--plans", f"{PLANS_DIR}/{PLANS_KEY}"]
     args.append("--cpu" if identity.device == "CPU" else "--gpu")
     if identity.deepspeed_version:
         args += ["--expect-deepspeed", identity.deepspeed_version]
+    if golden:
+        args += ["--golden", f"{PLANS_DIR}/{GOLDEN_KEY}"]
     return args
 
 
 def smoke_plans_configmap(
-    identity: G.Identity, attempt: int, config: G.GateConfig, plans: dict[str, Any]
+    identity: G.Identity,
+    attempt: int,
+    config: G.GateConfig,
+    plans: dict[str, Any],
+    golden: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """ConfigMap moe-smoke-<key>-<attempt>: the SmokePlans document the smoke Job mounts."""
+    """ConfigMap moe-smoke-<key>-<attempt>: the SmokePlans document the smoke Job mounts, and the
+    SmokeGolden of the last image that passed the same plans on the same hardware, if any."""
+    data = {PLANS_KEY: json.dumps(plans, sort_keys=True, indent=1) + "\n"}
+    if golden is not None:
+        data[GOLDEN_KEY] = json.dumps(golden, sort_keys=True) + "\n"
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -53,7 +65,7 @@ def smoke_plans_configmap(
             "namespace": config.namespace,
             "labels": _labels("smoke", identity),
         },
-        "data": {PLANS_KEY: json.dumps(plans, sort_keys=True, indent=1) + "\n"},
+        "data": data,
     }
 
 
@@ -64,6 +76,7 @@ def smoke_job(
     *,
     image_pull_policy: str = "IfNotPresent",
     node: str | None = None,
+    golden: bool = False,
 ) -> dict[str, Any]:
     """batch/v1 Job running `moe-smoke` once in the trainer image (1 GPU, or CPU + gloo) on the
     plans of ConfigMap moe-smoke-<key>-<attempt> (:func:`smoke_plans_configmap`).
@@ -76,7 +89,7 @@ def smoke_job(
     """
     name = G.smoke_job_name(identity, attempt)
     command = list(config.command or SMOKE_COMMAND)
-    args = ([] if config.command else smoke_args(identity)) + list(config.extra_args)
+    args = ([] if config.command else smoke_args(identity, golden)) + list(config.extra_args)
     container: dict[str, Any] = {
         "name": "smoke",
         "image": identity.image,
@@ -155,9 +168,14 @@ def smoke_job(
 
 
 def verdict_configmap(
-    record: dict[str, Any], namespace: str, *, resource_version: str | None = None
+    record: dict[str, Any],
+    namespace: str,
+    *,
+    golden: dict[str, Any] | None = None,
+    resource_version: str | None = None,
 ) -> dict[str, Any]:
-    """ConfigMap moe-gate-<key> holding one GateVerdict (key `verdict.json`)."""
+    """ConfigMap moe-gate-<key> holding one GateVerdict (key `verdict.json`) and, for a pass with
+    golden values, its SmokeGolden (key `golden.json`, label ``gate-golden-key``)."""
     ident = record["identity"]
     meta: dict[str, Any] = {
         "name": f"{G.STORE_PREFIX}{ident['key']}",
@@ -175,9 +193,8 @@ def verdict_configmap(
     }
     if resource_version:
         meta["resourceVersion"] = resource_version
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": meta,
-        "data": {G.VERDICT_KEY: json.dumps(record, indent=1, sort_keys=True)},
-    }
+    data = {G.VERDICT_KEY: json.dumps(record, indent=1, sort_keys=True)}
+    if golden is not None:
+        meta["labels"][GG.LABEL_GOLDEN_KEY] = golden["goldenKey"]
+        data[GG.GOLDEN_DATA_KEY] = json.dumps(golden, sort_keys=True)
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}

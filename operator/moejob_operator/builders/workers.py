@@ -151,6 +151,7 @@ def worker_pod(
     attempt: int,
     spec_hash: str,
     extra_env: dict[str, str] | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``."""
     sched = spec.scheduling
@@ -170,7 +171,7 @@ def worker_pod(
     rendezvous, metrics_port = job_ports(job)
     container: dict[str, Any] = {
         "name": "trainer",
-        "image": spec.image,
+        "image": image or spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": list(TRAINER_COMMAND),
         "args": trainer_args(spec),
@@ -248,9 +249,11 @@ def worker_pods(
     spec_hash: str,
     extra_env: dict[str, str] | None = None,
     node_ranks: list[int] | None = None,
+    image: str | None = None,
 ) -> list[dict[str, Any]]:
     """The gang's pods (``node_ranks``: only these, e.g. the ones a restart must recreate);
-    ``rank2node[node_rank]`` is the node the plan chose. The operator creates pods only through
+    ``rank2node[node_rank]`` is the node the plan chose; ``image``: the reference to run instead
+    of ``spec.image`` (the gate's verified digest of it). The operator creates pods only through
     this function."""
     if len(rank2node) != spec.nodes.count:
         raise ValueError(
@@ -266,6 +269,7 @@ def worker_pods(
             attempt=attempt,
             spec_hash=spec_hash,
             extra_env=extra_env,
+            image=image,
         )
         for r in ranks
     ]

@@ -5,6 +5,12 @@ the verdict. The reconcile loop calls :func:`check` before launching workers: it
 a smoke test to wait for, with a delay) or :class:`~.outcome.Refused` (``False``: the launch is
 blocked).
 
+For a tag-only image whose runtime reports digests, a pass also names the build: before launch
+:func:`check` resolves the tag on the gang's nodes (:mod:`.digests`), gates a digest the tag moved
+to, lets the tag's verdict follow a pass or revokes it on a failure, and stops at different
+builds on different nodes (:mod:`moejob_operator.core.gate.digests`); the workers then run
+``repo@digest`` (:func:`worker_image`).
+
 Concurrency: the Job name and the ConfigMap name derive from the identity, so two jobs asking at
 once create one Job ("already exists" = share it) and write the same verdict (create, or replace
 an older attempt under its resourceVersion; a conflict means someone else just wrote it).
@@ -13,16 +19,11 @@ an older attempt under its resourceVersion; a conflict means someone else just w
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
-
-from moe_contracts.errors import DocumentError
-from moe_contracts.gate import parse_gate_verdict
 
 from .. import constants as C
 from .. import metrics
@@ -30,13 +31,20 @@ from ..builders import smoke as B
 from ..core import gate as G
 from ..core import smoke_plans as SP
 from ..core.dsconfig import GpuCaps
+from ..core.gate import digests as GD
+from ..core.gate import golden as GG
 from ..spec import JobSpec
+from . import digests as probes
+from .gate_store import SMOKE_JOB_KEEP_SECONDS, Store, sweep_smoke_jobs
 from .outcome import NotYet, Refused
+
+__all__ = ["SMOKE_JOB_KEEP_SECONDS", "Store", "Verified", "check", "sweep_smoke_jobs"]
 
 log = logging.getLogger("moejob_operator")
 
 R_GATE_MISCONFIGURED = "GateMisconfigured"
 R_IMAGE_DIGEST_CHANGED = G.R_IMAGE_DIGEST_CHANGED
+R_RESOLVING_IMAGE = "ResolvingImageDigest"  # the probe pods have not all reported yet
 
 
 DEFAULT_WAIT_SECONDS = 10.0  # a smoke test to wait for, when the decision names no delay
@@ -107,8 +115,21 @@ def check(
             f"the upgrade gate is disabled (MOE_GATE_ENABLED); "
             f"{identity.describe()} launches unverified",
         )
+    store = Store(client, config.namespace)
+    tag = identity_of({}, spec, plan)
     try:
-        return _decide_and_act(client, job, spec, identity, prev, now, config, plan)
+        try:
+            verified = _decide_and_act(store, job, spec, identity, prev, now, config, plan)
+        except Refused:
+            if identity.key != tag.key:  # a digest the tag's pods ran failed: revoke the tag's pass
+                store.revoke(tag, store.read(identity), now, config)
+            raise
+        if identity.key != tag.key:
+            store.follow(tag, store.read(identity))
+            return verified
+        if identity.digest or not verified.digest or not plan:
+            return verified
+        return _resolve_tag(store, job, spec, tag, verified, prev, now, config, plan)
     except ApiException as exc:
         raise NotYet(
             C.R_GATE_PENDING,
@@ -133,8 +154,55 @@ def _case_names(identity: G.Identity) -> list[str]:
     return [c.name for c in (SP.CPU_CASES if identity.device == "CPU" else SP.GPU_CASES)]
 
 
+def _resolve_tag(
+    store: Store,
+    job: dict[str, Any],
+    spec: JobSpec,
+    tag: G.Identity,
+    verified: Verified,
+    prev: dict[str, Any],
+    now: dt.datetime,
+    config: G.GateConfig,
+    plan: dict[str, Any],
+) -> Verified:
+    """Before launch: the build the tag means on every node of the gang (probe pods), gated."""
+    nodes = list(
+        dict.fromkeys(r["node"] for r in sorted(plan["ranks"], key=lambda r: r["nodeRank"]))
+    )
+    r = GD.resolve(spec.image, verified.digest, probes.node_digests(store.client, job, spec, nodes))
+    if r.kind == "pending":
+        raise NotYet(R_RESOLVING_IMAGE, r.message, 1.0)
+    if r.kind in ("unknown", "same"):
+        probes.delete_probes(store.client, job)
+        return verified
+    if r.kind == "mixed":
+        probes.delete_probes(store.client, job)
+        raise NotYet(G.R_IMAGE_DIGESTS_DIFFER, r.message, GD.MIXED_RETRY_SECONDS, failed=True)
+    assert r.digest is not None
+    target = G.pinned(tag, r.digest)
+    try:
+        v = _decide_and_act(store, job, spec, target, prev, now, config, plan)
+    except Refused as exc:
+        store.revoke(tag, store.read(target), now, config)
+        probes.delete_probes(store.client, job)
+        raise Refused(
+            exc.reason, f"{r.message}; {exc.message}; the cached pass of {spec.image} is revoked"
+        ) from None
+    except NotYet as exc:
+        raise NotYet(exc.reason, f"{r.message}: {exc.message}", exc.delay) from None
+    store.follow(tag, store.read(target))
+    probes.delete_probes(store.client, job)
+    return Verified(v.reason, f"{r.message}; {v.message}", digest=r.digest)
+
+
+def worker_image(spec: JobSpec, status: dict[str, Any]) -> str:
+    """The image the workers run: ``repo@<verified digest>`` for a tag-only image whose smoke pod
+    reported one (no tag drift during a gang), else ``spec.image``."""
+    return GD.worker_image(spec.image, status.get("verifiedDigest"))
+
+
 def _decide_and_act(
-    client,
+    store: Store,
     job,
     spec: JobSpec,
     identity: G.Identity,
@@ -143,7 +211,8 @@ def _decide_and_act(
     config: G.GateConfig,
     plan: dict[str, Any] | None = None,
 ) -> Verified:
-    store = Store(client, config.namespace)
+    plans = _smoke_plans(identity, plan)
+    golden_key = GG.golden_key(plans, identity)
     stored = store.read(identity)
     obs = None
     if not G.is_current(stored, identity, now):
@@ -159,7 +228,8 @@ def _decide_and_act(
         obs,
         now,
         config,
-        waited=prev.get("reason") in (G.R_SMOKE_TEST_RUNNING, G.R_IMAGE_DIGEST_CHANGED),
+        waited=prev.get("reason")
+        in (G.R_SMOKE_TEST_RUNNING, G.R_IMAGE_DIGEST_CHANGED, R_RESOLVING_IMAGE),
         cases=_case_names(identity),
     )
     if d.action == "create_job":
@@ -168,11 +238,17 @@ def _decide_and_act(
         if d.stale_job:
             store.delete_job(d.stale_job)
         attempt = int(d.job_name.rsplit("-", 1)[1])
-        store.create_plans(identity, attempt, config, _smoke_plans(identity, plan))
+        golden = store.latest_golden(golden_key, exclude=identity.key)
+        store.create_plans(identity, attempt, config, plans, golden)
         node = ((plan or {}).get("ranks") or [{}])[0].get("node")
         created = store.create_job(
             B.smoke_job(
-                identity, attempt, config, node=node, image_pull_policy=spec.image_pull_policy
+                identity,
+                attempt,
+                config,
+                node=node,
+                image_pull_policy=spec.image_pull_policy,
+                golden=golden is not None,
             )
         )
         if not created:
@@ -192,7 +268,11 @@ def _decide_and_act(
             d.job_name,
         )
     elif d.action == "record":
-        store.write(d.record)
+        record = dict(d.record, goldenKey=golden_key)
+        store.write(record)
+        same_bits = GD.digest_record(record, identity)
+        if same_bits is not None:  # each digest is tested once, whatever tag names it
+            store.write(same_bits)
     if d.action in ("record", "none") and (prev.get("status"), prev.get("reason")) != (
         d.status,
         d.reason,
@@ -208,96 +288,6 @@ def _decide_and_act(
         raise NotYet(d.reason, d.message, d.retry_seconds or DEFAULT_WAIT_SECONDS)
     rec = d.record or stored or {}
     return Verified(d.reason, d.message, digest=identity.digest or rec.get("observedDigest"))
-
-
-class Store:
-    """Verdict ConfigMaps and smoke Jobs in the operator's namespace."""
-
-    def __init__(self, client, namespace: str):
-        self.client, self.namespace = client, namespace
-        self.batch = k8s.BatchV1Api(client.api)
-
-    def read(self, identity: G.Identity) -> dict[str, Any] | None:
-        cm = self.client.get_configmap(self.namespace, G.store_name(identity))
-        raw = ((cm or {}).get("data") or {}).get(G.VERDICT_KEY)
-        if raw is None:
-            return None
-        try:
-            doc = parse_gate_verdict(raw)
-        except DocumentError as exc:
-            log.warning(
-                "ignoring unreadable verdict %s/%s: %s", self.namespace, G.store_name(identity), exc
-            )
-            return None
-        doc["_resourceVersion"] = cm["metadata"].get("resourceVersion")
-        return doc
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Create, or replace a verdict of an older attempt; a newer/equal one already there
-        wins."""
-        if self.client.create(B.verdict_configmap(record, self.namespace)):
-            return
-        name = f"{G.STORE_PREFIX}{record['identity']['key']}"
-        cm = self.client.get_configmap(self.namespace, name)
-        try:
-            old = parse_gate_verdict((cm or {}).get("data", {}).get(G.VERDICT_KEY, ""))
-            if old["attempt"] >= record["attempt"]:
-                return
-        except DocumentError:
-            pass
-        body = B.verdict_configmap(
-            record,
-            self.namespace,
-            resource_version=(cm or {}).get("metadata", {}).get("resourceVersion"),
-        )
-        try:
-            self.client.core.replace_namespaced_config_map(
-                name, self.namespace, body, _preload_content=False
-            )
-        except ApiException as exc:
-            if exc.status not in (404, 409):  # someone else wrote it first: theirs is as good
-                raise
-
-    def observe(self, job_name: str) -> G.SmokeObservation | None:
-        try:
-            job = json.loads(
-                self.batch.read_namespaced_job(
-                    job_name, self.namespace, _preload_content=False
-                ).data
-            )
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-        pods = self.client.list_pods(self.namespace, {"job-name": job_name})
-        return G.observe(job, pods)
-
-    def create_plans(
-        self, identity: G.Identity, attempt: int, config: G.GateConfig, plans: dict[str, Any]
-    ) -> None:
-        """Before the Job: its pod mounts them ("already exists": another job made the same
-        ones)."""
-        self.client.create(B.smoke_plans_configmap(identity, attempt, config, plans))
-
-    def create_job(self, job: dict[str, Any]) -> bool:
-        try:
-            self.batch.create_namespaced_job(self.namespace, job, _preload_content=False)
-            return True
-        except ApiException as exc:
-            if exc.status == 409:
-                return False
-            raise
-
-    def delete_job(self, name: str) -> None:
-        """The Job of an earlier attempt and its plans ConfigMap."""
-        try:
-            self.batch.delete_namespaced_job(
-                name, self.namespace, propagation_policy="Background", _preload_content=False
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-        self.client.delete_configmap(self.namespace, name)
 
 
 # ---- the digest a job's pods run --------------------------------------------------------------
@@ -321,67 +311,3 @@ def digest_changed(job: dict[str, Any], spec: JobSpec, pods: list[dict[str, Any]
         return None  # the smoke pod's runtime reported no digest
     other = sorted(pod_digests(pods) - {verified})
     return other[0] if other else None
-
-
-# ---- cleanup of finished smoke Jobs --------------------------------------------------------
-# batch/v1 Jobs on 1.20 have no ttlSecondsAfterFinished (alpha, off): the operator deletes the
-# finished smoke Jobs whose verdict is stored, after this long (their pod's logs stay readable
-# for a while; the verdict keeps the failing check's message and the exception).
-SMOKE_JOB_KEEP_SECONDS = 3600.0
-
-
-def _finished_at(job: dict[str, Any]) -> dt.datetime | None:
-    status = job.get("status") or {}
-    for c in status.get("conditions") or ():
-        if c.get("type") in ("Complete", "Failed") and c.get("status") == "True":
-            stamp = status.get("completionTime") or c.get("lastTransitionTime")
-            return dt.datetime.fromisoformat(stamp) if stamp else None
-    return None
-
-
-def sweep_smoke_jobs(
-    client,
-    config: G.GateConfig | G.GateError,
-    now: dt.datetime | None = None,
-    *,
-    keep_seconds: float | None = None,
-    batch=None,
-) -> list[str]:
-    """Delete finished smoke Jobs whose verdict is in the store (or superseded by a later
-    attempt) and that finished more than ``keep_seconds`` ago; returns their names. ``config``:
-    the operator's gate settings (nothing to do when they are invalid or the gate is off)."""
-    if isinstance(config, G.GateError) or not config.enabled:
-        return []
-    now = now or dt.datetime.now(dt.UTC)
-    keep = SMOKE_JOB_KEEP_SECONDS if keep_seconds is None else keep_seconds
-    store = Store(client, config.namespace)
-    if batch is not None:
-        store.batch = batch
-    resp = store.batch.list_namespaced_job(
-        config.namespace, label_selector=f"{C.LABEL_COMPONENT}=smoke", _preload_content=False
-    )
-    deleted = []
-    for job in json.loads(resp.data)["items"]:
-        name = job["metadata"]["name"]
-        done = _finished_at(job)
-        if done is None or (now - done).total_seconds() < keep:
-            continue
-        key, _, attempt = name.removeprefix(G.SMOKE_JOB_PREFIX).rpartition("-")
-        if not (key and attempt.isdigit()):
-            continue
-        cm = client.get_configmap(config.namespace, f"{G.STORE_PREFIX}{key}")
-        try:
-            stored = parse_gate_verdict(((cm or {}).get("data") or {}).get(G.VERDICT_KEY, ""))
-        except DocumentError:
-            continue  # no verdict yet: the next job that asks records this one's
-        if stored.get("smokeJob") == name or int(stored.get("attempt", 0)) > int(attempt):
-            store.delete_job(name)
-            deleted.append(name)
-    if deleted:
-        log.info(
-            "gate: deleted %d finished smoke Job(s) in %s: %s",
-            len(deleted),
-            config.namespace,
-            ", ".join(deleted),
-        )
-    return deleted

@@ -725,6 +725,7 @@ def _track(
             spec_hash=h,
             extra_env=extra_env,
             node_ranks=list(d.create_ranks),
+            image=gate.worker_image(spec, p.status),  # the verified digest: no tag drift
         )
         faults = admission.test_faults(p.settings.policy)
         if faults is not None and faults.crash_at() == "after-first-worker":
