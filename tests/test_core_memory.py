@@ -256,3 +256,37 @@ def test_compiled_layers_save_fewer_activations():
     ratio = memory.COMPILED_ACTIVATION_FACTOR / memory.ACTIVATION_FACTOR
     assert a_compiled == pytest.approx(ratio * a_eager, rel=1e-6)
     assert compiled.total < eager.total
+
+
+def test_loading_a_pretrained_checkpoint_is_counted():
+    """model.path: partitions + (AutoEP) one MoE layer's experts whole and the rank's local copy;
+    where that exceeds the training peak (here: a huge expert layer on many GPUs) the estimate's
+    peak is the loading, and the terms still add up."""
+    spec, plain = _estimate(world=8, ep=8)
+    _, loaded = _estimate(world=8, ep=8, pretrained=True)
+    load = memory.loading_bytes(
+        spec,
+        {"bf16": {"enabled": True}, "expert_parallel": {"enabled": True}},
+        world_size=8,
+        ep_size=8,
+    )
+    experts = spec.moe_layer_expert_params()
+    assert load.autoep_layer == int(2 * (experts + experts / 8))
+    assert load.partitions == int(2 * spec.counts().total / 8)
+    assert loaded.breakdown["loadingExtraBytes"] == 0  # Mixtral-8x7B: training dominates
+    assert loaded.total == plain.total and "loading model.path" in loaded.notes[-1]
+    # two layers of 256 wide experts on 256 GPUs: a gathered expert layer (~90 GB) outweighs
+    # each GPU's training states
+    cfg = models.preset_hf_config("mixtral-8x7b") | {
+        "num_local_experts": 256,
+        "num_hidden_layers": 2,
+    }
+    wide = models.spec_from_hf_config(cfg)
+    ds, _ = deepspeed_config(wide, world_size=256, ep_size=256, global_batch=256, gpu=H200)
+    big = memory.estimate_memory(
+        wide, ds, world_size=256, ep_size=256, seq_len=1024, micro_batch=1, pretrained=True
+    )
+    assert big.peak_phase == "loading" and big.breakdown["loadingExtraBytes"] > 0
+    assert sum(big.breakdown.values()) == big.total
+    _, no_ep = _estimate("deepseek-v3", world=256, ep=1, seq=1024, autoep=False, pretrained=True)
+    assert no_ep.breakdown["loadingExtraBytes"] == 0  # without AutoEP nothing is gathered whole

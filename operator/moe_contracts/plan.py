@@ -60,6 +60,20 @@ class ModelSpec(Doc):
     content_hash: Str | None = None
 
 
+class OutputSpec(Doc):
+    """Where the trainer writes the trained model as a Hugging Face directory (docs/contracts.md
+    "Export"): at the end, and every ``everyCheckpoints`` checkpoints when that is > 0."""
+
+    path: Str = Field(min_length=1)
+    every_checkpoints: Int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _absolute(self) -> OutputSpec:
+        if not self.path.startswith("/"):
+            raise ValueError(f"path: {self.path!r} is not an absolute path")
+        return self
+
+
 class RankSpec(Doc):
     rank: Int = Field(ge=0)
     node: Str = Field(min_length=1)
@@ -196,6 +210,7 @@ class MoEPlan(Doc):
     deepspeed: dict[str, Any]
     memory: Memory | None = None
     training: TrainingSpec = TrainingSpec()
+    output: OutputSpec | None = None
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
@@ -224,14 +239,10 @@ class MoEPlan(Doc):
         m = self.model
         if m.path is None and m.hf_config is None:
             raise ValueError("model.hfConfig: required when model.path is null")
-        if m.hf_config is not None:
-            if "model_type" not in m.hf_config:
-                raise ValueError("model.hfConfig.model_type: required field is missing")
-            if m.hf_config["model_type"] != m.family:
-                raise ValueError(
-                    f"model.hfConfig.model_type: {m.hf_config['model_type']!r} differs from "
-                    f"model.family {m.family!r}"
-                )
+        # which model_type values a family reads is the families' knowledge (the planning
+        # core's check_plan and the trainer check it), not the contract's
+        if m.hf_config is not None and not isinstance(m.hf_config.get("model_type"), str):
+            raise ValueError("model.hfConfig.model_type: required field is missing")
         if world % ep:
             raise ValueError(f"epSize: {ep} must divide worldSize {world}")
         if self.ranks:

@@ -119,6 +119,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         result = sizing.plan_sized(request, _auto_fields(args, overrides))
     else:
         result = plan.build_plan(request)
+    if args.export:
+        # the plan's ``output``: where the trainer writes the trained model (docs/contracts.md)
+        result.document["output"] = {"path": args.export, "everyCheckpoints": args.export_every}
     print(result.summary())
     if result.sizing is not None:
         from .core.sizing_text import sizing_table
@@ -223,15 +226,65 @@ def add_plan(sub) -> None:
     p.add_argument("--cpu", action="store_true", help="CPU mode (local demo): gloo, fp32")
     p.add_argument("--procs-per-node", type=int, default=2, help="CPU mode: processes per node")
     p.add_argument("--cpu-memory-gib", type=float, help="CPU mode: memory per process")
+    p.add_argument(
+        "--export",
+        metavar="DIR",
+        help="absolute path where the trainer writes the trained model as a Hugging Face "
+        "directory (the plan's output)",
+    )
+    p.add_argument(
+        "--export-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also export at every N-th checkpoint (default 0: only at the end)",
+    )
     p.add_argument("--job", default="local", help="job name written into the plan")
     p.add_argument("--namespace", default="default")
     p.add_argument("-o", "--output", help="write the plan here")
     p.set_defaults(func=_run_plan)
 
 
+# ---- moectl export -------------------------------------------------------------------------
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    """Run the trainer package's ``moe-export`` (torch and DeepSpeed live there, not here: the
+    operator package never imports them)."""
+    import importlib.util
+    import subprocess
+
+    if importlib.util.find_spec("moe_trainer") is None or importlib.util.find_spec("torch") is None:
+        raise UsageError(
+            "moectl export: error: needs the trainer package (torch, DeepSpeed, transformers); "
+            "run it where the trainer is installed (the trainer image: moe-export CHECKPOINT OUT)"
+        )
+    cmd = [sys.executable, "-m", "moe_trainer.export_cli", args.checkpoint, args.out]
+    cmd += ["--plan", args.plan] if args.plan else []
+    cmd += ["--step", str(args.step)] if args.step is not None else []
+    cmd += ["--cpu"] if args.cpu else []
+    return subprocess.call(cmd)
+
+
+def add_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a Hugging Face model directory from a trainer checkpoint",
+        description="Export a trainer checkpoint directory as a Hugging Face model directory "
+        "(safetensors, config.json, tokenizer files; experts in their original order). Runs "
+        "moe-export of the trainer package, one process per rank of the checkpoint's plan.",
+    )
+    p.add_argument("checkpoint", help="the trainer's checkpoint dir (holds ds/ and plan.json)")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument("--plan", help="MoEPlan file (default: CHECKPOINT/plan.json)")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--cpu", action="store_true", help="run the ranks on the CPU (gloo)")
+    p.set_defaults(func=_run_export)
+
+
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke]
+COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke, add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

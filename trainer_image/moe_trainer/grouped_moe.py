@@ -1,5 +1,6 @@
 """Grouped-GEMM MoE block: a weight-compatible, function-preserving drop-in for Hugging Face's
-`MixtralSparseMoeBlock` and `Qwen3MoeSparseMoeBlock` (transformers 5.x layout).
+`MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock` and `OlmoeSparseMoeBlock` (transformers 5.x
+layout; the families with `grouped_block` in moe_trainer/families/).
 
 Why: routing and token permutation take a large share of MoE-layer time in the stock paths
 (benchmarks/trainer_bench.py measures it per path). This block sorts the T*k routed slots by expert
@@ -36,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from moe_trainer.families import GROUPED_BLOCK_CLASSES
 from moe_trainer.fast.ops import (
     combine,
     dispatch,
@@ -55,8 +57,9 @@ __all__ = [
 ]
 
 # HF block classes this block reproduces exactly: router `gate` -> (logits, weights, ids),
-# experts `gate_up_proj`/`down_proj` with SwiGLU, no shared experts, no bias.
-SUPPORTED_BLOCKS = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+# experts `gate_up_proj`/`down_proj` with SwiGLU, no shared experts, no bias (the families with
+# `grouped_block`, moe_trainer/families/).
+SUPPORTED_BLOCKS = GROUPED_BLOCK_CLASSES
 
 IMPLS = ("auto", "grouped_mm", "loop")
 
@@ -75,19 +78,17 @@ class GroupedExperts(nn.Module):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"impl: {impl!r} is not one of {IMPLS}")
-        if (
-            gate_up_proj.dim() != 3
-            or down_proj.dim() != 3
-            or gate_up_proj.shape[1] != 2 * down_proj.shape[2]
-        ):
+        # ZeRO-3 partitioned parameters (built under zero.Init) keep their shape in ds_shape
+        gu, dn = (tuple(getattr(p, "ds_shape", p.shape)) for p in (gate_up_proj, down_proj))
+        if len(gu) != 3 or len(dn) != 3 or gu[1] != 2 * dn[2]:
             raise ValueError(
                 f"expert weights: expected gate_up_proj[E, 2F, H] and down_proj[E, H, F], got "
-                f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}"
+                f"{gu} and {dn}"
             )
         self.gate_up_proj = gate_up_proj
         self.down_proj = down_proj
         self.act_fn = act_fn
-        self.num_experts = gate_up_proj.shape[0]
+        self.num_experts = gu[0]
         self.impl = impl
         self.fused_act = fused_act
         self._silu = type(act_fn).__name__ in ("SiLUActivation", "SiLU")
@@ -131,8 +132,7 @@ class GroupedMoeBlock(nn.Module):
     def from_hf(
         cls, block: nn.Module, impl: str = "auto", fused_act: bool | None = None
     ) -> GroupedMoeBlock:
-        """Wrap an HF Mixtral/Qwen3-MoE block, sharing (not copying) its router and expert
-        params."""
+        """Wrap a supported HF block, sharing (not copying) its router and expert params."""
         name = type(block).__name__
         if name not in SUPPORTED_BLOCKS:
             raise TypeError(f"from_hf: {name} is not one of {SUPPORTED_BLOCKS}")

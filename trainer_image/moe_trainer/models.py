@@ -1,11 +1,10 @@
 """Hugging Face MoE models for the trainer: build, find the MoE blocks, apply the placement.
 
-Supported families (transformers 5.x layout, experts stored as 3-D tensors):
-  mixtral      `model.layers[i].mlp` = MixtralSparseMoeBlock: `gate.weight[E, H]`,
-               `experts.gate_up_proj[E, 2F, H]`, `experts.down_proj[E, H, F]`
-  qwen3_moe    same names (`Qwen3MoeSparseMoeBlock`)
-  deepseek_v3  same names plus `gate.e_score_correction_bias[E]` and shared experts; the first
-               `first_k_dense_replace` layers are dense and not MoE layers.
+The supported families and where each keeps its router and expert tensors are in
+``moe_trainer/families/`` (transformers 5.x layout: `model.layers[i].mlp` with a router
+`gate.weight[E, H]` (+ per-expert router buffers such as DeepSeek's
+`gate.e_score_correction_bias[E]`) and stacked experts `experts.gate_up_proj[E, 2F, H]`,
+`experts.down_proj[E, H, F]`; dense layers are not MoE layers).
 
 A placement permutes each layer's experts together with the router's output rows, so the model
 computes the same function while original expert `permutation[l][s]` sits in slot `s` (and so on
@@ -22,77 +21,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Tiny debug sizes for CPU tests; ~1-3 M parameters each.
-TINY_HF_CONFIGS: dict[str, dict] = {
-    "tiny-mixtral": {
-        "model_type": "mixtral",
-        "vocab_size": 320,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_local_experts": 4,
-        "num_experts_per_tok": 2,
-        "max_position_embeddings": 512,
-        "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
-        "rope_theta": 10000.0,
-    },
-    "tiny-qwen3-moe": {
-        "model_type": "qwen3_moe",
-        "vocab_size": 320,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "max_position_embeddings": 512,
-        "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
-    },
-    "tiny-deepseek-v3": {
-        "model_type": "deepseek_v3",
-        "vocab_size": 320,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 1,
-        "topk_group": 1,
-        "first_k_dense_replace": 0,
-        "kv_lora_rank": 16,
-        "q_lora_rank": 32,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
-        "rope_scaling": None,
-    },
-}
+from moe_trainer import families
+from moe_trainer.families import FamilyError
 
-FAMILY_TO_AUTOEP_PRESET = {
-    "mixtral": "mixtral",
-    "qwen3_moe": "qwen3_moe",
-    "deepseek_v3": "deepseek_v3",
-}
+# Tiny debug sizes for CPU tests (~0.1-3 M parameters each), one per family (its module's
+# ``tiny_config``).
+TINY_HF_CONFIGS: dict[str, dict] = families.TINY_HF_CONFIGS
+FAMILY_TO_AUTOEP_PRESET = families.AUTOEP_PRESETS
 EXPERT_PARAM_NAMES = ("gate_up_proj", "down_proj")
 
 
-class ModelError(ValueError):
+class ModelError(FamilyError):
     """The model cannot be built or does not have the MoE layout the trainer expects."""
 
 
@@ -207,6 +146,7 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
             "layers"
         )
     num_experts = num_experts_of(model)
+    fam = families.of_model(model)
     for ref, row in zip(layers, permutation, strict=True):
         if sorted(row) != list(range(num_experts)):
             raise ModelError(
@@ -214,9 +154,10 @@ def permute_experts(model: nn.Module, permutation: Sequence[Sequence[int]]) -> N
             )
         idx = torch.as_tensor(list(row), dtype=torch.long)
         targets = [ref.gate.weight]
-        bias = getattr(ref.gate, "e_score_correction_bias", None)
-        if bias is not None:
-            targets.append(bias)
+        for name in fam.router_buffers:
+            buf = getattr(ref.gate, name, None)
+            if buf is not None:
+                targets.append(buf)
         for _pname, p in ref.experts.named_parameters(recurse=False):
             if p.dim() >= 2 and p.shape[0] == num_experts:
                 targets.append(p)

@@ -123,7 +123,9 @@ class TokenSampler:
         m = max(wins)
         width = self.L * self.k + 1
         buf = torch.zeros(m, width, dtype=torch.int32)
-        buf[: len(mine), :-1] = self.experts[mine].reshape(len(mine), -1).to(torch.int32)
+        # reshape(len, L * k), not (len, -1): with no sample (routingSampleTokens 0) there are no
+        # rows and -1 is ambiguous
+        buf[: len(mine), :-1] = self.experts[mine].reshape(len(mine), width - 1).to(torch.int32)
         buf[: len(mine), -1] = self.steps[mine]
         gathered = [
             torch.empty(m, width, dtype=torch.int32, device=device) for _ in range(self.world)
@@ -144,7 +146,8 @@ class TokenSampler:
         return out
 
     def _hold_share(self, merged: dict) -> None:
-        sel = torch.arange(self.rank, len(merged["keys"]), self.world)
+        # max(): fewer samples than ranks (or none) leaves this rank an empty share
+        sel = torch.arange(self.rank, max(self.rank, len(merged["keys"])), self.world)
         self.keys, self.experts, self.steps = (
             merged["keys"][sel],
             merged["experts"][sel],

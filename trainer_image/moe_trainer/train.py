@@ -159,7 +159,16 @@ def run(argv=None) -> int:
             log.error("bad model/data/config: %s", exc)
             return _failed("BadConfig", EXIT_CONFIG, str(exc))
         trainer.resume()
-        return trainer.run()
+        from moe_trainer.export import save_plan, write_test_logits
+
+        if env.rank == 0:
+            save_plan(plan, ckpt_dir)  # what moe-export needs to restore this checkpoint
+
+        write_test_logits(trainer, "start")
+        code = trainer.run()
+        if code == EXIT_OK:
+            write_test_logits(trainer, "final")
+        return code
     except NonFiniteLoss as exc:
         log.error("%s", exc)
         return _failed("NonFiniteLoss", EXIT_DATAERR, str(exc))

@@ -23,7 +23,7 @@ from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
-from moe_trainer import capabilities, models, perf, routing
+from moe_trainer import capabilities, export, model_setup, models, perf, routing
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
 from moe_trainer.commtime import CommTimer
@@ -105,36 +105,23 @@ class Trainer:
         import deepspeed
 
         p, t = self.plan, self.t
+        cfg = deepspeed_config(p)
         dispatcher = p.placement.dispatcher if p.placement and p.ep_size > 1 else None
-        capabilities.check(deepspeed_config(p), dispatcher)  # before our layers import DeepSpeed's
-        model = self.initial_model()
-        models.apply_moe_impl(model, t.moe_impl)
-        if p.raw.get("training", {}).get("activationCheckpointing"):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        capabilities.check(cfg, dispatcher)  # before our layers import DeepSpeed's
+        restoring = ckpt.latest_step(self.ckpt_dir) is not None  # resume() overwrites weights
+        prepared = model_setup.prepare(
+            p, cfg, self.env.rank, self.initial_model, restoring=restoring
+        )
+        model, originals = prepared.model, prepared.originals
+        self.permutation, self.load_report = prepared.permutation, prepared.load_report
+        self.exporter = export.Exporter(p, self.permutation)
         self.perf = t.performance
         self.num_experts = models.num_experts_of(model)
         self.top_k = models.top_k_of(model)
-        n_layers = len(models.find_moe_layers(model))
-        verify = os.environ.get("MOE_VERIFY_PLACEMENT") == "1"
-        originals = models.original_expert_tensors(model) if verify else None
-        if p.placement is not None:
-            if (p.placement.num_layers, p.placement.num_experts) != (n_layers, self.num_experts):
-                raise models.ModelError(
-                    f"placement: plan says {p.placement.num_layers} layers x "
-                    f"{p.placement.num_experts} experts, "
-                    f"the model has {n_layers} x {self.num_experts}"
-                )
-            models.permute_experts(model, p.placement.permutation)
-            self.permutation = [list(r) for r in p.placement.permutation]
-        else:
-            self.permutation = [list(range(self.num_experts)) for _ in range(n_layers)]
         self.source = data_mod.make_batch_source(
             t.data, t.seq_len, t.micro_batch, t.seed, model.config.vocab_size
         )
         self.timer = CommTimer().install()
-        cfg = deepspeed_config(p)
         has_opt = "optimizer" in cfg
         try:
             done = perf.apply_before_initialize(model, self.perf, self.env.device)
@@ -186,7 +173,7 @@ class Trainer:
                 p.autoep_enabled,
                 self.dispatcher,
             )
-        if verify:
+        if originals is not None:
             self.verify_placement(originals)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
@@ -560,6 +547,8 @@ class Trainer:
                 doc["checkpoint"] = self.last_ckpt
             if step == t.steps:
                 self.write_routing()  # no-op when the final checkpoint just wrote it
+            if (output := self.exporter.after_step(self.engine, step, t.steps)) is not None:
+                doc["output"] = output  # the latest Hugging Face export (plan output)
             if self.routing_status() is not None:
                 doc["routingStats"] = self.routing_status()
             if step == t.steps:

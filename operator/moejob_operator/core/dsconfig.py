@@ -23,11 +23,21 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
+from . import families
 from .errors import FieldError
-from .models import MoEModelSpec
+from .model_spec import MoEModelSpec
 
-# DeepSpeed 0.19.8 module_inject/auto_ep_presets/registry.py: PRESET_MODELS keys we can map to.
-AUTOEP_PRESETS = {"mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3"}
+# family -> DeepSpeed 0.19.8 AutoEP preset (module_inject/auto_ep_presets/), from core.families
+AUTOEP_PRESETS = families.autoep_presets()
+# every preset DeepSpeed 0.19.8 registers (module_inject/auto_ep_presets/registry.py)
+DEEPSPEED_AUTOEP_PRESETS = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "minimax_m3",
+)
 
 # A bucket larger than this many elements is almost certainly a units mistake (bytes vs elements).
 HUGE_BUCKET_ELEMENTS = 2_000_000_000
@@ -321,14 +331,7 @@ def check_config(
                 f"{ep_size} (the placement is computed for {ep_size})",
             )
         preset = ep_cfg.get("preset_model")
-        if preset is not None and preset not in (
-            "mixtral",
-            "qwen3_moe",
-            "qwen3_5_moe",
-            "deepseek_v2",
-            "deepseek_v3",
-            "minimax_m3",
-        ):
+        if preset is not None and preset not in DEEPSPEED_AUTOEP_PRESETS:
             raise FieldError(
                 "deepspeed.expert_parallel.preset_model",
                 f"{preset!r} is not a DeepSpeed 0.19.8 AutoEP preset",

@@ -33,6 +33,12 @@ Terms (bytes, per GPU; ``p`` = 2 for bf16/fp16, 4 for fp32):
 The peak is ``max(forward/backward, optimizer step)``: at the step activations are gone but a
 fp32 copy of one ``sub_group_size`` slice of the gradients is made (not with the trainer's lean
 step and fp32 gradient accumulation: the slices are the partitions themselves).
+
+Loading a pretrained checkpoint (``model.path``, :func:`loading_bytes`) has its own peak, before
+any optimizer state exists: the rank's parameter partitions, plus, with AutoEP, one MoE layer's
+experts gathered whole while AutoEP re-partitions them (and the rank's new local copy of them);
+on the host the rows being copied and the pages of the one checkpoint shard being read. Where it
+exceeds the training peak, ``loadingExtraBytes`` carries the difference.
 """
 
 from __future__ import annotations
@@ -197,22 +203,15 @@ def _param_tensors(model: MoEModelSpec, ep: int) -> list[int]:
         tensors.append(model.vocab_size * h)  # lm_head
     for layer in range(model.num_layers):
         tensors += [h, h]  # the two layer norms
-        if model.mla is not None:
-            m = model.mla
-            tensors += [m.kv_lora_rank, m.q_lora_rank or 0]
-            tensors.append(model.attention_params() - 2 * h - m.kv_lora_rank - (m.q_lora_rank or 0))
-        else:
-            q_out = model.num_attention_heads * model.head_dim
-            kv_out = model.num_kv_heads * model.head_dim
-            tensors += [h * q_out, h * kv_out, h * kv_out, q_out * h]
-            if model.family == "qwen3_moe":
-                tensors += [model.head_dim, model.head_dim]
+        tensors += model.attention_layer_tensors(layer)
         if layer in model.moe_layer_ids:
             e = model.num_experts // ep
             f = model.expert_intermediate_size
             tensors += [model.num_experts * h, e * 2 * f * h, e * h * f]  # router, gate_up, down
             if model.shared_expert_size:
                 tensors += [h * model.shared_expert_size] * 3
+            if model.shared_expert_gate:
+                tensors.append(h)
         else:
             tensors += [h * model.dense_intermediate_size] * 3
     return [n for n in tensors if n > 0]
@@ -233,6 +232,46 @@ def fused_loss_bytes(model: MoEModelSpec, tokens: int, chunk: int, p: int) -> in
     return c * v * (4 + p + p) + v * h * (4 + p + p) + tokens * h * p
 
 
+# Rows the trainer reads at a time while loading (moe_trainer.pretrained.CHUNK_ELEMENTS), at
+# fp32 (the widest checkpoint dtype it converts from).
+LOAD_CHUNK_BYTES = (64 << 20) * 4
+
+
+@dataclass(frozen=True)
+class LoadingPeak:
+    """Bytes per rank while ``model.path`` is streamed in (before the optimizer exists)."""
+
+    partitions: int  # this rank's slice of every parameter, training precision
+    autoep_layer: int  # one MoE layer's experts gathered whole + this rank's local copy
+    host: int  # rows in flight + one checkpoint shard's pages (the device's on CPU plans)
+
+    @property
+    def device(self) -> int:
+        return self.partitions + self.autoep_layer
+
+
+def loading_bytes(
+    model: MoEModelSpec,
+    dsconfig: dict[str, Any],
+    *,
+    world_size: int,
+    ep_size: int,
+    largest_shard_bytes: int = 0,
+) -> LoadingPeak:
+    """The loading peak of :func:`estimate_memory`'s ``pretrained`` (docstring of the module).
+    ``largest_shard_bytes``: the checkpoint's largest safetensors file, when known."""
+    p = precision_bytes(dsconfig)
+    counts = model.counts()
+    partitions = int(p * counts.total / world_size)
+    autoep = bool((dsconfig.get("expert_parallel") or {}).get("enabled"))
+    layer = 0
+    if autoep:
+        experts = model.moe_layer_expert_params()
+        layer = int(p * (experts + experts / ep_size))
+    host = LOAD_CHUNK_BYTES + largest_shard_bytes
+    return LoadingPeak(partitions, layer, host)
+
+
 def estimate_memory(
     model: MoEModelSpec,
     dsconfig: dict[str, Any],
@@ -247,6 +286,8 @@ def estimate_memory(
     fused_loss_chunk: int | None = None,
     grad_handoff: bool = False,
     compiled_layers: bool = False,
+    pretrained: bool = False,
+    largest_shard_bytes: int = 0,
 ) -> MemoryEstimate:
     """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
 
@@ -258,7 +299,9 @@ def estimate_memory(
     time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it),
     and the unused reduce bucket is freed; at any world size with ZeRO-3 the optimizer step then
     takes its fp32 gradients as slices of fp32 partitions (no copy) where gradients accumulate in
-    fp32. ``compiled_layers``: ``training.performance.compileLayers``."""
+    fp32. ``compiled_layers``: ``training.performance.compileLayers``. ``pretrained``: the
+    weights are loaded from ``model.path`` (:func:`loading_bytes`; ``largest_shard_bytes`` the
+    checkpoint's largest file when known)."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
@@ -336,6 +379,19 @@ def estimate_memory(
     step_temp = step_temp_bytes * min(per_gpu(stage >= 1), sub_group)
     step = params + persistent + grads + optim + step_temp
     dynamic = max(fwd_bwd, step)
+    loading_extra = 0
+    load = None
+    if pretrained:
+        load = loading_bytes(
+            model,
+            dsconfig,
+            world_size=world_size,
+            ep_size=ep,
+            largest_shard_bytes=largest_shard_bytes,
+        )
+        load_peak = load.device + (load.host if device == "cpu" else 0)
+        loading_extra = max(0, load_peak - dynamic)
+        dynamic += loading_extra
     base = CPU_BASELINE_BYTES if device == "cpu" else GPU_CONTEXT_BYTES
     overhead = base + FRAGMENTATION * dynamic
     breakdown = {
@@ -351,6 +407,8 @@ def estimate_memory(
         "optimizerStepExtraBytes": int(max(0, step - fwd_bwd)),
         "overheadBytes": int(overhead),
     }
+    if pretrained:
+        breakdown["loadingExtraBytes"] = int(loading_extra)
     notes = [
         f"precision {p} B/param, ZeRO stage {stage}, "
         + (
@@ -375,10 +433,18 @@ def estimate_memory(
             else f"logits {logits / GiB:.3f} GiB"
         ),
     ]
+    if load is not None:
+        notes.append(
+            f"loading model.path: {load.device / GiB:.3f} GiB on the "
+            f"{'process' if device == 'cpu' else 'GPU'} (partitions "
+            f"{load.partitions / GiB:.3f} + AutoEP layer {load.autoep_layer / GiB:.3f}), host "
+            f"{load.host / GiB:.3f} GiB beyond the partitions (rows in flight + one shard)"
+        )
+    phase = "forward/backward" if fwd_bwd >= step else "optimizer step"
     return MemoryEstimate(
         breakdown=breakdown,
         total=int(dynamic + overhead),
-        peak_phase="forward/backward" if fwd_bwd >= step else "optimizer step",
+        peak_phase="loading" if loading_extra > 0 else phase,
         notes=tuple(notes),
     )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from moe_contracts.model import TRAINABLE_DTYPES, ModelReport
 
+from . import families
 from .errors import DocumentError, FieldError
 from .models import FAMILIES, ResolvedModel, spec_from_hf_config
 
@@ -97,6 +98,9 @@ def resolve_report(report: ModelReport, path: str) -> ResolvedModel:
         raise ModelRefused(MODEL_CONFIG_MISSING, f"{where} has no readable config.json")
     family = cfg.get("model_type")
     if family not in FAMILIES:
+        refused = families.refusal(family)
+        if refused is not None:
+            raise ModelRefused(UNSUPPORTED_ARCHITECTURE, f"{where}: {refused}")
         if is_moe_config(cfg):
             raise ModelRefused(
                 UNSUPPORTED_ARCHITECTURE,

@@ -9,8 +9,9 @@ Rules (docs/planning.md, measured in docs/performance.md):
 * ``fusedLoss``: LM head + cross-entropy in token chunks: the ``[tokens, vocab]`` logits and
   their fp32 copies (``tokens x V x (p + 8)`` bytes) never exist at once.
 * AutoEP at ``epSize`` 1 has nothing to parallelise: for the families the grouped MoE block
-  reproduces (Mixtral, Qwen3-MoE) the planner turns AutoEP off and uses ``moeImpl: grouped``
-  (one ``torch._grouped_mm`` per projection, no host sync), which also lets the next two apply.
+  reproduces (``FamilySpec.grouped_block``) the planner turns AutoEP off and uses
+  ``moeImpl: grouped`` (one ``torch._grouped_mm`` per projection, no host sync), which also
+  lets the next two apply.
 * ``zeroLeafModules`` = the decoder layer class, ``compileLayers``: ZeRO-3 fetches a whole decoder
   layer at once (one pair of hooks per layer instead of one per submodule) and each layer's
   forward runs as one ``torch.compile``'d graph (RMSNorm, RoPE, SwiGLU, softmax fused). Only
@@ -38,15 +39,12 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import families
 from .dsconfig import GpuCaps
-from .models import MoEModelSpec
+from .model_spec import MoEModelSpec
 
-DECODER_LAYER_CLASSES = {
-    "mixtral": "MixtralDecoderLayer",
-    "qwen3_moe": "Qwen3MoeDecoderLayer",
-    "deepseek_v3": "DeepseekV3DecoderLayer",
-}
-GROUPED_FAMILIES = ("mixtral", "qwen3_moe")
+DECODER_LAYER_CLASSES = {f.name: f.decoder_layer_class for f in families.REGISTRY.values()}
+GROUPED_FAMILIES = tuple(f.name for f in families.REGISTRY.values() if f.grouped_block)
 LOSS_CHUNK_TOKENS = 8192
 
 

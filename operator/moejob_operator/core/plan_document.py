@@ -15,11 +15,12 @@ import numpy as np
 from moe_contracts.plan import PLAN_KIND, PLAN_VERSION, MoEPlan, PlanError, parse_plan, plan_json
 from moe_contracts.topology import TopologyReport
 
+from . import families
 from . import perf as perf_mod
 from . import placement as placement_mod
 from .dsconfig import GpuCaps
 from .memory import MemoryEstimate
-from .models import FAMILIES, spec_from_hf_config
+from .models import spec_from_hf_config
 from .plan_request import PlanRequest
 from .plan_steps import _Memory
 from .topology import ClusterTopology
@@ -157,9 +158,17 @@ def check_plan(doc: dict[str, Any]) -> MoEPlan:
     ``complete``), and the model family's MoE layers and experts matching the placement."""
     plan = parse_plan(doc, complete=True)
     family = plan.model.family
-    if family not in FAMILIES:
-        raise PlanError(f"{PLAN_KIND} model.family: {family!r} is not one of {list(FAMILIES)}")
+    if family not in families.NAMES:
+        raise PlanError(
+            f"{PLAN_KIND} model.family: {family!r} is not one of {list(families.NAMES)}"
+        )
     spec = spec_from_hf_config(plan.model.hf_config or {}, f"{PLAN_KIND} model.hfConfig")
+    if spec.family != family:
+        raise PlanError(
+            f"{PLAN_KIND} model.hfConfig.model_type: "
+            f"{(plan.model.hf_config or {}).get('model_type')!r} differs from model.family "
+            f"{family!r} (it is a {spec.family} model)"
+        )
     if spec.num_experts % plan.ep_size:
         raise PlanError(
             f"{PLAN_KIND} epSize: {plan.ep_size} must divide the number of experts "

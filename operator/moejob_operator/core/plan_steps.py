@@ -16,7 +16,7 @@ import numpy as np
 
 from moe_contracts.routing import RoutingStats
 
-from . import cost, dispatch, router_groups
+from . import cost, dispatch, families, router_groups
 from . import perf as perf_mod
 from . import placement as placement_mod
 from .dsconfig import GpuCaps, choose_ep_size, deepspeed_config
@@ -148,6 +148,8 @@ def _ep_size(req: PlanRequest, topo: ClusterTopology) -> tuple[int, int]:
     E, world = req.model.spec.num_experts, topo.num_gpus
     order = topo.gpu_order() if req.strategy != "contiguous" else np.arange(world)
     auto_ep = choose_ep_size(_group_sizes(topo, order), E, world)
+    if not req.autoep or families.get(req.model.spec.family).autoep_preset is None:
+        auto_ep = 1  # no AutoEP: experts are ordinary ZeRO-3 parameters, nothing to split
     ep = auto_ep if req.ep_size is None else req.ep_size
     if ep < 1 or E % ep:
         raise FieldError("epSize", f"{ep} does not divide the number of experts {E}")
@@ -170,7 +172,7 @@ def _place(
             num_experts=spec.num_experts,
             num_layers=spec.num_moe_layers,
             seed=req.training.seed,
-            n_group=int((req.model.hf_config or {}).get("n_group") or 1),
+            n_group=spec.router_groups,
         )
     except ValueError as exc:
         raise FieldError("placement", str(exc)) from None
@@ -340,6 +342,7 @@ def memory_estimate(
         else None,
         grad_handoff=grad_handoff_applies(config, perf_doc),
         compiled_layers=bool(perf_doc.get("compileLayers")),
+        pretrained=req.model.path is not None,
     )
 
 

@@ -8,7 +8,7 @@ planner emits therefore fails the gate exactly as it would fail every job.
 
 The cases cover what real jobs run (docs/gate.md has the table):
 
-* every family the planner supports (:data:`.models.FAMILIES`: Mixtral, Qwen3-MoE, DeepSeek-V3),
+* the families with a ``smoke_config`` (``core.families``: Mixtral, Qwen3-MoE, DeepSeek-V3),
 * a model big enough that ZeRO-3 partitions most parameters: with the planner's
   ``stage3_param_persistence_threshold = 10 h`` every tensor of ``>= 10 h`` elements is
   partitioned, so the router (``E x h``, 16 experts) and all projections are; only norms stay
@@ -30,9 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from . import families
 from .dsconfig import CPU, GpuCaps
 from .errors import DocumentError
-from .models import FAMILIES, ResolvedModel, spec_from_hf_config
+from .models import ResolvedModel, spec_from_hf_config
 from .plan import PlanRequest, TrainingOptions, build_plan
 from .topology import ClusterTopology
 
@@ -52,63 +53,11 @@ _COMMON = dict(
     eos_token_id=257,
     pad_token_id=258,
 )
+# The small model of each family the gate covers (``FamilySpec.smoke_config``).
 SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
-    "mixtral": dict(
-        _COMMON,
-        model_type="mixtral",
-        architectures=["MixtralForCausalLM"],
-        intermediate_size=64,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=16,
-        num_experts_per_tok=2,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        sliding_window=None,
-        router_aux_loss_coef=0.0,
-    ),
-    "qwen3_moe": dict(
-        _COMMON,
-        model_type="qwen3_moe",
-        architectures=["Qwen3MoeForCausalLM"],
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=16,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        router_aux_loss_coef=0.0,
-    ),
-    # n_group 1: the planner's placements ignore DeepSeek's router groups (contiguous expert-id
-    # blocks), and a placement that crosses them changes the model (docs/gate.md).
-    "deepseek_v3": dict(
-        _COMMON,
-        model_type="deepseek_v3",
-        architectures=["DeepseekV3ForCausalLM"],
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=16,
-        routed_scaling_factor=1.0,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        qk_nope_head_dim=8,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=2,
-        first_k_dense_replace=0,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-6,
-        rope_scaling=None,
-    ),
+    f.name: dict(_COMMON, **f.smoke_config)
+    for f in families.REGISTRY.values()
+    if f.smoke_config is not None
 }
 
 
@@ -185,9 +134,10 @@ def smoke_plan(
     seed: int = SEED,
 ) -> dict[str, Any]:
     """The MoEPlan v1 document of one case, from :func:`build_plan`."""
-    if case.family not in FAMILIES:
+    if case.family not in SMOKE_HF_CONFIGS:
         raise DocumentError(
-            f"smoke case {case.name}: family {case.family!r} is not one of {FAMILIES}"
+            f"smoke case {case.name}: family {case.family!r} is not one of "
+            f"{tuple(SMOKE_HF_CONFIGS)}"
         )
     hf = dict(SMOKE_HF_CONFIGS[case.family])
     model = ResolvedModel(

@@ -1,0 +1,33 @@
+"""Mixtral: ``model.layers.<i>.mlp`` = ``MixtralSparseMoeBlock`` (router ``gate``, experts
+``experts.gate_up_proj``/``down_proj``). Checkpoints (hub and ``save_pretrained``) name the block
+``block_sparse_moe`` and each expert's projections ``w1`` (gate), ``w3`` (up), ``w2`` (down).
+AutoEP preset ``mixtral``."""
+
+from . import Family
+
+FAMILY = Family(
+    name="mixtral",
+    model_types=("mixtral",),
+    causal_lm_class="MixtralForCausalLM",
+    moe_block_class="MixtralSparseMoeBlock",
+    autoep_preset="mixtral",
+    grouped_block=True,
+    per_expert=("w1", "w3", "w2"),
+    renames=((".block_sparse_moe.", ".mlp."),),
+    tiny_name="tiny-mixtral",
+    tiny_config={
+        "model_type": "mixtral",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 512,
+        "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+    },
+)

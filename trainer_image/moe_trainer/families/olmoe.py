@@ -1,0 +1,34 @@
+"""OLMoE: ``model.layers.<i>.mlp`` = ``OlmoeSparseMoeBlock`` (router ``gate``, experts
+``experts``); one projection per expert on disk. DeepSpeed 0.19.8's AutoEP has no preset for it:
+the trainer's grouped block (``moe_trainer.grouped_moe``, ``training.moeImpl: grouped``) or the HF
+block runs it, experts being ordinary ZeRO-3 parameters (no expert parallelism)."""
+
+from . import Family
+
+FAMILY = Family(
+    name="olmoe",
+    model_types=("olmoe",),
+    causal_lm_class="OlmoeForCausalLM",
+    moe_block_class="OlmoeSparseMoeBlock",
+    autoep_preset=None,
+    grouped_block=True,
+    tiny_name="tiny-olmoe",
+    tiny_config={
+        "model_type": "olmoe",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": False,
+        "max_position_embeddings": 512,
+        "router_aux_loss_coef": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 258,
+    },
+)
