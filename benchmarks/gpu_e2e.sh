@@ -66,9 +66,14 @@ run)
   export PATH="$gdir/bin:$PATH" MOE_KUBE_BIN_DIR="$gdir/bin"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} TORCH_EXTENSIONS_DIR="$gdir/torch_ext"
-  ck=()  # checkpoints on the tmpfs when it can hold a 3.4 B model's optimizer state (~48 GB)
-  shm=$(df -k --output=avail /dev/shm 2>/dev/null | tail -1 || echo 0)
-  [ "${shm:-0}" -gt $((60 * 1024 * 1024)) ] && ck=(--checkpoints /dev/shm/moe-gpu-e2e-ckpt)
+  # Checkpoints (and exports) on a tmpfs when the machine can hold a 3.4 B model's final ZeRO-3
+  # checkpoint with its optimizer state (~48 GB) plus two exports: seconds instead of minutes.
+  ck=() mem=$(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo)
+  if [ "$(id -u)" = 0 ] && [ "${mem:-0}" -ge 110 ]; then
+    mkdir -p "$gdir/tmpfs"
+    mountpoint -q "$gdir/tmpfs" || mount -t tmpfs -o size=90g tmpfs "$gdir/tmpfs" || true
+    mountpoint -q "$gdir/tmpfs" && ck=(--checkpoints "$gdir/tmpfs/ckpt")
+  fi
   exec python3 -m moe_localkube.gpu_e2e --out "$out" --work "$gdir/work" \
       --crd "$root/crds/moetrainingjob.yaml" "${ck[@]}" "$@"
   ;;
