@@ -78,7 +78,10 @@ def finished(
 def test_digest_from_references_and_image_ids():
     assert G.digest_of(f"reg.io/t/trainer:1.0@{DIGEST}") == DIGEST
     assert G.digest_of(f"docker-pullable://reg.io/t/trainer@{DIGEST}") == DIGEST
-    assert G.digest_of(DIGEST) == DIGEST
+    # a bare imageID is the config ID of an image without a repository digest (containerd after
+    # `ctr images import`): `repo@<it>` resolves to nothing, so it is no digest to pin workers to
+    assert G.digest_of(DIGEST) is None
+    assert G.digest_of(f"docker://{DIGEST}") is None
     assert G.digest_of("reg.io/t/trainer:1.0") is None
     assert G.digest_of(None) is None
     assert G.repository_of(f"reg.io:5000/t/trainer:1.0@{DIGEST}") == "reg.io:5000/t/trainer"

@@ -241,7 +241,8 @@ def test_first_failure_stops_the_others_and_is_the_exit_code(code, tmp_path):
 def test_a_killed_rank_counts_first_over_the_peer_that_lost_it(tmp_path):
     """Rank 1 is killed (SIGKILL) while connected to rank 0, which exits 75 the moment the
     connection drops (as a gloo/NCCL rank does on a lost peer). Both usually die within one
-    poll of the gang; the killed rank is the cause and must be reported first."""
+    poll of the gang; the killed rank is the cause and must be reported first, in either order of
+    the gang seeing them."""
     port_file = tmp_path / "port"
     peer = _py(
         "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(1); "
@@ -257,7 +258,9 @@ def test_a_killed_rank_counts_first_over_the_peer_that_lost_it(tmp_path):
     )
     with open(tmp_path / "out", "w") as out:
         res = gang.Gang([peer, victim], _envs(2), stop_seconds=2.0, out=out).run()
-    assert res.codes == [75, 128 + signal.SIGKILL]
+    # the peer either saw the drop (75) or the gang stopped it first (SIGTERM, 143) when the poll
+    # found the killed rank before the peer's exit: on a loaded machine either can happen
+    assert res.codes[1] == 128 + signal.SIGKILL and res.codes[0] in (75, 128 + signal.SIGTERM)
     assert res.first_failure == 1 and res.exit_code == 128 + signal.SIGKILL
     assert "rank1 exited with code 137 first" in res.describe()
 

@@ -35,7 +35,7 @@ def test_cpu_worker_pod_builds_no_shm_op(tmp_path):
         }
     )
     job = JobRef(namespace="ns", name="shm", uid="0" * 36)
-    plan = planning._make_plan(job, spec, ["node-a"], {}, None, 0)
+    plan = planning._make_plan(job, spec, ["node-a"], {}, None, 0, planning.Inputs())
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     pod = workers.worker_pod(job, spec, node_rank=0, node="node-a", attempt=0, spec_hash="h")
     container = pod["spec"]["containers"][0]

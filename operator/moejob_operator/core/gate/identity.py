@@ -23,14 +23,19 @@ STORE_PREFIX = "moe-gate-"  # ConfigMap moe-gate-<key>
 SMOKE_JOB_PREFIX = "moe-smoke-"  # Job moe-smoke-<key>-<attempt>
 LABEL_GATE_KEY = "moe-operator.io/gate-key"
 
-_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+_DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})")
 
 
 def digest_of(reference: str | None) -> str | None:
-    """The `sha256:<64 hex>` in an image reference or a pod's `imageID`
-    (`docker-pullable://repo@sha256:...`, `repo@sha256:...`, `sha256:...`), else None."""
+    """The repository digest `sha256:<64 hex>` of an image reference or a pod's `imageID`
+    (`docker-pullable://repo@sha256:...`, `repo@sha256:...`), else None.
+
+    A bare `sha256:...` imageID is not one: it is the image's config ID, which containerd and
+    Docker report for an image that has no repository digest (imported or built on the node, never
+    pulled), and `repo@<that ID>` names nothing a runtime can resolve; such a runtime counts as
+    reporting no digest (the workers run the tag)."""
     m = _DIGEST_RE.search(reference or "")
-    return m.group(0) if m else None
+    return m.group(1) if m else None
 
 
 def repository_of(image: str) -> str:
