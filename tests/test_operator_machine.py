@@ -252,3 +252,16 @@ def test_failure_message_carries_the_launchers_termination_message():
         "failed (exit code 137, Signalled: node rank 1: rank3 exited with code 137 first"
         in d.message
     )
+
+
+def test_a_failed_gate_is_a_warning_event():
+    from moejob_operator.status import Transition, event_type_for
+
+    def etype(ctype: str, status: str, reason: str) -> str:
+        return event_type_for(Transition(ctype, status, reason, "m", previous=None))
+
+    # a person must look at a blocked image (kubectl get events --field-selector type=Warning)
+    assert etype(C.COND_UPGRADE_VERIFIED, "False", "SmokeTestFailed") == "Warning"
+    assert etype(C.COND_UPGRADE_VERIFIED, "False", "ImageDigestsDiffer") == "Warning"
+    assert etype(C.COND_UPGRADE_VERIFIED, "True", "SmokeTestPassed") == "Normal"
+    assert etype(C.COND_UPGRADE_VERIFIED, "Unknown", "SmokeTestRunning") == "Normal"

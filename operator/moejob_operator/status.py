@@ -143,6 +143,7 @@ def event_type_for(t: Transition) -> str:
                 C.COND_RECONCILED,
                 C.COND_MODEL_INSPECTED,
                 C.COND_DATA_PREPARED,
+                C.COND_UPGRADE_VERIFIED,  # SmokeTestFailed, ImageDigestsDiffer, ...
             )
             and t.status == FALSE
         )

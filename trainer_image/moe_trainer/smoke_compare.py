@@ -19,8 +19,9 @@ Quantities (docs/gate.md lists them with the tolerances):
   per expert, per step ``expertZeroFraction``: share of exactly-zero gradient entries (experts that
                       got as many tokens as in the reference)
   routing             ``routingMismatch``: share of (token, layer) whose experts differ (the
-                      ``dispatch`` check); a flip at a near-tie (``TIE_MARGIN``) switches the
-                      rest of the case to the table's ``nearTie`` set
+                      ``dispatch`` check); a flip at a near-tie (within ``tieMargin`` of the
+                      largest |logit|) switches the rest of the case to the table's ``nearTie``
+                      set; ``tieMargin`` is measured as the widest margin of a flip
   resume              ``resumeTensor`` (relative norm of the difference, per tensor),
                       ``resumeScalar`` (loss, lr)
 """
@@ -37,10 +38,19 @@ import torch
 from moe_trainer.smoke_reference import GROUPS, group_of
 
 TOLERANCES_FILE = Path(__file__).with_name("smoke_tolerances.json")
-# A token whose k-th and (k+1)-th router logits are closer than this share of the largest |logit|
-# is a near-tie: arithmetic noise (another reduction order, 16-bit rounding) may route it to the
-# other expert, which changes that step's expert gradients by far more than the noise itself.
+# A token whose k-th and (k+1)-th router logits are closer than ``tieMargin`` (a tolerance of the
+# table: 16-bit activations round far more coarsely than fp32) of the largest |logit| is a near-tie:
+# arithmetic noise (another reduction order, 16-bit rounding) may route it to the other expert,
+# which changes that step's expert gradients by far more than the noise itself. TIE_MARGIN: for a
+# table that names none.
 TIE_MARGIN = 1e-3
+
+
+def tie_margin(tol: dict[str, float]) -> float:
+    """The near-tie margin of tolerance set ``tol``."""
+    return float(tol.get("tieMargin", TIE_MARGIN))
+
+
 GROUP_QUANTITIES = ("grad", "update", "expAvg", "expAvgSq")
 WHAT = {
     "grad": "gradient",

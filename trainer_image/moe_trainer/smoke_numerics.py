@@ -220,7 +220,7 @@ def run_steps(run, failed):
             )
             same_tokens = _slot_counts(rs.topk, tr.num_experts) == counts  # [L, E]
             steps.append((sb, share))
-            if share and margin < C.TIE_MARGIN and not ties:
+            if share and margin < C.tie_margin(tol) and not ties:
                 # a near-tie went the other way: fp32 arithmetic noise, not a fault; from here on
                 # the two runs train slightly different models
                 ties = f"step {k + 1}"
@@ -237,7 +237,7 @@ def run_steps(run, failed):
             )
             got = (grads, ours_u, m1, m2, lr, opt_step, gnorm)
             problems = _compare(run, lm, aux, got, rs, views, tol, (layers, same_tokens, counts))
-            if share and margin >= C.TIE_MARGIN:
+            if share and margin >= C.tie_margin(tol):
                 problems.append(
                     f"{share:.1%} of the (token, layer) routed to other experts than in the "
                     f"reference, some where the reference's choice was clear (logit margin up "
@@ -257,6 +257,8 @@ def run_steps(run, failed):
                     grads, views[0], math.inf, layers, same_tokens, counts
                 )[0],
                 "routingMismatch": share,
+                # the widest margin at which a choice went the other way (what tieMargin must pass)
+                "tieMargin": float(margin) if share else 0.0,
             }
             for q, ours, want in (
                 ("grad", grads, views[0]),
