@@ -1,4 +1,5 @@
-"""Names, labels and owner references shared by every child of a MoETrainingJob."""
+"""Names, labels, owner references and the pod security context shared by every child of a
+MoETrainingJob."""
 
 from __future__ import annotations
 
