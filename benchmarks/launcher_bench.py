@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("operator", "trainer_image"):
     if str(ROOT / sub) not in sys.path:
         sys.path.insert(0, str(ROOT / sub))
+
+from bench_common import free_port
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss \S+ aux \S+ (\d+) tok/s")
 NO_MULTICAST = {
@@ -140,12 +141,6 @@ def make_plan(work: Path, m: dict, cpu: bool) -> Path:
     doc["training"].pop("checkpointDir", None)  # no checkpoints: they are not what is measured
     plan.write_text(json.dumps(doc))
     return plan
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_once(

@@ -37,21 +37,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 
+from bench_common import (
+    copy_sites,
+    env_single,
+    free_port,
+    gpu_memory,
+    matmul_peak_tflops,
+    profile_summary,
+    run_child,
+)
+from mfu_report import SIZES, annotate, render, write_profiles
+
 ROOT = Path(__file__).resolve().parents[1]
-DATASHEET_TFLOPS = 989.5
-SIZES = {
-    # name: (preset, seq, micro-batch)
-    "3b": ("bench-mixtral-3b", 2048, 8),
-    "430m": ("bench-mixtral", 1024, 16),
-    "tiny": ("tiny-mixtral", 64, 2),
-}
 TRAINER_VARIANTS = (
     "stock",
     "stock_levers",
@@ -72,156 +74,7 @@ LOSS_SIZE = "430m"
 BF16_MASTER = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
-# ---- FLOPs -------------------------------------------------------------------------------------
-
-
-def flops_per_token(spec, seq: int) -> dict:
-    """Model FLOPs per trained token (forward + backward), by the formula in the module
-    docstring."""
-    h, L = spec.hidden_size, spec.num_layers
-    q_out, kv_out = spec.num_attention_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    attn = L * (h * q_out + 2 * h * kv_out + q_out * h)
-    router = spec.num_moe_layers * spec.num_experts * h
-    experts = spec.num_moe_layers * spec.top_k * spec.expert_params()
-    dense_mlp = spec.num_dense_layers * spec.dense_mlp_params()
-    lm_head = spec.vocab_size * h
-    active = attn + router + experts + dense_mlp + lm_head
-    scores = 6 * L * seq * q_out
-    return {
-        "activeMatmulParams": active,
-        "matmulFlops": 6 * active,
-        "attentionScoreFlops": scores,
-        "flopsPerToken": 6 * active + scores,
-    }
-
-
 # ---- helpers -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env_single(port: int) -> None:
-    for k, v in {
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    }.items():
-        os.environ.setdefault(k, v)
-
-
-def matmul_peak_tflops(torch) -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    sec = start.elapsed_time(end) / 1e3 / 20
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n**3 / sec / 1e12
-
-
-def gpu_memory(torch) -> dict:
-    if not torch.cuda.is_available():
-        return {}
-    free, total = torch.cuda.mem_get_info()
-    reserved = torch.cuda.memory_reserved()
-    outside = (total - free) - reserved  # CUDA context, NCCL, cuBLAS workspaces
-    return {
-        "maxAllocatedBytes": torch.cuda.max_memory_allocated(),
-        "maxReservedBytes": torch.cuda.max_memory_reserved(),
-        "outsideAllocatorBytes": outside,
-        "peakDeviceBytes": torch.cuda.max_memory_reserved() + outside,
-    }
-
-
-def copy_sites(prof, top: int = 8) -> list[dict]:
-    """Where the GPU time of ``aten::copy_`` comes from (``MFU_PROFILE_STACKS=1``: the profiled
-    step records shapes and Python stacks): device time grouped by input dtypes and the innermost
-    frames of the calling code."""
-    groups: dict = {}
-    for e in prof.events():
-        if e.name != "aten::copy_" or e.self_device_time_total <= 0:
-            continue
-        frames, q = [], e.cpu_parent  # the enclosing ops and (with_stack) Python frames
-        while q is not None and len(frames) < 6:
-            if "torch/" not in q.name and not q.name.startswith("<built-in"):
-                frames.append(q.name)
-            q = q.cpu_parent
-        key = (str(e.input_shapes[:2]), " <- ".join(frames))
-        g = groups.setdefault(key, {"ms": 0.0, "calls": 0})
-        g["ms"] += e.self_device_time_total / 1e3
-        g["calls"] += 1
-    rows = [{"shapes": k[0], "stack": k[1], **v} for k, v in groups.items()]
-    return sorted(rows, key=lambda r: -r["ms"])[:top]
-
-
-def profile_summary(prof, wall_s: float, top: int = 12) -> dict:
-    """GPU busy (union of kernel intervals) vs idle over the profiled step; top kernels/host ops."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        trace = json.load(f)
-    os.unlink(path)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kernels = [
-        e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
-    ]
-    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e["name"], []).append(float(e["dur"]))
-    top_k = sorted(((sum(v), len(v), k) for k, v in by_name.items()), reverse=True)[:top]
-    kernel_sum = sum(float(e["dur"]) for e in kernels)
-    host = sorted(
-        ((float(e["dur"]), e["name"]) for e in events if e.get("cat") == "cpu_op" and "dur" in e),
-        reverse=True,
-    )
-    wall_us = wall_s * 1e6
-    return {
-        "wallMs": wall_s * 1e3,
-        "gpuBusyMs": busy / 1e3,
-        "gpuIdleMs": max(0.0, wall_us - busy) / 1e3,
-        "kernelSumMs": kernel_sum / 1e3,
-        "kernels": len(kernels),
-        "topKernels": [
-            {"name": n[:110], "ms": t / 1e3, "calls": c, "share": t / max(kernel_sum, 1)}
-            for t, c, n in top_k
-        ],
-        "table": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top),
-        "longestHostOps": [{"name": n[:90], "ms": d / 1e3} for d, n in host[:top]],
-    }
 
 
 def _note_sync(syncs: dict) -> None:
@@ -353,7 +206,7 @@ def trainer_worker(
 ) -> dict:
     import torch
 
-    _env_single(_free_port())
+    env_single(free_port())
     from moe_contracts.plan import parse_plan
     from moe_trainer import distenv, perf
     from moe_trainer.trainer import Trainer
@@ -604,21 +457,11 @@ def run_all(args) -> dict:
         )
         t0 = time.perf_counter()
         print(f"== {run}", flush=True)
-        try:
-            proc = subprocess.run(
-                cmd, timeout=min(args.run_timeout, left), capture_output=True, text=True
-            )
-            rc, log = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, log = (
-                "timeout",
-                (
-                    (exc.stdout or b"").decode(errors="replace")
-                    if isinstance(exc.stdout, bytes)
-                    else (exc.stdout or "")
-                )
-                + str(exc),
-            )
+        timeout = min(args.run_timeout, left)
+        code, log = run_child(cmd, timeout)
+        rc: int | str = "timeout" if code is None else code
+        if code is None:
+            log += f"Command '{cmd}' timed out after {timeout} seconds"
         wall = time.perf_counter() - t0
         if rc == 0 and res_path.exists():
             res = json.loads(res_path.read_text())
@@ -636,169 +479,6 @@ def run_all(args) -> dict:
         results["runs"].append(res)
         (out_dir / f"mfu_{args.tag}.json").write_text(json.dumps(annotate(results), indent=1))
     return annotate(results)
-
-
-def annotate(results: dict) -> dict:
-    """Add FLOPs/token, MFU and the ratios within the run."""
-    from moejob_operator.core import models as core_models
-
-    by = {r["run"]: r for r in results["runs"] if "error" not in r}
-    for r in results["runs"]:
-        if "error" in r or r.get("kind") == "loss":
-            continue
-        preset, seq, _ = SIZES[r["size"]]
-        f = flops_per_token(core_models.resolve_model(preset).spec, seq)
-        r["flops"] = f
-        tflops = r["tokensPerSecond"] * f["flopsPerToken"] / 1e12
-        r["achievedTflops"] = tflops
-        if r.get("peakTflops"):
-            r["mfuMeasuredPeak"] = tflops / r["peakTflops"]
-        r["mfuDatasheet"] = tflops / DATASHEET_TFLOPS
-        for ref in ("stock", "plain_compiled", "plain_eager"):
-            other = by.get(f"{r['size']}:{ref}")
-            if other:
-                r[f"vs_{ref}"] = r["tokensPerSecond"] / other["tokensPerSecond"]
-    losses = {
-        r["variant"]: r["losses"]
-        for r in results["runs"]
-        if r.get("kind") == "loss" and "error" not in r
-    }
-    if "stock" in losses:
-        every = {v: compare_losses(losses["stock"], xs) for v, xs in losses.items() if v != "stock"}
-        results["lossCurvesByVariant"] = every
-        if "fast" in every:
-            results["lossCurves"] = every["fast"]
-    return results
-
-
-LOSS_TOLERANCE = 0.03  # relative, on the 10-step moving average, every step from 10 on
-
-
-def compare_losses(ref: list[float], fast: list[float]) -> dict:
-    n = min(len(ref), len(fast))
-
-    def ma(xs, i):
-        lo = max(0, i - 9)
-        return sum(xs[lo : i + 1]) / (i + 1 - lo)
-
-    rel = [abs(ma(fast, i) - ma(ref, i)) / abs(ma(ref, i)) for i in range(9, n)]
-    return {
-        "steps": n,
-        "first": [ref[0], fast[0]],
-        "last10Mean": [ma(ref, n - 1), ma(fast, n - 1)],
-        "maxRelDiffMovingAvg10": max(rel) if rel else None,
-        "tolerance": LOSS_TOLERANCE,
-        "within": bool(rel) and max(rel) <= LOSS_TOLERANCE,
-        "maxAbsDiffPerStep": max(abs(a - b) for a, b in zip(ref[:n], fast[:n], strict=True)),
-    }
-
-
-def render(results: dict) -> str:
-    lines = [
-        f"# MFU benchmark ({results.get('device')}, torch {results.get('torch')})",
-        "",
-        (
-            "FLOPs/token = 6 x active matmul params (attention, router, top-k experts, LM head) "
-            "+ 6 x L x s x h (causal attention scores); no recompute counted."
-        ),
-        "",
-        (
-            "| size | variant | tokens/s | step ms | GFLOP/token | TFLOP/s | MFU (measured peak) "
-            "| MFU (989 TF) "
-            "| vs stock | vs plain compiled | peak device GiB | estimate GiB | est/meas |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results["runs"]:
-        if r.get("kind") == "loss":
-            continue
-        if "error" in r:
-            lines.append(f"| {r['run']} | FAILED: {r['error']} |" + " |" * 11)
-            continue
-        mem = r.get("memory") or {}
-        meas = mem.get("peakDeviceBytes")
-        est = (r.get("plan") or {}).get("estimatedPeakBytes")
-        fmt = lambda v, f="{:.2f}x": f.format(v) if v is not None else "-"  # noqa: E731
-        lines.append(
-            f"| {r['size']} | {r['variant']} | {r['tokensPerSecond']:,.0f} | {r['stepMs']:.1f} | "
-            f"{r['flops']['flopsPerToken'] / 1e9:.2f} | {r['achievedTflops']:.0f} | "
-            f"{fmt(r.get('mfuMeasuredPeak'), '{:.1%}')} | {r['mfuDatasheet']:.1%} | "
-            f"{fmt(r.get('vs_stock'))} | "
-            f"{fmt(r.get('vs_plain_compiled'))} | {fmt(meas and meas / 2**30, '{:.1f}')} | "
-            f"{fmt(est and est / 2**30, '{:.1f}')} | "
-            f"{fmt(est / meas if est and meas else None, '{:.2f}')} |"
-        )
-    peaks = [r["peakTflops"] for r in results["runs"] if r.get("peakTflops")]
-    if peaks:
-        lo, hi = min(peaks), max(peaks)
-        lines += [
-            "",
-            f"Measured bf16 matmul peak (8192^3, random data): {lo:.0f}-{hi:.0f} TFLOP/s.",
-        ]
-    lines += [
-        "",
-        "## Where the step goes (one profiled step per variant)",
-        "",
-        (
-            "| size | variant | wall ms | GPU busy ms | GPU idle ms | top kernels (share of kernel "
-            "time) |"
-        ),
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results["runs"]:
-        p = r.get("profile")
-        if not p:
-            continue
-        top = "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in p["topKernels"][:4])
-        lines.append(
-            f"| {r['size']} | {r['variant']} | {p['wallMs']:.1f} | {p['gpuBusyMs']:.1f} | "
-            f"{p['gpuIdleMs']:.1f} | {top} |"
-        )
-    every = results.get("lossCurvesByVariant") or (
-        {"fast": results["lossCurves"]} if results.get("lossCurves") else {}
-    )
-    if every:
-        lines += ["", "## Loss curves (real text, same seed, against stock)", ""]
-    for v, lc in every.items():
-        lines += [
-            (
-                f"- {v}: {lc['steps']} steps; first loss stock {lc['first'][0]:.4f} / {v} "
-                f"{lc['first'][1]:.4f}; "
-                f"last-10 mean stock {lc['last10Mean'][0]:.4f} / {v} {lc['last10Mean'][1]:.4f}; "
-                "max relative difference of the 10-step moving average "
-                f"{lc['maxRelDiffMovingAvg10']:.3%} "
-                f"(tolerance {lc['tolerance']:.0%}: {'within' if lc['within'] else 'OUTSIDE'}); "
-                f"max per-step |diff| {lc['maxAbsDiffPerStep']:.4f}."
-            )
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def write_profiles(results: dict, path: Path) -> None:
-    parts = []
-    for r in results["runs"]:
-        p = r.get("profile")
-        if not p:
-            continue
-        parts.append(
-            f"===== {r['run']}: wall {p['wallMs']:.1f} ms, GPU busy {p['gpuBusyMs']:.1f} ms, "
-            f"idle {p['gpuIdleMs']:.1f} ms, kernel sum {p['kernelSumMs']:.1f} ms, {p['kernels']} "
-            "kernels"
-        )
-        parts += [
-            f"  {k['ms']:8.2f} ms {k['calls']:5d}x {k['share']:6.1%}  {k['name']}"
-            for k in p["topKernels"]
-        ]
-        if p.get("hostSyncs"):
-            parts.append(
-                "  host syncs by tensor ops (torch.cuda sync debug mode; stream/event syncs are "
-                "not listed):"
-            )
-            parts += [f"  {n:4d}x  {k}" for k, n in p["hostSyncs"]]
-        parts.append("  longest host ops:")
-        parts += [f"  {h['ms']:8.2f} ms  {h['name']}" for h in p["longestHostOps"]]
-        parts.append(p["table"])
-    path.write_text("\n".join(parts) + "\n")
 
 
 def main(argv=None) -> None:

@@ -50,7 +50,8 @@ from scipy.optimize import linprog
 
 from moe_contracts.routing import read_routing_stats
 from moejob_operator.core.cost import score
-from moejob_operator.core.placement import _refine_tokens, solve
+from moejob_operator.core.placement import solve
+from moejob_operator.core.placement.refine import _refine_tokens
 from moejob_operator.core.topology import ClusterTopology
 from placement_heldout import CASES  # the held-out evaluation's EP layouts
 

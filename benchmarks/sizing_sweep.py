@@ -195,16 +195,16 @@ def case_doc(group, micro, ckpt, persistence, steps, groups, dry, auto=False) ->
 def worker(case_path: Path, result_path: Path, warmup: int, steps: int) -> int:
     import torch
 
-    import mfu_bench
+    import bench_common
     from moe_contracts.plan import parse_plan
     from moe_trainer import distenv
     from moe_trainer.trainer import Trainer
 
-    mfu_bench._env_single(mfu_bench._free_port())
+    bench_common.env_single(bench_common.free_port())
     case = json.loads(case_path.read_text())
     plan = parse_plan(case["plan"])
     cuda = plan.device == "cuda"
-    peak = mfu_bench.matmul_peak_tflops(torch) if cuda else None
+    peak = bench_common.matmul_peak_tflops(torch) if cuda else None
     env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=not cuda)
     distenv.init_distributed(env)
     marks: dict[int, float] = {}
@@ -228,7 +228,7 @@ def worker(case_path: Path, result_path: Path, warmup: int, steps: int) -> int:
         out.update(exit=code, stepSeconds=timed, tokensPerSecond=tokens / timed, oom=False)
     except torch.cuda.OutOfMemoryError as exc:
         out.update(oom=True, error=str(exc)[:500])
-    out.update(mfu_bench.gpu_memory(torch) if cuda else {})
+    out.update(bench_common.gpu_memory(torch) if cuda else {})
     result_path.write_text(json.dumps(out))
     return 3 if out.get("oom") else 0
 

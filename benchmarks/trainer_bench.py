@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench_common import device_ms, device_us, env_single, free_port, median_ms, run_child
+from trainer_report import report
 
 VARIANTS = {
     # name: (label, how the MoE runs)
@@ -140,12 +142,7 @@ def ds_config(d: dict, on_gpu: bool, autoep: bool, mods: list[str] = ()) -> dict
 def _setup(tiny: bool):
     import torch
 
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    env_single(29500)
     on_gpu = torch.cuda.is_available() and not tiny
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -254,19 +251,6 @@ def train_worker(args) -> dict:
     return res
 
 
-def _device_us(prof) -> float:
-    """Sum of kernel time over a profile, microseconds: device events only (CPU ops also carry
-    the device time of the kernels they launch; counting both would double it), the same sum as
-    the profiler table's "Self CUDA time total"."""
-    from torch.autograd import DeviceType
-
-    return sum(
-        e.self_device_time_total
-        for e in prof.key_averages()
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-    )
-
-
 def profile_steps(torch, step, args) -> dict:
     """3 profiled steps: kernel table by device time, and GPU-busy vs wall time per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -286,43 +270,8 @@ def profile_steps(torch, step, args) -> dict:
     )
     path = Path(args.out) / f"trainer_profile_{args.worker.replace('@', '_b')}.txt"
     path.write_text(table + "\n\nBy self CPU time:\n" + cpu_table)
-    busy = _device_us(prof) / 3 / 1e3
+    busy = device_us(prof) / 3 / 1e3
     return {"table": path.name, "gpuBusyMsPerStep": busy, "wallMsPerStepProfiled": wall * 1e3}
-
-
-def _dev_ms(torch, fn, on_gpu, iters=10) -> float | None:
-    """Kernel time of fn() in ms (sum of device time, host gaps excluded), via torch.profiler."""
-    if not on_gpu:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return _device_us(prof) / iters / 1e3
-
-
-def _time(torch, fn, on_gpu, warmup=5, iters=20) -> float:
-    """Median milliseconds of fn() (CUDA events on GPU)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        if on_gpu:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t) * 1e3)
-    return sorted(out)[len(out) // 2]
 
 
 def layer_worker(args) -> dict:
@@ -358,8 +307,8 @@ def layer_worker(args) -> dict:
     res = {"tokens": tokens, "ms": {}, "deviceMs": {}}
 
     def measure(name, fn):
-        res["ms"][name] = _time(torch, fn, on_gpu)
-        res["deviceMs"][name] = _dev_ms(torch, fn, on_gpu)
+        res["ms"][name] = median_ms(torch, fn, on_gpu)
+        res["deviceMs"][name] = device_ms(torch, fn, on_gpu)
 
     for impl in ("eager", "grouped_mm"):
         cfg._experts_implementation = impl if (impl == "eager" or on_gpu) else "eager"
@@ -483,14 +432,6 @@ def check_worker(args) -> dict:
     return res
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_worker(variant: str, args, log) -> dict:
     out_json = Path(args.out) / f".{variant}.json"
     cmd = (
@@ -514,119 +455,21 @@ def run_worker(variant: str, args, log) -> dict:
     t = time.perf_counter()
     env = dict(os.environ)
     env.setdefault(
-        "MASTER_PORT", str(_free_port())
+        "MASTER_PORT", str(free_port())
     )  # 29500 may be taken by another run on this host
-    try:
-        proc = subprocess.run(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=args.worker_timeout,
-            env=env,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = (
-            exc.stdout
-            if isinstance(exc.stdout, str)
-            else (exc.stdout or b"").decode(errors="replace")
-        )
-        proc = subprocess.CompletedProcess(cmd, -9, out + f"\nTIMEOUT after {args.worker_timeout}s")
-    log.write(
-        f"===== {variant} rc={proc.returncode} {time.perf_counter() - t:.1f}s\n{proc.stdout}\n"
-    )
+    rc, out = run_child(cmd, args.worker_timeout, env)
+    if rc is None:
+        rc, out = -9, out + f"\nTIMEOUT after {args.worker_timeout}s"
+    log.write(f"===== {variant} rc={rc} {time.perf_counter() - t:.1f}s\n{out}\n")
     log.flush()
-    if proc.returncode != 0 or not out_json.exists():
-        tail = "\n".join(proc.stdout.splitlines()[-15:])
-        print(f"[{variant}] FAILED rc={proc.returncode}\n{tail}", flush=True)
+    if rc != 0 or not out_json.exists():
+        tail = "\n".join(out.splitlines()[-15:])
+        print(f"[{variant}] FAILED rc={rc}\n{tail}", flush=True)
         return {"variant": variant, "label": VARIANTS.get(variant, variant), "error": tail[-2000:]}
     res = json.loads(out_json.read_text())
     out_json.unlink()
     print(f"[{variant}] done in {time.perf_counter() - t:.0f}s", flush=True)
     return res
-
-
-def report(results: dict, tag: str, d: dict, args) -> str:
-    tr = results["train"]
-    base = {
-        k: tr[k]["tokensPerSecond"] for k in ("autoep", "hf") if "tokensPerSecond" in tr.get(k, {})
-    }
-    base.update(
-        {
-            k: tr[k]["tokensPerSecond"]
-            for k in tr
-            if k.startswith("autoep@") and "tokensPerSecond" in tr[k]
-        }
-    )
-    gib = 2**30
-    lines = [
-        f"# Trainer benchmark ({tag})",
-        "",
-        (
-            f"Model: Mixtral-style, hidden {d['hidden']}, intermediate {d['inter']}, "
-            f"{d['experts']} experts "
-            f"top-{d['top_k']}, {d['layers']} layers, seq {d['seq']}, micro-batch {d['batch']}, "
-            f"{'bf16' if results['onGpu'] else 'fp32'}, ZeRO-3, 1 process; {args.steps} timed "
-            "steps after "
-            f"{args.warmup} warm-up. Device: {results['device']}."
-        ),
-        "",
-        (
-            "| variant | tokens/s | vs (a) | vs (b) | mean step ms | GPU busy ms/step | peak alloc "
-            "GiB | peak reserved GiB | loss first/last |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for k, r in tr.items():
-        if "error" in r:
-            lines.append(f"| {r['label']} | failed | | | | | | | |")
-            continue
-        tps = r["tokensPerSecond"]
-        suffix = k[k.index("@") :] if "@" in k else ""
-        ra = f"{tps / base['autoep' + suffix]:.2f}x" if "autoep" + suffix in base else "-"
-        rb = f"{tps / base['hf']:.2f}x" if "hf" in base and not suffix else "-"
-        busy = f"{r['profile']['gpuBusyMsPerStep']:.1f}" if "profile" in r else "-"
-        m = r.get("memorySteady", {})
-        alloc = f"{m['maxAllocatedBytes'] / gib:.1f}" if m else "-"
-        resv = f"{m['maxReservedBytes'] / gib:.1f}" if m else "-"
-        lines.append(
-            f"| {r['label']} | {tps / 1e3:.1f}k | {ra} | {rb} | {r['stepSecondsMean'] * 1e3:.1f} "
-            f"| {busy} | {alloc} | {resv} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} |"
-        )
-    chk = results.get("check", {})
-    lines += [
-        "",
-        "Correctness on the device (grouped bf16 vs HF eager fp32, relative L2 error): "
-        + ", ".join(f"{k} {v:.2e}" for k, v in chk.items() if isinstance(v, float))
-        + (
-            "; CUDA sync-debug 'error' mode: "
-            f"{'no host sync' if chk.get('syncDebugError') is None else chk['syncDebugError']}"
-            if "syncDebugError" in chk
-            else ""
-        ),
-    ]
-    lay = results.get("layer", {})
-    if "ms" in lay:
-        dev = lay.get("deviceMs", {})
-        lines += [
-            "",
-            (
-                f"MoE layer alone ({lay['tokens']} tokens, forward + backward, no ZeRO): wall ms "
-                "(median, "
-                "CUDA events) and device ms (sum of kernel time, torch.profiler):"
-            ),
-            "",
-            "| path | wall ms | device ms |",
-            "|---|---|---|",
-        ]
-        lines += [
-            f"| {k} | {v:.3f} | {dev[k]:.3f} |"
-            if dev.get(k) is not None
-            else f"| {k} | {v:.3f} | - |"
-            for k, v in lay["ms"].items()
-        ]
-        lines += [""] + [f"- {k}: {v:.1%}" for k, v in lay.items() if ".routingShare" in k]
-    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,8 @@ from moejob_operator.core.placement import (
     STRATEGIES,
     Placement,
     brute_force_count,
+    packing,
+    refine,
     solve,
 )
 from moejob_operator.core.routing import RoutingStats, count_routing, synthetic_trace
@@ -252,11 +254,11 @@ def test_multi_start_keeps_more_together_than_one_start_on_recorded_routing():
     gained = 0
     for layer in range(st.num_layers):
         load, coact = st.load[layer].astype(float), st.coact[layer] / st.tokens
-        flat = placement._lpt(load, np.full(32, 2))
+        flat = packing._lpt(load, np.full(32, 2))
         limit = 1.02 * np.bincount(flat, weights=load, minlength=32).max()
         values = []
         for starts in (1, placement.MAX_STARTS):
-            e2r = placement._topology_aware_layer(
+            e2r = refine._topology_aware_layer(
                 load, coact, rank_node, rank_group, 2, 0.02, np.random.default_rng(0), starts=starts
             )
             assert np.bincount(e2r, minlength=32).tolist() == [2] * 32
@@ -325,7 +327,7 @@ def test_swap_deltas_match_a_recount():
     def distinct(lab: np.ndarray) -> float:
         return sum(weight[sorted(set(lab[row].tolist()))].sum() for row in te)
 
-    delta = placement._swap_deltas(X, label, weight)
+    delta = refine._swap_deltas(X, label, weight)
     base = distinct(label)
     checked = 0
     for a in range(E):
@@ -363,8 +365,8 @@ def test_token_refinement_lowers_exact_top_k_cost_under_the_load_limit():
 
 def test_token_refinement_is_skipped_for_top_2_and_large_models():
     st2 = synthetic_trace(2, 16, 2, 500, seed=1)
-    assert placement._refine_sample(st2, 0, 2) is None  # the pair objective is exact
+    assert refine._refine_sample(st2, 0, 2) is None  # the pair objective is exact
     st4 = synthetic_trace(2, 16, 4, 5000, seed=1)
-    sample = placement._refine_sample(st4, 1, 2)
+    sample = refine._refine_sample(st4, 1, 2)
     assert sample is not None and sample.shape == (5000, 4)
-    assert placement._refine_sample(st4, 1, 4096) is None  # below MIN_REFINE_TOKENS
+    assert refine._refine_sample(st4, 1, 4096) is None  # below MIN_REFINE_TOKENS

@@ -41,22 +41,12 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_trainer import families, models
+from moe_trainer.inspect_model import TOKENIZER_FILES  # export copies what inspection reports
 
 log = logging.getLogger("moe_trainer.export")
 
 SHARD_BYTES = 2 << 30
 MANIFEST, MANIFEST_KIND = "export.json", "MoEExport"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 class ExportError(RuntimeError):

@@ -1,4 +1,5 @@
-"""Names, labels and owner references shared by every child of a MoETrainingJob."""
+"""Names, labels, owner references and the pod security context shared by every child of a
+MoETrainingJob."""
 
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ class JobRef:
     def from_body(cls, body: dict[str, Any]) -> JobRef:
         meta = body["metadata"]
         return cls(namespace=meta["namespace"], name=meta["name"], uid=meta["uid"])
+
+
+# The workers' user and group; the prepare, smoke and digest-probe pods run as it too, so the files
+# one child writes on a shared volume are the others' to read.
+RUN_AS_USER = 1000
+
+
+def pod_security_context(user: int = RUN_AS_USER, *, fs_group: bool = True) -> dict[str, Any]:
+    """A child pod's ``securityContext``: not root, as ``user`` (uid and gid), RuntimeDefault
+    seccomp; ``fs_group`` also gives mounted volumes to that group (pods without volumes skip it).
+    """
+    ctx: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": user, "runAsGroup": user}
+    if fs_group:
+        ctx["fsGroup"] = user
+    ctx["seccompProfile"] = {"type": "RuntimeDefault"}
+    return ctx
 
 
 def quantity(value: int | str) -> str:

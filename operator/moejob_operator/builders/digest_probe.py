@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import JobSpec
-from .common import JobRef, child_metadata, resources
-from .workers import RUN_AS_USER
+from .common import JobRef, child_metadata, pod_security_context, resources
 
 COMPONENT = "digest-probe"
 PROBE_COMMAND = ("true",)  # coreutils: in every trainer image (and on every dev node)
@@ -41,12 +40,7 @@ def probe_pod(job: JobRef, spec: JobSpec, node: str, index: int) -> dict[str, An
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 0,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(fs_group=False),
         "containers": [container],
     }
     if spec.scheduling.tolerations:

@@ -40,8 +40,8 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from .. import constants as C
+from .common import pod_security_context, token_mount, token_volume
 from .common import resources as quantities
-from .common import token_mount, token_volume
 
 COMPONENT = "discovery"
 DISCOVERY_POD_PREFIX = "moe-discovery-"
@@ -181,12 +181,7 @@ def discovery_pod(
         "automountServiceAccountToken": False,  # bound token projected instead (see above)
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 5,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": NOBODY,
-            "runAsGroup": NOBODY,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(NOBODY, fs_group=False),
         "tolerations": [{"key": C.GPU_RESOURCE, "operator": "Exists"}, *map(dict, tolerations)],
         "containers": [container],
         "volumes": [token_volume()],

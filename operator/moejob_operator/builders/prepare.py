@@ -22,6 +22,7 @@ from . import volumes
 from .common import (
     JobRef,
     child_metadata,
+    pod_security_context,
     resources,
     token_mount,
     token_volume,
@@ -31,7 +32,6 @@ INSPECT_COMMAND = ("moe-inspect",)
 PREPARE_COMMAND = ("moe-prepare-data",)
 COMPONENT_INSPECT = "inspect"
 COMPONENT_PREPARE = "prepare-data"
-RUN_AS_USER = 1000  # the workers' user: files the prepare pod writes are theirs to read
 INSPECT_DEADLINE_SECONDS = 600
 INSPECT_RESOURCES = ({"cpu": "100m", "memory": "256Mi"}, {"memory": "1Gi"})
 PREPARE_RESOURCES = ({"cpu": "1", "memory": "2Gi"}, {"memory": "8Gi"})
@@ -152,13 +152,7 @@ def _pod(
         "automountServiceAccountToken": False,  # bound token projected instead
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 10,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": vols,
     }

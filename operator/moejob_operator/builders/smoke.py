@@ -15,8 +15,7 @@ from moe_contracts import env as E
 from .. import constants as C
 from ..core import gate as G
 from ..core.gate import golden as GG
-from .common import resources
-from .workers import RUN_AS_USER
+from .common import pod_security_context, resources
 
 SMOKE_COMMAND = ("moe-smoke",)
 SCRATCH = "/var/tmp/moe-smoke"  # emptyDir: checkpoints of the smoke run, JIT builds
@@ -124,13 +123,7 @@ def smoke_job(
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": [
             {"name": "scratch", "emptyDir": {}},

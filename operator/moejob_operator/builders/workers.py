@@ -23,6 +23,7 @@ from .common import (
     job_ports,
     master_addr,
     plan_configmap_name,
+    pod_security_context,
     progress_configmap_name,
     resources,
     routing_stats_configmap_name,
@@ -34,7 +35,6 @@ from .common import (
 )
 
 TRAINER_COMMAND = ("moe-train",)  # in a pod: the node launcher (moe_trainer.launch)
-RUN_AS_USER = 1000
 
 
 def trainer_args(spec: JobSpec) -> list[str]:
@@ -217,13 +217,7 @@ def worker_pod(
                 }
             }
         },
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
     }
