@@ -7,6 +7,7 @@ pod; a model directory changed after planning is refused before the launch."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -311,3 +312,75 @@ def test_model_changed_after_planning_is_refused(kube, ns, work, operator_proc, 
     body = wait_done(kube, ns, ["changing"], wait_for, operator_proc)["changing"]
     text = f"changed after the plan was made (content hash {planned[:19]} at planning"
     assert_refused(kube, ns, "changing", body, "ModelChanged", "spec.model.path", text, wait_for)
+
+
+LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.]+)")
+
+
+def _losses(node_agent, ns, name) -> dict[int, float]:
+    text = node_agent.read_log(ns, f"{name}-worker-0")
+    return {int(s): float(v) for s, v in LOSS_RE.findall(text)}
+
+
+def test_export_round_trip_through_the_operator(
+    kube, ns, work, node_agent, operator_proc, wait_for
+):
+    """Job A fine-tunes the model directory on JSONL and exports; job B takes A's export as
+    spec.model.path, the same text as Parquet and routingStatsFrom A. The data is one document of
+    exactly two packed rows (64 words + EOS at seqLen 32), so every step of both jobs trains on the
+    same batch: B's first loss (A's exported weights) matches A's last (the weights one update
+    earlier, at the cosine schedule's end) within 1%, far from A's first (the directory's weights),
+    and B's export loads with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    words = sentences(40, 7)
+    doc = " ".join(" ".join(words).split()[:64])
+    assert len(doc.split()) == 64
+    jsonl = write_jsonl(work / "rt-jsonl" / "a.jsonl", [{"text": doc}])
+    pq = write_parquet(work / "rt-pq", [{"text": doc}])
+
+    def out(path):
+        return {"path": "/output", "volume": {"hostPath": {"path": str(path)}}}
+
+    train = {"steps": 10, "seqLen": 32, "globalBatch": 2, "microBatch": 2, "learningRate": "1e-3"}
+    a = job(
+        "rt-a",
+        work,
+        model=model_from(work / "model"),
+        data={"kind": "JSONL", "volume": {"hostPath": {"path": str(jsonl.parent)}}},
+        output=out(work / "rt-a-export"),
+        training=train,
+    )
+    apply_job(kube, ns, a)
+    body_a = wait_done(kube, ns, ["rt-a"], wait_for, operator_proc)["rt-a"]
+    assert condition(body_a, C.COND_SUCCEEDED).get("status") == "True", body_a["status"]
+    assert body_a["status"]["data"]["rows"] == 2, body_a["status"]["data"]
+    assert (work / "rt-a-export" / "export.json").exists()
+
+    b = job(
+        "rt-b",
+        work,
+        model=model_from(work / "rt-a-export"),
+        data={"kind": "Parquet", "field": "text", "volume": {"hostPath": {"path": str(pq)}}},
+        output=out(work / "rt-b-export"),
+        placement={"strategy": "TopologyAware", "routingStatsFrom": {"jobName": "rt-a"}},
+        training=dict(train, steps=2),
+    )
+    apply_job(kube, ns, b)
+    body_b = wait_done(kube, ns, ["rt-b"], wait_for, operator_proc)["rt-b"]
+    assert condition(body_b, C.COND_SUCCEEDED).get("status") == "True", json.dumps(
+        body_b["status"].get("conditions"), indent=1
+    )
+    plan_b = json.loads(kube.core.read_namespaced_config_map("rt-b-plan", ns).data[C.PLAN_KEY])
+    assert plan_b["placement"]["routingStatsFrom"]["job"] == "rt-a", plan_b["placement"]
+    assert body_b["status"]["model"]["family"] == "mixtral"
+
+    la, lb = _losses(node_agent, ns, "rt-a"), _losses(node_agent, ns, "rt-b")
+    assert sorted(la) == list(range(1, 11)) and 1 in lb, (la, lb)
+    assert abs(lb[1] - la[10]) / la[10] < 0.01, (la, lb)
+    assert abs(lb[1] - la[1]) / la[1] > 0.05, (la, lb)  # B did not start from the directory
+
+    model = AutoModelForCausalLM.from_pretrained(str(work / "rt-b-export"), dtype=torch.float32)
+    ids = torch.arange(32).unsqueeze(0) % model.config.vocab_size
+    assert torch.isfinite(model(ids).logits).all()

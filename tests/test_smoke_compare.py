@@ -87,3 +87,15 @@ def test_dispatch_explains_a_dispatcher_that_does_not_deduplicate():
         )
         is None
     )
+
+
+def test_arch_list_deepspeed_can_parse():
+    """GPU images set arch-specific entries (9.0a) that DeepSpeed 0.19's JIT builder cannot parse
+    (int("0a"): the H200 smoke run failed at fused_adam on it)."""
+    from moe_trainer.distenv import deepspeed_arch_list
+
+    assert deepspeed_arch_list("9.0a") == "9.0"
+    assert deepspeed_arch_list("8.0;9.0a;10.0f+PTX") == "8.0;9.0;10.0+PTX"
+    assert deepspeed_arch_list("9.0 9.0a") == "9.0"
+    assert deepspeed_arch_list("8.6+PTX") == "8.6+PTX"
+    assert deepspeed_arch_list(None) is None and deepspeed_arch_list("") == ""

@@ -18,10 +18,42 @@ import datetime
 import fcntl
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]*(\+PTX)?")
+
+
+def deepspeed_arch_list(value: str | None) -> str | None:
+    """``TORCH_CUDA_ARCH_LIST`` as DeepSpeed's JIT op builder can read it. It parses entries as
+    ``X.Y[+PTX]`` and raises on torch's arch-specific suffixes (``9.0a``, ``10.0f``:
+    ``int("0a")``), which GPU images set; those entries become ``9.0`` / ``10.0`` (the ops
+    DeepSpeed builds, FusedAdam and the like, use no arch-specific instructions). Other entries
+    are kept."""
+    if not value:
+        return value
+    out = []
+    for entry in value.replace(" ", ";").split(";"):
+        m = _ARCH.fullmatch(entry.strip())
+        e = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry.strip()
+        if e and e not in out:
+            out.append(e)
+    return ";".join(out)
+
+
+def fix_arch_list_for_deepspeed() -> None:
+    """Rewrite ``TORCH_CUDA_ARCH_LIST`` in this process (:func:`deepspeed_arch_list`) before a
+    DeepSpeed op is JIT-built."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    fixed = deepspeed_arch_list(value)
+    if fixed != value and fixed is not None:
+        logging.getLogger(__name__).info(
+            "TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed", value, fixed
+        )
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
 
 
 class RendezvousError(RuntimeError):
