@@ -191,15 +191,22 @@ def comparison(first: PlanBytes, second: PlanBytes) -> list[str]:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
-    pct = 100 * (1 - second.vs_contiguous)
-    lines.append(
-        f"saved: {second.saved_bytes:,} bytes per step across NVLink groups "
-        f"({second.cross_group_bytes:,} instead of {second.contiguous_cross_group_bytes:,}, "
-        f"{second.vs_contiguous:.3f}x contiguous, {pct:.1f}% less), predicted by "
+    pct = 100 * abs(1 - second.vs_contiguous)
+    plan = (
+        f"{second.cross_group_bytes:,} instead of {second.contiguous_cross_group_bytes:,}, "
+        f"{second.vs_contiguous:.3f}x contiguous"
+    )
+    source = (
         f"{second.job}'s plan from {second.routing_stats_from}'s routing statistics "
         f"(on tokens after the recorded ones the planner expects "
         f"{second.held_out_vs_contiguous:.3f}x contiguous)"
     )
+    if second.saved_bytes > 0:
+        head = f"saved: {second.saved_bytes:,} bytes per step across NVLink groups ({plan}, "
+        lines.append(head + f"{pct:.1f}% less), predicted by {source}")
+    else:  # said as plainly as a saving: the placement found nothing to gain on these tokens
+        head = f"no saving: {-second.saved_bytes:,} bytes per step more across NVLink groups "
+        lines.append(head + f"({plan}, {pct:.1f}% more), predicted by {source}")
     a, b = first.counted_cross_group_bytes, second.counted_cross_group_bytes
     if a and b:
         lines.append(
