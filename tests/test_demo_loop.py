@@ -57,7 +57,7 @@ def test_planned_manifest_reads_the_first_jobs_statistics():
 
 
 @pytest.mark.parametrize(("cross", "contiguous"), [(61_440, 81_920), (84_992, 81_920)])
-def test_printed_saving_is_the_plans(cross, contiguous):
+def test_printed_saving_is_the_plans(cross, contiguous, tmp_path):
     a = demo_loop.PlanBytes.from_plan("one", plan_doc(90_000, 90_000, fell_back=True), {"moe": {}})
     b = demo_loop.PlanBytes.from_plan(
         "two",
@@ -76,6 +76,8 @@ def test_printed_saving_is_the_plans(cross, contiguous):
     assert f"{cross / contiguous:.3f}x contiguous" in saved
     table = "\n".join(lines)
     assert "4.2 KiB" in table and "8.8 KiB" in table  # counted, AutoEP: as read
+    plot = demo_loop.write_plot(tmp_path, a, b)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = demo_loop.result(a, b)
     assert doc["savedCrossGroupBytesPerStep"] == contiguous - cross
     assert doc["jobs"][1]["counted_cross_group_bytes"] == 4_321

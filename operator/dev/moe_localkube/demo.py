@@ -368,7 +368,8 @@ def _second_job(kube, k, work: Path, doc: dict, first: str, timeout: float) -> b
     _say("what job 2's plan predicts, per optimizer step (placement.quality of each plan):")
     for line in demo_loop.comparison(a, b):
         print(line if line.startswith("  ") else f"[demo] {line}", flush=True)
-    _say(f"figures: {_show(demo_loop.write_result(work, a, b))}")
+    result, plot = demo_loop.write_result(work, a, b), demo_loop.write_plot(work, a, b)
+    _say(f"figures: {_show(result)}, plot {_show(plot)}")
     return True
 
 

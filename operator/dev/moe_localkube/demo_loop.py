@@ -232,3 +232,38 @@ def write_result(work: Path, first: PlanBytes, second: PlanBytes) -> Path:
     path = work / RESULT_FILE
     path.write_text(json.dumps(result(first, second), indent=1) + "\n")
     return path
+
+
+PLOT_FILE = "closed_loop.png"
+_BARS = (
+    ("plan's layout\n(cost model, fwd)", "cross_group_bytes"),
+    ("contiguous\n(cost model, fwd)", "contiguous_cross_group_bytes"),
+    ("de-duplicating\n(predicted, fwd+bwd)", "dedup_cross_group_bytes"),
+    ("AutoEP\n(predicted, fwd+bwd)", "autoep_cross_group_bytes"),
+    ("counted, last step\n(fwd+bwd)", "counted_cross_group_bytes"),
+)
+
+
+def write_plot(work: Path, first: PlanBytes, second: PlanBytes) -> Path:
+    """``closed_loop.png``: cross-group bytes per step of both jobs, bar by bar as the table
+    prints them (a missing figure is a missing bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.6), dpi=110)
+    width = 0.38
+    for offset, job in ((-width / 2, first), (width / 2, second)):
+        xs = [i + offset for i, (_, f) in enumerate(_BARS) if getattr(job, f) is not None]
+        kib = [getattr(job, f) / 1024 for _, f in _BARS if getattr(job, f) is not None]
+        ax.bar(xs, kib, width, label=f"{job.job} ({job.strategy})")
+    ax.set_xticks(range(len(_BARS)), [label for label, _ in _BARS], fontsize=8)
+    ax.set_ylabel("KiB per step across NVLink groups")
+    ax.set_title("Bytes across NVLink groups: job 1 vs job 2 planned from its routing", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = work / PLOT_FILE
+    fig.savefig(path)
+    plt.close(fig)
+    return path
