@@ -133,9 +133,9 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
         assert "jobs Succeeded" in text(), text()[-4000:]
         # the closed loop: job 2 planned from job 1's statistics, its saving as its plan says
         loop = json.loads((work / "closed_loop.json").read_text())
-        first, second = loop["jobs"]
-        assert second["routing_stats_from"] == first["job"] == "tiny-cpu", loop
-        saved = second["contiguous_cross_group_bytes"] - second["cross_group_bytes"]
+        job1, job2 = loop["jobs"]  # (not `second`: that name holds the README's lines)
+        assert job2["routing_stats_from"] == job1["job"] == "tiny-cpu", loop
+        saved = job2["contiguous_cross_group_bytes"] - job2["cross_group_bytes"]
         assert loop["savedCrossGroupBytesPerStep"] == saved, loop
         said = f"saved: {saved:,}" if saved > 0 else f"no saving: {-saved:,}"
         assert f"{said} bytes per step" in text(), text()[-4000:]
