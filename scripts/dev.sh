@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine with Python 3.11:
 #   scripts/dev.sh demo [--stay]  set everything up, start a local control plane and run a whole
-#                                 MoETrainingJob; --stay keeps the cluster up afterwards (runs/demo/env.sh)
+#                                 MoETrainingJob, then the same job planned from its routing statistics
+#                                 (the bytes it saves; --quick: one job); --stay keeps the cluster up
+#                                 afterwards (runs/demo/env.sh)
 #   scripts/dev.sh down           stop the cluster `demo --stay` left running
 #   scripts/dev.sh test           set everything up and run the whole test suite (what .ci/run calls;
 #                                 tests/test_lint.py in it runs the lint below)

@@ -71,6 +71,22 @@ class Operator:
         )
         return self
 
+    # kopf logs this once it has credentials, right before it starts its watches
+    READY_LINE = "Initial authentication has finished"
+
+    def wait_ready(self, timeout: float = 300) -> Operator:
+        """Wait until the process is up (its ready line), so that a test's own deadlines time
+        the operator's work and not its start on a loaded machine (imports take seconds)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            if self.READY_LINE in text:
+                return self
+            if self.proc is None or self.proc.poll() is not None:
+                raise AssertionError(f"operator exited before it was ready:\n{text[-4000:]}")
+            time.sleep(0.2)
+        raise AssertionError(f"operator not ready after {timeout:.0f}s:\n{self.logs()}")
+
     def stop(self) -> None:
         if self.proc is not None:
             procs.stop(self.proc, grace_seconds=5)
@@ -200,10 +216,14 @@ def gate_operator(control_plane, kube, namespace: str, work: Path, stand_in: str
     install_crd(kube)
     script = Path(work) / "smoke_stand_in.py"
     script.write_text(stand_in)
-    return Operator(control_plane, work).start(
-        MOE_OPERATOR_NAMESPACE=namespace,
-        MOE_GATE_ENABLED="true",
-        MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]),
+    return (
+        Operator(control_plane, work)
+        .start(
+            MOE_OPERATOR_NAMESPACE=namespace,
+            MOE_GATE_ENABLED="true",
+            MOE_GATE_SMOKE_COMMAND=json.dumps([sys.executable, str(script)]),
+        )
+        .wait_ready()
     )
 
 
@@ -214,7 +234,7 @@ def module_operator(dirname: str = "operator"):
     @pytest.fixture(scope="module")
     def operator_proc(control_plane, kube, node_agent, tmp_path_factory):
         install_crd(kube)
-        op = Operator(control_plane, tmp_path_factory.mktemp(dirname)).start()
+        op = Operator(control_plane, tmp_path_factory.mktemp(dirname)).start().wait_ready()
         yield op
         op.stop()
 

@@ -289,3 +289,42 @@ def test_every_quantity_is_a_string_the_api_client_accepts():
         "requests": {C.GPU_RESOURCE: "1"},
         "limits": {C.GPU_RESOURCE: "1"},
     }
+
+
+def _with_scheduling(**sched):
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw["scheduling"] = sched
+    return parse_spec(raw)
+
+
+def test_kueue_gang_puts_every_worker_of_an_attempt_in_one_pod_group():
+    queue = {"kueue.x-k8s.io/queue-name": "gpu-queue"}
+    for spec in (
+        _with_scheduling(podLabels=queue),
+        _with_scheduling(podLabels=queue, gang="Kueue"),
+    ):
+        pods = workers.worker_pods(JOB, spec, ["node-a", "node-b"], attempt=3, spec_hash="h")
+        groups = {p["metadata"]["labels"][C.KUEUE_POD_GROUP_LABEL] for p in pods}
+        assert groups == {"tiny-cpu-0b6f6c2e-a3"}
+        assert [p["metadata"]["annotations"][C.KUEUE_TOTAL_COUNT_ANNOTATION] for p in pods] == [
+            "2",
+            "2",
+        ]
+        assert all(p["metadata"]["labels"][C.KUEUE_QUEUE_LABEL] == "gpu-queue" for p in pods)
+    # the next attempt is a new group: Kueue admits the restarted gang as a whole again
+    again = workers.worker_pod(
+        JOB, _with_scheduling(podLabels=queue), node_rank=0, node="n", attempt=4, spec_hash="h"
+    )
+    assert again["metadata"]["labels"][C.KUEUE_POD_GROUP_LABEL] == "tiny-cpu-0b6f6c2e-a4"
+
+
+def test_no_kueue_group_without_a_queue_or_when_turned_off():
+    queue = {"kueue.x-k8s.io/queue-name": "gpu-queue"}
+    for spec in (_with_scheduling(), _with_scheduling(podLabels=queue, gang="None")):
+        pod = workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h")
+        assert C.KUEUE_POD_GROUP_LABEL not in pod["metadata"]["labels"]
+        assert C.KUEUE_TOTAL_COUNT_ANNOTATION not in pod["metadata"]["annotations"]
+    with pytest.raises(Exception, match=r"gang: Kueue needs podLabels"):
+        _with_scheduling(gang="Kueue")
+    # an absent gang changes no job's immutable hash (jobs launched before the field existed)
+    assert "gang" not in _with_scheduling(podLabels=queue).immutable_view()["scheduling"]

@@ -1,5 +1,6 @@
-"""``scripts/dev.sh demo --stay`` as a newcomer uses it: the demo job succeeds, the cluster stays
-up, the README's "second shell" lines work through the env script the demo wrote, the paths it
+"""``scripts/dev.sh demo --stay`` as a newcomer uses it: the demo's two jobs succeed (the second
+planned from the first one's routing statistics, with the saving its plan predicts), the cluster
+stays up, the README's "second shell" lines work through the env script the demo wrote, the paths it
 printed exist, and ``scripts/dev.sh down`` stops it with nothing left running.
 
 The README block between ``<!-- demo-stay -->`` and the end of its code fence is what runs here,
@@ -9,6 +10,7 @@ line by line (``runs/demo`` replaced by this test's folder), so the README canno
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -128,7 +130,15 @@ def test_demo_stay_then_the_readme_kubectl_lines_then_down(tmp_path, wait_for):
             message=f"demo --stay never said the cluster stays up:\n{text()[-4000:]}",
         )
         assert demo.poll() is None, text()[-4000:]
-        assert "job Succeeded" in text(), text()[-4000:]
+        assert "jobs Succeeded" in text(), text()[-4000:]
+        # the closed loop: job 2 planned from job 1's statistics, its saving as its plan says
+        loop = json.loads((work / "closed_loop.json").read_text())
+        job1, job2 = loop["jobs"]  # (not `second`: that name holds the README's lines)
+        assert job2["routing_stats_from"] == job1["job"] == "tiny-cpu", loop
+        saved = job2["contiguous_cross_group_bytes"] - job2["cross_group_bytes"]
+        assert loop["savedCrossGroupBytesPerStep"] == saved, loop
+        said = f"saved: {saved:,}" if saved > 0 else f"no saving: {-saved:,}"
+        assert f"{said} bytes per step" in text(), text()[-4000:]
         # every path it printed exists
         printed = re.findall(
             r"heatmap:\s+(\S+)|statistics:\s+(\S+)|logs: operator (\S+), pods (\S+)", text()

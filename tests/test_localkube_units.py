@@ -242,3 +242,58 @@ def test_gpu_allocator_grants_disjoint_sets_all_or_nothing():
     assert visible_env([], {}, gpus) == {"CUDA_VISIBLE_DEVICES": ""}
     picked = visible_env([], {"NVIDIA_VISIBLE_DEVICES": f"5,{gpus[1].uuid}"}, gpus)
     assert picked == {"CUDA_VISIBLE_DEVICES": f"{gpus[1].uuid},{gpus[5].uuid}"}
+
+
+class _Worker:
+    def __init__(self, alive):
+        self.alive, self.reports, self.deletes = alive, 0, []
+
+    def is_alive(self):
+        return self.alive
+
+    def report(self):
+        self.reports += 1
+
+    def request_delete(self, grace):
+        self.deletes.append(grace)
+
+
+def _agent_with(worker):
+    import threading
+
+    from moe_localkube.nodeagent import NodeAgent
+
+    forced = []
+    agent = SimpleNamespace(
+        nodes={"node-a"},
+        _stop=threading.Event(),
+        _lock=threading.Lock(),
+        _workers={"u1": worker},
+        force_delete=lambda ns, name, uid: forced.append(name),
+    )
+    return (lambda pod: NodeAgent._sync(agent, pod)), forced
+
+
+def _pod(**meta):
+    return {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1", **meta},
+        "spec": {"nodeName": "node-a"},
+        "status": {"phase": "Running"},  # what the API still says after a lost final report
+    }
+
+
+def test_a_finished_pod_whose_final_status_was_lost_is_reported_again_on_resync():
+    """After an API outage the agent's resync sees the pod again: a worker that finished here
+    re-sends its final status (the kubelet does the same), nothing is deleted or restarted."""
+    done = _Worker(alive=False)
+    sync, forced = _agent_with(done)
+    sync(_pod())
+    assert done.reports == 1 and forced == [] and done.deletes == []
+    running = _Worker(alive=True)
+    sync, forced = _agent_with(running)
+    sync(_pod())
+    assert running.reports == 0 and forced == []  # a running worker reports by itself
+    # a finished pod being deleted is force-deleted, not reported
+    sync, forced = _agent_with(_Worker(alive=False))
+    sync(_pod(deletionTimestamp="2026-12-02T14:00:00Z"))
+    assert forced == ["p"]

@@ -27,7 +27,10 @@ def test_operator_killed_mid_launch_converges(
 ):
     install_crd(kube)
     seed_topology(kube, namespace)
-    crashing = Operator(control_plane, tmp_path / "op").start(MOE_OPERATOR_CRASH_AT=point)
+    # ready before any deadline: on a loaded machine the start alone can take most of a minute
+    crashing = (
+        Operator(control_plane, tmp_path / "op").start(MOE_OPERATOR_CRASH_AT=point).wait_ready()
+    )
     job = example("tiny-cpu.yaml", metadata={"name": "crash"})
     # a scheduler nobody runs: the workers are created but never start (launch is what we test)
     job["spec"]["scheduling"] = {"schedulerName": "nobody-schedules-this"}
@@ -38,7 +41,7 @@ def test_operator_killed_mid_launch_converges(
         crashing.stop()
     partial = children(kube, namespace, "crash")
     assert "cm/crash-plan" in partial
-    restarted = Operator(control_plane, tmp_path / "op2").start()
+    restarted = Operator(control_plane, tmp_path / "op2").start().wait_ready()
     try:
         want = sorted(
             [

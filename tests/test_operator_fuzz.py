@@ -44,9 +44,11 @@ GONE_SECONDS = 90  # bound: children gone after the jobs were deleted
 @pytest.fixture(scope="module")
 def fuzz_operator(control_plane, kube, node_agent, tmp_path_factory):
     install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-fuzz")).start(
-        MOE_GATE_ENABLED="false"
-    )
+    op = (
+        Operator(control_plane, tmp_path_factory.mktemp("operator-fuzz"))
+        .start(MOE_GATE_ENABLED="false")
+        .wait_ready()
+    )  # SETTLE_SECONDS times the operator's work, not its start
     yield op
     op.stop()
 

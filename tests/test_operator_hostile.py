@@ -56,8 +56,10 @@ def manifest(name: str, **spec) -> dict:
 @pytest.fixture(scope="module")
 def production_operator(control_plane, kube, node_agent, tmp_path_factory):
     install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-hostile")).start(
-        MOE_ALLOWED_HOST_PATH_PREFIXES="", MOE_OPERATOR_TEST_MODE=""
+    op = (
+        Operator(control_plane, tmp_path_factory.mktemp("operator-hostile"))
+        .start(MOE_ALLOWED_HOST_PATH_PREFIXES="", MOE_OPERATOR_TEST_MODE="")
+        .wait_ready()
     )
     yield op
     op.stop()

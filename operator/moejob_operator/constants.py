@@ -47,6 +47,10 @@ PERMANENT_EXIT_CODES = frozenset({EXIT_DATAERR, EXIT_CONFIG})
 FINALIZER = f"{GROUP}/cleanup"  # reserved; the operator relies on ownerReferences
 LABEL_ATTEMPT = f"{GROUP}/attempt"  # gang attempt (0 = first launch, +1 per restart)
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"  # immutable-spec hash a child was built from
+# Kueue plain-pod groups (spec.scheduling.gang): admitted as one unit, all pods or none
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+KUEUE_TOTAL_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
 
 COND_SPEC_ACCEPTED = "SpecAccepted"
 COND_TOPOLOGY = "TopologyDiscovered"

@@ -4,9 +4,13 @@ Starts the local control plane (kube-apiserver v1.20.2 + etcd + controller manag
 the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (``moectl operator``);
 ``kubectl apply -f examples/tiny-cpu.yaml`` (tiny Mixtral, CPU, 2 node ranks, DeepSpeed ZeRO-3 +
 AutoEP); waits for ``Succeeded``; prints ``kubectl get moejob`` and ``kubectl describe``, and
-where the expert-load heatmap and routing statistics are. Logs, checkpoints and the heatmap stay
-in --dir (default runs/demo). With --stay the cluster keeps running after the job, for kubectl
-and helm through DIR/env.sh, until Ctrl-C or ``moe-demo --stop`` (``scripts/dev.sh down``).
+where the expert-load heatmap and routing statistics are. Then the closed loop (``demo_loop``):
+job 2, the same job planned from job 1's routing statistics (``routingStatsFrom``), runs to
+``Succeeded`` and the demo prints both plans' cross-group bytes per step and what job 2's saves
+against contiguous placement (``closed_loop.json``); --quick stops after job 1. Logs,
+checkpoints, the heatmap and the figures stay in --dir (default runs/demo). With --stay the
+cluster keeps running after the jobs, for kubectl and helm through DIR/env.sh, until Ctrl-C or
+``moe-demo --stop`` (``scripts/dev.sh down``).
 
 Dev tooling (the dev package, operator/dev), not product: the operator image has no demo and
 ``moectl`` no ``demo`` command.
@@ -55,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--stay",
         action="store_true",
         help="keep the cluster running after the job (until Ctrl-C or --stop)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="one job only (no second job planned from the first one's routing statistics)",
     )
     p.add_argument(
         "--stop", action="store_true", help="stop the demo that --stay left running in --dir"
@@ -127,7 +136,7 @@ def run_demo(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)  # stop what we started, as on Ctrl-C
     (work / PID_FILE).write_text(f"{os.getpid()}\n")
     try:
-        return _demo(work, Path(args.manifest), args.timeout, stay=args.stay)
+        return _demo(work, Path(args.manifest), args.timeout, stay=args.stay, quick=args.quick)
     except KeyboardInterrupt:
         return 130 if not args.stay else 0
     finally:
@@ -162,7 +171,9 @@ def _show(path: Path) -> str:
         return str(path)
 
 
-def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> int:
+def _demo(
+    work: Path, manifest: Path, timeout: float, *, stay: bool = False, quick: bool = False
+) -> int:
     from kubernetes.client.rest import ApiException
 
     from moe_localkube import binaries, procs
@@ -176,6 +187,11 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
     vol = (doc["spec"].get("checkpoint") or {}).get("volume") or {}
     if "hostPath" in vol:  # keep the demo's files with its logs
         vol["hostPath"]["path"] = str(ckpt)
+    data_dir = work / "data"
+    if not quick and (doc["spec"].get("data") or {}).get("kind", "Synthetic") == "Synthetic":
+        from moe_localkube import demo_loop
+
+        doc["spec"]["data"] = demo_loop.text_data(data_dir)  # both jobs train on real text
     # JSON, not re-dumped YAML: PyYAML writes "1e-3" unquoted and kubectl reads that as a number
     applied = work / "job.json"
     applied.write_text(json.dumps(doc, indent=1))
@@ -218,9 +234,11 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
         )
         agent.start()
         _say("starting the operator (moectl operator -A --no-leader-election)")
-        # the demo's checkpoints are a hostPath under its work dir: the one host path it allows
+        # the demo's checkpoints and text are hostPaths under its work dir: the ones it allows
         env = dict(
-            os.environ, KUBECONFIG=str(cp.kubeconfig), MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt)
+            os.environ,
+            KUBECONFIG=str(cp.kubeconfig),
+            MOE_ALLOWED_HOST_PATH_PREFIXES=f"{ckpt},{data_dir}",
         )
         operator = procs.spawn(
             [
@@ -250,27 +268,7 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
             f"waiting for condition Succeeded (up to {timeout:.0f}s; the first run JIT-builds "
             "nothing but imports DeepSpeed in every pod)"
         )
-        start = time.monotonic()
-        last = None
-        while time.monotonic() - start < timeout:
-            job = kube.custom.get_namespaced_custom_object(
-                C.GROUP, C.VERSION, "default", C.PLURAL, name
-            )
-            st = job.get("status") or {}
-            prog = st.get("progress") or {}
-            line = f"phase {st.get('phase', 'Pending')}" + (
-                f", step {prog.get('step')}/{prog.get('totalSteps')}, loss {prog.get('loss')}"
-                if prog
-                else ""
-            )
-            if line != last:
-                _say(f"{time.monotonic() - start:5.0f}s  {line}")
-                last = line
-            if st.get("phase") in ("Succeeded", "Failed"):
-                break
-            time.sleep(1)
-        out = k("wait", "--for=condition=Succeeded", f"moejob/{name}", "--timeout=5s", check=False)
-        ok = "condition met" in out
+        ok = _wait_job(kube, k, name, timeout)
         print("\n$ kubectl get moejob -o wide\n" + k("get", "moejob", "-o", "wide"))
         print(f"$ kubectl describe moejob {name}\n" + k("describe", "moejob", name))
         print(
@@ -289,8 +287,14 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
                 f"{name}-routing-stats "
                 f"(plan a later job from them: spec.placement.routingStatsFrom.jobName: {name})"
             )
+        if ok and not quick:
+            ok = _second_job(kube, k, work, doc, name, timeout)
         _say(f"logs: operator {_show(work / 'operator.log')}, pods {_show(work / 'nodeagent')}")
-        _say("job Succeeded" if ok else "job did NOT succeed (see describe above)")
+        _say(
+            ("job Succeeded" if quick else "jobs Succeeded")
+            if ok
+            else "job did NOT succeed (see describe above)"
+        )
         if stay:
             _say(f"the cluster stays up (pid {os.getpid()}). In another shell, from {Path.cwd()}:")
             print(
@@ -313,6 +317,60 @@ def _demo(work: Path, manifest: Path, timeout: float, *, stay: bool = False) -> 
             agent.stop()
         cp.stop()
         (work / "env.sh").unlink(missing_ok=True)  # it would point at a stopped cluster
+
+
+def _wait_job(kube, k, name: str, timeout: float) -> bool:
+    """Print each new phase/step line of ``name`` until it ends; True when it Succeeded."""
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < timeout:
+        job = kube.custom.get_namespaced_custom_object(
+            C.GROUP, C.VERSION, "default", C.PLURAL, name
+        )
+        st = job.get("status") or {}
+        prog = st.get("progress") or {}
+        line = f"phase {st.get('phase', 'Pending')}" + (
+            f", step {prog.get('step')}/{prog.get('totalSteps')}, loss {prog.get('loss')}"
+            if prog
+            else ""
+        )
+        if line != last:
+            _say(f"{time.monotonic() - start:5.0f}s  {line}")
+            last = line
+        if st.get("phase") in ("Succeeded", "Failed"):
+            break
+        time.sleep(1)
+    out = k("wait", "--for=condition=Succeeded", f"moejob/{name}", "--timeout=5s", check=False)
+    return "condition met" in out
+
+
+def _second_job(kube, k, work: Path, doc: dict, first: str, timeout: float) -> bool:
+    """Job 2, planned from ``first``'s routing statistics, to Succeeded; then both plans' bytes
+    side by side (``closed_loop.json``)."""
+    from moe_localkube import demo_loop
+
+    second = demo_loop.planned_manifest(doc, first)
+    name = second["metadata"]["name"]
+    path = work / "job-planned.json"
+    path.write_text(json.dumps(second, indent=1))
+    _say(
+        f"job 2: {name}, the same job planned from {first}'s routing statistics "
+        f"(spec.placement.routingStatsFrom.jobName: {first}; topology-aware placement, "
+        "de-duplicating dispatcher)"
+    )
+    print(k("apply", "-f", str(path)), end="")
+    ok = _wait_job(kube, k, name, timeout)
+    print(f"\n$ kubectl get moejob {name} -o wide\n" + k("get", "moejob", name, "-o", "wide"))
+    if not ok:
+        print(f"$ kubectl describe moejob {name}\n" + k("describe", "moejob", name))
+        return False
+    a, b = demo_loop.report(kube, "default", first, name)
+    _say("what job 2's plan predicts, per optimizer step (placement.quality of each plan):")
+    for line in demo_loop.comparison(a, b):
+        print(line if line.startswith("  ") else f"[demo] {line}", flush=True)
+    result, plot = demo_loop.write_result(work, a, b), demo_loop.write_plot(work, a, b)
+    _say(f"figures: {_show(result)}, plot {_show(plot)}")
+    return True
 
 
 if __name__ == "__main__":

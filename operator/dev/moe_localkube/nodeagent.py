@@ -335,9 +335,7 @@ class NodeAgent:
                 if w is not None and w.is_alive():
                     w.request_delete(meta.get("deletionGracePeriodSeconds"))
                     return
-            elif w is not None:
-                return
-            else:
+            elif w is None:
                 phase = (pod.get("status") or {}).get("phase", "Pending")
                 if phase in ("Succeeded", "Failed"):
                     return
@@ -345,6 +343,16 @@ class NodeAgent:
                 self._workers[uid] = w
                 w.start()
                 return
+            elif w.is_alive():
+                return
+            else:
+                finished = w
+        if not meta.get("deletionTimestamp"):
+            # finished here: its final status again if the last send failed (an API outage as
+            # the pod ended), as the kubelet re-reports after it reconnects; a no-op when the
+            # API already has it
+            finished.report()
+            return
         self.force_delete(meta["namespace"], meta["name"], uid)  # finished or never started here
 
     def _on_deleted(self, pod: dict) -> None:

@@ -142,6 +142,12 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     return resources(requests, limits)
 
 
+def kueue_pod_group(job: JobRef, attempt: int) -> str:
+    """The Kueue pod-group name of gang attempt ``attempt`` (a label value: at most 63 chars;
+    the job's uid keeps two jobs' groups apart)."""
+    return f"{job.name[:40]}-{job.uid[:8]}-a{attempt}"
+
+
 def worker_pod(
     job: JobRef,
     spec: JobSpec,
@@ -157,12 +163,12 @@ def worker_pod(
     sched = spec.scheduling
     annotations = dict(sched.pod_annotations or {})
     annotations[C.ANNOTATION_SPEC_HASH] = spec_hash
+    extra = {C.LABEL_NODE_RANK: str(node_rank), C.LABEL_ATTEMPT: str(attempt)}
+    if sched.kueue_gang:  # one Kueue pod group per gang attempt: admitted whole or not at all
+        extra[C.KUEUE_POD_GROUP_LABEL] = kueue_pod_group(job, attempt)
+        annotations[C.KUEUE_TOTAL_COUNT_ANNOTATION] = str(spec.nodes.count)
     meta = child_metadata(
-        job,
-        worker_name(job, node_rank),
-        "worker",
-        annotations=annotations,
-        extra_labels={C.LABEL_NODE_RANK: str(node_rank), C.LABEL_ATTEMPT: str(attempt)},
+        job, worker_name(job, node_rank), "worker", annotations=annotations, extra_labels=extra
     )
     # pass-through labels (Kueue queue name, ...) first: the operator's own labels win
     meta["labels"] = dict(sorted({**(sched.pod_labels or {}), **meta["labels"]}.items()))
