@@ -14,7 +14,12 @@ import yaml
 from kubernetes.client.rest import ApiException
 
 from moe_localkube import procs
-from moe_localkube.testing import create_namespace, delete_namespace, unique_name
+from moe_localkube.testing import (
+    create_namespace,
+    delete_namespace,
+    operator_command,
+    unique_name,
+)
 from moejob_operator import constants as C
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,16 +61,7 @@ class Operator:
         full.pop("MOE_OPERATOR_CRASH_AT", None) if "MOE_OPERATOR_CRASH_AT" not in env else None
         self.log = self.log_dir / f"operator-{self.starts}.log"
         self.proc = procs.spawn(
-            [
-                sys.executable,
-                "-m",
-                "moejob_operator.cli",
-                "operator",
-                "-A",
-                "--no-leader-election",
-                "--health-port=0",
-                "--metrics-port=0",
-            ],
+            operator_command(),
             self.log,
             env=full,
         )

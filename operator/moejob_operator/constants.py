@@ -11,7 +11,6 @@ SINGULAR = "moetrainingjob"
 SHORT_NAMES = ("moejob",)
 
 # Labels and annotations on everything the operator creates.
-LABEL_PREFIX = GROUP
 LABEL_JOB = f"{GROUP}/job"  # owning MoETrainingJob name
 LABEL_COMPONENT = f"{GROUP}/component"  # discovery | worker | plan | smoke | progress
 LABEL_NODE_RANK = f"{GROUP}/node-rank"
@@ -20,12 +19,8 @@ ANNOTATION_BOOT_ID = f"{GROUP}/boot-id"  # on moe-topology-<node>, by moe-discov
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "moe-operator"
 
-# GPU nodes: what the NVIDIA device plugin and GPU Feature Discovery publish.
+# GPU nodes: the NVIDIA device plugin's extended resource.
 GPU_RESOURCE = "nvidia.com/gpu"
-GFD_PRODUCT = "nvidia.com/gpu.product"
-GFD_COUNT = "nvidia.com/gpu.count"
-GFD_MEMORY = "nvidia.com/gpu.memory"  # MiB
-GFD_CLIQUE = "nvidia.com/gpu.clique"
 
 # Documents (docs/contracts.md): the names are the contracts package's (moe_contracts.env)
 TOPOLOGY_CONFIGMAP_PREFIX = "moe-topology-"
@@ -37,7 +32,6 @@ ROUTING_STATS_KEY = E.ROUTING_STATS_KEY
 PLAN_MOUNT_DIR = E.PLAN_MOUNT_DIR
 
 # Trainer exit codes (docs/contracts.md)
-EXIT_OK = 0
 EXIT_DATAERR = 65  # permanent: non-finite loss
 EXIT_RETRYABLE = 75
 EXIT_CONFIG = 78  # permanent: bad plan / config / model

@@ -4,7 +4,7 @@ Channels (docs/trainer.md):
 The document is the contract's (``moe_contracts.progress.progress_doc``).
   file       $MOE_CHECKPOINT_DIR/progress.json, rewritten atomically every step;
   ConfigMap  when MOE_PROGRESS_CONFIGMAP names one and the pod has in-cluster credentials, a
-             merge-patch of key `progress.json`, plain urllib (no kubernetes client), at most every
+             merge-patch of key `progress.json` (:mod:`moe_trainer.kubeapi`), at most every
              MOE_PROGRESS_INTERVAL_SECONDS (default 5) plus the final document; failures are
              logged and never stop training;
   metrics    Prometheus on $MOE_METRICS_PORT (rank 0 only), prefix `moe_trainer_`.
@@ -22,10 +22,9 @@ import urllib.request
 from pathlib import Path
 
 from moe_contracts import env as E
+from moe_trainer.kubeapi import SA_DIR, api_request, service_url
 
 log = logging.getLogger("moe_trainer.progress")
-
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
@@ -91,20 +90,12 @@ class ConfigMapPublisher:
     def patch_request(self, body: dict) -> urllib.request.Request:
         ns = (self.sa_dir / "namespace").read_text().strip()
         token = (self.sa_dir / "token").read_text().strip()
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if ":" in host:
-            host = f"[{host}]"
-        url = f"https://{host}:{port}/api/v1/namespaces/{ns}/configmaps/{self.name}"
-        return urllib.request.Request(
-            url,
-            data=json.dumps(body).encode(),
-            method="PATCH",
-            headers={
-                "Authorization": f"Bearer {token}",
-                "Content-Type": "application/merge-patch+json",
-                "Accept": "application/json",
-            },
+        base = service_url()
+        if base is None:
+            raise KeyError("KUBERNETES_SERVICE_HOST")
+        url = f"{base}/api/v1/namespaces/{ns}/configmaps/{self.name}"
+        return api_request(
+            "PATCH", url, json.dumps(body).encode(), token, "application/merge-patch+json"
         )
 
     def request(self, doc: dict) -> urllib.request.Request:

@@ -45,7 +45,7 @@ from .controlplane import ControlPlane, free_ports
 from .gpus import REAL_NVML, read_gpus
 from .nodeagent import NodeAgent, NodeSpec
 from .nodes import FAKE_NVML_ENV
-from .testing import Kube
+from .testing import Kube, operator_command
 
 ROOT = Path(__file__).resolve().parents[3]
 NODE = "gpu-node-0"
@@ -403,16 +403,7 @@ def main(argv: list[str] | None = None) -> int:
             MOE_ALLOWED_HOST_PATH_PREFIXES=str(ckpt),
         )
         operator = procs.spawn(
-            [
-                sys.executable,
-                "-m",
-                "moejob_operator.cli",
-                "operator",
-                "-A",
-                "--no-leader-election",
-                "--health-port=0",
-                f"--metrics-port={metrics_port}",
-            ],
+            operator_command(metrics_port=metrics_port),
             args.work / "operator.log",
             env=env,
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,3 +134,19 @@ def delete_namespace(kube: Kube, name: str) -> None:
             raise
     except HTTPError:
         pass  # the control plane is already gone (interrupted session): nothing left to delete
+
+
+def operator_command(*, metrics_port: int = 0) -> list[str]:
+    """The operator as a local process: ``moectl operator -A --no-leader-election`` (the chart's
+    entrypoint with one replica; its flags are in charts/moe-operator/templates/deployment.yaml),
+    with this interpreter and ports the OS picks unless ``metrics_port`` is given."""
+    return [
+        sys.executable,
+        "-m",
+        "moejob_operator.cli",
+        "operator",
+        "-A",
+        "--no-leader-election",
+        "--health-port=0",
+        f"--metrics-port={metrics_port}",
+    ]

@@ -1,7 +1,5 @@
-"""Publish a TopologyReport into a ConfigMap through the Kubernetes API, with nothing but urllib.
-
-The trainer image carries no Kubernetes client: the pod's service-account token, CA bundle and the
-`KUBERNETES_SERVICE_HOST/PORT` env the kubelet injects are all it takes. Create first; on 409
+"""Publish a TopologyReport into a ConfigMap through the Kubernetes API (:mod:`moe_trainer.kubeapi`:
+urllib, the pod's service account). Create first; on 409
 (it exists: an earlier discovery of this node) replace it with PUT, unconditionally (no
 resourceVersion), because the newest report of a node is the true one.
 """
@@ -18,8 +16,8 @@ import urllib.request
 from pathlib import Path
 
 from moe_contracts import env as E
+from moe_trainer.kubeapi import SA_DIR, api_request, service_url
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 TERMINATION_LOG = Path("/dev/termination-log")
 TOPOLOGY_KEY = E.TOPOLOGY_KEY  # docs/contracts.md (moe_contracts.env)
 LABEL_COMPONENT = "moe-operator.io/component"
@@ -85,16 +83,11 @@ class ApiConfig:
 
     @classmethod
     def from_env(cls) -> ApiConfig:
-        base = os.environ.get("MOE_KUBE_API")
+        base = os.environ.get("MOE_KUBE_API") or service_url()
         if not base:
-            host = os.environ.get("KUBERNETES_SERVICE_HOST")
-            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-            if not host:
-                raise PublishError(
-                    "not in a pod: KUBERNETES_SERVICE_HOST is unset (and MOE_KUBE_API is not given)"
-                )
-            host = f"[{host}]" if ":" in host else host
-            base = f"https://{host}:{port}"
+            raise PublishError(
+                "not in a pod: KUBERNETES_SERVICE_HOST is unset (and MOE_KUBE_API is not given)"
+            )
         token_file = Path(os.environ.get("MOE_KUBE_TOKEN_FILE", SA_DIR / "token"))
         ca_file = Path(os.environ.get("MOE_KUBE_CA_FILE", SA_DIR / "ca.crt"))
         token = token_file.read_text().strip() if token_file.exists() else None
@@ -118,11 +111,7 @@ class ApiConfig:
 
     def _request_once(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
         data = json.dumps(body, separators=(",", ":")).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        req.add_header("Accept", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+        req = api_request(method, self.base_url + path, data, self.token)
         context = None
         if self.base_url.startswith("https://"):
             context = ssl.create_default_context(cafile=self.ca_file)
