@@ -19,7 +19,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from .core.errors import FieldError, field_path
@@ -78,6 +78,14 @@ class CheckpointClaimSource(_Model):
 
 class HostPathSource(_Model):
     path: str = Field(pattern=r"^/", max_length=1024)
+    # The allowed prefix ``path`` lies under, set by admission (``admission.bind_host_paths``),
+    # never by the manifest: pods mount the prefix and reach ``path`` through a subPath, which the
+    # kubelet refuses to resolve through a symlink that leaves the prefix.
+    _allowed_prefix: str | None = PrivateAttr(default=None)
+
+    @property
+    def allowed_prefix(self) -> str | None:
+        return self._allowed_prefix
 
 
 class ConfigMapSource(_Model):

@@ -41,7 +41,14 @@ from ..status import (
     set_condition,
 )
 from . import gate, inputs, machine, planning, sizing, topology
-from .client import Client, NotReady, Rejected, exceeded_quota, server_message
+from .client import (
+    ChildConflict,
+    Client,
+    NotReady,
+    Rejected,
+    exceeded_quota,
+    server_message,
+)
 from .outcome import NotYet, Refused
 from .settings import Settings
 
@@ -212,6 +219,8 @@ def reconcile(
                 delay = _run(p)
             except Rejected as exc:
                 delay = _rejected(p, exc)
+            except ChildConflict as exc:
+                delay = _conflict(p, exc)
             except Exception as exc:  # reported on the job, retried with backoff
                 if backoff is None:
                     raise
@@ -232,16 +241,48 @@ def _rejected(p: Pass, exc: Rejected) -> float | None:
     """A child the API server will never accept: the job cannot run as specified."""
     log.warning("%s/%s: %s", p.job.namespace, p.job.name, exc)
     if exc.kind == "Pod":
-        pods = [
-            machine.PodView.from_pod(x)
-            for x in p.client.list_pods(
-                p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
-            )
-        ]
+        pods = [machine.PodView.from_pod(x) for x in _worker_pods(p)]
         _delete(p, [x for x in pods if not x.deleting])
     p.launched = False  # nothing more to create
     p.fail(C.R_CHILD_REJECTED, str(exc))
     return _finished(p)
+
+
+CONFLICT_RETRY_SECONDS = 30.0
+
+
+def _conflict(p: Pass, exc: ChildConflict) -> float:
+    """A child's name taken by an object this job does not control: reported, never used or
+    deleted; the pass runs again later (its owner may remove it)."""
+    log.warning("%s/%s: %s", p.job.namespace, p.job.name, exc)
+    p.launched = False  # nothing more to create this pass
+    p.cond(C.COND_RECONCILED, FALSE, C.R_CHILD_CONFLICT, str(exc))
+    return CONFLICT_RETRY_SECONDS
+
+
+def _worker_pods(p: Pass) -> list[dict[str, Any]]:
+    """The job's worker pods: those its ownerReference controls. Pods that only carry its labels
+    count for nothing (not tracked, not deleted); their names go to ``status.foreignPods`` with
+    one Event whenever that list changes."""
+    owned, foreign = p.client.list_owned_pods(
+        p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}, p.job.uid
+    )
+    names = sorted(foreign)[:MAX_FOREIGN_NAMES]
+    if names != (p.status.get("foreignPods") or []):
+        if names:
+            p.status["foreignPods"] = names
+            p.event(
+                "Warning",
+                C.R_FOREIGN_PODS_IGNORED,
+                f"{len(foreign)} pod(s) carry this job's worker labels but not its ownerReference "
+                f"and are ignored: {', '.join(names)}",
+            )
+        else:
+            p.status.pop("foreignPods", None)
+    return owned
+
+
+MAX_FOREIGN_NAMES = 10
 
 
 def _pass_error(p: Pass, exc: Exception, delay: float) -> float:
@@ -379,9 +420,7 @@ def _succeeded_claim_contradicted(p: Pass) -> bool:
         return False
     live = [
         x
-        for x in p.client.list_pods(
-            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
-        )
+        for x in _worker_pods(p)
         if (x.get("status") or {}).get("phase") in (None, "Pending", "Running")
         and not x["metadata"].get("deletionTimestamp")
     ]
@@ -399,7 +438,7 @@ def _launched_view(p: Pass) -> dict[str, Any] | None:
     legacy = p.status.get("launchedSpec")
     if isinstance(legacy, dict) and legacy:
         return legacy
-    cm = p.client.get_configmap(p.job.namespace, common.plan_configmap_name(p.job))
+    cm = p.client.get_owned_configmap(p.job.namespace, common.plan_configmap_name(p.job), p.job.uid)
     try:
         view = json.loads(((cm or {}).get("data") or {})[C.LAUNCHED_SPEC_KEY])
     except (KeyError, TypeError, ValueError):
@@ -429,7 +468,9 @@ def _launched_spec(p: Pass, raw: Any) -> JobSpec | None:
     mutable = {k: v for k, v in (raw if isinstance(raw, dict) else {}).items() if k not in view}
     for extra in (mutable, {}):
         try:
-            return parse_spec({**view, **extra})
+            spec = parse_spec({**view, **extra})
+            admission.bind_host_paths(spec, p.settings.policy)
+            return spec
         except SpecError:
             continue
     return None
@@ -478,7 +519,7 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
     # A job that never recorded a plan has none unless an operator crashed between creating it
     # and writing status: skip the read (writing the new one answers "already exists" then).
     fresh = not p.status.get("plan") and not _is_launched(p.status)
-    cm = None if fresh else p.client.get_configmap(p.job.namespace, name)
+    cm = None if fresh else p.client.get_owned_configmap(p.job.namespace, name, p.job.uid)
     if cm is None:
         return None
     if _spec_hash_of(cm) == spec.immutable_hash() or _is_launched(p.status):
@@ -532,7 +573,8 @@ def _plan_written(p: Pass, created: bool) -> None:
     cm, p.new_plan_cm = p.new_plan_cm, None
     if not created:
         name = cm["metadata"]["name"]
-        if _spec_hash_of(p.client.get_configmap(p.job.namespace, name)) != _spec_hash_of(cm):
+        have = p.client.get_owned_configmap(p.job.namespace, name, p.job.uid)
+        if _spec_hash_of(have) != _spec_hash_of(cm):
             p.client.delete_configmap(p.job.namespace, name)
             if not p.client.create(cm):
                 raise RuntimeError(f"plan ConfigMap {name} keeps reappearing while being replaced")
@@ -598,6 +640,10 @@ def _complete_launch(p: Pass) -> None:
                 )
             except Rejected as exc:
                 p.fail(C.R_CHILD_REJECTED, str(exc))
+            except ChildConflict as exc:
+                for key in ("launchedSpec", "launchedSpecHash", "launchedFields"):
+                    p.status.pop(key, None)  # not launched completely: launch again
+                _conflict(p, exc)
             except Exception:
                 for key in ("launchedSpec", "launchedSpecHash", "launchedFields"):
                     p.status.pop(key, None)  # not launched completely: launch again
@@ -647,13 +693,7 @@ def _track(
     if lost:
         return _node_lost(p, spec, lost)
 
-    raw = (
-        []
-        if launching
-        else p.client.list_pods(
-            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
-        )
-    )
+    raw = [] if launching else _worker_pods(p)
     pods = [machine.PodView.from_pod(x) for x in raw]
     digest = gate.digest_changed({"status": p.status}, spec, raw)
     if digest:
@@ -772,7 +812,12 @@ def _delete(p: Pass, pods: list[machine.PodView]) -> None:
 
 
 def _progress(p: Pass) -> None:
-    cm = p.client.get_configmap(p.job.namespace, common.progress_configmap_name(p.job))
+    try:
+        cm = p.client.get_owned_configmap(
+            p.job.namespace, common.progress_configmap_name(p.job), p.job.uid
+        )
+    except ChildConflict:
+        cm = None  # a squatted progress ConfigMap is no report (the launch reports the conflict)
     raw = ((cm or {}).get("data") or {}).get(C.PROGRESS_KEY)
     if not raw:
         _no_progress_yet(p)
@@ -820,12 +865,7 @@ def _lost_nodes(p: Pass, rank2node: list[str]) -> list[str]:
 
 def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
     msg = f"planned node(s) {', '.join(lost)} no longer exist"
-    pods = [
-        machine.PodView.from_pod(x)
-        for x in p.client.list_pods(
-            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
-        )
-    ]
+    pods = [machine.PodView.from_pod(x) for x in _worker_pods(p)]
     live = [x for x in pods if not x.deleting]
     if not spec.run_policy.allow_replan_on_node_loss:
         _delete(p, live)
@@ -842,12 +882,7 @@ def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
 
 
 def _suspend(p: Pass) -> float | None:
-    pods = [
-        machine.PodView.from_pod(x)
-        for x in p.client.list_pods(
-            p.job.namespace, {C.LABEL_JOB: p.job.name, C.LABEL_COMPONENT: "worker"}
-        )
-    ]
+    pods = [machine.PodView.from_pod(x) for x in _worker_pods(p)]
     _delete(p, [x for x in pods if not x.deleting])
     p.status.pop("gangComplete", None)
     p.cond(
