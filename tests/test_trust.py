@@ -5,6 +5,8 @@ The same holes through the real API server and operator: test_trust_cluster.py."
 from __future__ import annotations
 
 import datetime as dt
+import json
+import re
 
 import pytest
 import yaml
@@ -13,6 +15,7 @@ from moe_localkube.podfiles import ConfigError, container_mounts
 from moejob_operator import admission
 from moejob_operator import constants as C
 from moejob_operator.builders import common, workers
+from moejob_operator.reconcile import gang
 from moejob_operator.reconcile import job as J
 from moejob_operator.reconcile.client import Client, controller_uid
 from moejob_operator.reconcile.settings import Settings
@@ -171,3 +174,55 @@ def test_controller_uid_reads_only_the_controller_reference():
     refs = [{"uid": "x"}, {"uid": "y", "controller": True}]
     assert controller_uid({"metadata": {"ownerReferences": refs}}) == "y"
     assert controller_uid(None) is None
+
+
+class ProgressClient(PodsClient):
+    def __init__(self, progress: str):
+        super().__init__([])
+        self.progress = progress
+
+    def get_owned_configmap(self, namespace, name, uid):
+        return {"data": {C.PROGRESS_KEY: self.progress}}
+
+
+def _progress_pass(progress: str):
+    job = {"metadata": {"name": JOB.name, "namespace": JOB.namespace, "uid": JOB.uid}}
+    client = ProgressClient(progress)
+    return client, J.Pass(client, job, NOW, Settings())
+
+
+def test_a_flood_of_health_findings_posts_a_bounded_number_of_events():
+    """Code in the user's image can write any progress document: thousands of findings (and
+    unknown types) become at most a few Events a pass plus one aggregate, each reason one the
+    operator knows."""
+    findings = [
+        {"type": "DeadExpert" if i % 2 else "Made-Up Reason!", "message": f"finding {i}"}
+        for i in range(5000)
+    ]
+    findings += findings[:100]  # duplicates
+    doc = {"kind": "TrainerProgress", "version": 1, "phase": "Training", "step": 1}
+    doc.update(totalSteps=2, health=findings)
+    client, p = _progress_pass(json.dumps(doc))
+    gang._progress(p)
+    p.flush()
+    one_each = [e for e in client.events if re.fullmatch(r"finding \d+", e[2])]
+    aggregate = [e for e in client.events if "more new health finding" in e[2]]
+    assert len(one_each) == gang.MAX_HEALTH_EVENTS and len(aggregate) == 1, client.events
+    assert len(client.events) <= gang.MAX_HEALTH_EVENTS + 2  # + the Healthy=False transition
+    assert {e[1] for e in client.events} <= {"DeadExpert", C.R_HEALTH_FINDINGS}
+    assert len(client.patches[-1]["health"]) <= 20
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,  # nested past the parser's recursion
+        json.dumps({"kind": "TrainerProgress", "version": 1, "pad": "x" * (2 << 20)}),
+    ],
+    ids=["deep", "large"],
+)
+def test_a_hostile_progress_document_is_ignored_not_a_crash(text):
+    client, p = _progress_pass(text)
+    gang._progress(p)
+    p.flush()
+    assert "progress" not in (client.patches[-1] if client.patches else {})
