@@ -80,6 +80,8 @@ _IMAGE = re.compile(
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
 )
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
 _SUFFIX = {
     "": 1,
     "n": Decimal("1e-9"),
@@ -446,6 +448,13 @@ def _image(spec: JobSpec) -> None:
             "spec.image",
             f"{spec.image[:80]!r} is not an image reference "
             "([registry/]repository[:tag][@digest], lowercase repository)",
+        )
+    algo, sep, hexpart = spec.image.partition("@")[2].partition(":")
+    if sep and algo == "sha256" and not _SHA256_HEX.fullmatch(hexpart):
+        raise SpecError(
+            "spec.image",
+            f"{spec.image[:120]!r}: a sha256 digest is exactly 64 lowercase hex characters "
+            f"(got {len(hexpart)})",
         )
 
 
