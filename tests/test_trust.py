@@ -10,7 +10,10 @@ import re
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from moe_contracts.progress import HEALTH_TYPES
 from moe_localkube.podfiles import ConfigError, container_mounts
 from moejob_operator import admission
 from moejob_operator import constants as C
@@ -226,3 +229,59 @@ def test_a_hostile_progress_document_is_ignored_not_a_crash(text):
     gang._progress(p)
     p.flush()
     assert "progress" not in (client.patches[-1] if client.patches else {})
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+_progress_docs = st.fixed_dictionaries(
+    {"kind": st.just("TrainerProgress"), "version": st.just(1)},
+    optional={
+        "phase": st.sampled_from(["Training", "Finished", "x"]) | _json,
+        "step": st.integers(-1, 10) | _json,
+        "totalSteps": st.integers(0, 10) | _json,
+        "health": st.lists(
+            st.fixed_dictionaries(
+                {"type": st.text(max_size=12) | _json},
+                optional={"severity": st.sampled_from(["Warning", "Info"]), "message": _json},
+            ),
+            max_size=40,
+        )
+        | _json,
+        "moe": _json,
+        "checkpoint": _json,
+        "routingStats": _json,
+        "output": _json,
+    },
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_progress_docs | _json)
+def test_fuzzed_progress_documents_never_break_a_pass_or_flood_events(doc):
+    """Whatever the trainer's code writes, the progress read neither raises nor posts more than
+    the per-pass cap (+ the aggregate and the Healthy transition), and every reason is known."""
+    client, p = _progress_pass(json.dumps(doc))
+    gang._progress(p)
+    p.flush()
+    assert len(client.events) <= gang.MAX_HEALTH_EVENTS + 2
+    known = {*HEALTH_TYPES, C.R_HEALTH_FINDINGS, C.R_NO_FINDINGS, C.R_NO_PROGRESS_YET}
+    assert {e[1] for e in client.events} <= known
+
+
+@settings(max_examples=100, deadline=None)
+@given(owners=st.lists(st.sampled_from([None, JOB.uid, "other-uid"]), min_size=1, max_size=6))
+def test_only_pods_the_job_controls_are_counted_or_deleted(owners):
+    """Pods with the worker labels and any mix of owners: the job's decision depends only on its
+    own pods (every foreign one is named, none deleted)."""
+    pods = [_worker(f"p{i}", i % 2, "Failed", owner) for i, owner in enumerate(owners)]
+    client = PodsClient(pods)
+    owned, foreign = client.list_owned_pods("ns", {}, JOB.uid)
+    assert [x["metadata"]["name"] for x in owned] == [
+        f"p{i}" for i, o in enumerate(owners) if o == JOB.uid
+    ]
+    assert sorted(foreign) == sorted(f"p{i}" for i, o in enumerate(owners) if o != JOB.uid)
