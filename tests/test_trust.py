@@ -285,3 +285,23 @@ def test_only_pods_the_job_controls_are_counted_or_deleted(owners):
         f"p{i}" for i, o in enumerate(owners) if o == JOB.uid
     ]
     assert sorted(foreign) == sorted(f"p{i}" for i, o in enumerate(owners) if o != JOB.uid)
+
+
+def test_image_pull_secrets_reach_every_pod_that_runs_the_image_in_the_jobs_namespace():
+    from moejob_operator.builders import digest_probe, prepare
+
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw.pop("checkpoint")
+    raw["imagePullSecrets"] = [{"name": "registry-creds"}]
+    spec = parse_spec(raw)
+    admission.check("j", raw, spec, admission.Policy())
+    pods = [
+        workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h"),
+        prepare.prepare_pod(JOB, spec, tokenizer=None, vocab_size=320),
+        digest_probe.probe_pod(JOB, spec, "n", 0),
+    ]
+    for pod in pods:
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "registry-creds"}], pod["metadata"]
+    raw["imagePullSecrets"] = [{"name": "Not_A_Name"}]
+    with pytest.raises(admission.SpecError, match=r"spec\.imagePullSecrets\[0\]\.name"):
+        admission.check("j", raw, parse_spec(raw), admission.Policy())

@@ -449,6 +449,8 @@ def _image(spec: JobSpec) -> None:
             f"{spec.image[:80]!r} is not an image reference "
             "([registry/]repository[:tag][@digest], lowercase repository)",
         )
+    for i, ref in enumerate(spec.image_pull_secrets or ()):
+        _object_name(f"spec.imagePullSecrets[{i}].name", ref.name)
     algo, sep, hexpart = spec.image.partition("@")[2].partition(":")
     if sep and algo == "sha256" and not _SHA256_HEX.fullmatch(hexpart):
         raise SpecError(

@@ -336,11 +336,18 @@ class Gate(_Model):
         return self
 
 
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
 class JobSpec(_Model):
     """``MoETrainingJob.spec``; see crds/moetrainingjob.yaml and docs/crd.md."""
 
     image: str = Field(min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    # Secrets in the job's namespace the kubelet pulls ``image`` with (worker, inspect, prepare
+    # and digest-probe pods; the gate's smoke pods run in the operator's namespace)
+    image_pull_secrets: list[LocalObjectReference] | None = Field(default=None, max_length=8)
     deepspeed_version: str | None = Field(
         default=None, max_length=64, pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+-]*)$"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import JobSpec
-from .common import JobRef, child_metadata, resources
+from .common import JobRef, child_metadata, pull_secrets, resources
 from .workers import RUN_AS_USER
 
 COMPONENT = "digest-probe"
@@ -54,4 +54,5 @@ def probe_pod(job: JobRef, spec: JobSpec, node: str, index: int) -> dict[str, An
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.scheduling.tolerations
         ]
     meta = child_metadata(job, probe_name(job, index), COMPONENT)
+    pod_spec.update(pull_secrets(spec))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

@@ -22,6 +22,7 @@ from . import volumes
 from .common import (
     JobRef,
     child_metadata,
+    pull_secrets,
     resources,
     token_mount,
     token_volume,
@@ -164,6 +165,7 @@ def _pod(
     }
     if deadline:
         pod_spec["activeDeadlineSeconds"] = deadline
+    pod_spec.update(pull_secrets(spec))
     selector = {**(spec.nodes.node_selector or {}), **(spec.scheduling.node_selector or {})}
     if selector:
         pod_spec["nodeSelector"] = dict(sorted(selector.items()))
