@@ -14,23 +14,14 @@ from .. import admission, metrics
 from .. import constants as C
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, field_hashes
-from ..status import (
-    FALSE,
-    TRUE,
-    UNKNOWN,
-    now_iso,
-    parse_time,
-)
+from ..status import FALSE, TRUE, UNKNOWN, now_iso, parse_time
 from . import gate, inputs, machine, planning, sizing
-from .client import (
-    ChildConflict,
-    NotReady,
-    Rejected,
-)
+from .client import ChildConflict, NotReady, Rejected
 from .jobpass import Pass, _conflict, _crashpoint, _finished, _status_int
 from .specplan import _plan_written
 
 log = logging.getLogger("moejob_operator")
+MAX_FOREIGN_NAMES = 10  # pod names kept in status.foreignPods
 
 
 def _worker_pods(p: Pass) -> list[dict[str, Any]]:
@@ -53,9 +44,6 @@ def _worker_pods(p: Pass) -> list[dict[str, Any]]:
         else:
             p.status.pop("foreignPods", None)
     return owned
-
-
-MAX_FOREIGN_NAMES = 10
 
 
 # ---- launch + track -----------------------------------------------------------------------

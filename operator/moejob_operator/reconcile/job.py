@@ -8,6 +8,9 @@ deterministic names, ``status``), so a restarted operator continues where the ol
 
 A launching pass ends at the worker pods; the rest of it (the children only a running trainer
 uses, then the status write) can be handed to ``defer`` (see :func:`reconcile`).
+
+This module runs the stages and maps their outcomes; the pass state is ``jobpass``, validate and
+the stored plan ``specplan``, launch and tracking ``gang``.
 """
 
 from __future__ import annotations
@@ -24,20 +27,9 @@ from kubernetes.client.rest import ApiException
 from .. import constants as C
 from .. import metrics
 from ..spec import JobSpec
-from ..status import (
-    FALSE,
-    TRUE,
-    UNKNOWN,
-)
+from ..status import FALSE, TRUE, UNKNOWN
 from . import gate, inputs, machine, sizing, topology
-from .client import (
-    ChildConflict,
-    Client,
-    NotReady,
-    Rejected,
-    exceeded_quota,
-    server_message,
-)
+from .client import ChildConflict, Client, NotReady, Rejected, exceeded_quota, server_message
 from .gang import (
     _complete_launch,
     _delete,

@@ -13,20 +13,9 @@ from .. import admission
 from .. import constants as C
 from ..builders import common
 from ..spec import SpecError, parse_spec
-from ..status import (
-    FALSE,
-    TRUE,
-    event_type_for,
-    now_iso,
-    parse_time,
-    phase_of,
-    set_condition,
-)
+from ..status import FALSE, TRUE, event_type_for, now_iso, parse_time, phase_of, set_condition
 from . import machine
-from .client import (
-    ChildConflict,
-    Client,
-)
+from .client import ChildConflict, Client
 from .settings import Settings
 
 log = logging.getLogger("moejob_operator")
@@ -139,6 +128,7 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         ("workers", dict),
         ("progress", dict),
         ("health", list),
+        ("foreignPods", list),
         ("launchedFields", dict),
         ("model", dict),
         ("data", dict),

@@ -11,10 +11,7 @@ from .. import admission
 from .. import constants as C
 from ..builders import common, configmaps
 from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
-from ..status import (
-    FALSE,
-    TRUE,
-)
+from ..status import FALSE, TRUE
 from . import planning
 from .jobpass import Pass, _crashpoint, _is_launched
 from .outcome import Refused
