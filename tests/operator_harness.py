@@ -115,7 +115,7 @@ def launched(
     kube, namespace: str, name: str, wait_for, attempt: int = 0, timeout: float = 30
 ) -> dict:
     """The job once its status records the launch of ``attempt``: a first launch writes status
-    after the worker pods and the trainer's other children (reconcile/job.py _complete_launch),
+    after the worker pods and the trainer's other children (reconcile/gang.py _complete_launch),
     so a test that saw the pods waits for this before it reads status."""
 
     def done():

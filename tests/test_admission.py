@@ -248,6 +248,9 @@ def test_image_references_accepted(image):
         "a:b:c",
         "-x",
         "x:" + "t" * 200,
+        "repo/img@sha256:" + "a" * 40,  # a sha1-length digest under the sha256 name
+        "repo/img@sha256:" + "a" * 65,
+        "repo/img@sha256:" + "A" * 64,
     ],
 )
 def test_image_references_refused(image):

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from moejob_operator import admission
 from moejob_operator import constants as C
 from moejob_operator.builders import common, configmaps, rbac, workers
-from moejob_operator.spec import parse_spec
+from moejob_operator.spec import JobSpec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
@@ -30,8 +31,18 @@ PLAN = {
 }
 
 
+# the examples' checkpoint hostPath is under /tmp; the pods mount /tmp and reach it by subPath
+POLICY = admission.Policy(host_path_prefixes=("/tmp",))
+
+
+def _admitted(raw) -> JobSpec:
+    spec = parse_spec(raw)
+    admission.bind_host_paths(spec, POLICY)
+    return spec
+
+
 def _example(name: str):
-    return parse_spec(yaml.safe_load((ROOT / "examples" / name).read_text())["spec"])
+    return _admitted(yaml.safe_load((ROOT / "examples" / name).read_text())["spec"])
 
 
 def _children(example: str) -> list[dict]:
@@ -153,7 +164,7 @@ def test_cpu_workers_run_the_same_entry_point_with_cpu():
 def test_operator_labels_win_over_user_labels():
     raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
     raw["scheduling"] = {"podLabels": {C.LABEL_JOB: "someone-else", "team": "x"}}
-    pod = workers.worker_pod(JOB, parse_spec(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
+    pod = workers.worker_pod(JOB, _admitted(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
     assert pod["metadata"]["labels"][C.LABEL_JOB] == JOB.name
     assert pod["metadata"]["labels"]["team"] == "x"
 
@@ -262,7 +273,7 @@ def test_every_quantity_is_a_string_the_api_client_accepts():
 
     raw = yaml.safe_load((ROOT / "examples" / "gpu-h200.yaml").read_text())["spec"]
     raw["resources"] = {"requests": {"cpu": 32, "memory": "512Gi"}, "limits": {"cpu": 64}}
-    spec = parse_spec(raw)
+    spec = _admitted(raw)
     objs = [
         workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h"),
         smoke.smoke_job(G.identity_for("img", None, "GPU"), 1, G.GateConfig(namespace="ns")),

@@ -17,7 +17,7 @@ from moe_contracts import data, gate, model, plan, progress, routing, topology
 from moe_contracts import env as contract_env
 from moe_contracts import exit as exit_doc
 from moejob_operator.builders import common, workers
-from moejob_operator.spec import parse_spec
+from test_builders import _admitted
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "contracts.md").read_text()
@@ -106,7 +106,7 @@ def test_worker_environment_is_the_contracts_and_the_docs():
     job = common.JobRef(
         namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11"
     )
-    pod = workers.worker_pod(job, parse_spec(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
+    pod = workers.worker_pod(job, _admitted(raw), node_rank=0, node="n", attempt=0, spec_hash="h")
     written = {e["name"] for e in pod["spec"]["containers"][0]["env"]}
     paragraph = r"Environment \(the pod's, shared by its ranks\):(.*?)The pod has no"
     m = re.search(paragraph, DOC, re.DOTALL)

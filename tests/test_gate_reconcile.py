@@ -10,6 +10,7 @@ from kubernetes.client.rest import ApiException
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate
+from moejob_operator.reconcile.client import Client
 from moejob_operator.reconcile.outcome import NotYet
 from moejob_operator.reconcile.settings import Settings
 from moejob_operator.spec import parse_spec
@@ -84,6 +85,10 @@ def test_bad_settings_are_reported_not_raised():
 class GangClient:
     """Nodes, worker pods and the writes of one pass (no cluster)."""
 
+    # the real ownership filters, over this fake's list_pods / get_configmap
+    list_owned_pods = Client.list_owned_pods
+    get_owned_configmap = Client.get_owned_configmap
+
     def __init__(self, pods):
         self.pods, self.patches, self.deleted, self.events = pods, [], [], []
 
@@ -116,6 +121,7 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
             "name": "j-worker-0",
             "uid": "p0",
             "labels": {C.LABEL_NODE_RANK: "0", C.LABEL_ATTEMPT: "0"},
+            "ownerReferences": [{"uid": "u", "controller": True}],
         },
         "spec": {"nodeName": "node-a"},
         "status": {

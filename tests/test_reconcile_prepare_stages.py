@@ -13,6 +13,7 @@ from moejob_operator import constants as C
 from moejob_operator.builders.common import JobRef
 from moejob_operator.core.models import preset_hf_config
 from moejob_operator.reconcile import dataprep, inspect
+from moejob_operator.reconcile.client import Client
 from moejob_operator.reconcile.outcome import NotYet, Refused
 from moejob_operator.spec import parse_spec
 
@@ -26,6 +27,10 @@ SPEC = {
 
 
 class FakeClient:
+    # the real ownership filters, over this fake's list_pods / get_configmap
+    list_owned_pods = Client.list_owned_pods
+    get_owned_configmap = Client.get_owned_configmap
+
     def __init__(self):
         self.objects: dict[tuple[str, str], dict] = {}
         self.deleted: list[str] = []

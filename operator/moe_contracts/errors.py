@@ -69,10 +69,23 @@ def check_kind_version(document: str, obj: Any, versions: tuple[int, ...] = (1,)
     return obj
 
 
+# A document another party writes (the trainer's progress, routing statistics, exit message) is
+# read under limits: no larger than a ConfigMap can hold, and nesting deep enough to exhaust the
+# parser's recursion is a DocumentError like any other malformed input, not a crash.
+MAX_DOCUMENT_BYTES = 1 << 20
+
+
 def loads_document(document: str, text: str | bytes) -> Any:
-    """``json.loads`` that raises DocumentError naming the document."""
+    """``json.loads`` that raises DocumentError naming the document (also for one over
+    :data:`MAX_DOCUMENT_BYTES` or nested too deep to parse)."""
+    if isinstance(text, str | bytes) and len(text) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(
+            f"{document}: {len(text)} bytes, larger than the {MAX_DOCUMENT_BYTES} a reader accepts"
+        )
     try:
         return json.loads(text)
+    except RecursionError:
+        raise DocumentError(f"{document}: nested too deeply") from None
     except (ValueError, TypeError) as exc:
         raise DocumentError(f"{document}: not JSON ({str(exc)[:80]})") from None
 

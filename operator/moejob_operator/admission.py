@@ -27,7 +27,7 @@ from typing import Any
 
 from . import constants as C
 from .builders.common import MAX_JOB_NAME, SA_TOKEN_DIR
-from .spec import JobSpec, SpecError
+from .spec import HostPathSource, JobSpec, SpecError
 
 ENV_HOST_PATH_PREFIXES = "MOE_ALLOWED_HOST_PATH_PREFIXES"
 ENV_TEST_MODE = "MOE_OPERATOR_TEST_MODE"
@@ -79,6 +79,8 @@ _IMAGE = re.compile(
     r"(?::[\w][\w.-]{0,127})?"
     r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?$"
 )
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 _SUFFIX = {
     "": 1,
@@ -254,7 +256,9 @@ def _scheduling(spec: JobSpec) -> None:
 
 
 # ---- volumes and mounts -------------------------------------------------------------------
-def _host_path(field: str, path: str, policy: Policy) -> None:
+def _host_path(field: str, path: str, policy: Policy) -> str:
+    """The longest allowed prefix ``path`` lies under (lexically: the pods mount that prefix and
+    reach ``path`` through a subPath, so the kubelet resolves symlinks inside it)."""
     norm = posixpath.normpath(path)
     if ".." in path.split("/") or (norm != path.rstrip("/") and path != "/"):
         raise SpecError(field, f"{path!r} is not a normalised absolute path")
@@ -273,6 +277,7 @@ def _host_path(field: str, path: str, policy: Policy) -> None:
             f"({where}; the chart value hostPathPolicy.allowedPrefixes, the operator's "
             f"${ENV_HOST_PATH_PREFIXES})",
         )
+    return max(allowed, key=len)
 
 
 def _mount_path(field: str, path: str) -> str:
@@ -285,6 +290,29 @@ def _mount_path(field: str, path: str) -> str:
         if norm == root or norm.startswith(root + "/") or root.startswith(norm + "/"):
             raise SpecError(field, f"{path!r} overlaps {root} (reserved in the worker container)")
     return norm
+
+
+def host_path_sources(spec: JobSpec) -> list[tuple[str, HostPathSource]]:
+    """Every hostPath in ``spec`` with its field path."""
+    vols = [
+        ("spec.checkpoint", spec.checkpoint.volume),
+        ("spec.data", spec.data.volume),
+        ("spec.model", spec.model.volume if spec.model.path is not None else None),
+        ("spec.data.cache", spec.data.cache.volume if spec.data.cache is not None else None),
+        ("spec.output", spec.output.volume if spec.output is not None else None),
+    ]
+    return [
+        (f"{field}.volume.hostPath.path", vol.host_path)
+        for field, vol in vols
+        if vol is not None and vol.host_path is not None
+    ]
+
+
+def bind_host_paths(spec: JobSpec, policy: Policy) -> None:
+    """Record on each hostPath of ``spec`` the allowed prefix it lies under (raises
+    :class:`SpecError` for one under none). The builders mount only bound prefixes."""
+    for field, hp in host_path_sources(spec):
+        hp._allowed_prefix = _host_path(field, hp.path, policy)
 
 
 def _volumes(spec: JobSpec, policy: Policy) -> None:
@@ -421,6 +449,15 @@ def _image(spec: JobSpec) -> None:
             f"{spec.image[:80]!r} is not an image reference "
             "([registry/]repository[:tag][@digest], lowercase repository)",
         )
+    for i, ref in enumerate(spec.image_pull_secrets or ()):
+        _object_name(f"spec.imagePullSecrets[{i}].name", ref.name)
+    algo, sep, hexpart = spec.image.partition("@")[2].partition(":")
+    if sep and algo == "sha256" and not _SHA256_HEX.fullmatch(hexpart):
+        raise SpecError(
+            "spec.image",
+            f"{spec.image[:120]!r}: a sha256 digest is exactly 64 lowercase hex characters "
+            f"(got {len(hexpart)})",
+        )
 
 
 def _size(raw: Any) -> None:
@@ -488,5 +525,6 @@ def check(name: str, raw: Any, spec: JobSpec, policy: Policy) -> None:
     _image(spec)
     _scheduling(spec)
     _volumes(spec, policy)
+    bind_host_paths(spec, policy)
     _resources(spec)
     _overrides(spec)

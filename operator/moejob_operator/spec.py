@@ -19,7 +19,7 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
 from .core.errors import FieldError, field_path
@@ -78,6 +78,14 @@ class CheckpointClaimSource(_Model):
 
 class HostPathSource(_Model):
     path: str = Field(pattern=r"^/", max_length=1024)
+    # The allowed prefix ``path`` lies under, set by admission (``admission.bind_host_paths``),
+    # never by the manifest: pods mount the prefix and reach ``path`` through a subPath, which the
+    # kubelet refuses to resolve through a symlink that leaves the prefix.
+    _allowed_prefix: str | None = PrivateAttr(default=None)
+
+    @property
+    def allowed_prefix(self) -> str | None:
+        return self._allowed_prefix
 
 
 class ConfigMapSource(_Model):
@@ -344,11 +352,18 @@ class Gate(_Model):
         return self
 
 
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1, max_length=253)
+
+
 class JobSpec(_Model):
     """``MoETrainingJob.spec``; see crds/moetrainingjob.yaml and docs/crd.md."""
 
     image: str = Field(min_length=1, max_length=512)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    # Secrets in the job's namespace the kubelet pulls ``image`` with (worker, inspect, prepare
+    # and digest-probe pods; the gate's smoke pods run in the operator's namespace)
+    image_pull_secrets: list[LocalObjectReference] | None = Field(default=None, max_length=8)
     deepspeed_version: str | None = Field(
         default=None, max_length=64, pattern=r"^[0-9]+\.[0-9]+(\.[0-9]+)?([a-z0-9.+-]*)$"
     )

@@ -273,6 +273,24 @@ def memory_dir(uid: str) -> Path:
     return (shm if shm.is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))) / "moe-localkube" / uid
 
 
+def _sub_path(volume: Path, sub: str, container: str) -> Path:
+    """``volume/sub``, created when missing, refused (like the kubelet's "subpath ... not within
+    volume path") when ``..`` or a symlink on the way leads outside the volume."""
+    if os.path.isabs(sub) or ".." in sub.split("/"):
+        raise ConfigError(f"container {container}: subPath {sub!r} must be a relative path")
+    root = volume.resolve()
+    src = volume / sub
+    for depth in range(1, len(Path(sub).parts) + 1):
+        part = volume.joinpath(*Path(sub).parts[:depth])
+        if part.is_symlink() and not part.resolve().is_relative_to(root):
+            raise ConfigError(
+                f"container {container}: subpath {str(src)!r} not within volume path {str(root)!r}"
+            )
+    if not src.exists():
+        src.mkdir(parents=True)
+    return src
+
+
 def container_mounts(container: dict, volumes: dict[str, Path]) -> list[Mount]:
     """``volumeMounts`` -> bind mounts, parents before children."""
     mounts = []
@@ -283,9 +301,7 @@ def container_mounts(container: dict, volumes: dict[str, Path]) -> list[Mount]:
             )
         src = volumes[vm["name"]]
         if vm.get("subPath"):
-            src = src / vm["subPath"]
-            if not src.exists():
-                src.mkdir(parents=True)
+            src = _sub_path(src, vm["subPath"], container["name"])
         mounts.append(
             Mount(
                 source=src,

@@ -187,3 +187,9 @@ def token_volume() -> dict[str, Any]:
 
 def token_mount() -> dict[str, Any]:
     return {"name": TOKEN_VOLUME, "mountPath": SA_TOKEN_DIR, "readOnly": True}
+
+
+def pull_secrets(spec: Any) -> dict[str, Any]:
+    """``imagePullSecrets`` for a pod running the job's image (empty: none given)."""
+    refs = [{"name": r.name} for r in spec.image_pull_secrets or ()]
+    return {"imagePullSecrets": refs} if refs else {}

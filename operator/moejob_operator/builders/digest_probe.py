@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..spec import JobSpec
-from .common import JobRef, child_metadata, pod_security_context, resources
+from .common import JobRef, child_metadata, pod_security_context, pull_secrets, resources
 
 COMPONENT = "digest-probe"
 PROBE_COMMAND = ("true",)  # coreutils: in every trainer image (and on every dev node)
@@ -48,4 +48,5 @@ def probe_pod(job: JobRef, spec: JobSpec, node: str, index: int) -> dict[str, An
             t.model_dump(by_alias=True, exclude_none=True) for t in spec.scheduling.tolerations
         ]
     meta = child_metadata(job, probe_name(job, index), COMPONENT)
+    pod_spec.update(pull_secrets(spec))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}

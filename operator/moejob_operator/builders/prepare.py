@@ -23,6 +23,7 @@ from .common import (
     JobRef,
     child_metadata,
     pod_security_context,
+    pull_secrets,
     resources,
     token_mount,
     token_volume,
@@ -158,6 +159,7 @@ def _pod(
     }
     if deadline:
         pod_spec["activeDeadlineSeconds"] = deadline
+    pod_spec.update(pull_secrets(spec))
     selector = {**(spec.nodes.node_selector or {}), **(spec.scheduling.node_selector or {})}
     if selector:
         pod_spec["nodeSelector"] = dict(sorted(selector.items()))

@@ -1,7 +1,7 @@
 """The job's volumes as pod ``volumes`` + container ``volumeMounts``: one place that turns a
 spec volume (PersistentVolumeClaim, hostPath, ConfigMap) into both, for every pod that mounts it
-(inspection, data-prepare, workers). How a hostPath is mounted (the allowed prefix, a sub-path)
-is decided here only.
+(inspection, data-prepare, workers). How a hostPath is mounted is decided here only: the allowed
+prefix admission bound it to is the volume, the rest of the path a ``subPath`` (docs/security.md).
 
 Mount paths are the spec's, the same in every pod: a path a pod writes into a document (the
 prepared data directory, the model directory) is the path the workers read.
@@ -9,12 +9,13 @@ prepared data directory, the model directory) is the path the workers read.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Any
 
 from moe_contracts.data import PREPARED_DIR
 
 from .. import constants as C
-from ..spec import CheckpointVolume, DataVolume, JobSpec
+from ..spec import CheckpointVolume, DataVolume, HostPathSource, JobSpec
 
 Pair = tuple[dict[str, Any], dict[str, Any]]
 
@@ -22,7 +23,8 @@ Pair = tuple[dict[str, Any], dict[str, Any]]
 def source(
     src: CheckpointVolume | DataVolume, *, read_only: bool, host_type: str = "Directory"
 ) -> dict[str, Any]:
-    """The pod volume's source (without its name)."""
+    """The pod volume's source (without its name). A hostPath is its allowed prefix: the path
+    itself is reached through :func:`host_sub_path`."""
     pvc = src.persistent_volume_claim
     if pvc is not None:
         claim: dict[str, Any] = {"claimName": pvc.claim_name}
@@ -30,11 +32,25 @@ def source(
             claim["readOnly"] = True
         return {"persistentVolumeClaim": claim}
     if src.host_path is not None:
-        return {"hostPath": {"path": src.host_path.path, "type": host_type}}
+        return {"hostPath": {"path": _prefix(src.host_path), "type": host_type}}
     cm = getattr(src, "config_map", None)
     if cm is not None:
         return {"configMap": {"name": cm.name}}
     raise ValueError("volume: no source")  # the spec's validators make this unreachable
+
+
+def _prefix(hp: HostPathSource) -> str:
+    if hp.allowed_prefix is None:  # fail closed: only admission decides which prefix applies
+        raise ValueError(f"hostPath {hp.path!r}: not admitted (no allowed prefix bound)")
+    return hp.allowed_prefix
+
+
+def host_sub_path(hp: HostPathSource) -> str | None:
+    """``hp.path`` relative to its allowed prefix (None: the prefix itself). The kubelet opens
+    a subPath component by component inside the volume and refuses one that a symlink takes
+    outside it, so a link planted under the prefix cannot mount the host's root."""
+    rel = posixpath.relpath(posixpath.normpath(hp.path), _prefix(hp))
+    return None if rel == "." else rel
 
 
 def volume_and_mount(
@@ -49,8 +65,10 @@ def volume_and_mount(
     mount: dict[str, Any] = {"name": name, "mountPath": mount_path}
     if read_only:
         mount["readOnly"] = True
-    if sub_path:
-        mount["subPath"] = sub_path
+    base = host_sub_path(src.host_path) if src.host_path is not None else None
+    full = "/".join(x.strip("/") for x in (base, sub_path) if x)
+    if full:
+        mount["subPath"] = full
     return {"name": name, **source(src, read_only=read_only, host_type=host_type)}, mount
 
 

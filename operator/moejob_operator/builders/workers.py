@@ -25,6 +25,7 @@ from .common import (
     plan_configmap_name,
     pod_security_context,
     progress_configmap_name,
+    pull_secrets,
     resources,
     routing_stats_configmap_name,
     service_name,
@@ -226,6 +227,7 @@ def worker_pod(
         "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
+        **pull_secrets(spec),
     }
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(sched.node_selector.items()))

@@ -98,6 +98,27 @@ def server_message(exc: ApiException) -> str:
     return str(msg or exc.reason or exc.status)[:800]
 
 
+class ChildConflict(Exception):
+    """An object has a child's name but not this job's controller ownerReference (a neighbour's,
+    or one left by another job): it is never used, changed or deleted; the job reports it."""
+
+    def __init__(self, kind: str, name: str, owner: str | None):
+        held = f"controlled by uid {owner}" if owner else "not controlled by this job"
+        super().__init__(
+            f"{kind} {name} exists and is {held}: the operator neither uses nor deletes it "
+            "(delete or rename it to let the job continue)"
+        )
+        self.kind, self.name, self.owner = kind, name, owner
+
+
+def controller_uid(obj: dict[str, Any] | None) -> str | None:
+    """The uid of ``obj``'s controller ownerReference (None: none)."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or ():
+        if ref.get("controller"):
+            return ref.get("uid")
+    return None
+
+
 class Client:
     def __init__(self, api_client: k8s.ApiClient | None = None, *, node_cache_seconds: float = 2.0):
         self.api = api_client or api_client_from_env()
@@ -215,6 +236,7 @@ class Client:
             return True
         except ApiException as exc:
             if exc.status == 409:
+                self._check_owner(obj)
                 return False
             # 1.20's ServiceAccount admission refuses pods until the token controller has made
             # the account's token ("retry after the token is automatically created")
@@ -225,6 +247,26 @@ class Client:
                     kind, obj["metadata"]["name"], exc.status, server_message(exc)
                 ) from None
             raise
+
+    def _check_owner(self, obj: dict[str, Any]) -> None:
+        """After "already exists": the existing object must have ``obj``'s controller (the same
+        job, e.g. written by a pass that crashed), else :class:`ChildConflict`."""
+        want = controller_uid(obj)
+        if want is None:
+            return
+        meta = obj["metadata"]
+        name, ns, kind = meta["name"], meta.get("namespace"), obj["kind"]
+        read = {
+            "ConfigMap": self.core.read_namespaced_config_map,
+            "Service": self.core.read_namespaced_service,
+            "Pod": self.core.read_namespaced_pod,
+            "ServiceAccount": self.core.read_namespaced_service_account,
+            "Role": self.rbac.read_namespaced_role,
+            "RoleBinding": self.rbac.read_namespaced_role_binding,
+        }[kind]
+        have = self._get(read, name, ns)
+        if have is not None and controller_uid(have) != want:
+            raise ChildConflict(kind, name, controller_uid(have))
 
     def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:
         """``create`` each of ``objs`` concurrently (independent children: one round trip of
@@ -261,6 +303,14 @@ class Client:
             self._cm_cache[key] = (time.monotonic(), cm)
         return cm
 
+    def get_owned_configmap(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        """The ConfigMap when the object ``uid`` controls it; None when absent;
+        :class:`ChildConflict` when someone else's has the name."""
+        cm = self.get_configmap(namespace, name)
+        if cm is not None and controller_uid(cm) != uid:
+            raise ChildConflict("ConfigMap", name, controller_uid(cm))
+        return cm
+
     def delete_configmap(self, namespace: str, name: str) -> None:
         try:
             self._done(
@@ -274,6 +324,19 @@ class Client:
         sel = ",".join(f"{k}={v}" for k, v in selector.items())
         resp = self.core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)
         return self._json(resp)["items"]
+
+    def list_owned_pods(
+        self, namespace: str, selector: dict[str, str], uid: str
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """``list_pods`` split by controller: (the pods ``uid`` controls, the names of the
+        others). Labels are anyone's to set: a pod counts only by its ownerReference."""
+        owned, foreign = [], []
+        for pod in self.list_pods(namespace, selector):
+            if controller_uid(pod) == uid:
+                owned.append(pod)
+            else:
+                foreign.append(pod["metadata"]["name"])
+        return owned, foreign
 
     def delete_pod(
         self, namespace: str, name: str, *, uid: str | None = None, grace_seconds: int | None = None

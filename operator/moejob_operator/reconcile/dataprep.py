@@ -96,7 +96,9 @@ def ensure_data(
         # the pod reports, then exits: a finished pod's last report may be newer than our read
         pod = find_pod(client, job, B.prepare_pod_name(job), B.COMPONENT_PREPARE)
         if (pod or {}).get("status", {}).get("phase") in ("Succeeded", "Failed"):
-            report = _report(client.get_configmap(job.namespace, name) or {}) or report
+            report = (
+                _report(client.get_owned_configmap(job.namespace, name, job.uid) or {}) or report
+            )
     if report is not None and report.phase == "Failed":
         raise refusal(report)
     if report is not None and report.phase == "Done" and report.path:

@@ -62,13 +62,13 @@ def ensure_children(client, job: JobRef, spec: JobSpec, cm_name: str, component:
     prepare ServiceAccount, Role and binding the pods write it with). A ConfigMap of an earlier
     spec (edited before launch) and its pods go. Returns the ConfigMap as read."""
     want = spec.immutable_hash()
-    cm = client.get_configmap(job.namespace, cm_name)
+    cm = client.get_owned_configmap(job.namespace, cm_name, job.uid)
     have = (((cm or {}).get("metadata") or {}).get("annotations") or {}).get(C.ANNOTATION_SPEC_HASH)
     if cm is not None and have == want:
         return cm
     if cm is not None:
         selector = {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
-        for pod in client.list_pods(job.namespace, selector):
+        for pod in client.list_owned_pods(job.namespace, selector, job.uid)[0]:
             meta = pod["metadata"]
             client.delete_pod(job.namespace, meta["name"], uid=meta.get("uid"))
         client.delete_configmap(job.namespace, cm_name)
@@ -81,9 +81,8 @@ def ensure_children(client, job: JobRef, spec: JobSpec, cm_name: str, component:
 
 
 def find_pod(client, job: JobRef, name: str, component: str) -> dict | None:
-    for pod in client.list_pods(
-        job.namespace, {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
-    ):
+    selector = {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
+    for pod in client.list_owned_pods(job.namespace, selector, job.uid)[0]:
         if pod["metadata"]["name"] == name:
             return pod
     return None
@@ -155,7 +154,9 @@ def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> 
         # the pod publishes, then exits: a finished pod's report may be newer than our read
         pod = find_pod(client, job, B.inspect_pod_name(job), B.COMPONENT_INSPECT)
         if pod is not None and (pod.get("status") or {}).get("phase") == "Succeeded":
-            report = _report(client.get_configmap(job.namespace, name) or {}, E.MODEL_REPORT_KEY)
+            report = _report(
+                client.get_owned_configmap(job.namespace, name, job.uid) or {}, E.MODEL_REPORT_KEY
+            )
     if report is None:
         state = status.setdefault("model", {})
         raise run_pod(
@@ -197,7 +198,7 @@ def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: di
     if report is None:
         pod = find_pod(client, job, B.inspect_pod_name(job, True), B.COMPONENT_INSPECT)
         if pod is not None and (pod.get("status") or {}).get("phase") == "Succeeded":
-            report = _report(client.get_configmap(job.namespace, name) or {}, key)
+            report = _report(client.get_owned_configmap(job.namespace, name, job.uid) or {}, key)
     if report is None:
         raise run_pod(
             client,
