@@ -305,7 +305,7 @@ def test_every_quantity_is_a_string_the_api_client_accepts():
 def _with_scheduling(**sched):
     raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
     raw["scheduling"] = sched
-    return parse_spec(raw)
+    return _admitted(raw)
 
 
 def test_kueue_gang_puts_every_worker_of_an_attempt_in_one_pod_group():

@@ -326,19 +326,19 @@ def test_export_round_trip_through_the_operator(
     kube, ns, work, node_agent, operator_proc, wait_for
 ):
     """Job A fine-tunes the model directory on JSONL and exports; job B takes A's export as
-    spec.model.path, the same text as Parquet and routingStatsFrom A. The data is one document of
-    exactly two packed rows (64 words + EOS at seqLen 32), so every step of both jobs trains on the
+    spec.model.path, the same text as Parquet and routingStatsFrom A. The data packs into exactly
+    two rows at seqLen 32, so every step of both jobs trains on the
     same batch: B's first loss (A's exported weights) matches A's last (the weights one update
     earlier, at the cosine schedule's end) within 1%, far from A's first (the directory's weights),
     and B's export loads with transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    words = sentences(40, 7)
-    doc = " ".join(" ".join(words).split()[:64])
-    assert len(doc.split()) == 64
-    jsonl = write_jsonl(work / "rt-jsonl" / "a.jsonl", [{"text": doc}])
-    pq = write_parquet(work / "rt-pq", [{"text": doc}])
+    words = " ".join(sentences(40, 7)).split()
+    # 32 + 31 words, each document + EOS: 65 tokens = two rows of 33 at stride 32, no partial row
+    docs = [{"text": " ".join(words[:32])}, {"text": " ".join(words[32:63])}]
+    jsonl = write_jsonl(work / "rt-jsonl" / "a.jsonl", docs)
+    pq = write_parquet(work / "rt-pq", docs)  # one document per file, in this order
 
     def out(path):
         return {"path": "/output", "volume": {"hostPath": {"path": str(path)}}}
