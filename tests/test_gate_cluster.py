@@ -357,8 +357,19 @@ def test_a_tag_pushed_again_before_a_run_is_tested_as_the_new_build_first(
         timeout=120,
         message=f"before-b verified as {d2}\n{operator_proc.logs()}",
     )
-    cond = verified(kube, namespace, "before-b")
-    assert f"now resolves to {d2}" in cond["message"] and d1 in cond["message"], cond
+    # said when the new build's smoke test started (the Event): the condition itself may already
+    # be a later pass's, since a suspended job re-resolves its tag on every pass
+    wait_for(
+        lambda: [
+            e.message
+            for e in kube.core.list_namespaced_event(namespace).items
+            if e.involved_object.name == "before-b"
+            and f"now resolves to {d2}" in (e.message or "")
+            and d1 in e.message
+        ],
+        timeout=30,
+        message=f"an Event saying the tag now resolves to {d2}, verified {d1}",
+    )
     # build 2 was tested (once, as repo@digest) before anything ran it; the tag follows it
     jobs = smoke_jobs(kube, gate_ns, key_of(image, d2))
     assert len(jobs) == 1 and jobs[0].spec.template.spec.containers[0].image.endswith(f"@{d2}")
