@@ -46,7 +46,8 @@ def deepspeed_arch_list(value: str | None) -> str | None:
 
 def fix_arch_list_for_deepspeed() -> None:
     """Rewrite ``TORCH_CUDA_ARCH_LIST`` in this process (:func:`deepspeed_arch_list`) before a
-    DeepSpeed op is JIT-built."""
+    DeepSpeed op is JIT-built (:func:`init_distributed` does, on GPUs: the trainer, the smoke
+    test's FusedAdam build and check, the export all start there)."""
     value = os.environ.get("TORCH_CUDA_ARCH_LIST")
     fixed = deepspeed_arch_list(value)
     if fixed != value and fixed is not None:
@@ -157,6 +158,7 @@ def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
         os.environ.setdefault("DS_ACCELERATOR", "cuda")
+        fix_arch_list_for_deepspeed()  # before any DeepSpeed op is JIT-built in this process
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import importlib

@@ -373,10 +373,6 @@ def fused_adam(env) -> str:
     t0 = time.perf_counter()
     from deepspeed.ops.adam import FusedAdam
 
-    from moe_trainer.distenv import fix_arch_list_for_deepspeed
-
-    fix_arch_list_for_deepspeed()
-
     p = torch.nn.Parameter(torch.ones(4096, device=env.device))
     opt = FusedAdam([p], lr=1e-2)
     p.grad = torch.ones_like(p)
