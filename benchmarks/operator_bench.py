@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from moe_localkube import procs
 from moe_localkube.controlplane import ControlPlane
 from moe_localkube.nodes import NodeSpec, node_manifest, node_status
-from moe_localkube.testing import Kube, create_namespace
+from moe_localkube.testing import Kube, create_namespace, operator_command
 from moejob_operator import constants as C
 from operator_harness import install_crd, seed_topology
 
@@ -166,16 +166,7 @@ def run(jobs: int, workdir: Path, settle_load: float | None = None) -> dict:
             MOE_ALLOWED_HOST_PATH_PREFIXES="/tmp/moe-checkpoints",
         )
         op = procs.spawn(
-            [
-                sys.executable,
-                "-m",
-                "moejob_operator.cli",
-                "operator",
-                "-A",
-                "--no-leader-election",
-                "--health-port=0",
-                "--metrics-port=0",
-            ],
+            operator_command(),
             workdir / "operator.log",
             env=env,
         )

@@ -179,7 +179,7 @@ def _demo(
     from moe_localkube import binaries, procs
     from moe_localkube.controlplane import ControlPlane
     from moe_localkube.nodeagent import NodeAgent, NodeSpec
-    from moe_localkube.testing import Kube
+    from moe_localkube.testing import Kube, operator_command
 
     doc = yaml.safe_load(manifest.read_text())
     name = doc["metadata"]["name"]
@@ -241,16 +241,7 @@ def _demo(
             MOE_ALLOWED_HOST_PATH_PREFIXES=f"{ckpt},{data_dir}",
         )
         operator = procs.spawn(
-            [
-                sys.executable,
-                "-m",
-                "moejob_operator.cli",
-                "operator",
-                "-A",
-                "--no-leader-election",
-                "--health-port=0",
-                "--metrics-port=0",
-            ],
+            operator_command(),
             work / "operator.log",
             env=env,
         )
