@@ -82,6 +82,8 @@ def test_a_tags_verdict_is_also_its_digests_and_follows_or_is_revoked():
     assert revoked["expiresAt"] == "2026-12-01T12:10:00Z"
     d = G.decide(tag, revoked, None, NOW, G.GateConfig())
     assert d.status == "False" and "revoked" in d.message and "check 'numerics'" in d.message
+    # the message a later pass reads from the store ends as the revoking pass's did
+    assert d.message.endswith(f"the cached pass of {TAG} is revoked")
 
 
 def test_the_probe_pod_pulls_the_tag_on_its_node_and_asks_for_nothing():

@@ -79,7 +79,10 @@ def tier_bytes(
 ) -> dict[str, dict[str, float]]:
     """Bytes per dispatcher and tier for routing T tokens through L MoE layers once.
 
-    ``expert2rank[L, E]``: EP rank of each router expert id per layer; ``token_experts[L, T, K]``:
+    ``expert2rank[L, E]``: EP rank of each router expert id per layer, or ``[L, P, E]``: with
+    replicated experts, the EP rank that serves expert ``e`` to tokens that start on EP rank ``p``
+    (the dispatcher's serve table; ``[L, E]`` is the single-copy case, the same for every ``p``);
+    ``token_experts[L, T, K]``:
     the experts each token chose; ``src[T]``: the global rank each token starts on (it is
     dispatched inside that rank's EP group of ``ep_size`` consecutive ranks); ``rank_group[W]`` /
     ``rank_node[W]``: NVLink group and node of each global rank; ``hidden_bytes``: one hidden
@@ -100,10 +103,13 @@ def tier_bytes(
     src = np.asarray(src, dtype=np.int64)
     base = (src // P) * P
     s = src % P
-    num_experts = expert2rank.shape[1]
+    expert2rank = np.asarray(expert2rank)
+    if expert2rank.ndim == 2:  # one copy per expert: every source rank is served by the same rank
+        expert2rank = np.broadcast_to(expert2rank[:, None, :], (L, P, expert2rank.shape[1]))
+    num_experts = expert2rank.shape[2]
     peers = np.arange(W)
     for layer in range(L):
-        dest = expert2rank[layer][token_experts[layer]]  # [T, K] EP ranks
+        dest = expert2rank[layer][s[:, None], token_experts[layer]]  # [T, K] EP ranks
         # AutoEP: one row per (token, expert) on another rank, there and back (+ count exchange)
         _charge(out["autoep"], np.repeat(src, K), (base[:, None] + dest).ravel(), a_row, grp, node)
         for p in range(P):

@@ -82,6 +82,8 @@ def from_record(
             f"{'; cached' if not fresh else ''}; tested again after "
             f"{rec['expiresAt']}, or now after `kubectl -n {namespace} delete job "
             f"{rec.get('smokeJob')} configmap {store_name(identity)}`)"
+            # a revoked tag says so on every pass, as the pass that revoked it did
+            f"{f'; the cached pass of {identity.image} is revoked' if 'revokedPass' in rec else ''}"
         ),
     )
 
