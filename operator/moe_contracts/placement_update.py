@@ -1,0 +1,74 @@
+"""``PlacementUpdate`` v1: a new expert placement for a running job (re-placement during a job).
+
+The operator writes it into the ConfigMap ``$MOE_PLACEMENT_CONFIGMAP`` (``<job>-placement``, key
+``placement.json``; seeded at launch with generation 0 = the plan's own permutation) when fresh
+routing statistics predict enough fewer cross-group bytes (``spec.placement.replan``). Rank 0 of
+the trainer reads it at checkpoint boundaries; a generation above the one it runs is applied in
+place (experts, router rows and their optimizer state move to the new slots), a checkpoint is
+written, and the progress document reports ``placement: {generation, appliedAtStep}``.
+
+``permutation[layer][slot]`` is the original expert id in each slot (the plan's
+``placement.permutation`` convention): EP rank ``r`` holds slots ``r * E_local .. (r + 1) *
+E_local - 1``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ._base import Doc, Float, Int, Str, validate
+from .errors import DocumentError, check_kind_version
+
+DOCUMENT = "PlacementUpdate"
+KEY = "placement.json"
+
+
+class Predicted(Doc):
+    """Predicted cross-group bytes per step on the statistics the decision used."""
+
+    cross_group_bytes_before: Float = Field(ge=0)
+    cross_group_bytes_after: Float = Field(ge=0)
+
+
+class PlacementUpdate(Doc):
+    kind: Literal["PlacementUpdate"] = "PlacementUpdate"
+    version: Literal[1] = 1
+    generation: Int = Field(ge=0)
+    permutation: list[list[Int]]
+    decided_at_step: Int = Field(default=0, ge=0)  # the trainer step of the statistics used
+    reason: Str = ""
+    predicted: Predicted | None = None
+
+    def check(self, num_layers: int, num_experts: int) -> PlacementUpdate:
+        if len(self.permutation) != num_layers:
+            raise DocumentError(
+                f"{DOCUMENT} permutation: {len(self.permutation)} layers, the model has "
+                f"{num_layers}"
+            )
+        for layer, row in enumerate(self.permutation):
+            if sorted(row) != list(range(num_experts)):
+                raise DocumentError(
+                    f"{DOCUMENT} permutation[{layer}] is not a permutation of 0..{num_experts - 1}"
+                )
+        return self
+
+
+def parse(obj: Any) -> PlacementUpdate:
+    """A decoded JSON object -> :class:`PlacementUpdate` (kind, version, fields checked)."""
+    check_kind_version(DOCUMENT, obj)
+    return validate(DOCUMENT, PlacementUpdate, obj)
+
+
+def loads(text: str) -> PlacementUpdate:
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise DocumentError(f"{DOCUMENT}: not JSON: {exc}") from None
+    return parse(obj)
+
+
+def dumps(update: PlacementUpdate) -> str:
+    return json.dumps(update.model_dump(by_alias=True, exclude_none=True), separators=(",", ":"))
