@@ -13,6 +13,7 @@ from moejob_operator.reconcile.machine import (
     PodView,
     candidate_nodes,
     decide_gang,
+    excluded_nodes,
     health_findings,
     progress_status,
     seconds_left,
@@ -124,6 +125,14 @@ def test_candidate_nodes_filters_ready_and_labels():
     assert candidate_nodes(nodes, node_names=None, selectors=[{"gpu": "h200"}, None]) == ["a", "b"]
     assert candidate_nodes(nodes, node_names=None, selectors=[None]) == ["a", "b", "d"]
     assert candidate_nodes(nodes, node_names=["d", "c", "a"], selectors=[]) == ["d", "a"]
+
+    # why: a job naming nodes its own selector excludes says which label each one lacks
+    why = excluded_nodes(nodes, node_names=["d", "c", "x"], selectors=[{"gpu": "h200"}, None])
+    assert why == ("node d lacks gpu=h200 (has no gpu); node c is not Ready; node x does not exist")
+    assert excluded_nodes(nodes, node_names=None, selectors=[{"gpu": "h100"}], limit=2) == (
+        "node a lacks gpu=h100 (has gpu=h200); node b lacks gpu=h100 (has gpu=h200), and 1 more"
+    )
+    assert excluded_nodes(nodes, node_names=["a"], selectors=[{"gpu": "h200"}]) == ""
 
 
 def test_seconds_left():

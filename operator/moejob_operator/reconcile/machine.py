@@ -254,6 +254,39 @@ def candidate_nodes(
     return [name for name in sorted(ready) if matches(name)]
 
 
+def excluded_nodes(
+    nodes: list[dict[str, Any]],
+    *,
+    node_names: list[str] | None,
+    selectors: list[dict[str, str] | None],
+    limit: int = 5,
+) -> str:
+    """Why nodes the job names (or, without names, the ready nodes) are not candidates: absent,
+    not Ready, or missing a selector's label (``node b lacks disktype=ssd``); '' when none is
+    excluded. At most ``limit`` nodes are named, the rest counted."""
+    by_name = {n["metadata"]["name"]: n for n in nodes}
+    wanted = {k: v for sel in selectors if sel for k, v in sel.items()}
+    reasons = []
+    for name in node_names or sorted(by_name):
+        node = by_name.get(name)
+        if node is None:
+            reasons.append(f"node {name} does not exist")
+            continue
+        if not node_ready(node):
+            if node_names:
+                reasons.append(f"node {name} is not Ready")
+            continue
+        labels = node["metadata"].get("labels") or {}
+        bad = [f"{k}={v}" for k, v in wanted.items() if labels.get(k) != v]
+        if bad:
+            have = ", ".join(f"{k}={labels[k]}" if k in labels else f"no {k}" for k in wanted)
+            reasons.append(f"node {name} lacks {', '.join(bad)} (has {have})")
+    if not reasons:
+        return ""
+    more = f", and {len(reasons) - limit} more" if len(reasons) > limit else ""
+    return "; ".join(reasons[:limit]) + more
+
+
 # ---- time -------------------------------------------------------------------------------------
 def seconds_left(start: dt.datetime | None, now: dt.datetime, limit: int | None) -> float | None:
     """Seconds until ``start + limit`` (negative once past), None when there is no limit."""

@@ -87,20 +87,22 @@ def _termination_message(pod: dict[str, Any]) -> str:
 def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime) -> Discovered:
     job = JobRef.from_body(body)
     nodes = {n["metadata"]["name"]: n for n in client.list_nodes()}
+    selectors = [spec.nodes.node_selector, spec.scheduling.node_selector]
     candidates = machine.candidate_nodes(
-        list(nodes.values()),
-        node_names=spec.nodes.node_names,
-        selectors=[spec.nodes.node_selector, spec.scheduling.node_selector],
+        list(nodes.values()), node_names=spec.nodes.node_names, selectors=selectors
     )[:MAX_CANDIDATES]
     # count Auto: at least one node, and a report from every candidate (the sizing chooses)
     auto_count = spec.nodes.count == AUTO
     least = 1 if auto_count else int(spec.nodes.count)
     need = max(len(candidates), 1) if auto_count else least
     if len(candidates) < least:
+        why = machine.excluded_nodes(
+            list(nodes.values()), node_names=spec.nodes.node_names, selectors=selectors
+        )
         raise NotYet(
             C.R_NO_CANDIDATE_NODES,
             f"{len(candidates)} ready node(s) match the job, "
-            f"spec.nodes.count is {spec.nodes.count}",
+            f"spec.nodes.count is {spec.nodes.count}" + (f": {why}" if why else ""),
             15.0,
         )
     reports: dict[str, TopologyReport] = {}
