@@ -1,6 +1,6 @@
 """Finished smoke Jobs are deleted once their verdict is stored and they are older than the keep
-time (batch/v1 on 1.20 has no ttlSecondsAfterFinished); running ones, recent ones and ones whose
-verdict is not stored yet stay."""
+time (batch/v1 on 1.20 has no ttlSecondsAfterFinished), and so are orphans nobody recorded past
+the keep time (their last waiting job was deleted); running ones and recent ones stay."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class Batch:
         return SimpleNamespace(data=b"{}")
 
 
-def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict():
+def test_sweep_deletes_old_finished_jobs_recorded_or_orphaned():
     config = G.GateConfig(enabled=True, namespace="gate-ns")
     store = {
         "moe-gate-aaaa": verdict("aaaa", 1),
@@ -84,13 +84,15 @@ def test_sweep_deletes_only_old_finished_jobs_with_a_stored_verdict():
             smoke_job("moe-smoke-bbbb-1", 5, "Failed"),  # superseded by attempt 2: goes
             smoke_job("moe-smoke-bbbb-2", 0.2),  # recent: stays (logs readable)
             smoke_job("moe-smoke-cccc-1", None),  # running: stays
-            smoke_job("moe-smoke-dddd-1", 4),  # verdict unreadable: stays
-            smoke_job("moe-smoke-eeee-1", 4),  # no verdict yet: stays
+            smoke_job("moe-smoke-dddd-1", 4),  # verdict unreadable, 4 h: an orphan, goes
+            smoke_job("moe-smoke-eeee-1", 4),  # never recorded, 4 h: an orphan, goes
+            smoke_job("moe-smoke-ffff-1", 0.1),  # not recorded yet, recent: stays
             smoke_job("moe-smoke-odd", 4),
         ]
     )  # not ours by name: stays
     deleted = RG.sweep_smoke_jobs(client, config, NOW, batch=batch)
-    assert deleted == batch.deleted == ["moe-smoke-aaaa-1", "moe-smoke-bbbb-1"]
+    assert deleted == batch.deleted
+    assert deleted == [f"moe-smoke-{k}-1" for k in ("aaaa", "bbbb", "dddd", "eeee")]
 
 
 def test_sweep_does_nothing_with_the_gate_off_or_misconfigured():

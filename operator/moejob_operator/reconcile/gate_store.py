@@ -3,7 +3,8 @@
 One ConfigMap ``moe-gate-<key>`` per identity (the GateVerdict, and for a pass with golden values
 the SmokeGolden beside it); one smoke Job and plans ConfigMap per identity and attempt. Writes are
 "create, else replace an older attempt", so jobs deciding at the same time write one verdict.
-Finished smoke Jobs are swept an hour after their verdict is stored (:func:`sweep_smoke_jobs`).
+Finished smoke Jobs are swept an hour after they finished, recorded or orphaned
+(:func:`sweep_smoke_jobs`).
 """
 
 from __future__ import annotations
@@ -201,9 +202,12 @@ def sweep_smoke_jobs(
     keep_seconds: float | None = None,
     batch=None,
 ) -> list[str]:
-    """Delete finished smoke Jobs whose verdict is in the store (or superseded by a later
-    attempt) and that finished more than ``keep_seconds`` ago; returns their names. ``config``:
-    the operator's gate settings (nothing to do when they are invalid or the gate is off)."""
+    """Delete smoke Jobs that finished more than ``keep_seconds`` ago: those whose verdict is
+    in the store (or superseded by a later attempt), and orphans whose verdict nobody recorded
+    (a job waiting on a smoke Job records its verdict on its next pass, seconds after it ends;
+    one still unrecorded after the keep time lost its last waiting job, and a later job on the
+    identity tests again). Returns their names. ``config``: the operator's gate settings (nothing
+    to do when they are invalid or the gate is off)."""
     if isinstance(config, G.GateError) or not config.enabled:
         return []
     now = now or dt.datetime.now(dt.UTC)
@@ -227,8 +231,12 @@ def sweep_smoke_jobs(
         try:
             stored = parse_gate_verdict(((cm or {}).get("data") or {}).get(G.VERDICT_KEY, ""))
         except DocumentError:
-            continue  # no verdict yet: the next job that asks records this one's
-        if stored.get("smokeJob") == name or int(stored.get("attempt", 0)) > int(attempt):
+            stored = None  # unrecorded past the keep time: an orphan
+        if (
+            stored is None
+            or stored.get("smokeJob") == name
+            or int(stored.get("attempt", 0)) > int(attempt)
+        ):
             store.delete_job(name)
             deleted.append(name)
     if deleted:
