@@ -83,6 +83,18 @@ class RankSpec(Doc):
     group: Int | None = Field(default=None, ge=0)  # NVLink group (CPU: node); absent in older plans
 
 
+class LayerReplicas(Doc):
+    """Extra copies of experts in one layer (docs/contracts.md, "Replicated experts").
+
+    ``holders[e]``: the EP ranks that hold a copy of original expert ``e``; the first is its home
+    (the rank ``permutation`` puts it on), further ones hold extra copies. ``serve[p][e]``: the EP
+    rank that computes expert ``e`` for tokens of EP rank ``p`` (one of ``holders[e]``).
+    """
+
+    holders: tuple[tuple[Int, ...], ...]
+    serve: tuple[tuple[Int, ...], ...]
+
+
 class Placement(Doc):
     strategy: Str
     num_layers: Int = Field(ge=1)
@@ -90,6 +102,7 @@ class Placement(Doc):
     ep_size: Int = Field(ge=1)
     permutation: tuple[tuple[Int, ...], ...]  # permutation[layer][slot] = original expert
     dispatcher: Literal["autoep", "dedup"] = "autoep"
+    replicas: tuple[LayerReplicas, ...] | None = None  # per layer; None: one copy per expert
 
     @property
     def experts_per_rank(self) -> int:
@@ -195,6 +208,38 @@ class TrainingSpec(Doc):
     _nulls = model_validator(mode="before")(_drop_nulls)
 
 
+def _check_replicas(pl: Placement) -> None:
+    """Every layer's holders start at the expert's home and serve only from holders."""
+    reps = pl.replicas or ()
+    E, P, n = pl.num_experts, pl.ep_size, pl.experts_per_rank
+    if pl.dispatcher != "dedup":
+        raise ValueError("placement.replicas: copies are served by the 'dedup' dispatcher only")
+    if len(reps) != pl.num_layers:
+        raise ValueError(
+            f"placement.replicas: has {len(reps)} layers, numLayers is {pl.num_layers}"
+        )
+    for layer, rep in enumerate(reps):
+        at = f"placement.replicas[{layer}]"
+        if len(rep.holders) != E:
+            raise ValueError(f"{at}.holders: has {len(rep.holders)} rows, numExperts is {E}")
+        home = {e: slot // n for slot, e in enumerate(pl.permutation[layer])}
+        for e, hs in enumerate(rep.holders):
+            if not hs or hs[0] != home[e]:
+                raise ValueError(
+                    f"{at}.holders[{e}]: {list(hs)!r} must start with the home rank {home[e]}"
+                )
+            if len(set(hs)) != len(hs) or any(not 0 <= r < P for r in hs):
+                raise ValueError(f"{at}.holders[{e}]: {list(hs)!r} are not distinct ranks < {P}")
+        if len(rep.serve) != P or any(len(row) != E for row in rep.serve):
+            raise ValueError(f"{at}.serve: must be {P} rows of {E} ranks")
+        for p, row in enumerate(rep.serve):
+            for e, r in enumerate(row):
+                if r not in rep.holders[e]:
+                    raise ValueError(
+                        f"{at}.serve[{p}][{e}]: rank {r} holds no copy of expert {e}"
+                    )
+
+
 class MoEPlan(Doc):
     """A parsed MoEPlan v1. Build with :func:`parse_plan`; ``raw`` is the document as read."""
 
@@ -266,6 +311,8 @@ class MoEPlan(Doc):
                         f"placement.permutation[{layer}]: {list(row)!r} is not a permutation "
                         f"of 0..{pl.num_experts - 1}"
                     )
+            if pl.replicas is not None:
+                _check_replicas(pl)
         ep_cfg = self._ep_cfg()
         if ep_cfg.get("enabled") and ep_cfg.get("autoep_size", 1) != ep:
             raise ValueError(
