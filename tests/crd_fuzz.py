@@ -7,8 +7,8 @@ big for CPU memory, ...), half the time by a value drawn from the schema at a ra
 in-schema values (enums, patterns, bounds, nested objects), hostile strings and numbers that the
 schema admits (paths, annotation keys, quantities), and now and then a value of the wrong type or
 out of bounds (the API server must refuse those).
-``hfConfig`` and ``deepspeedOverrides`` (free-form in the schema) get a preset's config with a
-perturbed key, and DeepSpeed sections of any type.
+``hfConfig`` and ``deepspeedOverrides`` (typed key by key in the schema, from transformers and
+DeepSpeed) get a preset's config with a perturbed key, and DeepSpeed sections of any type.
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def _free_form(path: tuple[str, ...]) -> st.SearchStrategy:
 
 def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -> st.SearchStrategy:
     """Values the schema ``s`` admits (mostly), hostile ones among them."""
-    if s.get("x-kubernetes-preserve-unknown-fields") and not s.get("properties"):
-        return _free_form(path)
+    if path[-1:] in (("hfConfig",), ("deepspeedOverrides",)):
+        return _free_form(path)  # typed key by key (crdgen): a preset's config, perturbed
     if s.get("x-kubernetes-int-or-string") or "anyOf" in s:
         return st.one_of(
             st.integers(-1, 10**6),
@@ -219,6 +219,8 @@ def from_schema(s: dict[str, Any], path: tuple[str, ...] = (), depth: int = 0) -
         return _integer(s)
     if t == "boolean":
         return st.booleans()
+    if t == "number":
+        return st.one_of(st.floats(-1e3, 1e9, allow_nan=False), st.sampled_from([0, 1e308]))
     if t == "array":
         return st.lists(
             from_schema(s.get("items") or {}, (*path, "[]"), depth + 1),

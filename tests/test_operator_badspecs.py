@@ -43,15 +43,20 @@ def test_bad_specs_are_refused(kube, namespace, operator_proc, wait_for):
         assert kind != "schema", f"{path.name}: the server accepted what its schema should refuse"
         accepted[doc["metadata"]["name"]] = (kind, field)
 
-    def all_failed():
-        return all(
-            condition(get_job(kube, namespace, n), C.COND_FAILED).get("status") == "True"
-            for n in accepted
-        )
+    pending: list[str] = []
 
-    wait_for(
-        all_failed, timeout=90, message="every accepted bad spec Failed\n" + operator_proc.logs()
-    )
+    def all_failed():
+        pending[:] = [
+            n
+            for n in accepted
+            if condition(get_job(kube, namespace, n), C.COND_FAILED).get("status") != "True"
+        ]
+        return not pending
+
+    try:
+        wait_for(all_failed, timeout=90, message="every accepted bad spec Failed")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; not Failed: {pending}\n{operator_proc.logs()}") from None
 
     for name, (kind, field) in accepted.items():
         job = get_job(kube, namespace, name)

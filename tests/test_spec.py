@@ -25,6 +25,9 @@ def test_crd_names_match_constants():
     assert CRD["metadata"]["name"] == f"{C.PLURAL}.{C.GROUP}"
 
 
+FREE_FORM = ("hfConfig", "deepspeedOverrides")
+
+
 def _walk(schema: dict, model: type, path: str):
     """Every CRD property has a description and a field in the model with the same default."""
     props = schema.get("properties", {})
@@ -35,6 +38,8 @@ def _walk(schema: dict, model: type, path: str):
         field = fields[name]
         if "default" in sub and sub["default"] != {}:
             assert field.default == sub["default"], f"{path}.{name}: default differs"
+        if name in FREE_FORM:  # typed from DeepSpeed / transformers (test_crd_freeform.py)
+            continue
         if sub.get("type") == "object" and "properties" in sub:
             ann = field.annotation
             inner = next(

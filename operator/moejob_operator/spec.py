@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic.alias_generators import to_camel
 
 from .core.errors import FieldError, field_path
+from .spec_json import DEEPSPEED_OVERRIDES_JSON_BYTES, HF_CONFIG_JSON_BYTES, fold_json
 
 # Keys of the generated DeepSpeed config that the plan depends on: overriding them would make the
 # placement and the memory estimate lie, so deepspeedOverrides may not touch them.
@@ -128,9 +129,18 @@ _SUB_PATH = r"^[^/]"
 class ModelRef(_Model):
     preset: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9][a-z0-9.-]*$")
     hf_config: dict[str, Any] | None = None
+    # keys merged over hfConfig (top level), as JSON text
+    hf_config_json: str | None = Field(
+        default=None, alias="hfConfigJSON", max_length=HF_CONFIG_JSON_BYTES
+    )
     path: str | None = Field(default=None, max_length=1024, pattern=r"^/")
     volume: CheckpointVolume | None = None  # mounted read-only at ``path``
     sub_path: str | None = Field(default=None, min_length=1, max_length=1024, pattern=_SUB_PATH)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold(cls, data: Any) -> Any:
+        return fold_json(data, "hfConfigJSON", "hfConfig", HF_CONFIG_JSON_BYTES, deep=False)
 
     @model_validator(mode="after")
     def _one(self) -> ModelRef:
@@ -376,10 +386,25 @@ class JobSpec(_Model):
     placement: Placement = Placement()
     training: Training = Training()
     deepspeed_overrides: dict[str, Any] | None = None
+    # deep-merged over deepspeedOverrides, as JSON text
+    deepspeed_overrides_json: str | None = Field(
+        default=None, alias="deepspeedOverridesJSON", max_length=DEEPSPEED_OVERRIDES_JSON_BYTES
+    )
     run_policy: RunPolicy = RunPolicy()
     scheduling: Scheduling = Scheduling()
     resources: Resources = Resources()
     gate: Gate = Gate()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold(cls, data: Any) -> Any:
+        return fold_json(
+            data,
+            "deepspeedOverridesJSON",
+            "deepspeedOverrides",
+            DEEPSPEED_OVERRIDES_JSON_BYTES,
+            deep=True,
+        )
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
