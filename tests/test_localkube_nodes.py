@@ -13,7 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from moe_localkube import procs
 from moe_localkube.controlplane import free_ports
-from moe_localkube.nodeagent import read_log
+from moe_localkube.podlogs import read_log
 from nodeagent_pods import pod_manifest, pod_phase
 
 pytestmark = pytest.mark.cluster

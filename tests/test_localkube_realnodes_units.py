@@ -9,7 +9,7 @@ import socket
 import struct
 import tarfile
 
-from moe_localkube import clusterdns, images, realnodes
+from moe_localkube import clusterdns, images, realnode_containerd
 
 
 def _query(name: str, qtype: int = 1, qid: int = 0x1234) -> bytes:
@@ -115,11 +115,14 @@ def test_repository_dockerfiles_pins_and_sources():
 
 
 def test_image_reference_normalisation():
-    assert realnodes._normalize_ref("moe-trainer:local") == "docker.io/library/moe-trainer:local"
-    assert realnodes._normalize_ref("team/img:1") == "docker.io/team/img:1"
-    assert realnodes._normalize_ref("localhost/moe-pause:v1") == "localhost/moe-pause:v1"
     assert (
-        realnodes._normalize_ref("registry.example.com:5000/a/b:2")
+        realnode_containerd.normalize_ref("moe-trainer:local")
+        == "docker.io/library/moe-trainer:local"
+    )
+    assert realnode_containerd.normalize_ref("team/img:1") == "docker.io/team/img:1"
+    assert realnode_containerd.normalize_ref("localhost/moe-pause:v1") == "localhost/moe-pause:v1"
+    assert (
+        realnode_containerd.normalize_ref("registry.example.com:5000/a/b:2")
         == "registry.example.com:5000/a/b:2"
     )
 

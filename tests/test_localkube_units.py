@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from moe_localkube.nodeagent import HostsFile, pod_hostnames
 from moe_localkube.nodes import FixtureError, NodeSpec, fixture_gpus, node_manifest
 from moe_localkube.podfiles import ConfigError, PodFiles, container_mounts, expand, field_value
+from moe_localkube.podnet import HostsFile, pod_hostnames
 
 POD = {
     "metadata": {

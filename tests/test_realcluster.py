@@ -67,7 +67,8 @@ def images():
 @pytest.fixture(scope="module")
 def cluster(images, tmp_path_factory):
     from moe_localkube.controlplane import ControlPlane
-    from moe_localkube.realnodes import RealNodes, RealNodeSpec, host_leftovers
+    from moe_localkube.realnode import RealNodeSpec
+    from moe_localkube.realnodes import RealNodes, host_leftovers
 
     t0 = time.monotonic()
     cp = ControlPlane(tmp_path_factory.mktemp("realcp")).start()

@@ -10,6 +10,10 @@ own mount + UTS namespace, with a distinct loopback IP ``127.0.x.y`` as ``status
 shared hosts file at /etc/hosts that maps pod hostnames to those IPs. Images are ignored: the
 container's ``command`` + ``args`` run with this interpreter's ``bin`` folder first on PATH.
 
+This module is the agent (the pod watch, the services its pod workers call); beside it:
+``nodelease`` (Node registration, Leases, heartbeats), ``podnet`` (pod IPs, the hosts file),
+``podworker`` + ``podfiles`` + ``sandbox`` (running one pod), ``podlogs``, ``kubeletapi``.
+
 In-process:   agent = NodeAgent(api_client, [NodeSpec("node-a", "nvswitch-h100-8")]); agent.start()
 Stand-alone:  python -m moe_localkube.nodeagent --kubeconfig KC --nodes
 node-a:nvswitch-h100-8,node-b
@@ -18,7 +22,6 @@ node-a:nvswitch-h100-8,node-b
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -38,14 +41,14 @@ from . import procs, sandbox
 from .gpus import REAL_NVML, Gpu, GpuAllocator, read_gpus, visible_env
 from .imageids import ImageIds
 from .kubeletapi import KubeletApi
-from .nodes import FAKE_NVML_ENV, GpuShape, NodeSpec, node_manifest, node_status
+from .nodelease import heartbeat_until, register_node
+from .nodes import FAKE_NVML_ENV, NodeSpec
 from .podfiles import Mount
+from .podlogs import log_file, read_log
+from .podnet import HostsFile, PodAddresses
 from .podworker import PodWorker
 
 log = logging.getLogger("moe_localkube.nodeagent")
-LEASE_NS = "kube-node-lease"
-MERGE = "application/merge-patch+json"
-STRATEGIC = "application/strategic-merge-patch+json"
 # PYTHONPATH: a development checkout's code (a git worktree sharing one venv) runs in the pods
 # too, not the venv's installed copy.
 PASS_ENV = (
@@ -57,59 +60,6 @@ PASS_ENV = (
     "LC_ALL",
     "PYTHONPATH",
 )
-
-
-def _micro_now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-class HostsFile:
-    """The /etc/hosts every container sees; rewritten in place (bind mounts pin the inode)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            base = Path("/etc/hosts").read_text()
-        except OSError:
-            base = "127.0.0.1 localhost\n"
-        self._base = (
-            base.rstrip("\n") + "\n# moe_localkube: the API server as the in-cluster service\n"
-            "127.0.0.1 kubernetes kubernetes.default kubernetes.default.svc "
-            "kubernetes.default.svc.cluster.local\n# moe_localkube: pods\n"
-        )
-        self._entries: dict[str, tuple[str, list[str]]] = {}
-        self._lock = threading.Lock()
-        path.write_text(self._base)
-
-    def set(self, key: str, ip: str, names: list[str]) -> None:
-        with self._lock:
-            self._entries[key] = (ip, names)
-            self._write()
-
-    def remove(self, key: str) -> None:
-        with self._lock:
-            if self._entries.pop(key, None):
-                self._write()
-
-    def _write(self) -> None:
-        text = self._base + "".join(
-            f"{ip} {' '.join(names)}\n" for ip, names in self._entries.values()
-        )
-        with open(self.path, "r+") as f:
-            f.write(text)
-            f.truncate()
-
-
-def pod_hostnames(pod: dict) -> list[str]:
-    spec, ns = pod["spec"], pod["metadata"]["namespace"]
-    host = spec.get("hostname") or pod["metadata"]["name"]
-    sub = spec.get("subdomain")
-    names = (
-        [f"{host}.{sub}.{ns}.svc.cluster.local", f"{host}.{sub}.{ns}.svc", f"{host}.{sub}"]
-        if sub
-        else []
-    )
-    return [*names, host]
 
 
 class NodeAgent:
@@ -146,11 +96,10 @@ class NodeAgent:
         self.pids: set[int] = set()
         self.mount_targets: sandbox.MountTargets | None = None
         self.hosts: HostsFile | None = None
+        self.addresses: PodAddresses | None = None
         self.kubelet_api: KubeletApi | None = None
         self._workers: dict[str, PodWorker] = {}
         self.gpus: dict[str, GpuAllocator] = {}
-        self._ips: dict[str, str] = {}
-        self._next_ip = 2
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -167,6 +116,7 @@ class NodeAgent:
         sandbox.check_host()
         self.mount_targets = sandbox.MountTargets()
         self.hosts = HostsFile(self.run_dir / "hosts")
+        self.addresses = PodAddresses(self.hosts, self.host_ip)
         self.kubelet_api = KubeletApi(
             self._log_lookup, self.run_dir / "kubelet-pki", host=self.host_ip
         ).start()
@@ -207,65 +157,13 @@ class NodeAgent:
     def _register(self, spec: NodeSpec) -> None:
         gpus = read_gpus(spec.fixture)
         self.gpus[spec.name] = GpuAllocator(gpus)
-        shape = GpuShape(
-            product=gpus[0].name.replace(" ", "-") if gpus else "NVIDIA-GPU",
-            count=len(gpus),
-            memory_mib=(gpus[0].memory_bytes >> 20) if gpus else 0,
-        )
-        body = node_manifest(spec, shape)
-        try:
-            self.core.create_node(body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-            self.core.patch_node(spec.name, {"metadata": body["metadata"]}, _content_type=MERGE)
         port = self.kubelet_api.port if self.kubelet_api else 0
-        self.core.patch_node_status(
-            spec.name,
-            {"status": node_status(spec, self.host_ip, port, shape)},
-            _content_type=MERGE,
-        )
-        # TaintNodesByCondition put node.kubernetes.io/not-ready on the new node; it is Ready now.
-        self.core.patch_node(spec.name, {"spec": {"taints": None}}, _content_type=MERGE)
-        self._renew_lease(spec.name)
-
-    def _renew_lease(self, node: str) -> None:
-        spec = {"holderIdentity": node, "leaseDurationSeconds": 40, "renewTime": _micro_now()}
-        try:
-            self.coordination.patch_namespaced_lease(
-                node, LEASE_NS, {"spec": spec}, _content_type=MERGE
-            )
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-            self.coordination.create_namespaced_lease(
-                LEASE_NS, {"metadata": {"name": node, "namespace": LEASE_NS}, "spec": spec}
-            )
+        register_node(self.core, self.coordination, spec, gpus, self.host_ip, port)
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_seconds):
-            for name in self.nodes:
-                try:
-                    self._renew_lease(name)
-                    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-                    self.core.patch_node_status(
-                        name,
-                        {
-                            "status": {
-                                "conditions": [
-                                    {
-                                        "type": "Ready",
-                                        "status": "True",
-                                        "reason": "KubeletReady",
-                                        "lastHeartbeatTime": now,
-                                    }
-                                ]
-                            }
-                        },
-                        _content_type=STRATEGIC,
-                    )
-                except Exception as exc:  # noqa: BLE001 - keep beating
-                    log.warning("node %s: heartbeat failed: %s", name, exc)
+        heartbeat_until(
+            self._stop, self.heartbeat_seconds, self.core, self.coordination, list(self.nodes)
+        )
 
     # ------------------------------------------------------------ pods: watch
     def _watch_loop(self) -> None:
@@ -406,25 +304,12 @@ class NodeAgent:
         return self.run_dir / "pods" / namespace / name / uid
 
     def alloc_ip(self, uid: str, pod: dict) -> str:
-        with self._lock:
-            used = set(self._ips.values())
-            while True:
-                n = self._next_ip
-                self._next_ip = n + 1 if n < 250 * 256 else 2
-                hi, lo = divmod(n, 256)
-                ip = f"127.0.{hi}.{lo}"
-                if lo not in (0, 1, 255) and ip not in used and ip != self.host_ip:
-                    break
-            self._ips[uid] = ip
-        assert self.hosts is not None
-        self.hosts.set(uid, ip, pod_hostnames(pod))
-        return ip
+        assert self.addresses is not None
+        return self.addresses.alloc(uid, pod)
 
     def release_ip(self, uid: str) -> None:
-        with self._lock:
-            self._ips.pop(uid, None)
-        if self.hosts:
-            self.hosts.remove(uid)
+        if self.addresses:
+            self.addresses.release(uid)
 
     def force_delete(self, namespace: str, name: str, uid: str) -> None:
         try:
@@ -525,47 +410,6 @@ class NodeAgent:
     def workers(self) -> dict[str, PodWorker]:
         with self._lock:
             return dict(self._workers)
-
-
-def log_file(
-    run_dir: Path | str,
-    namespace: str,
-    pod: str,
-    container: str | None = None,
-    previous: bool = False,
-) -> tuple[Path | None, str]:
-    """(log file, pod uid) of a container of the newest pod ``namespace/pod`` under ``run_dir``;
-    the file is None when that attempt has no log (``previous`` before any restart)."""
-    base = Path(run_dir) / "pods" / namespace / pod
-    metas = sorted(base.glob("*/pod.json"), key=lambda p: p.stat().st_mtime)
-    if not metas:
-        raise FileNotFoundError(f"no pod {namespace}/{pod} ran under {run_dir}")
-    meta = json.loads(metas[-1].read_text())
-    names = meta["initContainers"] + meta["containers"]
-    if container is None:
-        if len(meta["containers"]) != 1:
-            raise ValueError(f"pod {namespace}/{pod} has containers {meta['containers']}: name one")
-        container = meta["containers"][0]
-    if container not in names:
-        raise ValueError(f"pod {namespace}/{pod} has no container {container!r} (has {names})")
-    logs = sorted(
-        metas[-1].parent.glob(f"logs/{container}.*.log"), key=lambda p: int(p.name.split(".")[-2])
-    )
-    want = -2 if previous else -1
-    return (logs[want] if len(logs) >= abs(want) else None), meta["uid"]
-
-
-def read_log(
-    run_dir: Path | str,
-    namespace: str,
-    pod: str,
-    container: str | None = None,
-    previous: bool = False,
-) -> str:
-    """Output of a container of the newest pod ``namespace/pod`` run under ``run_dir``
-    (``previous``: the attempt before the last restart; "" when there is none)."""
-    path, _ = log_file(run_dir, namespace, pod, container, previous)
-    return path.read_text(errors="replace") if path else ""
 
 
 def main(argv: list[str] | None = None) -> int:
