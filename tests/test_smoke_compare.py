@@ -99,3 +99,30 @@ def test_arch_list_deepspeed_can_parse():
     assert deepspeed_arch_list("9.0 9.0a") == "9.0"
     assert deepspeed_arch_list("8.6+PTX") == "8.6+PTX"
     assert deepspeed_arch_list(None) is None and deepspeed_arch_list("") == ""
+
+
+def test_the_reference_takes_every_ranks_expert_rows_back_exactly():
+    """hf_pieces inverts hf_view: the engine's tensors of two EP ranks written into a reference
+    reproduce it exactly (router renamed, gate/up halves, down rows), so each step is compared
+    from the engine's own weights."""
+    from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
+
+    E, F_, H = 4, 3, 5
+    pre = "model.layers.0.mlp.experts"
+    ref_params = {
+        f"{pre}.gate_up_proj": torch.randn(E, 2 * F_, H),
+        f"{pre}.down_proj": torch.randn(E, H, F_),
+        "model.layers.0.mlp.gate.weight": torch.randn(E, H),
+        "model.norm.weight": torch.randn(H),
+    }
+    engine_names = [f"{pre}.w1", f"{pre}.w2", f"{pre}.w3", "model.layers.0.mlp.router.gate.weight"]
+    pieces = []
+    for ep_rank in range(2):
+        experts = {pre: ExpertSlice(ep_rank, E // 2, F_)}
+        for n in [*engine_names, "model.norm.weight"]:
+            pieces.append(hf_pieces(n, hf_view(n, ref_params, experts).clone(), experts))
+    target = ReferenceRun.__new__(ReferenceRun)
+    target.params = {k: torch.zeros_like(v) for k, v in ref_params.items()}
+    target.sync_weights(pieces)
+    for k, v in ref_params.items():
+        assert torch.equal(target.params[k], v), k

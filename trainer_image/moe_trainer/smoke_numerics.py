@@ -28,7 +28,7 @@ import torch.distributed as dist
 from moe_trainer import smoke_compare as C
 from moe_trainer import smoke_dispatch as D
 from moe_trainer import smoke_state as S
-from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_view
+from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
 
 GOLDEN_DIGITS = 5
 
@@ -69,6 +69,18 @@ def _expert_slices(engine) -> tuple[dict[str, ExpertSlice], dict[str, tuple[int,
             slices[name] = ExpertSlice(int(block.ep_rank), int(shape[0]), int(shape[1]))
             layers[name] = (i, int(block.ep_rank) * int(shape[0]))
     return slices, layers
+
+
+def _sync_reference(ref: ReferenceRun, weights, experts, world: int) -> None:
+    """The reference takes the engine's master weights; expert rows come from every rank (each
+    holds its own EP rank's experts)."""
+    pieces = [hf_pieces(n, w, experts) for n, w in weights.items()]
+    mine = [pc for pc, n in zip(pieces, weights, strict=True) if n.rsplit(".", 1)[0] in experts]
+    if world > 1 and experts:
+        every: list = [None] * world
+        dist.all_gather_object(every, mine)
+        pieces += [pc for other in every for pc in other]
+    ref.sync_weights(pieces)
 
 
 def _dedup_counters():
@@ -197,6 +209,8 @@ def run_steps(run, failed):
         for k in range(t.steps):
             lr = S.learning_rate(engine)
             before = after  # the weights after the previous step
+            if k:
+                _sync_reference(ref, before, experts, env.world_size)
             grads: dict = {}
             tr.timer.take()
             if counters is not None:

@@ -8,6 +8,12 @@ loss (the trainer's own `routing.balance_loss` on the Hugging Face routers), the
 and micro-steps, gradient clipping, one step of the trainer's optimizer and scheduler.
 :class:`ReferenceRun` keeps its optimizer across steps, so a fault that starts at a later step
 (or one whose effect only shows once Adam's moments mix steps, like clipping) is compared too.
+Before each step after the first, the reference takes the engine's fp32 master weights
+(:meth:`ReferenceRun.sync_weights`): every step is compared from the same weights. Left to run on
+its own, a 16-bit run's trajectory leaves the reference's once a near-tie routing choice flips,
+and the gap compounds over the steps (on an H200, bf16: 0.8% of choices flipped at step 1, 13% at
+step 3) until a correct image fails. Adam's moments stay the reference's own, so a lost or
+corrupted optimizer state still shows.
 
 Parameter *groups* (router, experts, shared_experts, attention, embeddings, norms, dense_mlp) are
 compared on each rank's own view (AutoEP: the rank's local experts): :func:`hf_view` maps the
@@ -72,6 +78,24 @@ def hf_view(
         gate_up = ref[f"{m.group(1)}.gate_up_proj"][rows]
         return gate_up[:, : s.ffn] if m.group(2) == "w1" else gate_up[:, s.ffn :]
     return ref[name]
+
+
+def hf_pieces(
+    name: str, w: torch.Tensor, experts: dict[str, ExpertSlice]
+) -> tuple[str, tuple[int, int] | None, tuple[int, int] | None, torch.Tensor]:
+    """The inverse of :func:`hf_view`: where the engine's tensor ``w`` of ``name`` goes in the
+    reference, as (HF name, rows or None, columns or None, tensor)."""
+    if ".mlp.router.gate." in name:
+        return name.replace(".mlp.router.gate.", ".mlp.gate."), None, None, w
+    m = re.match(r"(.*\.mlp\.experts)\.(w1|w2|w3)$", name)
+    if not m:
+        return name, None, None, w
+    s = experts[m.group(1)]
+    rows = (s.ep_rank * s.n_local, (s.ep_rank + 1) * s.n_local)
+    if m.group(2) == "w2":
+        return f"{m.group(1)}.down_proj", rows, None, w
+    cols = (0, s.ffn) if m.group(2) == "w1" else (s.ffn, 2 * s.ffn)
+    return f"{m.group(1)}.gate_up_proj", rows, cols, w
 
 
 @dataclass
@@ -196,6 +220,17 @@ class ReferenceRun:
             topk=topk,
             margin=margin,
         )
+
+    def sync_weights(self, pieces) -> None:
+        """Set parameters from :func:`hf_pieces` tuples (every rank's, for the experts)."""
+        with torch.no_grad():
+            for name, rows, cols, w in pieces:
+                target = self.params[name]
+                if rows is not None:
+                    target = target[rows[0] : rows[1]]
+                if cols is not None:
+                    target = target[:, cols[0] : cols[1]]
+                target.copy_(w.to(device=target.device, dtype=target.dtype))
 
     def close(self) -> None:
         self.probe.remove()
