@@ -119,8 +119,10 @@ def test_the_reference_takes_every_ranks_expert_rows_back_exactly():
     pieces = []
     for ep_rank in range(2):
         experts = {pre: ExpertSlice(ep_rank, E // 2, F_)}
-        for n in [*engine_names, "model.norm.weight"]:
-            pieces.append(hf_pieces(n, hf_view(n, ref_params, experts).clone(), experts))
+        pieces.extend(
+            hf_pieces(n, hf_view(n, ref_params, experts).clone(), experts)
+            for n in [*engine_names, "model.norm.weight"]
+        )
     target = ReferenceRun.__new__(ReferenceRun)
     target.params = {k: torch.zeros_like(v) for k, v in ref_params.items()}
     target.sync_weights(pieces)
