@@ -168,12 +168,16 @@ def markdown(result: dict) -> str:
     for pair in result["pairs"]:
         lines += [
             "",
-            f"### {pair['numExperts']} experts top-{pair['topK']}, {pair['numLayers']} layers: fit "
-            f"{pair['fit']} ({pair['fitTokens']} tokens), held out {pair['test']} "
-            f"({pair['testTokens']} tokens)",
+            (
+                f"### {pair['numExperts']} experts top-{pair['topK']}, {pair['numLayers']} layers: "
+                f"fit {pair['fit']} ({pair['fitTokens']} tokens), held out {pair['test']} "
+                f"({pair['testTokens']} tokens)"
+            ),
             "",
-            "| home layout | overhead | copies/rank/layer | vs dedup+contiguous in sample | "
-            "held out | vs AutoEP held out | load max/mean in sample | held out |",
+            (
+                "| home layout | overhead | copies/rank/layer | vs dedup+contiguous in sample | "
+                "held out | vs AutoEP held out | load max/mean in sample | held out |"
+            ),
             "|---|---|---|---|---|---|---|---|",
         ]
         for r in pair["rows"]:
@@ -187,10 +191,12 @@ def markdown(result: dict) -> str:
         if t:
             lines += [
                 "",
-                f"Target ({t['against']} <= {t['target']} held out at <= 25 % overhead): "
-                f"{t['heldOut']:.3f} at {t['overheadPercent']}% -> "
-                f"{'met' if t['met'] else 'not met'}; load {t['loadMaxOverMean']:.3f} "
-                f"({'met' if t['loadMet'] else 'not met'} <= {LOAD_TARGET}).",
+                (
+                    f"Target ({t['against']} <= {t['target']} held out at <= 25 % overhead): "
+                    f"{t['heldOut']:.3f} at {t['overheadPercent']}% -> "
+                    f"{'met' if t['met'] else 'not met'}; load {t['loadMaxOverMean']:.3f} "
+                    f"({'met' if t['loadMet'] else 'not met'} <= {LOAD_TARGET})."
+                ),
             ]
     return "\n".join(lines) + "\n"
 

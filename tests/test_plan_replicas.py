@@ -32,7 +32,7 @@ def test_spec_defaults_and_values():
 
 
 @pytest.mark.parametrize(
-    "placement, words",
+    ("placement", "words"),
     [
         ({"replicas": "Some"}, r"placement\.replicas"),
         ({"replicas": -1}, r"placement\.replicas"),
@@ -112,7 +112,9 @@ def _plan(capsys, tmp_path, *extra):
 
 def test_auto_writes_replicas_their_figures_and_memory(capsys, tmp_path):
     cfg, stats = _files(tmp_path)
-    code, out, err = _plan(capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50")
+    code, out, err = _plan(
+        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50"
+    )
     assert code == 0, err
     assert "replicas   auto: " in out and "expertCopies" in out
     plan = load_plan(tmp_path / "plan.json", complete=True)  # the contract's checks pass
@@ -126,13 +128,15 @@ def test_auto_writes_replicas_their_figures_and_memory(capsys, tmp_path):
     te = stats.token_experts
     serve = np.array([layer["serve"] for layer in rep])
     src = np.arange(te.shape[1]) % 4
-    got = tier_bytes(serve, te, src, [0, 0, 1, 1], [0, 0, 1, 1], 4, hidden_bytes=cfg["hidden_size"] * 4)
+    hidden = cfg["hidden_size"] * 4  # fp32 on CPU
+    got = tier_bytes(serve, te, src, [0, 0, 1, 1], [0, 0, 1, 1], 4, hidden_bytes=hidden)
     scale = 8 * 64 / te.shape[1]
     cross = q["crossGroupBytesPerStep"]
     assert cross["withCopies"] == round(got["dedup"]["crossGroup"] * scale)
     assert cross["withCopies"] < cross["withoutCopies"]
-    assert doc["placement"]["quality"]["dispatch"]["dedup"]["crossGroupBytesPerStep"] == (
-        cross["withCopies"]
+    assert (
+        doc["placement"]["quality"]["dispatch"]["dedup"]["crossGroupBytesPerStep"]
+        == (cross["withCopies"])
     )
     assert doc["memory"]["breakdown"]["expertCopiesBytes"] > 0
 
@@ -157,7 +161,7 @@ def test_auto_explains_why_not(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "tokens, extra, words",
+    ("tokens", "extra", "words"),
     [
         (False, [], "no routing statistics with tokenSamples"),
         (True, ["--dispatcher", "autoep"], "replicas need 'dedup'"),
@@ -166,5 +170,5 @@ def test_auto_explains_why_not(capsys, tmp_path):
 )
 def test_explicit_count_is_refused_when_it_cannot_be_served(capsys, tmp_path, tokens, extra, words):
     _files(tmp_path, tokens=tokens)
-    code, out, err = _plan(capsys, tmp_path, "--replicas", "5", *extra)
+    code, _out, err = _plan(capsys, tmp_path, "--replicas", "5", *extra)
     assert code == 2 and words in err, err

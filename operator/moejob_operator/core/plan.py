@@ -16,8 +16,8 @@ from __future__ import annotations
 from . import placement as placement_mod
 from .errors import FieldError
 from .plan_cluster import _cluster, cpu_topology, gpu_caps, select_gpus, subset
-from .plan_replicas import plan_replicas
 from .plan_document import Plan, _document, _ranks, check_plan, write_plan
+from .plan_replicas import plan_replicas
 from .plan_request import PlanRequest, TrainingOptions
 from .plan_steps import (
     CAPACITY_MARGIN,

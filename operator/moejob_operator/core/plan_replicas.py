@@ -152,20 +152,24 @@ def _figures(
     without = np.broadcast_to(single[:, None, :], with_copies.shape)
     per_rank = int(held.max())
     ours, base = dedup(with_copies), dedup(without)
-    return {
-        "extraCopies": int(sum(c.extra_copies for c in layers)),
-        "copiesPerRankPerLayer": max(
-            int(np.bincount([r for h in c.holders for r in h[1:]], minlength=P).max())
-            for c in layers
-        ),
-        "memoryOverheadFraction": round(per_rank / (n * pl.num_layers), 4),
-        "crossGroupBytesPerStep": {
-            "withCopies": ours["crossGroupBytesPerStep"],
-            "withoutCopies": base["crossGroupBytesPerStep"],
+    return (
+        {
+            "extraCopies": int(sum(c.extra_copies for c in layers)),
+            "copiesPerRankPerLayer": max(
+                int(np.bincount([r for h in c.holders for r in h[1:]], minlength=P).max())
+                for c in layers
+            ),
+            "memoryOverheadFraction": round(per_rank / (n * pl.num_layers), 4),
+            "crossGroupBytesPerStep": {
+                "withCopies": ours["crossGroupBytesPerStep"],
+                "withoutCopies": base["crossGroupBytesPerStep"],
+            },
+            "loadMaxOverMean": {
+                "withCopies": worst_load(with_copies),
+                "withoutCopies": worst_load(without),
+            },
+            "basis": f"{T} sampled tokens",
         },
-        "loadMaxOverMean": {
-            "withCopies": worst_load(with_copies),
-            "withoutCopies": worst_load(without),
-        },
-        "basis": f"{T} sampled tokens",
-    }, per_rank, ours
+        per_rank,
+        ours,
+    )

@@ -18,7 +18,8 @@ row that this copy brings closer, which single-copy gains miss for top-k > 1: a 
 its experts at home). Ties break by the lower expert id, then group. The copy goes to the rank
 of ``g`` with a free slot that keeps the heaviest rank lightest (then the lower rank); a choice
 that would push any rank's load over ``max(load_limit x mean, single-copy max)`` is skipped until
-a later copy moves load.
+a later copy moves load. A local search then moves single copies of a group to experts it lacks
+while that cuts the group's exact rows within the load limit (``_swap``).
 
 Serve table: a token's expert goes to a copy on its own rank, else the least-loaded holder in its
 own group (load as the greedy went), else the home (deterministic, no extra sync).
@@ -36,6 +37,8 @@ LOAD_LIMIT = 1.05  # a copy may not push a rank's load above 1.05 x the mean (or
 # weight 1 / n**SCORE_EXPONENT of a (token, expert) pair whose remote group serves n of the token's
 # experts; 2 beat 0.5, 1, 3 and 5 on the real-text recordings (top-2 and top-8, held out)
 SCORE_EXPONENT = 2
+SWAP_ROUNDS = 64  # accepted swaps of the local search after the greedy, at most
+SWAP_CANDIDATES = 16  # experts a group lacks that a swap tries, best greedy score first
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,9 @@ def single_copy(home: np.ndarray, num_ranks: int) -> np.ndarray:
     return np.broadcast_to(np.asarray(home)[None, :], (num_ranks, len(home))).copy()
 
 
-def pair_load(token_experts: np.ndarray, src: np.ndarray, num_ranks: int, num_experts: int):
+def pair_load(
+    token_experts: np.ndarray, src: np.ndarray, num_ranks: int, num_experts: int
+) -> np.ndarray:
     """``pair_load[P, E]``: (token, expert) assignments of tokens starting on EP rank p."""
     flat = np.repeat(np.asarray(src), token_experts.shape[1]) * num_experts + token_experts.ravel()
     return np.bincount(flat, minlength=num_ranks * num_experts).reshape(num_ranks, num_experts)
@@ -77,7 +82,9 @@ def rank_load(serve: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     return np.bincount(serve.ravel(), weights=pairs.ravel(), minlength=serve.shape[0])
 
 
-def cross_rows(serve: np.ndarray, token_experts: np.ndarray, src: np.ndarray, group: np.ndarray):
+def cross_rows(
+    serve: np.ndarray, token_experts: np.ndarray, src: np.ndarray, group: np.ndarray
+) -> int:
     """Stage-A rows (token, remote group) the dedup dispatcher sends under ``serve[P, E]``."""
     K = token_experts.shape[1]
     g = group[serve[np.asarray(src)[:, None], token_experts]]  # [T, K] serving group
@@ -162,10 +169,38 @@ def solve_layer(
         blocked[overloaded] = False
         overloaded[:] = False
         placed += 1
+    _swap(holders, groups, group, te, src, tokens_of, serve, pairs, load, cap)
     return LayerCopies(tuple(tuple(h) for h in holders), serve, load)
 
 
-def _best_rank(e, ranks, free, serve, pairs, load, holders):
+def _assign(
+    e: int,
+    ranks: list[int],
+    holders: list[int],
+    serve: np.ndarray,
+    pairs: np.ndarray,
+    load: np.ndarray,
+) -> None:
+    """Serve ``e`` to the tokens of ``ranks`` (one group) by the rule (module docstring), in
+    place: own rank if it holds ``e``, else the least-loaded holder in the group, else the home."""
+    mine = [h for h in holders if h in ranks]
+    for p in ranks:
+        old = serve[p, e]
+        new = p if p in mine else min(mine, key=lambda h: (load[h], h)) if mine else holders[0]
+        load[old] -= pairs[p, e]
+        load[new] += pairs[p, e]
+        serve[p, e] = new
+
+
+def _best_rank(
+    e: int,
+    ranks: list[int],
+    free: np.ndarray,
+    serve: np.ndarray,
+    pairs: np.ndarray,
+    load: np.ndarray,
+    holders: list[int],
+) -> tuple[int, np.ndarray, np.ndarray] | None:
     """The rank of ``ranks`` (one group) with a free slot whose copy of ``e`` leaves the heaviest
     rank lightest: ``(rank, load[P], serve[P, E])`` after the copy, or None."""
     best = None
@@ -173,17 +208,61 @@ def _best_rank(e, ranks, free, serve, pairs, load, holders):
         if free[r] <= 0 or r in holders:
             continue
         new_serve, new_load = serve.copy(), load.copy()
-        mine = [h for h in holders if h in ranks] + [r]
-        for p in ranks:  # own rank if it holds e, else the least-loaded holder in the group
-            old = new_serve[p, e]
-            new = p if p in mine else min(mine, key=lambda h: (new_load[h], h))
-            new_load[old] -= pairs[p, e]
-            new_load[new] += pairs[p, e]
-            new_serve[p, e] = new
+        _assign(e, ranks, [*holders, r], new_serve, pairs, new_load)
         key = (new_load.max(), r)
         if best is None or key < best[0]:
             best = (key, (r, new_load, new_serve))
     return None if best is None else best[1]
+
+
+def _swap(
+    holders: list[list[int]],
+    groups: list[list[int]],
+    group: np.ndarray,
+    te: np.ndarray,
+    src: np.ndarray,
+    tokens_of: list[np.ndarray],
+    serve: np.ndarray,
+    pairs: np.ndarray,
+    load: np.ndarray,
+    cap: float,
+) -> None:
+    """Local search after the greedy: move one copy of a group to another expert (same rank)
+    while that cuts the group's exact stage-A rows and keeps every rank within ``cap``; first
+    improvement, candidates the ``SWAP_CANDIDATES`` best-scored experts the group lacks."""
+    E = len(holders)
+    for _ in range(SWAP_ROUNDS):
+        moved = False
+        for gi, ranks in enumerate(groups):
+            idx = tokens_of[gi]
+            if not len(idx):
+                continue
+            t, s = te[idx], src[idx]
+            rows = cross_rows(serve, t, s, group)
+            sc = _scores(t, group[serve[s[:, None], t]], gi, E)
+            lacking = [e for e in np.argsort(-sc, kind="stable") if group[holders[e][0]] != gi]
+            lacking = [int(e) for e in lacking if not any(h in ranks for h in holders[e])]
+            copies = [(e, r) for e in range(E) for r in holders[e][1:] if r in ranks]
+            for e_out, r in copies:
+                for e_in in lacking[:SWAP_CANDIDATES]:
+                    new_serve, new_load = serve.copy(), load.copy()
+                    out_holders = [h for h in holders[e_out] if h != r]
+                    _assign(e_out, ranks, out_holders, new_serve, pairs, new_load)
+                    _assign(e_in, ranks, [*holders[e_in], r], new_serve, pairs, new_load)
+                    if new_load.max() > cap + 1e-9:
+                        continue
+                    if cross_rows(new_serve, t, s, group) < rows:
+                        holders[e_out].remove(r)
+                        holders[e_in].append(r)
+                        serve[:], load[:] = new_serve, new_load
+                        moved = True
+                        break
+                if moved:
+                    break
+            if moved:
+                break
+        if not moved:
+            return
 
 
 def solve(
