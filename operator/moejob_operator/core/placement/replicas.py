@@ -39,6 +39,11 @@ LOAD_LIMIT = 1.05  # a copy may not push a rank's load above 1.05 x the mean (or
 SCORE_EXPONENT = 2
 SWAP_ROUNDS = 64  # accepted swaps of the local search after the greedy, at most
 SWAP_CANDIDATES = 16  # experts a group lacks that a swap tries, best greedy score first
+# Work caps per layer (so the planner stays fast at EP 64 with 256 experts): the greedy's samples
+# are thinned (evenly) to ``tokens x copies x K^2 <= GREEDY_WORK``; the local search stops after
+# ``SWAP_WORK`` token-expert evaluations. replica_bench.py's recordings are not thinned.
+GREEDY_WORK = 2**25
+SWAP_WORK = 2**25
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,11 @@ def solve_layer(
     E, P = len(home), len(rank_group)
     src = np.asarray(src, dtype=np.int64)
     te = np.asarray(token_experts, dtype=np.int64)
+    budget = slots * P if total is None else min(total, slots * P)
+    keep = GREEDY_WORK // max(1, budget * te.shape[1] ** 2)
+    if len(te) > keep:  # thin evenly: every EP rank keeps its share
+        pick = np.linspace(0, len(te) - 1, max(keep, 1)).astype(np.int64)
+        te, src = te[pick], src[pick]
     groups = dispatch_groups(np.asarray(rank_group))
     group = np.empty(P, dtype=np.int64)
     for gi, ranks in enumerate(groups):
@@ -132,7 +142,6 @@ def solve_layer(
     holders = [[int(h)] for h in home]
     pairs = pair_load(te, src, P, E).astype(float)
     load = rank_load(serve, pairs)
-    budget = slots * P if total is None else min(total, slots * P)
     if budget <= 0 or len(groups) < 2 or not len(te):
         return LayerCopies(tuple(tuple(h) for h in holders), serve, load)
     cap = max(load_limit * load.mean(), load.max())
@@ -142,6 +151,9 @@ def solve_layer(
     for gi in range(len(groups)):
         blocked[gi, home[group[home] == gi]] = True
     overloaded = np.zeros_like(blocked)
+    # scores[g]: a copy in group g changes who serves the tokens of g only, so only g's row is
+    # recomputed after it
+    scores: list[np.ndarray | None] = [None] * len(groups)
     placed = 0
     while placed < budget:
         best: tuple[float, int, int] | None = None
@@ -149,9 +161,10 @@ def solve_layer(
             if not free[groups[gi]].any():
                 blocked[gi] = True
                 continue
-            t = te[idx]
-            sc = _scores(t, group[serve[src[idx][:, None], t]], gi, E)
-            sc[blocked[gi]] = -1.0
+            if scores[gi] is None:
+                t = te[idx]
+                scores[gi] = _scores(t, group[serve[src[idx][:, None], t]], gi, E)
+            sc = np.where(blocked[gi], -1.0, scores[gi])
             e = int(np.argmax(sc))  # lowest id among ties
             if sc[e] > 0 and (best is None or sc[e] > best[0]):
                 best = (float(sc[e]), e, gi)
@@ -165,6 +178,7 @@ def solve_layer(
         r, load, serve = choice[0], choice[1], choice[2]
         holders[e].append(r)
         free[r] -= 1
+        scores[gi] = None
         blocked[gi, e] = True
         blocked[overloaded] = False
         overloaded[:] = False
@@ -231,6 +245,7 @@ def _swap(
     while that cuts the group's exact stage-A rows and keeps every rank within ``cap``; first
     improvement, candidates the ``SWAP_CANDIDATES`` best-scored experts the group lacks."""
     E = len(holders)
+    work = 0
     for _ in range(SWAP_ROUNDS):
         moved = False
         for gi, ranks in enumerate(groups):
@@ -245,6 +260,9 @@ def _swap(
             copies = [(e, r) for e in range(E) for r in holders[e][1:] if r in ranks]
             for e_out, r in copies:
                 for e_in in lacking[:SWAP_CANDIDATES]:
+                    work += t.size
+                    if work > SWAP_WORK:
+                        return
                     new_serve, new_load = serve.copy(), load.copy()
                     out_holders = [h for h in holders[e_out] if h != r]
                     _assign(e_out, ranks, out_holders, new_serve, pairs, new_load)
