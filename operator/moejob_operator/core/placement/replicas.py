@@ -161,10 +161,11 @@ def solve_layer(
             if not free[groups[gi]].any():
                 blocked[gi] = True
                 continue
-            if scores[gi] is None:
+            cached = scores[gi]
+            if cached is None:
                 t = te[idx]
-                scores[gi] = _scores(t, group[serve[src[idx][:, None], t]], gi, E)
-            sc = np.where(blocked[gi], -1.0, scores[gi])
+                cached = scores[gi] = _scores(t, group[serve[src[idx][:, None], t]], gi, E)
+            sc = np.where(blocked[gi], -1.0, cached)
             e = int(np.argmax(sc))  # lowest id among ties
             if sc[e] > 0 and (best is None or sc[e] > best[0]):
                 best = (float(sc[e]), e, gi)
