@@ -172,3 +172,25 @@ def test_explicit_count_is_refused_when_it_cannot_be_served(capsys, tmp_path, to
     _files(tmp_path, tokens=tokens)
     code, _out, err = _plan(capsys, tmp_path, "--replicas", "5", *extra)
     assert code == 2 and words in err, err
+
+
+@pytest.mark.parametrize(
+    ("placement", "want"),
+    [({}, (None, 25)), ({"replicas": "Auto", "maxExpertMemoryOverhead": "50%"}, ("auto", 50))],
+)
+def test_the_operator_hands_the_spec_to_the_planner(placement, want):
+    from moejob_operator.builders.common import JobRef
+    from moejob_operator.core.topology import load_topology
+    from moejob_operator.reconcile import planning
+
+    spec = parse_spec(
+        {
+            "image": "img",
+            "model": {"preset": "bench-mixtral"},
+            "device": "GPU",
+            "placement": placement,
+        }
+    )
+    reports = {n: load_topology("nvswitch-h100-8").model_copy(update={"node": n}) for n in "ab"}
+    req = planning.plan_request(JobRef("ns", "j", "uid"), spec, ["a", "b"], reports, None, 0)
+    assert (req.replicas, req.max_expert_memory_overhead) == want
