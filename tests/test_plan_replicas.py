@@ -194,3 +194,12 @@ def test_the_operator_hands_the_spec_to_the_planner(placement, want):
     reports = {n: load_topology("nvswitch-h100-8").model_copy(update={"node": n}) for n in "ab"}
     req = planning.plan_request(JobRef("ns", "j", "uid"), spec, ["a", "b"], reports, None, 0)
     assert (req.replicas, req.max_expert_memory_overhead) == want
+
+
+@pytest.mark.parametrize("mode", ["some", -1])
+def test_the_planner_refuses_an_unknown_mode(mode):
+    from moejob_operator.core.errors import FieldError
+    from moejob_operator.core.plan_replicas import plan_replicas
+
+    with pytest.raises(FieldError, match="is not 'auto', 'none' or a number of copies"):
+        plan_replicas(mode, 25, None, None, None, "dedup", hidden_bytes=2, tokens_per_step=1)  # type: ignore[arg-type]

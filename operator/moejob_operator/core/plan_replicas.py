@@ -64,6 +64,9 @@ def plan_replicas(
     tokens_per_step: int,
 ) -> Replicas:
     """The replicas for ``mode`` (module docstring) on placement ``pl``."""
+    bad_word = isinstance(mode, str) and mode not in ("auto", "none")
+    if bad_word or (isinstance(mode, int) and mode < 0):
+        raise FieldError("replicas", f"{mode!r} is not 'auto', 'none' or a number of copies")
     if mode is None or mode == "none" or mode == 0:
         return Replicas()
     P, n = pl.ep_size, pl.experts_per_rank
