@@ -112,6 +112,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         ds_overrides=overrides,
         performance=not args.no_performance,
         dispatcher=args.dispatcher,
+        replicas=_replicas_arg(args.replicas),
+        max_expert_memory_overhead=args.max_expert_memory_overhead,
     )
     if args.auto:
         from .core import sizing
@@ -216,6 +218,19 @@ def add_plan(sub) -> None:
         help="expert-parallel dispatcher (default: dedup when EP > 1, docs/dispatch.md)",
     )
     p.add_argument(
+        "--replicas",
+        default="none",
+        metavar="auto|none|N",
+        help="extra copies of hot experts (spec.placement.replicas; docs/placement.md)",
+    )
+    p.add_argument(
+        "--max-expert-memory-overhead",
+        type=int,
+        default=25,
+        metavar="PERCENT",
+        help="replicas' memory budget, percent of a rank's experts (default 25)",
+    )
+    p.add_argument(
         "--ds-override",
         action="append",
         default=[],
@@ -310,3 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _replicas_arg(value: str) -> int | str | None:
+    """``--replicas``: ``auto``, ``none`` or a count of extra copies per layer."""
+    v = value.strip().lower()
+    if v in ("auto", "none"):
+        return None if v == "none" else v
+    if v.isdigit():
+        return int(v)
+    raise SystemExit(f"--replicas: {value!r} is not auto, none or a number of copies")

@@ -43,6 +43,7 @@ MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
 AUTO = "Auto"
 Auto = Literal["Auto"]
 CHECKPOINTING = ("Enabled", "Disabled", "Auto")
+DEFAULT_EXPERT_MEMORY_OVERHEAD = 25  # percent: spec.placement.maxExpertMemoryOverhead absent
 
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _MAX_LR = Decimal(10)
@@ -255,6 +256,34 @@ class Placement(_Model):
     # None: the largest EP size inside an NVLink group; Auto: chosen by predicted speed
     expert_parallel_size: Annotated[int, Field(ge=1, le=8192)] | Auto | None = None
     routing_stats_from: RoutingStatsFrom | None = None
+    # replicated experts (docs/placement.md "Replicated experts"); absent = "None": one copy each.
+    # Auto: copies within maxExpertMemoryOverhead when the routing statistics carry token samples
+    # and the dispatcher is Dedup over EP > 1; an integer: that many extra copies per layer.
+    replicas: Literal["Auto", "None"] | Annotated[int, Field(ge=0, le=1_048_576)] | None = None
+    # absent: "25%" (no CRD default, so existing jobs' launched-spec hash does not change)
+    max_expert_memory_overhead: str | None = Field(default=None, max_length=8)
+
+    @model_validator(mode="after")
+    def _overhead(self) -> Placement:
+        v = self.max_expert_memory_overhead
+        if v is not None and not re.fullmatch(r"[0-9]{1,3}%", v):
+            raise ValueError(
+                f"placement.maxExpertMemoryOverhead: {v!r} is not a percentage like '25%'"
+            )
+        if v is not None and int(v[:-1]) > 100:
+            raise ValueError(f"placement.maxExpertMemoryOverhead: {v!r} is above '100%'")
+        if self.replicas not in (None, "None") and self.dispatcher == "AutoEP":
+            raise ValueError(
+                f"placement.replicas: {self.replicas!r} needs dispatcher Dedup (AutoEP's "
+                "all-to-all serves one copy per expert)"
+            )
+        return self
+
+    @property
+    def overhead_percent(self) -> int:
+        """``maxExpertMemoryOverhead`` as a whole percent (absent: 25)."""
+        v = self.max_expert_memory_overhead
+        return DEFAULT_EXPERT_MEMORY_OVERHEAD if v is None else int(v[:-1])
 
 
 class Training(_Model):

@@ -288,6 +288,7 @@ def estimate_memory(
     compiled_layers: bool = False,
     pretrained: bool = False,
     largest_shard_bytes: int = 0,
+    expert_copies: int = 0,
 ) -> MemoryEstimate:
     """Peak memory per GPU (or per CPU process when ``device == 'cpu'``).
 
@@ -301,7 +302,11 @@ def estimate_memory(
     takes its fp32 gradients as slices of fp32 partitions (no copy) where gradients accumulate in
     fp32. ``compiled_layers``: ``training.performance.compileLayers``. ``pretrained``: the
     weights are loaded from ``model.path`` (:func:`loading_bytes`; ``largest_shard_bytes`` the
-    checkpoint's largest file when known)."""
+    checkpoint's largest file when known). ``expert_copies``: the most extra expert copies one EP
+    rank holds over all layers (``placement.replicas``); each is counted as a real expert
+    (parameters + gradients + fp32 master + Adam moments, sharded as the rank's own experts are):
+    conservative, as the dispatcher may instead send a copy's weights from its home each step,
+    which needs no optimizer state."""
     p = precision_bytes(dsconfig)
     zero = dsconfig.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
@@ -374,10 +379,20 @@ def estimate_memory(
     else:
         buffers = bucket * p * (2 if zero.get("overlap_comm") else 1)
 
+    copies = 0.0
+    if expert_copies and autoep:
+        edp = max(1, world_size // ep)  # expert-data-parallel ranks sharing one expert's shards
+        elems = expert_copies * model.expert_params()
+        copies = elems * (
+            p / (edp if stage >= 3 else 1)
+            + accum / (edp if stage >= 2 else 1)
+            + adam_bytes / (edp if stage >= 1 else 1)
+        )
     fwd_bwd = params + persistent + grads + optim + gathered + activations + dispatch + buffers
+    fwd_bwd += copies
     sub_group = zero.get("sub_group_size", 1_000_000_000)
     step_temp = step_temp_bytes * min(per_gpu(stage >= 1), sub_group)
-    step = params + persistent + grads + optim + step_temp
+    step = params + persistent + grads + optim + step_temp + copies
     dynamic = max(fwd_bwd, step)
     loading_extra = 0
     load = None
@@ -409,6 +424,8 @@ def estimate_memory(
     }
     if pretrained:
         breakdown["loadingExtraBytes"] = int(loading_extra)
+    if expert_copies:
+        breakdown["expertCopiesBytes"] = int(copies)
     notes = [
         f"precision {p} B/param, ZeRO stage {stage}, "
         + (

@@ -17,6 +17,7 @@ from . import placement as placement_mod
 from .errors import FieldError
 from .plan_cluster import _cluster, cpu_topology, gpu_caps, select_gpus, subset
 from .plan_document import Plan, _document, _ranks, check_plan, write_plan
+from .plan_replicas import plan_replicas
 from .plan_request import PlanRequest, TrainingOptions
 from .plan_steps import (
     CAPACITY_MARGIN,
@@ -25,6 +26,7 @@ from .plan_steps import (
     UNIFORM_TRACE_TOKENS,
     _deepspeed,
     _dispatcher,
+    _elem_bytes,
     _ep_size,
     _fit_memory,
     _place,
@@ -88,8 +90,34 @@ def build_plan(request: PlanRequest) -> Plan:
         )
     scored = _score_placement(req, pl, topo, stats, ds.config, caps, dispatcher)
     warnings += scored.warnings
-    mem = _fit_memory(req, topo, ep, ds, scored.capacity)
+    replicas = plan_replicas(
+        req.replicas,
+        req.max_expert_memory_overhead,
+        pl,
+        topo,
+        stats,
+        dispatcher,
+        hidden_bytes=req.model.spec.hidden_size * _elem_bytes(caps, ds.config),
+        tokens_per_step=req.tokens_per_step,
+    )
+    if replicas.quality is not None:
+        scored.quality["replicas"] = replicas.quality
+    if replicas.dedup_per_step is not None and "dedup" in scored.quality.get("dispatch", {}):
+        scored.quality["dispatch"]["dedup"] = replicas.dedup_per_step
+    mem = _fit_memory(req, topo, ep, ds, scored.capacity, replicas.copies_per_rank)
     warnings += mem.warnings
-    doc = _document(req, topo, caps, pl, ep, dispatcher, scored.quality, mem, ds.perf, warnings)
+    doc = _document(
+        req,
+        topo,
+        caps,
+        pl,
+        ep,
+        dispatcher,
+        scored.quality,
+        mem,
+        ds.perf,
+        warnings,
+        replicas=replicas.to_json(),
+    )
     check_plan(doc)  # the document we hand out must pass the reader
     return Plan(doc, topo, pl, mem.estimate, tuple(warnings), caps)

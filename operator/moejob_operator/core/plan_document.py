@@ -101,8 +101,10 @@ def _document(
     mem: _Memory,
     choice: perf_mod.PerfChoice | None,
     warnings: list[str],
+    *,
+    replicas: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The MoEPlan v1 document."""
+    """The MoEPlan v1 document (``placement.replicas`` only when copies were chosen)."""
     spec, model, t, ds = req.model.spec, req.model, req.training, mem.deepspeed
     reports = None if req.cpu or isinstance(req.topology, ClusterTopology) else req.topology
     doc: dict[str, Any] = {
@@ -120,7 +122,12 @@ def _document(
         "worldSize": topo.num_gpus,
         "epSize": ep,
         "ranks": _ranks(topo, pl.rank2gpu, req.cpu),
-        "placement": {**pl.to_json(), "dispatcher": dispatcher, "quality": quality},
+        "placement": {
+            **pl.to_json(),
+            "dispatcher": dispatcher,
+            **({"replicas": replicas} if replicas is not None else {}),
+            "quality": quality,
+        },
         "deepspeed": ds,
         "memory": {
             "gpuMemoryBytes": mem.memory_bytes,

@@ -41,7 +41,8 @@ class PlanRequest:
     ``procs_per_node`` processes per node sharing ``cpu_memory_bytes`` each, 0: unchecked).
     ``performance``: let the planner pick the fast settings (:mod:`.perf`); False gives the
     stock configuration (HF blocks + AutoEP, HF's ZeRO-3 "auto" knobs, no performance block).
-    ``dispatcher``: ``"autoep"`` or ``"dedup"`` (default: dedup when AutoEP runs with EP > 1)."""
+    ``dispatcher``: ``"autoep"`` or ``"dedup"`` (default: dedup when AutoEP runs with EP > 1).
+    ``replicas``: :mod:`.plan_replicas`."""
 
     job_name: str
     namespace: str
@@ -65,6 +66,10 @@ class PlanRequest:
     ds_overrides: Mapping[str, Any] | None = None
     performance: bool = True
     dispatcher: str | None = None
+    # spec.placement.replicas: None / "none" (one copy per expert), "auto", or extra copies per
+    # layer; max_expert_memory_overhead: the copies' budget in percent of a rank's experts
+    replicas: int | str | None = None
+    max_expert_memory_overhead: int = 25
 
     @property
     def cpu(self) -> bool:

@@ -258,6 +258,11 @@ class _Scored:
     warnings: list[str]
 
 
+def _elem_bytes(caps: GpuCaps, ds: dict[str, Any]) -> int:
+    """Bytes per element of a dispatched hidden row."""
+    return 2 if caps.supports_bf16 or (ds.get("fp16") or {}).get("enabled") else 4
+
+
 def _score_placement(
     req: PlanRequest,
     pl: placement_mod.Placement,
@@ -269,7 +274,7 @@ def _score_placement(
 ) -> _Scored:
     """The placement against contiguous on the routing statistics (else a uniform trace)."""
     spec = req.model.spec
-    p = 2 if caps.supports_bf16 or (ds.get("fp16") or {}).get("enabled") else 4
+    p = _elem_bytes(caps, ds)
     trace = stats or synthetic_trace(
         spec.num_moe_layers,
         spec.num_experts,
@@ -318,6 +323,7 @@ def memory_estimate(
     *,
     activation_checkpointing: bool | None = None,
     world_scale: int = 1,
+    expert_copies: int = 0,
 ) -> MemoryEstimate:
     """The memory model's peak for ``req`` on ``world`` ranks at ``micro`` sequences per rank,
     with the DeepSpeed config and the speed choices of ``ds`` (the sizing asks it for every
@@ -343,11 +349,17 @@ def memory_estimate(
         grad_handoff=grad_handoff_applies(config, perf_doc),
         compiled_layers=bool(perf_doc.get("compileLayers")),
         pretrained=req.model.path is not None,
+        expert_copies=expert_copies,
     )
 
 
 def _fit_memory(
-    req: PlanRequest, topo: ClusterTopology, ep: int, ds: _DeepSpeed, capacity: float
+    req: PlanRequest,
+    topo: ClusterTopology,
+    ep: int,
+    ds: _DeepSpeed,
+    capacity: float,
+    expert_copies: int = 0,
 ) -> _Memory:
     """The peak memory estimate; without a requested micro-batch, the largest one (fewest
     accumulation steps) that fits. Raises ``DoesNotFit`` with what to try instead."""
@@ -366,6 +378,7 @@ def _fit_memory(
             micro,
             activation_checkpointing=activation_checkpointing,
             world_scale=world_scale,
+            expert_copies=expert_copies,
         )
 
     warnings = []

@@ -53,6 +53,23 @@ def _dispatch_line(pl: dict[str, Any]) -> str:
     )
 
 
+def _replicas_line(q: dict[str, Any]) -> str | None:
+    """``replicas   ..``: the replicas choice and its reason (absent: the job did not ask)."""
+    r = q.get("replicas")
+    if r is None:
+        return None
+    if not r["chosen"]:
+        return f"replicas   {r['mode']}: none ({r['reason']})"
+    b, load = r["crossGroupBytesPerStep"], r["loadMaxOverMean"]
+    return (
+        f"replicas   {r['mode']}: {r['reason']}, {r['copiesPerRankPerLayer']} per rank and layer "
+        f"at most (+{r['memoryOverheadFraction']:.1%} expert memory): dedup cross-group "
+        f"{b['withCopies'] / 2**20:.1f} MiB/step (without copies {b['withoutCopies'] / 2**20:.1f}),"
+        f" max/mean load {load['withCopies']:.2f} (without {load['withoutCopies']:.2f}; "
+        f"{r['basis']})"
+    )
+
+
 def summarize(plan: Plan) -> str:
     """A readable summary for ``moectl plan``."""
     d, topo = plan.document, plan.topology
@@ -95,6 +112,7 @@ def summarize(plan: Plan) -> str:
             else ")"
         ),
         _dispatch_line(d["placement"]),
+        *filter(None, [_replicas_line(q)]),
         (
             f"batch      global {d['deepspeed']['train_batch_size']} = micro "
             f"{d['training']['microBatch']} x accum {d['training']['gradAccum']} x {d['worldSize']}"

@@ -43,6 +43,7 @@ STRATEGY = {
     "TopologyAware": "topology_aware",
 }
 DISPATCHER = {"AutoEP": "autoep", "Dedup": "dedup", None: None}
+REPLICAS: dict[Any, Any] = {"Auto": "auto", "None": None, None: None}
 
 # the core's field (core.errors.FieldError.field) -> the spec field a person has to change;
 # a core field not here (worldSize, deepspeed.*, nodes) is the plan's fault: PlanFailed
@@ -54,6 +55,7 @@ SPEC_FIELD = {
     "microBatch": "spec.training.microBatch",
     "strategy": "spec.placement.strategy",
     "dispatcher": "spec.placement.dispatcher",
+    "replicas": "spec.placement.replicas",
     "placement": "spec.placement",
 }
 
@@ -448,6 +450,8 @@ def plan_request(
         training=opts,
         ds_overrides=spec.deepspeed_overrides,
         dispatcher=DISPATCHER[spec.placement.dispatcher],
+        replicas=REPLICAS.get(spec.placement.replicas, spec.placement.replicas),
+        max_expert_memory_overhead=spec.placement.overhead_percent,
     )
 
 
