@@ -57,6 +57,27 @@ def check_replicas(layout: Layout, P: int) -> None:
                 raise DispatchError(f"serve[{p}][{e}]: rank {r} holds no copy of expert {e}")
 
 
+def plan_layouts(layout: Layout, replicas, permutation) -> list[Layout]:
+    """One layout per MoE layer from the plan's ``placement.replicas`` (original expert ids) and
+    ``permutation`` (``[layer][slot]`` = original expert; the router's id is the slot)."""
+    import dataclasses
+
+    if len(replicas) != len(permutation):
+        raise DispatchError(
+            f"placement.replicas: {len(replicas)} layers, the model has {len(permutation)}"
+        )
+    out = []
+    for rep, row in zip(replicas, permutation, strict=True):
+        out.append(
+            dataclasses.replace(
+                layout,
+                holders=tuple(tuple(rep.holders[e]) for e in row),
+                serve=tuple(tuple(srv[e] for e in row) for srv in rep.serve),
+            )
+        )
+    return out
+
+
 def copies_of(layout: Layout) -> list[tuple[int, int, int]]:
     """Every extra copy as (holder, home, router expert), sorted: a holder's local copy order."""
     hs = layout.holders or ()
@@ -147,11 +168,11 @@ class Replicas:
         nc = 0
         if self.num_copies:
             pc, perm_c, ac, nc = permute_by_local_expert(inp[home_rows:], local_counts[n:])
-        yh, yc = experts(ph, ah, pc, ac)
-        out = unpermute_by_local_expert(yh, perm_h, nh)
-        if yc is None:
+        y = experts(ph, ah, pc, ac)  # one tensor: home rows, then copy rows
+        out = unpermute_by_local_expert(y[: ph.shape[0]], perm_h, nh)
+        if pc is None:
             return out
-        return torch.cat([out, unpermute_by_local_expert(yc, perm_c, nc)])
+        return torch.cat([out, unpermute_by_local_expert(y[ph.shape[0] :], perm_c, nc)])
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], rep: Replicas) -> torch.Tensor:
@@ -200,10 +221,8 @@ class _Sync(torch.autograd.Function):
         ]
         back = _exchange(torch.cat(gs, 1), rep.recv, rep.send, rep)
         full = back.new_zeros(n, back.shape[1]).index_add_(0, rep.send_idx, back)
-        return (None,) + tuple(
-            part.reshape(n, *shape)
-            for part, shape in zip(full.split(ctx.sizes, 1), ctx.shapes, strict=True)
-        )
+        parts = zip(full.split(ctx.sizes, 1), ctx.shapes, strict=True)
+        return (None, *(part.reshape(n, *shape) for part, shape in parts))
 
 
 def _grouped(mod, w1, w2, w3, x, counts):
@@ -239,9 +258,11 @@ def _experts_class():
             # all-to-all runs everywhere even where no token used a copy
             tie = sum(c.reshape(-1)[:0].sum() for c in (c1, c2, c3))
             out = out + tie.to(out.dtype)
+            # one output tensor on every rank: ZeRO-3 traces a module's backward fetches per
+            # output tensor and checks that every rank traced the same
             if x_copy is None:
-                return out, None
-            return out, _grouped(self, c1, c2, c3, x_copy, counts_copy)
+                return out
+            return torch.cat([out, _grouped(self, c1, c2, c3, x_copy, counts_copy)])
 
     return ReplicaExperts
 

@@ -218,12 +218,19 @@ class Trainer:
         p = self.plan
         group_of, node_of = self.rank_tiers()
         self.timer.set_tiers(group_of, node_of)
+        reps = p.placement.replicas if p.placement is not None else None
+        copies = reps is not None and any(len(h) > 1 for r in reps for h in r.holders)
         if (
             p.placement is None
             or p.placement.dispatcher != "dedup"
             or not p.autoep_enabled
             or p.ep_size == 1
         ):
+            if copies:
+                raise ValueError(
+                    "placement.replicas: only the dedup dispatcher on AutoEP layers with EP > 1 "
+                    "serves expert copies; this plan runs AutoEP's own all-to-all"
+                )
             return "autoep"
         from moe_trainer import dedup_ep
 
@@ -232,7 +239,12 @@ class Trainer:
         layout = dedup_ep.contiguous_layout(
             self.num_experts, P, group_of[base : base + P], node_of[base : base + P]
         )
-        dedup_ep.install(self.blocks, [layout] * len(self.blocks))
+        layouts = [layout] * len(self.blocks)
+        if reps is not None:
+            from moe_trainer.dedup_replicas import plan_layouts
+
+            layouts = plan_layouts(layout, reps, self.permutation)
+        dedup_ep.install(self.blocks, layouts)
         if self.is_rank0:
             log.info(
                 "dedup dispatcher: %d group(s) x %d rank(s) per EP group",
