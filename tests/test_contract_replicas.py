@@ -47,7 +47,7 @@ def test_a_plan_with_replicas_parses_and_keeps_them():
 
 
 @pytest.mark.parametrize(
-    "breaks, words",
+    ("breaks", "words"),
     [
         (
             lambda r, pl: r[0]["holders"].__setitem__(

@@ -35,7 +35,7 @@ def test_plan_copies_in_original_ids_become_router_id_layouts():
 
 
 @pytest.mark.parametrize(
-    "holders, serve, says",
+    ("holders", "serve", "says"),
     [
         ({0: (1, 0)}, {}, "must start with the home rank 0"),
         ({0: (0, 0)}, {}, "are not distinct EP ranks"),

@@ -235,9 +235,7 @@ def _check_replicas(pl: Placement) -> None:
         for p, row in enumerate(rep.serve):
             for e, r in enumerate(row):
                 if r not in rep.holders[e]:
-                    raise ValueError(
-                        f"{at}.serve[{p}][{e}]: rank {r} holds no copy of expert {e}"
-                    )
+                    raise ValueError(f"{at}.serve[{p}][{e}]: rank {r} holds no copy of expert {e}")
 
 
 class MoEPlan(Doc):
