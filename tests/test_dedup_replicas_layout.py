@@ -79,3 +79,30 @@ def test_every_ranks_tables_agree():
 def test_a_layer_without_copies_runs_the_single_copy_path():
     (lay,) = plan_layouts(BASE, [layer(PERM, {})], [PERM])
     assert dedup_ep.Plan(lay, 0, None, None, None, torch.device("cpu")).replicas is None
+
+
+def test_the_trainer_refuses_copies_its_dispatcher_cannot_serve(tmp_path, caplog):
+    import json
+    from pathlib import Path
+
+    from moe_trainer.train import run
+
+    doc = json.loads(
+        (Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json").read_text()
+    )
+    perm = doc["placement"]["permutation"]
+    reps = []
+    for row in perm:
+        home = [row.index(e) // 2 for e in range(4)]
+        holders = [[h, 1 - h] for h in home]  # every expert on both EP ranks
+        reps.append({"holders": holders, "serve": [[p] * 4 for p in range(2)]})
+    doc["placement"].update(replicas=reps, dispatcher="autoep")
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(doc))
+    assert run(["--plan", str(p)]) == 78
+    assert "copies are served by the 'dedup' dispatcher only" in caplog.text
+    reps[0]["serve"][1][2] = 5  # rank 5 holds nothing
+    doc["placement"].update(replicas=reps, dispatcher="dedup")
+    p.write_text(json.dumps(doc))
+    assert run(["--plan", str(p)]) == 78
+    assert "serve[1][2]: rank 5 holds no copy of expert 2" in caplog.text
