@@ -106,3 +106,27 @@ def test_the_trainer_refuses_copies_its_dispatcher_cannot_serve(tmp_path, caplog
     p.write_text(json.dumps(doc))
     assert run(["--plan", str(p)]) == 78
     assert "serve[1][2]: rank 5 holds no copy of expert 2" in caplog.text
+
+
+def test_the_smoke_check_predicts_with_the_serve_table_of_the_installed_layers():
+    from types import SimpleNamespace
+
+    from moe_trainer.dedup_replicas import serve_table
+    from moe_trainer.smoke_dispatch import predict
+
+    (lay,) = plan_layouts(BASE, [layer(PERM, {7: [3], 0: [0, 1]})], [PERM])
+    single = dedup_ep.Plan(BASE, 0, None, None, None, torch.device("cpu"))
+    copies = dedup_ep.Plan(lay, 0, None, None, None, torch.device("cpu"))
+    assert serve_table([SimpleNamespace(dedup_plan=single)]) is None
+    table = serve_table([SimpleNamespace(dedup_plan=copies), SimpleNamespace(dedup_plan=single)])
+    assert table == [[list(r) for r in lay.serve], [list(BASE.expert2rank)] * P]
+    # a token of rank 3 choosing slot 0 (rank 0, with a copy on rank 3) and slot 4 (rank 2): with
+    # the copy nothing leaves group 1 in layer 0 (layer 1 has no copies)
+    tokens = [[[torch.zeros(0, 2, dtype=torch.long)] * 2] for _ in range(3)]
+    tokens.append([[torch.tensor([[0, 4]])] * 2])
+    kw = dict(num_experts=E, ep_size=P, rank_group=[0, 0, 1, 1], rank_node=[0, 0, 1, 1])
+    kw.update(row_bytes=8, forward_passes=1)
+    with_copies = predict(tokens, serve=table, **kw)["dedup"]
+    without = predict(tokens, **kw)["dedup"]
+    assert with_copies["crossGroup"] == without["crossGroup"] / 2 > 0
+    assert with_copies["intraGroup"] < without["intraGroup"]  # no relay from rank 1 to rank 0

@@ -78,6 +78,20 @@ def plan_layouts(layout: Layout, replicas, permutation) -> list[Layout]:
     return out
 
 
+def serve_table(blocks) -> list[list[list[int]]] | None:
+    """``[L][P][E]``: the EP rank serving each router expert to tokens of each EP rank, for
+    `moe_contracts.dispatch.tier_bytes`; None when no installed layer has copies."""
+    plans = [getattr(b, "dedup_plan", None) for b in blocks]
+    if not any(p is not None and p.layout.serve is not None for p in plans):
+        return None
+    out = []
+    for p in plans:
+        assert p is not None
+        lay = p.layout
+        out.append([list(r) for r in lay.serve] if lay.serve else [list(lay.expert2rank)] * p.P)
+    return out
+
+
 def copies_of(layout: Layout) -> list[tuple[int, int, int]]:
     """Every extra copy as (holder, home, router expert), sorted: a holder's local copy order."""
     hs = layout.holders or ()
