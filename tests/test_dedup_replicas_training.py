@@ -97,7 +97,7 @@ def test_checkpoints_resume_with_and_without_copies(runs):
         assert abs(s2c[step] - b[step]) <= 1e-4 * abs(b[step]), (step, b, s2c)
 
 
-def test_progress_reports_fewer_cross_group_bytes_with_copies(runs):
+def test_progress_reports_fewer_token_bytes_and_the_weight_sync_bytes(runs):
     moe = {
         k: json.loads((runs[k] / "progress.json").read_text())["moe"] for k in ("single", "copies")
     }
@@ -105,3 +105,10 @@ def test_progress_reports_fewer_cross_group_bytes_with_copies(runs):
     single = moe["single"]["allToAllBytesPerStepByTier"]["crossGroup"]
     copies = moe["copies"]["allToAllBytesPerStepByTier"]["crossGroup"]
     assert 0 < copies < single, moe
+    # the copies' weights, there and back, once per layer and step (fp32 w1 + w2 + w3 per copy)
+    row = 3 * 64 * 128 * 4
+    n = sum(len(h) - 1 for layer in replicas() for h in layer["holders"])
+    assert n == 7  # all of them across groups (= nodes)
+    want = {"intraGroup": 0, "crossGroup": 2 * n * row, "crossNode": 2 * n * row}
+    assert moe["copies"]["replicaSyncBytesPerStepByTier"] == want
+    assert moe["single"]["replicaSyncBytesPerStepByTier"] is None

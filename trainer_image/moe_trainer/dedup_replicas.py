@@ -92,6 +92,23 @@ def serve_table(blocks) -> list[list[list[int]]] | None:
     return out
 
 
+def refuse_copies(replicas) -> None:
+    """The plan's copies would not be served (AutoEP's own all-to-all): refuse them."""
+    if replicas is not None and any(len(h) > 1 for r in replicas for h in r.holders):
+        raise DispatchError(
+            "placement.replicas: only the dedup dispatcher on AutoEP layers with EP > 1 serves "
+            "expert copies; this plan runs AutoEP's own all-to-all"
+        )
+
+
+def progress_tiers(blocks, per_rank: list[list[float]], col: int) -> dict[str, int] | None:
+    """Progress ``moe.replicaSyncBytesPerStepByTier``: the copies' weight bytes of the step,
+    summed over ranks (columns ``col..col+2`` of the per-rank vectors); None without copies."""
+    if serve_table(blocks) is None:
+        return None
+    return {t: int(sum(r[col + i] for r in per_rank)) for i, t in enumerate(ByteCounters.TIERS)}
+
+
 def copies_of(layout: Layout) -> list[tuple[int, int, int]]:
     """Every extra copy as (holder, home, router expert), sorted: a holder's local copy order."""
     hs = layout.holders or ()

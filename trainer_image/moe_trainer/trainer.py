@@ -23,7 +23,7 @@ from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
-from moe_trainer import capabilities, export, model_setup, models, perf, routing
+from moe_trainer import capabilities, dedup_replicas, export, model_setup, models, perf, routing
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
 from moe_trainer.commtime import CommTimer
@@ -219,18 +219,13 @@ class Trainer:
         group_of, node_of = self.rank_tiers()
         self.timer.set_tiers(group_of, node_of)
         reps = p.placement.replicas if p.placement is not None else None
-        copies = reps is not None and any(len(h) > 1 for r in reps for h in r.holders)
         if (
             p.placement is None
             or p.placement.dispatcher != "dedup"
             or not p.autoep_enabled
             or p.ep_size == 1
         ):
-            if copies:
-                raise ValueError(
-                    "placement.replicas: only the dedup dispatcher on AutoEP layers with EP > 1 "
-                    "serves expert copies; this plan runs AutoEP's own all-to-all"
-                )
+            dedup_replicas.refuse_copies(reps)  # AutoEP's own all-to-all cannot serve copies
             return "autoep"
         from moe_trainer import dedup_ep
 
@@ -241,9 +236,7 @@ class Trainer:
         )
         layouts = [layout] * len(self.blocks)
         if reps is not None:
-            from moe_trainer.dedup_replicas import plan_layouts
-
-            layouts = plan_layouts(layout, reps, self.permutation)
+            layouts = dedup_replicas.plan_layouts(layout, reps, self.permutation)
         dedup_ep.install(self.blocks, layouts)
         if self.is_rank0:
             log.info(
@@ -432,6 +425,9 @@ class Trainer:
             },
             "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
             "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None,
+            "replicaSyncBytesPerStepByTier": dedup_replicas.progress_tiers(
+                self.blocks, per_rank, 7
+            ),
         }
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -487,6 +483,7 @@ class Trainer:
                     tiers["crossGroup"],
                     tiers["crossNode"],
                     *memory_peaks(env.device),
+                    *dedup_replicas.sync_counters.take().values(),  # copies' weights (tiers)
                 ],
                 dtype=torch.float64,
                 device=env.device,
