@@ -557,8 +557,7 @@ def install(blocks, layouts: list[Layout]) -> list:
         block.dedup_plan = Plan(
             layout, block.ep_rank, block.ep_group, rail, group, block.router.gate.weight.device
         )
-        if block.dedup_plan.replicas is not None:
-            from moe_trainer.dedup_replicas import install_experts
+        from moe_trainer.dedup_replicas import install_experts
 
-            install_experts(block)
+        install_experts(block)  # copies' experts, or back to AutoEP's when the layer has none
     return blocks

@@ -303,10 +303,14 @@ _CLASS = None
 
 def install_experts(block) -> None:
     """Swap ``block.experts`` (AutoEP's `GroupedExperts`) to `ReplicaExperts` with the block's
-    dedup plan's copies."""
+    dedup plan's copies; a plan without copies gets `GroupedExperts` back."""
     from deepspeed.moe.ep_experts import GroupedExperts
 
     global _CLASS
+    if block.dedup_plan.replicas is None:
+        if _CLASS is not None and type(block.experts) is _CLASS:
+            block.experts.__class__ = GroupedExperts
+        return
     if _CLASS is None:
         _CLASS = _experts_class()
     if type(block.experts) not in (GroupedExperts, _CLASS):
