@@ -11,7 +11,10 @@ $OUT/rank<r>.json.
 
 env: CASES = JSON list of {experts, topk, scoreApply, groups (EP rank -> group id), deadRanks
 (EP ranks whose experts are never chosen), tokens, seed, checkpoint (run the layer under
-non-reentrant activation checkpointing)}
+non-reentrant activation checkpointing), copies ([[expert, EP rank], ...]: extra copies of
+router experts, a home rank or a repeat ignored; tokens go to a copy on their own rank, else in
+their group, else the last holder)}. Each result also has the rank's router choices
+(``selected``), the layout's ``holders``/``serve`` and the replica weight-sync bytes.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def run_case(case: dict) -> dict:
         tuple(groups),
         tuple(groups),
     )
+    if case.get("copies"):
+        layout = with_copies(layout, case["copies"], groups)
     dedup_ep.install([layer], [layout])
     assert type(layer).__name__ == "DedupEPMoELayer"
     if case["deadRanks"]:
@@ -112,6 +117,11 @@ def run_case(case: dict) -> dict:
     g_all = torch.randn(P, 1, T, H, generator=torch.Generator().manual_seed(case["seed"] + 3))
     (out * g_all[rank]).sum().backward()
     moved = dedup_ep.counters.take()
+    from moe_trainer import dedup_replicas
+
+    synced = dedup_replicas.sync_counters.take()
+    with torch.no_grad():
+        selected = layer.router(x.detach().reshape(-1, H), layer.expert_bias)[1]
 
     xr = x_all.reshape(1, P * T, H).clone().requires_grad_(True)
     out_ref = ref(xr)
@@ -138,7 +148,39 @@ def run_case(case: dict) -> dict:
     for name in ("w1", "w2", "w3"):
         scale[name + "Grad"] = getattr(ref.experts, name).grad.abs().max().item()
     received = int(sum(getattr(layer.experts, w).grad.abs().sum().item() > 0 for w in ("w1",)))
-    return {"rank": rank, "maxErr": err, "scale": scale, "bytes": moved, "expertsUsed": received}
+    return {
+        "rank": rank,
+        "maxErr": err,
+        "scale": scale,
+        "bytes": moved,
+        "syncBytes": synced,
+        "expertsUsed": received,
+        "selected": selected.tolist(),
+        "home": list(layout.expert2rank),
+        "holders": [list(h) for h in layout.holders] if layout.holders else None,
+        "serve": [list(r) for r in layout.serve] if layout.serve else None,
+    }
+
+
+def with_copies(layout, copies, groups):
+    import dataclasses
+
+    E, P = len(layout.expert2rank), len(groups)
+    holders = [[r] for r in layout.expert2rank]
+    for e, r in copies:
+        if r not in holders[e]:
+            holders[e].append(r)
+
+    def serve(p, e):
+        hs = holders[e]
+        same = [r for r in hs if groups[r] == groups[p]]
+        return p if p in hs else (same[0] if same else hs[-1])
+
+    return dataclasses.replace(
+        layout,
+        holders=tuple(tuple(h) for h in holders),
+        serve=tuple(tuple(serve(p, e) for e in range(E)) for p in range(P)),
+    )
 
 
 if __name__ == "__main__":

@@ -64,10 +64,10 @@ CASES = {
 }
 
 
-def run_world(nproc: int, out: Path) -> list[list[dict]]:
+def run_world(nproc: int, out: Path, cases: list[dict] | None = None) -> list[list[dict]]:
     cases = [
         dict({"deadRanks": [], "tokens": 10, "seed": 7 + i}, **c)
-        for i, c in enumerate(CASES[nproc])
+        for i, c in enumerate(CASES[nproc] if cases is None else cases)
     ]
     env = dict(
         os.environ,

@@ -91,6 +91,10 @@ class Layout:
     group_ranks: tuple[tuple[int, ...], ...]
     tier_group: tuple[int, ...]
     tier_node: tuple[int, ...]
+    # replicated experts (`moe_trainer.dedup_replicas`), by router id: holders[E] (home first),
+    # serve[P][E]; None: one copy per expert
+    holders: tuple[tuple[int, ...], ...] | None = None
+    serve: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_ranks(self) -> int:
@@ -118,6 +122,10 @@ class Layout:
             )
         if len(self.tier_group) != P or len(self.tier_node) != P:
             raise DispatchError(f"tier_group/tier_node need {P} entries")
+        if self.holders is not None or self.serve is not None:
+            from moe_trainer.dedup_replicas import check_replicas
+
+            check_replicas(self, P)
         return self
 
 
@@ -173,6 +181,13 @@ class Plan:
         self.e2l = torch.tensor(layout.expert2local, dtype=torch.long, device=device)
         self.r2g = torch.tensor(self.group_of, dtype=torch.long, device=device)
         self.r2local = torch.tensor(self.local_of, dtype=torch.long, device=device)
+        self.replicas = None  # `dedup_replicas.Replicas` when the layout has copies
+        if layout.serve is not None:
+            from moe_trainer.dedup_replicas import Replicas
+
+            self.replicas = Replicas.of(self, device)
+            if self.replicas is not None:  # ids travel as virtual ids: homes, then copies
+                self.e2r, self.e2l = self.replicas.v2r, self.replicas.v2l
 
     def tier_bytes(self, peers: list[int], splits: list[int], row_bytes: int) -> dict[str, int]:
         out = dict.fromkeys(ByteCounters.TIERS, 0)
@@ -230,7 +245,8 @@ def _nonzero(mask: torch.Tensor, size: int) -> torch.Tensor:
 
 def _local_counts(plan: Plan, sel: torch.Tensor):
     """``sel[T, K]`` -> (dest_group[T, K], hit_group[T, G], counts[2P + G]: tokens hitting each rank
-    | assignments to each rank | tokens hitting each group)."""
+    | assignments to each rank | tokens hitting each group; with copies, + P: assignments to each
+    rank's home experts)."""
     T, K = sel.shape
     dev = sel.device
     dest_rank = plan.e2r[sel]
@@ -240,7 +256,10 @@ def _local_counts(plan: Plan, sel: torch.Tensor):
     assigned = torch.zeros(plan.P, dtype=torch.long, device=dev).scatter_add_(
         0, dest_rank.reshape(-1), torch.ones(T * K, dtype=torch.long, device=dev)
     )
-    return dest_group, hit_group, torch.cat([hit_rank.sum(0), assigned, hit_group.sum(0)])
+    parts = [hit_rank.sum(0), assigned, hit_group.sum(0)]
+    if plan.replicas is not None:
+        parts.append(plan.replicas.home_assigned(sel, dest_rank))
+    return dest_group, hit_group, torch.cat(parts)
 
 
 def _stage_a_rows(sel, dest_group, hit_group, n: int):
@@ -286,13 +305,23 @@ def index_work(plan: Plan, selected: torch.Tensor):
     standing in for what its peers would send."""
     sel = selected.long()
     P = plan.P
+    if plan.replicas is not None:
+        sel = plan.replicas.vid[sel]
     dest_group, hit_group, mine = _local_counts(plan, sel)
     counts = mine.cpu()
-    _tok_a, ids_a = _stage_a_rows(sel, dest_group, hit_group, int(counts[2 * P :].sum()))
+    _tok_a, ids_a = _stage_a_rows(
+        sel, dest_group, hit_group, int(counts[2 * P : 2 * P + plan.G].sum())
+    )
     _row_b, ids_b = _stage_b_rows(plan, ids_a, int(counts[:P].sum()))
     return _expert_rows(
-        plan, ids_b, int(counts[P : 2 * P].sum()), len(plan.layout.expert2rank) // P, torch.int32
+        plan, ids_b, int(counts[P : 2 * P].sum()), plan_local_experts(plan), torch.int32
     )
+
+
+def plan_local_experts(plan: Plan) -> int:
+    """Experts this rank computes: its AutoEP slots, + the copies it holds."""
+    n = len(plan.layout.expert2rank) // plan.P
+    return n + (plan.replicas.num_copies if plan.replicas is not None else 0)
 
 
 def route(
@@ -317,6 +346,8 @@ def route(
     P, G, me = plan.P, plan.G, plan.me
     dev = x.device
     sel = selected.long()
+    if plan.replicas is not None:  # router ids -> the copy that serves this rank's tokens
+        sel = plan.replicas.vid[sel]
     dest_group, hit_group, mine = _local_counts(plan, sel)
 
     # ---- the one count exchange: counts[P, 2P + G] on the host
@@ -326,7 +357,8 @@ def route(
         counts = torch.stack(parts).cpu()
     else:
         counts = mine.reshape(1, -1).cpu()
-    ranks_hit, assigned_to, groups_hit = counts[:, :P], counts[:, P : 2 * P], counts[:, 2 * P :]
+    ranks_hit, assigned_to = counts[:, :P], counts[:, P : 2 * P]
+    groups_hit = counts[:, 2 * P : 2 * P + G]
 
     # ---- stage A: one row per (token, group), over the rail
     rail = plan.rail_ranks
@@ -362,14 +394,22 @@ def route(
 
     # ---- experts: one GEMM row per (arrived row, local expert); partial sums per arrived row
     row, k, local_counts = _expert_rows(
-        plan, ids_b, int(assigned_to[:, me].sum()), num_local_experts, counts_dtype
+        plan,
+        ids_b,
+        int(assigned_to[:, me].sum()),
+        num_local_experts + (plan.replicas.num_copies if plan.replicas is not None else 0),
+        counts_dtype,
     )
     inp = x_b.index_select(0, row)
     w = w_b[row, k].unsqueeze(1)  # [N, 1] fp32
     if score_apply == "pre":
         inp = (inp.float() * w).to(inp.dtype)
-    permuted, perm, aligned, n = permute_by_local_expert(inp, local_counts)
-    out = unpermute_by_local_expert(experts(permuted, aligned), perm, n).float()
+    if plan.replicas is None:
+        permuted, perm, aligned, n = permute_by_local_expert(inp, local_counts)
+        out = unpermute_by_local_expert(experts(permuted, aligned), perm, n).float()
+    else:  # home rows first (sorted by local expert), then rows for the copies held here
+        home_rows = int(counts[:, 2 * P + G + me].sum())
+        out = plan.replicas.run(experts, inp, local_counts, home_rows).float()
     if score_apply == "post":
         out = out * w
     y_b = (
@@ -517,4 +557,7 @@ def install(blocks, layouts: list[Layout]) -> list:
         block.dedup_plan = Plan(
             layout, block.ep_rank, block.ep_group, rail, group, block.router.gate.weight.device
         )
+        from moe_trainer.dedup_replicas import install_experts
+
+        install_experts(block)  # copies' experts, or back to AutoEP's when the layer has none
     return blocks

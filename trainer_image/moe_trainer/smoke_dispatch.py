@@ -67,10 +67,12 @@ def predict(
     rank_node: list[int],
     row_bytes: int,
     forward_passes: int,
+    serve: list | None = None,
 ) -> dict[str, dict[str, float]]:
     """``tokens[R][M][L]``: experts (slot ids) of rank R's tokens per micro-step and layer. AutoEP
     keeps slot ``s`` on EP rank ``s // (E / P)``; each micro-step's forward is one dispatch per
-    layer (its count exchange included)."""
+    layer (its count exchange included). ``serve[L][P][E]``: with replicated experts, the rank
+    serving each slot to each EP rank's tokens (`dedup_replicas.serve_table`)."""
     n_local = num_experts // ep_size
     out = {d: dict.fromkeys(TIERS, 0.0) for d in DISPATCHERS}
     micro = len(tokens[0])
@@ -83,7 +85,11 @@ def predict(
             continue
         te = torch.stack(per_layer).numpy()  # [L, T, K]
         src = np.concatenate([np.full(len(tokens[r][m][0]), r) for r in range(len(tokens))])
-        expert2rank = np.tile(np.arange(num_experts) // n_local, (te.shape[0], 1))
+        expert2rank = (
+            np.asarray(serve)
+            if serve is not None
+            else np.tile(np.arange(num_experts) // n_local, (te.shape[0], 1))
+        )
         got = tier_bytes(
             expert2rank,
             te,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from moe_trainer import smoke_compare as C
 from moe_trainer import smoke_dispatch as D
 from moe_trainer import smoke_state as S
+from moe_trainer.dedup_replicas import serve_table
 from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
 
 GOLDEN_DIGITS = 5
@@ -136,6 +137,7 @@ def _step_bytes(run, mine, f, comm: dict, counted: dict, rs, row_bytes: int):
         rank_node=node_of,
         row_bytes=max(b for _, b in every),
         forward_passes=f,
+        serve=serve_table(tr.blocks),
     )
     return D.StepBytes(measured, dedup, predicted), share, margin, counts
 

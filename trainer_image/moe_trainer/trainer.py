@@ -23,7 +23,7 @@ from moe_contracts import env as contract_env
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
-from moe_trainer import capabilities, export, model_setup, models, perf, routing
+from moe_trainer import capabilities, dedup_replicas, export, model_setup, models, perf, routing
 from moe_trainer import checkpoint as ckpt
 from moe_trainer import data as data_mod
 from moe_trainer.commtime import CommTimer
@@ -218,12 +218,14 @@ class Trainer:
         p = self.plan
         group_of, node_of = self.rank_tiers()
         self.timer.set_tiers(group_of, node_of)
+        reps = p.placement.replicas if p.placement is not None else None
         if (
             p.placement is None
             or p.placement.dispatcher != "dedup"
             or not p.autoep_enabled
             or p.ep_size == 1
         ):
+            dedup_replicas.refuse_copies(reps)  # AutoEP's own all-to-all cannot serve copies
             return "autoep"
         from moe_trainer import dedup_ep
 
@@ -232,7 +234,10 @@ class Trainer:
         layout = dedup_ep.contiguous_layout(
             self.num_experts, P, group_of[base : base + P], node_of[base : base + P]
         )
-        dedup_ep.install(self.blocks, [layout] * len(self.blocks))
+        layouts = [layout] * len(self.blocks)
+        if reps is not None:
+            layouts = dedup_replicas.plan_layouts(layout, reps, self.permutation)
+        dedup_ep.install(self.blocks, layouts)
         if self.is_rank0:
             log.info(
                 "dedup dispatcher: %d group(s) x %d rank(s) per EP group",
@@ -420,6 +425,9 @@ class Trainer:
             },
             "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
             "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None,
+            "replicaSyncBytesPerStepByTier": dedup_replicas.progress_tiers(
+                self.blocks, per_rank, 7
+            ),
         }
 
     # ---- main loop ---------------------------------------------------------------------------
@@ -475,6 +483,7 @@ class Trainer:
                     tiers["crossGroup"],
                     tiers["crossNode"],
                     *memory_peaks(env.device),
+                    *dedup_replicas.sync_counters.take().values(),  # copies' weights (tiers)
                 ],
                 dtype=torch.float64,
                 device=env.device,
