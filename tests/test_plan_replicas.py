@@ -203,3 +203,30 @@ def test_the_planner_refuses_an_unknown_mode(mode):
 
     with pytest.raises(FieldError, match="is not 'auto', 'none' or a number of copies"):
         plan_replicas(mode, 25, None, None, None, "dedup", hidden_bytes=2, tokens_per_step=1)  # type: ignore[arg-type]
+
+
+def test_the_trainer_takes_the_planners_copies_as_they_are(capsys, tmp_path):
+    """The plan moectl writes with copies is what the trainer's dispatcher builds its layers from:
+    every layer passes the trainer's own checks and serves each (source rank, expert) from the
+    rank the plan says (original ids through the permutation to the router's slot ids)."""
+    from moe_trainer.dedup_ep import contiguous_layout
+    from moe_trainer.dedup_replicas import check_replicas, plan_layouts
+
+    _files(tmp_path)
+    code, _out, err = _plan(
+        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50"
+    )
+    assert code == 0, err
+    pl = load_plan(tmp_path / "plan.json", complete=True).placement
+    assert pl is not None and pl.replicas is not None
+    base = contiguous_layout(pl.num_experts, pl.ep_size, [0, 0, 1, 1])
+    layouts = plan_layouts(base, pl.replicas, pl.permutation)
+    copies = 0
+    for layer, lay in enumerate(layouts):
+        check_replicas(lay, pl.ep_size)
+        for slot, e in enumerate(pl.permutation[layer]):
+            assert lay.holders[slot] == pl.replicas[layer].holders[e]
+            for p in range(pl.ep_size):
+                assert lay.serve[p][slot] == pl.replicas[layer].serve[p][e]
+        copies += sum(len(h) - 1 for h in lay.holders)
+    assert copies > 0
