@@ -62,6 +62,8 @@ def test_lint_strict_and_template_clean(helm, values):
         (["--set", "imagePort=1"], "additional properties 'imagePort' not allowed"),
         (["--set", "logging.format=xml"], "/logging/format'"),
         (["--set", "watchNamespaces={Team_A}"], "does not match pattern"),
+        (["--set", "watchNamespaces={kube-system}"], "/watchNamespaces/0': 'not' failed"),
+        (["--set-json", "watchNamespaces=[]"], "minItems: got 0, want 1"),
         (["--set", "podSecurityContext.runAsNonRoot=false"], "/podSecurityContext/runAsNonRoot'"),
         (
             ["--set", "containerSecurityContext.privileged=true"],
@@ -147,9 +149,25 @@ def test_deployment_arguments_are_what_moectl_operator_accepts(helm):
         "rel-moe-operator-cluster"
     ]
 
-    default = by_kind(render(helm), "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    # least privilege by default: the default namespace only, bound there, nothing cluster-wide
+    docs = render(helm)
+    default = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     args = build_parser().parse_args([*default["command"][1:], *default["args"]])
+    assert not args.all_namespaces and args.namespace == ["default"]
+    rbs = {(d["metadata"]["namespace"], d["roleRef"]["name"]) for d in by_kind(docs, "RoleBinding")}
+    assert ("default", "rel-moe-operator-jobs") in rbs
+    assert [d["roleRef"]["name"] for d in by_kind(docs, "ClusterRoleBinding")] == [
+        "rel-moe-operator-cluster"
+    ]
+    # every namespace only when asked, and then bound cluster-wide
+    docs = render(helm, "--set", "watchAllNamespaces=true")
+    every = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    args = build_parser().parse_args([*every["command"][1:], *every["args"]])
     assert args.all_namespaces and args.namespace == []
+    assert sorted(d["roleRef"]["name"] for d in by_kind(docs, "ClusterRoleBinding")) == [
+        "rel-moe-operator-cluster",
+        "rel-moe-operator-jobs",
+    ]
 
 
 def test_host_path_policy_reaches_the_operator_and_defaults_to_none(helm):

@@ -300,9 +300,14 @@ def test_no_grant_reaches_secrets_nodes_write_or_rbac_escalation():
     assert [r.get("resourceNames") for r in le["rules"] if "update" in r["verbs"]] == [
         ["moe-operator-leader"]
     ]
-    # cluster-wide binding only without watchNamespaces
-    binds = defaultdict(list)
-    for d in docs:
-        if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
-            binds[d["roleRef"]["name"]].append(d["kind"])
-    assert binds["rel-moe-operator-jobs"] == ["ClusterRoleBinding"]
+    # by default the job permissions are bound in the watched namespace only (never kube-system);
+    # cluster-wide only with watchAllNamespaces
+    for args, kinds in (
+        ((), [("RoleBinding", "default")]),
+        (("--set", "watchAllNamespaces=true"), [("ClusterRoleBinding", None)]),
+    ):
+        binds = defaultdict(list)
+        for d in rendered(*args):
+            if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
+                binds[d["roleRef"]["name"]].append((d["kind"], d["metadata"].get("namespace")))
+        assert binds["rel-moe-operator-jobs"] == kinds, args

@@ -236,7 +236,9 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
     ckpt = Path(tempfile.mkdtemp(prefix="moe-e2e-ckpt-"))
     ckpt.chmod(0o1777)
 
-    # ---- helm install with the built operator image; Ready through its probes; lease taken
+    # ---- helm install with the built operator image; Ready through its probes; lease taken.
+    # The operator reconciles (and holds write permissions in) the listed namespaces only.
+    ns = create_namespace(kube, "moe-e2e")
     t0 = time.monotonic()
     repo, tag = op_image.rsplit(":", 1)
     cli.run(
@@ -256,6 +258,8 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
         "image.pullPolicy=Never",
         "--set",
         f"hostPathPolicy.allowedPrefixes={{{ckpt}}}",
+        "--set",
+        f"watchNamespaces={{{ns}}}",
         "--wait",
         "--timeout",
         "5m",
@@ -298,7 +302,6 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
 
     # ---- kubectl apply -f examples/tiny-cpu.yaml (checkpoints on a hostPath the workers may write)
     t0 = time.monotonic()
-    ns = create_namespace(kube, "moe-e2e")
     job = yaml.safe_load(EXAMPLE.read_text())
     job["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = str(ckpt)
     assert (
