@@ -143,7 +143,12 @@ def test_worker_env_has_only_variables_something_reads():
         for p in d.rglob("*.py")
         if p.name != "env.py"
     )  # the trainer and the readers it calls
-    unread = sorted(n for n in names if not re.search(rf"[\"']{n}[\"']|\.{attr[n]}\b", source))
+    # read by the libraries the trainer runs, not by its own code: the home directory's caches
+    # (Triton, Hugging Face, pip) and DeepSpeed's JIT builds, under a read-only root filesystem
+    by_libraries = {"HOME", "TORCH_EXTENSIONS_DIR"}
+    unread = sorted(
+        n for n in names - by_libraries if not re.search(rf"[\"']{n}[\"']|\.{attr[n]}\b", source)
+    )
     assert not unread, f"worker env nobody reads: {unread}"
 
 
@@ -172,9 +177,27 @@ def test_operator_labels_win_over_user_labels():
 def test_cpu_workers_request_no_gpu_and_keep_security_context():
     spec = _example("tiny-cpu.yaml")
     pod = workers.worker_pod(JOB, spec, node_rank=1, node="node-b", attempt=0, spec_hash="h")
-    assert "resources" not in pod["spec"]["containers"][0]
-    sc = pod["spec"]["containers"][0]["securityContext"]
+    c = pod["spec"]["containers"][0]
+    # not BestEffort: a core and DEFAULT_MEMORY_PER_RANK_GI per rank, no GPU, no limits
+    ranks = spec.nodes.gpus_per_node
+    assert c["resources"] == {
+        "requests": {"cpu": str(ranks), "memory": f"{ranks * workers.DEFAULT_MEMORY_PER_RANK_GI}Gi"}
+    }
+    sc = c["securityContext"]
     assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    # read-only root: the caches and temporary files go to the scratch emptyDir
+    assert sc["readOnlyRootFilesystem"] is True
+    assert {"name": "scratch", "mountPath": workers.SCRATCH} in c["volumeMounts"]
+    assert {"name": "scratch", "emptyDir": {}} in pod["spec"]["volumes"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HOME"].startswith(workers.SCRATCH + "/")
+    assert env["TORCH_EXTENSIONS_DIR"].startswith(workers.SCRATCH + "/")
+    # what the user asks for is kept as it is
+    user = spec.model_copy(
+        update={"resources": spec.resources.model_copy(update={"requests": {"memory": "8Gi"}})}
+    )
+    pod = workers.worker_pod(JOB, user, node_rank=1, node="node-b", attempt=0, spec_hash="h")
+    assert pod["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "1", "memory": "8Gi"}
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 

@@ -24,6 +24,9 @@ ROUTING_STATS_CONFIGMAP: Final = "MOE_ROUTING_STATS_CONFIGMAP"
 PLACEMENT_CONFIGMAP: Final = "MOE_PLACEMENT_CONFIGMAP"  # PlacementUpdate (re-placement)
 NODE_NAME: Final = "NODE_NAME"  # downward API: spec.nodeName
 NCCL_NVLS_ENABLE: Final = "NCCL_NVLS_ENABLE"
+# caches under a read-only root filesystem: the worker's scratch emptyDir
+HOME: Final = "HOME"
+TORCH_EXTENSIONS_DIR: Final = "TORCH_EXTENSIONS_DIR"
 
 # ---- set per rank by the node launcher ----------------------------------------------------------
 RANK: Final = "RANK"

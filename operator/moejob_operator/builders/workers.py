@@ -36,6 +36,8 @@ from .common import (
 )
 
 TRAINER_COMMAND = ("moe-train",)  # in a pod: the node launcher (moe_trainer.launch)
+SCRATCH = "/tmp"  # the workers' writable emptyDir under a read-only root filesystem
+DEFAULT_MEMORY_PER_RANK_GI = 2  # the memory request per rank when spec.resources has none
 
 
 def trainer_args(spec: JobSpec) -> list[str]:
@@ -92,6 +94,11 @@ def _volumes(job: JobRef, spec: JobSpec) -> tuple[list[dict[str, Any]], list[dic
     volumes.append(token_volume())
     mounts.append(token_mount())
 
+    # The root filesystem is read-only: what the trainer writes besides its volumes (DeepSpeed's
+    # and Triton's JIT builds, Hugging Face caches, temporary files) goes to this emptyDir.
+    volumes.append({"name": "scratch", "emptyDir": {}})
+    mounts.append({"name": "scratch", "mountPath": SCRATCH})
+
     if spec.device == "GPU":
         # NCCL needs more shared memory than the container default (64 MiB).
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -123,6 +130,9 @@ def _env(
         # Prometheus endpoint (the trainer serves it on rank 0 only; every pod gets the same env
         # and port so that any pod can be rank 0 and the PodMonitor's `port: metrics` finds it)
         E.METRICS_PORT: str(metrics_port),
+        # caches of a read-only root filesystem: the scratch emptyDir (_volumes)
+        E.HOME: f"{SCRATCH}/home",
+        E.TORCH_EXTENSIONS_DIR: f"{SCRATCH}/torch_extensions",
     }
     env.update(extra_env)
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
@@ -137,6 +147,16 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     these GPUs, renumbered 0..gpusPerNode-1: the plan's ``ranks[].gpu`` indexes that list."""
     requests = dict(spec.resources.requests or {})
     limits = dict(spec.resources.limits or {})
+    # Without requests a worker is BestEffort, the first pod the kubelet evicts under memory
+    # pressure: each rank asks for at least a core and DEFAULT_MEMORY_PER_RANK unless the spec
+    # says otherwise (Burstable; no limits added).
+    ranks = spec.nodes.gpus_per_node
+    for key, default in (
+        ("cpu", str(ranks)),
+        ("memory", f"{ranks * DEFAULT_MEMORY_PER_RANK_GI}Gi"),
+    ):
+        if key not in requests and key not in limits:
+            requests[key] = default
     if spec.device == "GPU":
         limits[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
         requests[C.GPU_RESOURCE] = spec.nodes.gpus_per_node
@@ -190,13 +210,13 @@ def worker_pod(
         "volumeMounts": mounts,
         # the launcher writes one message for the pod (which rank failed first, its last lines)
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        # Restricted profile minus a read-only root filesystem: DeepSpeed and Triton JIT-build
-        # kernels into the home directory's caches at start.
+        # The restricted profile and a read-only root filesystem (writable: the volumes, the
+        # scratch emptyDir at SCRATCH, /dev/shm).
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "privileged": False,
             "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": False,
+            "readOnlyRootFilesystem": True,
         },
     }
     res = _resources(spec)
