@@ -115,7 +115,7 @@ def test_auto_picks_kueue_then_volcano_then_none():
 
 def test_inconsistent_volcano_specs_are_refused():
     with pytest.raises(
-        SpecError, match=r"gang: Volcano with podLabels\['kueue.x-k8s.io/queue-name'\]"
+        SpecError, match=r"gang: Volcano conflicts with podLabels\['kueue.x-k8s.io/queue-name'\]"
     ):
         _spec(gang="Volcano", podLabels=QUEUE)
     with pytest.raises(SpecError, match=r"drop podAnnotations\['scheduling.k8s.io/group-name'\]"):

@@ -357,8 +357,8 @@ class Scheduling(_Model):
             )
         if self.gang == "Volcano" and queued:  # Kueue would admit the pods one by one
             raise ValueError(
-                "gang: Volcano with podLabels['kueue.x-k8s.io/queue-name']: "
-                "use gang: Kueue, or drop the label"
+                "gang: Volcano conflicts with podLabels['kueue.x-k8s.io/queue-name'] (Kueue "
+                "would admit the pods one by one): use gang: Kueue, or drop the label"
             )
         if self.gang == "Volcano" and "scheduling.k8s.io/group-name" in (
             self.pod_annotations or {}
