@@ -91,6 +91,18 @@ def test_volcano_podgroup_comes_before_the_pods_and_is_replaced_per_attempt(job)
         "j-u-1-a1"
     }
 
+    job["spec"]["runPolicy"]["suspend"] = True  # suspended: no pods, no PodGroup
+    _pass(c, job)
+    assert c.pods() == [] and c.groups() == {}
+    job["spec"]["runPolicy"]["suspend"] = False  # resumed: the same attempt's PodGroup first
+    before = len(c.writes)
+    _pass(c, job)
+    new = c.writes[before:]
+    assert set(c.groups()) == {"j-u-1-a1"} and len(c.pods()) == 2
+    assert new.index("PodGroup/j-u-1-a1") < min(
+        i for i, w in enumerate(new) if w.startswith("Pod/")
+    )
+
     _end_pods(c, 0)  # the gang finishes: its PodGroup goes
     _pass(c, job)
     assert c.status["phase"] == "Succeeded" and c.groups() == {}

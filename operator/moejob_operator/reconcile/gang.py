@@ -382,6 +382,7 @@ def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
 def _suspend(p: Pass) -> float | None:
     pods = [machine.PodView.from_pod(x) for x in _worker_pods(p)]
     _delete(p, [x for x in pods if not x.deleting])
+    podgroups.finished(p, _status_int(p, "attempt"))  # made again on resume, before the pods
     p.status.pop("gangComplete", None)
     p.cond(
         C.COND_SUSPENDED,

@@ -1,7 +1,7 @@
 """The job's gang scheduler, chosen once (``status.gangScheduler``), and Volcano's PodGroup per
 gang attempt: created before the attempt's pods, the previous attempt's deleted when a new one
-is created, the last one deleted when the job finishes (a finished gang holds no queue share).
-Only objects this job controls are deleted."""
+is created, the last one deleted when the job finishes or is suspended (a gang without pods
+holds no queue share). Only objects this job controls are deleted."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ def before_pods(p: Pass, spec: JobSpec, gang: G.Gang, attempt: int, count: int) 
 
 
 def finished(p: Pass, attempt: int | None) -> None:
-    """The job is done: its last attempt's PodGroup goes (the pods are not Volcano's to wait
-    for any more)."""
+    """The job is done or suspended: its attempt's PodGroup goes (no pods for Volcano to wait
+    for; a resumed job creates it again before its pods)."""
     if p.status.get(STATUS_KEY) == "Volcano" and attempt is not None:
         _delete(p, attempt)
 
