@@ -154,6 +154,7 @@ class MemoryClient(Client):
         self.writes: list[str] = []
         self.status: dict | None = None
         self.fail_kind = fail_kind
+        self.volcano_installed = False  # Volcano's PodGroup API served (gang: Auto)
         for n in ("node-a", "node-b"):
             doc = report_to_json(load_topology("nvswitch-h100-8"))
             doc.update(node=n, collectedAt=now_iso())
@@ -171,6 +172,13 @@ class MemoryClient(Client):
 
     def get_configmap(self, namespace, name):
         return copy.deepcopy(self.objects.get(("ConfigMap", name)))
+
+    def serves(self, group, version, plural):
+        return self.volcano_installed and (group, version, plural) == (
+            C.VOLCANO_GROUP,
+            C.VOLCANO_VERSION,
+            C.VOLCANO_PODGROUPS,
+        )
 
     def create(self, obj):
         kind, name = obj["kind"], obj["metadata"]["name"]

@@ -11,6 +11,7 @@ import pytest
 from kubernetes import client as k8s
 
 from moe_localkube.testing import create_namespace, delete_namespace, unique_name
+from moejob_operator import constants as C
 from test_rbac import derived_needs
 
 pytestmark = pytest.mark.cluster
@@ -143,3 +144,24 @@ def test_lease_update_only_for_its_own_lease(kube, release):
     assert not allowed(
         kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "someone-else"
     )
+
+
+def test_api_discovery_needs_no_grant(kube, release):
+    """``gang: Auto`` asks API discovery whether Volcano's PodGroups are served
+    (Client.serves): every authenticated user may (system:discovery), so the chart grants
+    nothing for it. A URL outside discovery is denied: the review is not vacuous."""
+    _, _rel_ns, user = release
+
+    def url_allowed(path: str) -> bool:
+        body = k8s.V1SubjectAccessReview(
+            spec=k8s.V1SubjectAccessReviewSpec(
+                user=user,
+                groups=["system:serviceaccounts", "system:authenticated"],
+                non_resource_attributes=k8s.V1NonResourceAttributes(path=path, verb="get"),
+            )
+        )
+        api = k8s.AuthorizationV1Api(kube.api_client)
+        return api.create_subject_access_review(body).status.allowed
+
+    assert url_allowed(f"/apis/{C.VOLCANO_GROUP}/{C.VOLCANO_VERSION}")
+    assert not url_allowed("/metrics")

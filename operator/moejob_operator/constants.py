@@ -45,6 +45,15 @@ ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"  # immutable-spec hash a child was b
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 KUEUE_TOTAL_COUNT_ANNOTATION = "kueue.x-k8s.io/pod-group-total-count"
+# Volcano gangs (spec.scheduling.gang Volcano): one PodGroup per gang attempt, created before the
+# pods; each pod names it in an annotation and asks for Volcano's scheduler
+VOLCANO_GROUP = "scheduling.volcano.sh"
+VOLCANO_VERSION = "v1beta1"
+VOLCANO_API_VERSION = f"{VOLCANO_GROUP}/{VOLCANO_VERSION}"
+VOLCANO_PODGROUPS = "podgroups"
+VOLCANO_GROUP_NAME_ANNOTATION = "scheduling.k8s.io/group-name"
+VOLCANO_QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"  # the PodGroup's spec.queue
+VOLCANO_SCHEDULER = "volcano"
 
 COND_SPEC_ACCEPTED = "SpecAccepted"
 COND_TOPOLOGY = "TopologyDiscovered"

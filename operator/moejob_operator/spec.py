@@ -344,22 +344,30 @@ class Scheduling(_Model):
     scheduler_name: str | None = Field(default=None, max_length=253)
     pod_annotations: dict[str, str] | None = None
     pod_labels: dict[str, str] | None = None
-    # absent = Auto (no default filled in: the launched jobs' immutable hash stays as it was)
-    gang: Literal["Auto", "Kueue", "None"] | None = None
+    # absent = Auto (no default filled in: the launched jobs' immutable hash stays as it was);
+    # Auto's choice depends on the cluster too: builders/gang.py resolves it
+    gang: Literal["Auto", "Kueue", "Volcano", "None"] | None = None
 
     @model_validator(mode="after")
-    def _kueue_needs_a_queue(self) -> Scheduling:
-        if self.gang == "Kueue" and "kueue.x-k8s.io/queue-name" not in (self.pod_labels or {}):
+    def _gang_consistent(self) -> Scheduling:
+        queued = "kueue.x-k8s.io/queue-name" in (self.pod_labels or {})
+        if self.gang == "Kueue" and not queued:
             raise ValueError(
                 "gang: Kueue needs podLabels['kueue.x-k8s.io/queue-name'] (the LocalQueue)"
             )
+        if self.gang == "Volcano" and queued:  # Kueue would admit the pods one by one
+            raise ValueError(
+                "gang: Volcano conflicts with podLabels['kueue.x-k8s.io/queue-name'] (Kueue "
+                "would admit the pods one by one): use gang: Kueue, or drop the label"
+            )
+        if self.gang == "Volcano" and "scheduling.k8s.io/group-name" in (
+            self.pod_annotations or {}
+        ):
+            raise ValueError(
+                "gang: Volcano names each attempt's PodGroup itself: drop "
+                "podAnnotations['scheduling.k8s.io/group-name'] (or use gang: None)"
+            )
         return self
-
-    @property
-    def kueue_gang(self) -> bool:
-        """Kueue admits the worker pods as one group: asked for, or Auto with a queue name."""
-        queued = "kueue.x-k8s.io/queue-name" in (self.pod_labels or {})
-        return self.gang == "Kueue" or (self.gang in (None, "Auto") and queued)
 
 
 _QUANTITY_RE = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]i?|Ki)?$")

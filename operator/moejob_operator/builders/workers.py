@@ -34,6 +34,9 @@ from .common import (
     worker_account_name,
     worker_name,
 )
+from .gang import Gang
+from .gang import pod_fields as gang_fields
+from .gang import resolve as resolve_gang
 
 TRAINER_COMMAND = ("moe-train",)  # in a pod: the node launcher (moe_trainer.launch)
 SCRATCH = "/tmp"  # the workers' writable emptyDir under a read-only root filesystem
@@ -163,12 +166,6 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     return resources(requests, limits)
 
 
-def kueue_pod_group(job: JobRef, attempt: int) -> str:
-    """The Kueue pod-group name of gang attempt ``attempt`` (a label value: at most 63 chars;
-    the job's uid keeps two jobs' groups apart)."""
-    return f"{job.name[:40]}-{job.uid[:8]}-a{attempt}"
-
-
 def worker_pod(
     job: JobRef,
     spec: JobSpec,
@@ -179,15 +176,18 @@ def worker_pod(
     spec_hash: str,
     extra_env: dict[str, str] | None = None,
     image: str | None = None,
+    gang: Gang | None = None,
 ) -> dict[str, Any]:
-    """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``."""
+    """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``;
+    ``gang``: the resolved gang scheduler (None: what the spec alone says, :func:`gang.resolve`)."""
     sched = spec.scheduling
+    gang_labels, gang_annotations, scheduler = gang_fields(
+        job, sched, gang or resolve_gang(sched), attempt, spec.nodes.count
+    )
     annotations = dict(sched.pod_annotations or {})
+    annotations.update(gang_annotations)
     annotations[C.ANNOTATION_SPEC_HASH] = spec_hash
-    extra = {C.LABEL_NODE_RANK: str(node_rank), C.LABEL_ATTEMPT: str(attempt)}
-    if sched.kueue_gang:  # one Kueue pod group per gang attempt: admitted whole or not at all
-        extra[C.KUEUE_POD_GROUP_LABEL] = kueue_pod_group(job, attempt)
-        annotations[C.KUEUE_TOTAL_COUNT_ANNOTATION] = str(spec.nodes.count)
+    extra = {C.LABEL_NODE_RANK: str(node_rank), C.LABEL_ATTEMPT: str(attempt), **gang_labels}
     meta = child_metadata(
         job, worker_name(job, node_rank), "worker", annotations=annotations, extra_labels=extra
     )
@@ -257,8 +257,8 @@ def worker_pod(
         ]
     if sched.priority_class_name:
         pod_spec["priorityClassName"] = sched.priority_class_name
-    if sched.scheduler_name:
-        pod_spec["schedulerName"] = sched.scheduler_name
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec}
 
 
@@ -272,6 +272,7 @@ def worker_pods(
     extra_env: dict[str, str] | None = None,
     node_ranks: list[int] | None = None,
     image: str | None = None,
+    gang: Gang | None = None,
 ) -> list[dict[str, Any]]:
     """The gang's pods (``node_ranks``: only these, e.g. the ones a restart must recreate);
     ``rank2node[node_rank]`` is the node the plan chose; ``image``: the reference to run instead
@@ -292,6 +293,7 @@ def worker_pods(
             spec_hash=spec_hash,
             extra_env=extra_env,
             image=image,
+            gang=gang,
         )
         for r in ranks
     ]

@@ -119,12 +119,41 @@ def controller_uid(obj: dict[str, Any] | None) -> str | None:
     return None
 
 
+class PodGroupApi:
+    """Volcano's PodGroups through the custom-objects API, under method names that say the
+    resource (tests/test_rbac.py derives the chart's grants from them)."""
+
+    def __init__(self, api: k8s.ApiClient):
+        self._custom = k8s.CustomObjectsApi(api)
+        self._at = (C.VOLCANO_GROUP, C.VOLCANO_VERSION)
+
+    def create_namespaced_pod_group(self, namespace: str, body: dict[str, Any], **kw):
+        return self._custom.create_namespaced_custom_object(
+            *self._at, namespace, C.VOLCANO_PODGROUPS, body, **kw
+        )
+
+    def read_namespaced_pod_group(self, name: str, namespace: str, **kw):
+        return self._custom.get_namespaced_custom_object(
+            *self._at, namespace, C.VOLCANO_PODGROUPS, name, **kw
+        )
+
+    def delete_namespaced_pod_group(self, name: str, namespace: str, **kw):
+        return self._custom.delete_namespaced_custom_object(
+            *self._at, namespace, C.VOLCANO_PODGROUPS, name, **kw
+        )
+
+
+SERVED_RECHECK_SECONDS = 60.0  # an API not served is asked about again after this long
+
+
 class Client:
     def __init__(self, api_client: k8s.ApiClient | None = None, *, node_cache_seconds: float = 2.0):
         self.api = api_client or api_client_from_env()
         self.core = k8s.CoreV1Api(self.api)
         self.custom = k8s.CustomObjectsApi(self.api)
         self.rbac = k8s.RbacAuthorizationV1Api(self.api)
+        self.volcano = PodGroupApi(self.api)
+        self._served: dict[str, tuple[float, bool]] = {}  # "group/version/plural" -> (when, served)
         self._node_cache: tuple[float, list[dict[str, Any]]] | None = None
         self._node_cache_seconds = node_cache_seconds
         self._cm_cache: dict[tuple[str, str], tuple[float, dict[str, Any] | None]] = {}
@@ -230,6 +259,7 @@ class Client:
             "ServiceAccount": self.core.create_namespaced_service_account,
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
+            "PodGroup": self.volcano.create_namespaced_pod_group,
         }[kind]
         try:
             self._done(fn(ns, obj, _preload_content=False))
@@ -263,6 +293,7 @@ class Client:
             "ServiceAccount": self.core.read_namespaced_service_account,
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
+            "PodGroup": self.volcano.read_namespaced_pod_group,
         }[kind]
         have = self._get(read, name, ns)
         if have is not None and controller_uid(have) != want:
@@ -280,6 +311,43 @@ class Client:
         futures = [self._pool.submit(self.create, o) for o in objs]
         cf.wait(futures)
         return [f.result() for f in futures]
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves ``plural`` in ``group/version`` (e.g. Volcano's
+        PodGroups: its CRD is installed), from API discovery (allowed to every authenticated
+        user: no RBAC). Cached in this client, so for the Controller's lifetime: a yes for good,
+        a no for :data:`SERVED_RECHECK_SECONDS` (an API installed later is noticed)."""
+        key = f"{group}/{version}/{plural}"
+        with self._lock:
+            hit = self._served.get(key)
+        if hit is not None and (hit[1] or time.monotonic() - hit[0] < SERVED_RECHECK_SECONDS):
+            return hit[1]
+        try:
+            doc = self._json(self.custom.get_api_resources(group, version, _preload_content=False))
+            served = any(r.get("name") == plural for r in doc.get("resources") or ())
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            served = False
+        with self._lock:
+            self._served[key] = (time.monotonic(), served)
+        return served
+
+    def get_pod_group(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._get(self.volcano.read_namespaced_pod_group, name, namespace)
+
+    def delete_pod_group(self, namespace: str, name: str, *, uid: str) -> None:
+        """Delete the PodGroup ``name`` if it is still the object ``uid`` (a precondition)."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
+        try:
+            self._done(
+                self.volcano.delete_namespaced_pod_group(
+                    name, namespace, body=body, _preload_content=False
+                )
+            )
+        except ApiException as exc:
+            if exc.status not in (404, 409):
+                raise
 
     def get_configmap(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._get(self.core.read_namespaced_config_map, name, namespace)

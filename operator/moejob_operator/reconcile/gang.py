@@ -15,7 +15,7 @@ from .. import constants as C
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, field_hashes
 from ..status import FALSE, TRUE, UNKNOWN, now_iso, parse_time
-from . import gate, inputs, machine, planning, sizing
+from . import gate, inputs, machine, planning, podgroups, sizing
 from .client import ChildConflict, NotReady, Rejected
 from .jobpass import Pass, _conflict, _crashpoint, _finished, _status_int
 from .specplan import _plan_written
@@ -180,6 +180,7 @@ def _track(
     )
     if left is not None and left <= 0 and d.action != "succeed":
         _delete(p, [x for x in pods if not x.deleting])
+        podgroups.finished(p, attempt)
         p.fail(
             C.R_DEADLINE_EXCEEDED,
             f"the job was active longer than activeDeadlineSeconds="
@@ -189,9 +190,11 @@ def _track(
 
     if d.action == "fail":
         _delete(p, d.delete)
+        podgroups.finished(p, attempt)
         p.fail(d.reason, d.message)
         return _finished(p)
     if d.action == "succeed":
+        podgroups.finished(p, attempt)
         p.cond(C.COND_SUCCEEDED, TRUE, C.R_TRAINING_FINISHED, d.message)
         p.cond(C.COND_RUNNING, FALSE, C.R_FINISHED, "training finished", quiet=True)
         p.status["completionTime"] = now_iso(p.now)
@@ -212,6 +215,12 @@ def _track(
     if d.action == "create":
         extra_env = _fault_env(p)
         h = spec.immutable_hash()
+        gang = podgroups.scheduler(p, spec)
+        try:  # Volcano: the attempt's PodGroup before its pods
+            podgroups.before_pods(p, spec, gang, attempt, count)
+        except Rejected as exc:
+            p.fail(C.R_CHILD_REJECTED, f"{exc} (gang: Volcano needs Volcano's PodGroup CRD)")
+            return _finished(p)
         pods_to_create = workers.worker_pods(
             p.job,
             sizing.sized_spec(spec, plan),
@@ -221,6 +230,7 @@ def _track(
             extra_env=extra_env,
             node_ranks=list(d.create_ranks),
             image=gate.worker_image(spec, p.status),  # the verified digest: no tag drift
+            gang=gang,
         )
         faults = admission.test_faults(p.settings.policy)
         if faults is not None and faults.crash_at() == "after-first-worker":
@@ -372,6 +382,7 @@ def _node_lost(p: Pass, spec: JobSpec, lost: list[str]) -> float | None:
 def _suspend(p: Pass) -> float | None:
     pods = [machine.PodView.from_pod(x) for x in _worker_pods(p)]
     _delete(p, [x for x in pods if not x.deleting])
+    podgroups.finished(p, _status_int(p, "attempt"))  # made again on resume, before the pods
     p.status.pop("gangComplete", None)
     p.cond(
         C.COND_SUSPENDED,
