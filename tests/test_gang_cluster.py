@@ -185,7 +185,14 @@ def test_volcano_gang_gets_its_podgroup_before_its_pods(
         assert p.spec.scheduler_name == C.VOLCANO_SCHEDULER
         # no Volcano scheduler here: nothing binds them (the gang scheduling is not shown here)
         assert not p.spec.node_name and p.status.phase == "Pending"
-    assert (job.get("status") or {}).get("gangScheduler") == "Volcano"
+    # the pass that launched the pods writes its status after them
+    wait_for(
+        lambda: (
+            (get_job(kube, namespace, name).get("status") or {}).get("gangScheduler") == "Volcano"
+        ),
+        timeout=60,
+        message="status.gangScheduler",
+    )
 
     # the PodGroup goes with the job
     kube.custom.delete_namespaced_custom_object(C.GROUP, C.VERSION, namespace, C.PLURAL, name)

@@ -22,6 +22,7 @@ CHART = Path(__file__).resolve().parents[1] / "charts" / "moe-operator"
 @pytest.fixture(scope="module")
 def release(kube, kubectl):
     ns = create_namespace(kube, unique_name("moe-sys"))
+    jobs_ns = create_namespace(kube, unique_name("moe-jobs"))  # the one namespace it reconciles
     name = unique_name("rb", 20)
     out = subprocess.run(
         [
@@ -33,6 +34,8 @@ def release(kube, kubectl):
             ns,
             "--set",
             "replicaCount=0",
+            "--set",
+            f"watchNamespaces={{{jobs_ns}}}",
             # v1.20 does not know the CRD's CEL rules: server-side apply refuses them
             "--server-side=false",
         ],
@@ -43,7 +46,7 @@ def release(kube, kubectl):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     try:
-        yield name, ns, f"system:serviceaccount:{ns}:{name}-moe-operator"
+        yield name, ns, f"system:serviceaccount:{ns}:{name}-moe-operator", jobs_ns
     finally:
         subprocess.run(
             [kubectl.helm, "uninstall", name, "-n", ns],
@@ -52,6 +55,7 @@ def release(kube, kubectl):
             timeout=120,
         )
         delete_namespace(kube, ns)
+        delete_namespace(kube, jobs_ns)
 
 
 def allowed(
@@ -86,8 +90,8 @@ def allowed(
     return k8s.AuthorizationV1Api(kube.api_client).create_subject_access_review(body).status.allowed
 
 
-def test_every_needed_verb_is_allowed(kube, release, namespace):
-    _, rel_ns, user = release
+def test_every_needed_verb_is_allowed(kube, release):
+    _, rel_ns, user, namespace = release
     needs = derived_needs()
     denied = []
     for scope, where in (
@@ -126,18 +130,23 @@ def test_every_needed_verb_is_allowed(kube, release, namespace):
         ("create", "", "serviceaccounts/token", "other"),
         ("update", "coordination.k8s.io", "leases", "kube-system"),
         ("create", "batch", "jobs", "other"),  # smoke Jobs only in its own namespace
+        # job permissions only in the watched namespace (watchNamespaces), never kube-system
+        ("create", "", "pods", "other"),
+        ("create", "", "configmaps", "other"),
+        ("create", "", "pods", "kube-system"),
+        ("update", "", "configmaps", "kube-system"),
         ("create", "apps", "deployments", "other"),
         ("delete", "apiextensions.k8s.io", "customresourcedefinitions", None),
     ],
 )
 def test_forbidden_things_are_denied(kube, release, verb, group, resource, where):
-    _, _rel_ns, user = release
+    _, _rel_ns, user, _ = release
     namespace = {"other": "default", "kube-system": "kube-system", None: None}[where]
     assert not allowed(kube, user, verb, group, resource, namespace)
 
 
 def test_lease_update_only_for_its_own_lease(kube, release):
-    _, rel_ns, user = release
+    _, rel_ns, user, _ = release
     assert allowed(
         kube, user, "update", "coordination.k8s.io", "leases", rel_ns, "moe-operator-leader"
     )
@@ -150,7 +159,7 @@ def test_api_discovery_needs_no_grant(kube, release):
     """``gang: Auto`` asks API discovery whether Volcano's PodGroups are served
     (Client.serves): every authenticated user may (system:discovery), so the chart grants
     nothing for it. A URL outside discovery is denied: the review is not vacuous."""
-    _, _rel_ns, user = release
+    _, _rel_ns, user, _ = release
 
     def url_allowed(path: str) -> bool:
         body = k8s.V1SubjectAccessReview(
