@@ -1,8 +1,8 @@
 """The lint gate CI runs with the suite: `ruff check`, `ruff format --check` and `mypy` are clean.
 
-Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the planning core and the
-contracts package). Locally: `scripts/dev.sh lint` runs the same three commands; `ruff check
---fix .` and `ruff format .` repair most findings.
+Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the planning core, the
+manifest builders and the contracts package). Locally: `scripts/dev.sh lint` runs the same three
+commands; `ruff check --fix .` and `ruff format .` repair most findings.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import hashlib
 import json
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -40,7 +40,7 @@ PROTECTED_DEEPSPEED_KEYS = (
 MUTABLE_AFTER_LAUNCH = frozenset({"runPolicy", "gate"})
 
 # Sizing fields take an integer or ``Auto`` (the planner chooses: core.sizing, docs/planning.md)
-AUTO = "Auto"
+AUTO: Final = "Auto"  # Final: `x == AUTO` narrows `int | Auto` to int for mypy
 Auto = Literal["Auto"]
 CHECKPOINTING = ("Enabled", "Disabled", "Auto")
 DEFAULT_EXPERT_MEMORY_OVERHEAD = 25  # percent: spec.placement.maxExpertMemoryOverhead absent

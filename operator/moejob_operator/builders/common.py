@@ -4,6 +4,7 @@ MoETrainingJob."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ def quantity(value: int | str) -> str:
 
 
 def resources(
-    requests: dict[str, int | str] | None = None, limits: dict[str, int | str] | None = None
+    requests: Mapping[str, int | str] | None = None, limits: Mapping[str, int | str] | None = None
 ) -> dict[str, Any]:
     """A container's ``resources`` block, quantities as strings, keys sorted; empty parts left
     out."""

@@ -37,7 +37,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from .. import constants as C
 from .common import pod_security_context, token_mount, token_volume
@@ -147,7 +147,8 @@ def discovery_pod(
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "utility"},  # NVML only, no CUDA libs
     ]
-    requests, limits = dict(DEFAULT_REQUESTS), dict(DEFAULT_LIMITS)
+    requests: dict[str, int | str] = dict(DEFAULT_REQUESTS)
+    limits: dict[str, int | str] = dict(DEFAULT_LIMITS)
     if gpu_access == "env":
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
     else:
@@ -264,6 +265,14 @@ def discovery_role_binding(
     }
 
 
+class _ChildKeywords(TypedDict):
+    """The keywords every discovery child builder takes, so ``**`` stays type-checked."""
+
+    namespace: str
+    owner: dict[str, Any] | None
+    job_name: str | None
+
+
 def discovery_children(
     job_name: str,
     nodes: Iterable[str],
@@ -272,12 +281,12 @@ def discovery_children(
     image: str,
     owner: dict[str, Any] | None = None,
     **pod_options: Any,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding (``<job>-discovery``) and one pod per node, in the order
     to create them."""
     nodes = list(dict.fromkeys(nodes))
     account = discovery_account_name(job_name)
-    common = {"namespace": namespace, "owner": owner, "job_name": job_name}
+    common: _ChildKeywords = {"namespace": namespace, "owner": owner, "job_name": job_name}
     return [
         discovery_service_account(account, **common),
         discovery_role(account, nodes, **common),

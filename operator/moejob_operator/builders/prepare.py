@@ -13,6 +13,7 @@ writable.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from moe_contracts import env as E
@@ -103,7 +104,9 @@ def rbac_objects(job: JobRef) -> list[dict[str, Any]]:
     ]
 
 
-def _user_resources(spec: JobSpec, default: tuple[dict[str, str], dict[str, str]]):
+def _user_resources(
+    spec: JobSpec, default: tuple[Mapping[str, str], Mapping[str, str]]
+) -> dict[str, Any]:
     """The job's cpu/memory when it sets them (tokenizing is the workers' kind of work), else
     ``default``; never GPUs."""
     req = {k: v for k, v in (spec.resources.requests or {}).items() if k in ("cpu", "memory")}
