@@ -25,7 +25,7 @@ def resolve(sched: Scheduling, volcano_installed: Callable[[], bool] | None = No
     Volcano when ``volcano_installed()`` (the cluster serves PodGroups; asked only here, and not
     at all when it is None); else None."""
     if sched.gang in ("Kueue", "Volcano", "None"):
-        return sched.gang  # type: ignore[return-value]
+        return sched.gang
     if C.KUEUE_QUEUE_LABEL in (sched.pod_labels or {}):
         return "Kueue"
     if C.VOLCANO_GROUP_NAME_ANNOTATION in (sched.pod_annotations or {}):
@@ -41,7 +41,9 @@ def group_name(job: JobRef, attempt: int) -> str:
     return f"{job.name[:40]}-{job.uid[:8]}-a{attempt}"
 
 
-def pod_fields(job: JobRef, sched: Scheduling, gang: Gang, attempt: int, count: int):
+def pod_fields(
+    job: JobRef, sched: Scheduling, gang: Gang, attempt: int, count: int
+) -> tuple[dict[str, str], dict[str, str], str | None]:
     """(labels, annotations, schedulerName or None) a worker pod of the attempt gets for ``gang``
     (``count``: the gang's pod count). Volcano: the user's ``schedulerName`` is kept when set
     (e.g. a second Volcano scheduler under another name)."""

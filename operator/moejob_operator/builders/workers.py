@@ -181,8 +181,11 @@ def worker_pod(
     """Node rank ``node_rank`` of gang attempt ``attempt``, required to run on ``node``;
     ``gang``: the resolved gang scheduler (None: what the spec alone says, :func:`gang.resolve`)."""
     sched = spec.scheduling
+    count = spec.nodes.count
+    if not isinstance(count, int):  # sizing replaces Auto before any pod is built
+        raise ValueError("nodes.count: Auto must be resolved by the plan before worker pods")
     gang_labels, gang_annotations, scheduler = gang_fields(
-        job, sched, gang or resolve_gang(sched), attempt, spec.nodes.count
+        job, sched, gang or resolve_gang(sched), attempt, count
     )
     annotations = dict(sched.pod_annotations or {})
     annotations.update(gang_annotations)
