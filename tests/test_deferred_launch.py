@@ -372,3 +372,53 @@ def test_token_refresh_hook_runs_at_most_every_few_seconds(monkeypatch):
     now[0] += 0.06
     refresh("cfg")
     assert len(calls) == 2
+
+
+class ReadCountingClient(MemoryClient):
+    """MemoryClient that records every read a pass makes; reads a new job's pass must not need
+    (the job, its pods, its plan ConfigMap) are recorded and answered as absent."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def list_nodes(self):
+        self.reads.append("list nodes")
+        return super().list_nodes()
+
+    def get_configmap(self, namespace, name):
+        self.reads.append(f"get ConfigMap/{name}")
+        return super().get_configmap(namespace, name)
+
+    def get_job(self, namespace, name):
+        self.reads.append(f"get job/{name}")  # answered as absent (None)
+
+    def list_pods(self, namespace, selector):
+        self.reads.append(f"list pods {sorted(selector.items())}")
+        return []
+
+    def list_owned_pods(self, namespace, selector, uid):
+        self.reads.append(f"list pods {sorted(selector.items())}")
+        return [], []
+
+
+def test_a_new_jobs_launch_makes_only_the_requests_the_floor_makes_plus_planning_reads(job):
+    """The requests of a new job's launch (docs/operator.md, "Requests per job"): the writes are
+    the children the worker gang needs and the status, once each, in the operator's batches (the
+    floor of benchmarks/operator_floor.py replays exactly these); the only reads are the planning
+    inputs, nodes and the cached topology reports (the client caches both: one GET per report and
+    one node LIST per 2 s for a whole burst). No GET of the job (the watch event's body is used),
+    no listing of its pods, no read of its plan ConfigMap: each was once on this path."""
+    c = ReadCountingClient()
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
+    assert c.writes[:4] == [
+        "ConfigMap/j-plan",
+        "ServiceAccount/j-worker",
+        "Pod/j-worker-0",
+        "Pod/j-worker-1",
+    ]
+    assert set(c.writes[4:-1]) == TRAINER_ONLY and c.writes[-1] == "status"
+    assert len(c.writes) == 10
+    topology = {f"get ConfigMap/{C.TOPOLOGY_CONFIGMAP_PREFIX}{n}" for n in ("node-a", "node-b")}
+    assert {r for r in c.reads if r != "list nodes"} == topology, c.reads
+    assert sorted(r for r in c.reads if r in topology) == sorted(topology)  # each report once
