@@ -23,6 +23,7 @@ def test_the_recorder_keeps_the_passs_writes_in_its_batches_and_the_uid_is_repla
     mem = MemoryClient()
     rec.list_nodes = mem.list_nodes  # type: ignore[method-assign]
     rec.get_configmap = mem.get_configmap  # type: ignore[method-assign]
+    rec.serves = mem.serves  # type: ignore[method-assign]  # gang Auto asks for Volcano
     J.reconcile(rec, "ns", "j", settings=SETTINGS, body=job)
     kinds = [[o["kind"] for o in b] for b in rec.batches]
     assert kinds == [
