@@ -39,7 +39,9 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kubernetes.client.rest import ApiException
@@ -141,6 +143,34 @@ def request_counts(cp: ControlPlane) -> dict[str, float]:
     return out
 
 
+def stamp_first(
+    start_watch: Callable[[], Any],
+    wanted: Callable[[dict[str, Any]], bool],
+    into: dict[str, float],
+    lock: threading.Lock,
+    done: threading.Event,
+    key: Callable[[dict[str, Any]], str] = lambda meta: meta["name"],
+) -> None:
+    """Stamp each object's first watch event that ``wanted`` accepts: ``into[key(metadata)]`` =
+    its arrival (monotonic), until ``done`` is set. Raw watch lines + json.loads: the client's
+    model deserialisation of every pod event cost this process more CPU than the operator spends
+    per job, on the same 2 cores."""
+    try:
+        resp = start_watch()
+        for line in iter_resp_lines(resp):
+            if not line:
+                continue
+            ev = json.loads(line)
+            if wanted(ev):
+                with lock:
+                    into.setdefault(key(ev["object"]["metadata"]), time.monotonic())
+            if done.is_set():
+                resp.close()
+                return
+    except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
+        pass
+
+
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, round(q / 100 * (len(s) - 1))))
@@ -179,29 +209,8 @@ def run(jobs: int, workdir: Path, settle_load: float | None = None) -> dict:
         done = threading.Event()
         lock = threading.Lock()
 
-        def record_first(start_watch, wanted, into: dict[str, float]) -> None:
-            """Stamp each object's first watch event that ``wanted`` accepts. Raw watch lines +
-            json.loads: the client's model deserialisation of every pod event cost this process
-            more CPU than the operator spends per job, on the same 2 cores."""
-            try:
-                resp = start_watch()
-                for line in iter_resp_lines(resp):
-                    if not line:
-                        continue
-                    ev = json.loads(line)
-                    if wanted(ev):
-                        with lock:
-                            into.setdefault(ev["object"]["metadata"]["name"], time.monotonic())
-                    if done.is_set():
-                        resp.close()
-                        return
-            except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
-                pass
-
-        threading.Thread(
-            target=record_first,
-            daemon=True,
-            args=(
+        watches = (
+            (
                 lambda: kube.core.list_namespaced_pod(
                     ns,
                     label_selector=f"{C.LABEL_COMPONENT}=worker",
@@ -212,11 +221,7 @@ def run(jobs: int, workdir: Path, settle_load: float | None = None) -> dict:
                 lambda ev: ev.get("type") == "ADDED",
                 seen,
             ),
-        ).start()
-        threading.Thread(
-            target=record_first,
-            daemon=True,
-            args=(
+            (
                 lambda: kube.custom.list_namespaced_custom_object(
                     C.GROUP,
                     C.VERSION,
@@ -229,7 +234,10 @@ def run(jobs: int, workdir: Path, settle_load: float | None = None) -> dict:
                 lambda ev: "gangComplete" in ((ev.get("object") or {}).get("status") or {}),
                 launched,
             ),
-        ).start()
+        )
+        for start_watch, wanted, into in watches:
+            args = (start_watch, wanted, into, lock, done)
+            threading.Thread(target=stamp_first, args=args, daemon=True).start()
         time.sleep(3.0)  # operator and watch up
 
         def make(name: str) -> dict:

@@ -49,7 +49,6 @@ from typing import Any
 import yaml
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
-from kubernetes.watch.watch import iter_resp_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -70,6 +69,8 @@ from operator_bench import (
     percentile,
     register_nodes,
     request_counts,
+    row,
+    stamp_first,
 )
 from operator_harness import install_crd, seed_topology
 
@@ -212,24 +213,12 @@ class Watches:
             )
 
     def _start(self, start_watch: Callable, wanted: Callable, into: dict[str, float]) -> None:
-        def loop() -> None:
-            try:
-                resp = start_watch()
-                for line in iter_resp_lines(resp):
-                    if not line:
-                        continue
-                    ev = json.loads(line)
-                    if wanted(ev):
-                        meta = ev["object"]["metadata"]
-                        with self.lock:
-                            into.setdefault(f"{meta['namespace']}/{meta['name']}", time.monotonic())
-                    if self.done.is_set():
-                        resp.close()
-                        return
-            except Exception:  # noqa: BLE001 - the control plane stops under the watch at the end
-                pass
-
-        threading.Thread(target=loop, daemon=True).start()
+        threading.Thread(
+            target=stamp_first,
+            args=(start_watch, wanted, into, self.lock, self.done),
+            kwargs={"key": lambda meta: f"{meta['namespace']}/{meta['name']}"},
+            daemon=True,
+        ).start()
 
     def wait(self, keys: list[str], into: dict[str, float], deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -457,10 +446,6 @@ SUMMARY_KEYS = ("loadAverage1mBefore", "p50Seconds", "p99Seconds", "apiRequestsP
 REQUESTS_TITLE = (
     "API requests by verb and resource, run 1 (all clients, first create -> last launch + 1 s):"
 )
-
-
-def row(*cells: object) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 def markdown(doc: dict[str, Any]) -> str:
