@@ -77,7 +77,14 @@ def test_a_symlink_under_an_allowed_prefix_does_not_mount_what_it_points_to(
         raise
     assert pod.spec.volumes[[v.name for v in pod.spec.volumes].index("checkpoint")].host_path.path
     assert list(outside.iterdir()) == [], "the trainer wrote outside the allowed prefix"
-    assert get_job(kube, namespace, "symlink")["status"]["phase"] != "Succeeded"
+    # The worker pods exist before the handler that created them writes the job's status, so
+    # wait for a phase (under load that patch can land well after the pod's refusal).
+    phase = wait_for(
+        lambda: get_job(kube, namespace, "symlink").get("status", {}).get("phase"),
+        timeout=60,
+        message="the job's status has a phase",
+    )
+    assert phase != "Succeeded"
 
 
 def test_a_squatted_plan_configmap_is_reported_never_used_never_deleted(
