@@ -83,3 +83,20 @@ def test_progress_reports_bytes_by_tier_and_dedup_sends_less_across_groups(runs)
         moe["dedup"]["allToAllBytesPerStepByTier"]["crossGroup"]
         < moe["autoep"]["allToAllBytesPerStepByTier"]["crossGroup"]
     )
+
+
+def test_progress_sums_the_bytes_over_the_attempt(runs):
+    """``allToAllBytesSinceStart``: the steps this attempt ran and their bytes summed (a resumed
+    attempt counts from its restart); the sum keeps dedup below AutoEP over the whole run."""
+    since = {
+        k: json.loads((runs[k] / "progress.json").read_text())["moe"]["allToAllBytesSinceStart"]
+        for k in ("autoep", "dedup", "autoep->dedup")
+    }
+    assert since["autoep"]["steps"] == since["dedup"]["steps"] == STEPS
+    assert since["autoep->dedup"]["steps"] == STEPS - 3
+    for k, s in since.items():
+        last = json.loads((runs[k] / "progress.json").read_text())["moe"]
+        per_step = last["allToAllBytesPerStepByTier"]["crossGroup"]
+        total = s["byTier"]["crossGroup"]
+        assert per_step < total < 2 * per_step * s["steps"], (k, s, per_step)
+    assert since["dedup"]["byTier"]["crossGroup"] < since["autoep"]["byTier"]["crossGroup"]

@@ -202,6 +202,13 @@ class Metrics:
             [*labels, "tier"],
             registry=self.registry,
         )
+        self.tier_bytes_total = Counter(
+            "moe_trainer_all_to_all_bytes",
+            "Expert all-to-all bytes sent to other ranks since this attempt started, all ranks, "
+            "by the receiver's tier",
+            [*labels, "tier"],
+            registry=self.registry,
+        )
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
     def update(self, doc: dict, tokens: int) -> None:
@@ -221,6 +228,7 @@ class Metrics:
             self.frag.labels(j).set(moe["fragmentation"])
         for tier, v in (moe.get("allToAllBytesPerStepByTier") or {}).items():
             self.tier_bytes.labels(j, tier).set(v)
+            self.tier_bytes_total.labels(j, tier).inc(v)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe_contracts import env as contract_env
+from moe_contracts.dispatch import TIERS
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
@@ -181,6 +182,7 @@ class Trainer:
             L, self.top_k, t.routing_sample_tokens, t.seed, self.env.rank, self.env.world_size
         )
         self.recent_load: deque = deque(maxlen=RECENT_STEPS)  # load[L, E] per step, original ids
+        self.bytes_since_start = {"steps": 0, "byTier": dict.fromkeys(TIERS, 0)}
         self._logged: set[tuple[str, str]] = set()
         self.health = HealthMonitor(
             L,
@@ -411,6 +413,10 @@ class Trainer:
         rank and fragmentation of this step; each rank's memory peaks since the start (CUDA)."""
         load = sum(self.recent_load)
         cuda = self.env.device.type == "cuda"
+        tiers = {k: int(sum(r[2 + i] for r in per_rank)) for i, k in enumerate(TIERS)}
+        total = self.bytes_since_start  # called once per step: this step's bytes added
+        total["steps"] += 1
+        total["byTier"] = {k: total["byTier"][k] + v for k, v in tiers.items()}
         return {
             "maxMeanLoadPerLayer": [round(x, 4) for x in routing.max_mean_per_layer(load)],
             "deadExperts": self.health.dead_experts(),
@@ -419,10 +425,8 @@ class Trainer:
             "fragmentation": frag,
             "allToAllBytesPerStepByRank": [int(r[1]) for r in per_rank],
             "dispatcher": self.dispatcher,
-            "allToAllBytesPerStepByTier": {
-                k: int(sum(r[2 + i] for r in per_rank))
-                for i, k in enumerate(("intraGroup", "crossGroup", "crossNode"))
-            },
+            "allToAllBytesPerStepByTier": tiers,
+            "allToAllBytesSinceStart": {"steps": total["steps"], "byTier": dict(total["byTier"])},
             "peakMemoryAllocatedBytesByRank": [int(r[5]) for r in per_rank] if cuda else None,
             "peakMemoryReservedBytesByRank": [int(r[6]) for r in per_rank] if cuda else None,
             "replicaSyncBytesPerStepByTier": dedup_replicas.progress_tiers(
