@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from .reconcile.client import Client

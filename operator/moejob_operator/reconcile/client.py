@@ -16,7 +16,7 @@ from typing import Any
 
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from .. import constants as C
 from ..status import now_iso

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from moe_contracts.errors import DocumentError
 from moe_contracts.gate import parse_gate_verdict, parse_smoke_golden
