@@ -32,6 +32,7 @@ CREATE_THREADS = 16
 TOKEN_REFRESH_SECONDS = 5.0
 EVENT_QUEUE_MAX = 10000
 log = logging.getLogger("moejob_operator")
+RefreshHook = Callable[[k8s.Configuration], None]  # Configuration.refresh_api_key_hook
 
 
 def api_client_from_env() -> k8s.ApiClient:
@@ -44,13 +45,10 @@ def api_client_from_env() -> k8s.ApiClient:
     cfg.connection_pool_maxsize = POOL_SIZE
     # Configuration.__init__ sets the hook to None, so its inferred type is None; the loaders
     # above set a function (kubeconfig tokens, in-cluster token file)
-    hook = cast("RefreshHook | None", cfg.refresh_api_key_hook)
+    hook = cast(RefreshHook | None, cfg.refresh_api_key_hook)
     if hook is not None:
         cfg.refresh_api_key_hook = _at_most_every(hook, TOKEN_REFRESH_SECONDS)  # type: ignore[assignment]
     return k8s.ApiClient(cfg)
-
-
-RefreshHook = Callable[[k8s.Configuration], None]
 
 
 def _at_most_every(hook: RefreshHook, seconds: float) -> RefreshHook:

@@ -233,11 +233,11 @@ def _decide_and_act(
         cases=_case_names(identity),
     )
     if d.action == "create_job":
+        assert d.job_name is not None, "a create_job decision names its Job"
         if d.record:
             store.write(d.record)
         if d.stale_job:
             store.delete_job(d.stale_job)
-        assert d.job_name is not None, "a create_job decision names its Job"
         attempt = int(d.job_name.rsplit("-", 1)[1])
         golden = store.latest_golden(golden_key, exclude=identity.key)
         store.create_plans(identity, attempt, config, plans, golden)
