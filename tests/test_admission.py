@@ -212,6 +212,11 @@ def test_resource_refusals(res, field):
     assert refuse(spec_with(resources=res)).field == field
 
 
+def test_request_over_limit_names_both_as_written():
+    err = refuse(spec_with(resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}))
+    assert "'2' is larger than the limit '1500m'" in str(err)
+
+
 def test_sane_resources_are_accepted():
     accept(
         spec_with(

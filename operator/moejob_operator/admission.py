@@ -82,7 +82,7 @@ _IMAGE = re.compile(
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
-_SUFFIX = {
+_SUFFIX: dict[str, int | Decimal] = {
     "": 1,
     "n": Decimal("1e-9"),
     "u": Decimal("1e-6"),
@@ -429,10 +429,11 @@ def _resources(spec: JobSpec) -> None:
     for name, req in parsed["requests"].items():
         lim = parsed["limits"].get(name)
         if lim is not None and req > lim:
+            # both groups name ``name``: neither is None here
+            requests, limits = spec.resources.requests or {}, spec.resources.limits or {}
             raise SpecError(
                 f"spec.resources.requests.{name}",
-                f"{spec.resources.requests[name]!r} "
-                f"is larger than the limit {spec.resources.limits[name]!r}",
+                f"{requests[name]!r} is larger than the limit {limits[name]!r}",
             )
         if lim is not None and not _RESOURCE_STANDARD.match(name) and req != lim:
             raise SpecError(

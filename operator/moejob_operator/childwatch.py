@@ -19,10 +19,11 @@ import json
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
+import urllib3
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
 from .reconcile.client import Client
@@ -48,6 +49,8 @@ class ChildWatch:
         namespaces: list[str] | None = None,
     ):
         self.core = k8s.CoreV1Api(api)
+        self._list_all: Callable[..., object]
+        self._list_ns: Callable[..., object]
         if kind == "pods":
             self._list_all = self.core.list_pod_for_all_namespaces
             self._list_ns = self.core.list_namespaced_pod
@@ -62,7 +65,8 @@ class ChildWatch:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> ChildWatch:
-        for ns in self.namespaces or [None]:
+        everywhere: list[str | None] = [None]  # one watch of all namespaces
+        for ns in self.namespaces or everywhere:
             t = threading.Thread(
                 target=self._run,
                 args=(ns,),
@@ -79,12 +83,14 @@ class ChildWatch:
         operator hung in HTTPResponse.close); the threads are daemons, so exiting never waits."""
         self._stop.set()
 
-    def _call(self, ns: str | None, **kw):
+    def _call(self, ns: str | None, **kw: Any) -> urllib3.BaseHTTPResponse:
         kw.update(label_selector=self.selector, _preload_content=False)
-        return self._list_all(**kw) if ns is None else self._list_ns(ns, **kw)
+        resp = self._list_all(**kw) if ns is None else self._list_ns(ns, **kw)
+        return cast(urllib3.BaseHTTPResponse, resp)  # _preload_content=False: not the model
 
     def _current_version(self, ns: str | None) -> str:
-        return Client._json(self._call(ns, limit=1))["metadata"]["resourceVersion"]
+        version: str = Client._json(self._call(ns, limit=1))["metadata"]["resourceVersion"]
+        return version
 
     def _run(self, ns: str | None) -> None:
         first, cap = RETRY_SECONDS

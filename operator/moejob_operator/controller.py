@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from . import constants as C
 from . import metrics
@@ -111,7 +111,7 @@ class Controller:
         self._locks_guard = threading.Lock()
         self._pending: dict[Key, Callable[[], None]] = {}
         self._pending_guard = threading.Lock()
-        self._finisher: YieldingQueue | None = None
+        self._finisher: YieldingQueue[Key] | None = None
         self._pod_seen: dict[Key, dict[str, tuple[Any, ...]]] = {}  # job -> pod uid -> signature
         self._pod_seen_guard = threading.Lock()
         self._watches: list[ChildWatch] = []

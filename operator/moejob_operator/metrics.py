@@ -26,6 +26,7 @@ from collections import Counter as _Tally
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -181,8 +182,8 @@ class JobCollector(Collector):
             "1 for each job's current phase",
             labels=["namespace", "job", "phase"],
         )
-        for (ns, name), (_, phase, _) in sorted(jobs.items()):
-            fam.add_metric([ns, name, phase or "Pending"], 1)
+        for (ns, name), (_, job_phase, _) in sorted(jobs.items()):
+            fam.add_metric([ns, name, job_phase or "Pending"], 1)
         yield fam
         for key, (suffix, doc) in _PLAN_GAUGES.items():
             fam = GaugeMetricFamily(f"{PREFIX}_{suffix}", doc, labels=["namespace", "job"])
@@ -271,6 +272,6 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def start_server(port: int, addr: str = "0.0.0.0"):
+def start_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
     """Serve ``/metrics`` on ``addr:port`` in a daemon thread; returns (server, thread)."""
     return start_http_server(port, addr=addr, registry=REGISTRY)

@@ -84,7 +84,7 @@ class LeaseElector:
         self.leading = False
 
     def _read(self) -> dict[str, Any] | None:
-        from kubernetes.client.rest import ApiException
+        from kubernetes.client.exceptions import ApiException
 
         try:
             resp = self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
@@ -105,7 +105,7 @@ class LeaseElector:
         }
 
     def try_acquire_or_renew(self) -> bool:
-        from kubernetes.client.rest import ApiException
+        from kubernetes.client.exceptions import ApiException
 
         lease = self._read()
         try:

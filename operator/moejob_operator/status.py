@@ -37,7 +37,7 @@ def get_condition(conditions: list[dict[str, Any]] | None, ctype: str) -> dict[s
 
 def is_true(conditions: list[dict[str, Any]] | None, ctype: str) -> bool:
     cond = get_condition(conditions, ctype)
-    return bool(cond) and cond.get("status") == TRUE
+    return cond is not None and cond.get("status") == TRUE
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,13 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from .. import constants as C
 from ..status import now_iso
@@ -30,6 +32,7 @@ CREATE_THREADS = 16
 TOKEN_REFRESH_SECONDS = 5.0
 EVENT_QUEUE_MAX = 10000
 log = logging.getLogger("moejob_operator")
+RefreshHook = Callable[[k8s.Configuration], None]  # Configuration.refresh_api_key_hook
 
 
 def api_client_from_env() -> k8s.ApiClient:
@@ -40,12 +43,15 @@ def api_client_from_env() -> k8s.ApiClient:
     except k8s_config.ConfigException:
         k8s_config.load_kube_config(client_configuration=cfg)
     cfg.connection_pool_maxsize = POOL_SIZE
-    if cfg.refresh_api_key_hook is not None:
-        cfg.refresh_api_key_hook = _at_most_every(cfg.refresh_api_key_hook, TOKEN_REFRESH_SECONDS)
+    # Configuration.__init__ sets the hook to None, so its inferred type is None; the loaders
+    # above set a function (kubeconfig tokens, in-cluster token file)
+    hook = cast(RefreshHook | None, cfg.refresh_api_key_hook)
+    if hook is not None:
+        cfg.refresh_api_key_hook = _at_most_every(hook, TOKEN_REFRESH_SECONDS)  # type: ignore[assignment]
     return k8s.ApiClient(cfg)
 
 
-def _at_most_every(hook, seconds: float):
+def _at_most_every(hook: RefreshHook, seconds: float) -> RefreshHook:
     """The client's token-refresh hook runs before *every* request and re-applies the whole
     configuration (setting ``host`` re-reads the proxy settings from the environment), a
     noticeable part of each request's client CPU. The tokens it refreshes are re-read within 5
@@ -54,7 +60,7 @@ def _at_most_every(hook, seconds: float):
     lock = threading.Lock()
     last = [float("-inf")]
 
-    def refresh(cfg) -> None:
+    def refresh(cfg: k8s.Configuration) -> None:
         with lock:
             now = time.monotonic()
             if now - last[0] < seconds:
@@ -115,7 +121,8 @@ def controller_uid(obj: dict[str, Any] | None) -> str | None:
     """The uid of ``obj``'s controller ownerReference (None: none)."""
     for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or ():
         if ref.get("controller"):
-            return ref.get("uid")
+            uid: str | None = ref.get("uid")
+            return uid
     return None
 
 
@@ -127,17 +134,19 @@ class PodGroupApi:
         self._custom = k8s.CustomObjectsApi(api)
         self._at = (C.VOLCANO_GROUP, C.VOLCANO_VERSION)
 
-    def create_namespaced_pod_group(self, namespace: str, body: dict[str, Any], **kw):
+    def create_namespaced_pod_group(
+        self, namespace: str, body: dict[str, Any], **kw: Any
+    ) -> object:
         return self._custom.create_namespaced_custom_object(
             *self._at, namespace, C.VOLCANO_PODGROUPS, body, **kw
         )
 
-    def read_namespaced_pod_group(self, name: str, namespace: str, **kw):
+    def read_namespaced_pod_group(self, name: str, namespace: str, **kw: Any) -> object:
         return self._custom.get_namespaced_custom_object(
             *self._at, namespace, C.VOLCANO_PODGROUPS, name, **kw
         )
 
-    def delete_namespaced_pod_group(self, name: str, namespace: str, **kw):
+    def delete_namespaced_pod_group(self, name: str, namespace: str, **kw: Any) -> object:
         return self._custom.delete_namespaced_custom_object(
             *self._at, namespace, C.VOLCANO_PODGROUPS, name, **kw
         )
@@ -171,19 +180,25 @@ class Client:
 
     # ---- helpers -------------------------------------------------------------------------
     @staticmethod
-    def _json(resp) -> Any:
-        return json.loads(Client._done(resp))
+    def _json(resp: object) -> dict[str, Any]:
+        """The JSON object in ``resp``'s body (every read here returns an object)."""
+        doc: dict[str, Any] = json.loads(Client._done(resp))
+        return doc
 
     @staticmethod
-    def _done(resp) -> bytes:
+    def _done(resp: object) -> bytes:
         """Read the body and hand the connection back to the pool: with _preload_content=False
-        urllib3 keeps it checked out otherwise, and every call pays a new TLS handshake."""
-        try:
-            return resp.data
-        finally:
-            resp.release_conn()
+        urllib3 keeps it checked out otherwise, and every call pays a new TLS handshake.
 
-    def _get(self, fn, *args, **kw) -> dict[str, Any] | None:
+        ``resp`` is what an API method returned with ``_preload_content=False``: urllib3's
+        response, whatever model the generated method's annotation names."""
+        raw = cast(urllib3.BaseHTTPResponse, resp)
+        try:
+            return raw.data
+        finally:
+            raw.release_conn()
+
+    def _get(self, fn: Callable[..., object], *args: str, **kw: Any) -> dict[str, Any] | None:
         try:
             return self._json(fn(*args, _preload_content=False, **kw))
         except ApiException as exc:
@@ -252,7 +267,8 @@ class Client:
         """Create ``obj``; False when it already exists (idempotent launch)."""
         ns = obj["metadata"].get("namespace")
         kind = obj["kind"]
-        fn = {
+        # the generated methods take the dict (their validate_call parses it into the model)
+        creators: dict[str, Callable[..., object]] = {
             "ConfigMap": self.core.create_namespaced_config_map,
             "Service": self.core.create_namespaced_service,
             "Pod": self.core.create_namespaced_pod,
@@ -260,9 +276,9 @@ class Client:
             "Role": self.rbac.create_namespaced_role,
             "RoleBinding": self.rbac.create_namespaced_role_binding,
             "PodGroup": self.volcano.create_namespaced_pod_group,
-        }[kind]
+        }
         try:
-            self._done(fn(ns, obj, _preload_content=False))
+            self._done(creators[kind](ns, obj, _preload_content=False))
             return True
         except ApiException as exc:
             if exc.status == 409:
@@ -286,7 +302,7 @@ class Client:
             return
         meta = obj["metadata"]
         name, ns, kind = meta["name"], meta.get("namespace"), obj["kind"]
-        read = {
+        readers: dict[str, Callable[..., object]] = {
             "ConfigMap": self.core.read_namespaced_config_map,
             "Service": self.core.read_namespaced_service,
             "Pod": self.core.read_namespaced_pod,
@@ -294,8 +310,8 @@ class Client:
             "Role": self.rbac.read_namespaced_role,
             "RoleBinding": self.rbac.read_namespaced_role_binding,
             "PodGroup": self.volcano.read_namespaced_pod_group,
-        }[kind]
-        have = self._get(read, name, ns)
+        }
+        have = self._get(readers[kind], name, ns)
         if have is not None and controller_uid(have) != want:
             raise ChildConflict(kind, name, controller_uid(have))
 
@@ -391,7 +407,8 @@ class Client:
     def list_pods(self, namespace: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         sel = ",".join(f"{k}={v}" for k, v in selector.items())
         resp = self.core.list_namespaced_pod(namespace, label_selector=sel, _preload_content=False)
-        return self._json(resp)["items"]
+        items: list[dict[str, Any]] = self._json(resp)["items"]
+        return items
 
     def list_owned_pods(
         self, namespace: str, selector: dict[str, str], uid: str
@@ -416,7 +433,14 @@ class Client:
             body["gracePeriodSeconds"] = grace_seconds
         try:
             self._done(
-                self.core.delete_namespaced_pod(name, namespace, body=body, _preload_content=False)
+                # the body is a dict: validate_call parses it into V1DeleteOptions (the
+                # annotation names only the model)
+                self.core.delete_namespaced_pod(
+                    name,
+                    namespace,
+                    body=body,  # type: ignore[arg-type]
+                    _preload_content=False,
+                )
             )
         except ApiException as exc:
             if exc.status not in (404, 409):
@@ -428,7 +452,9 @@ class Client:
             now = time.monotonic()
             if self._node_cache and now - self._node_cache[0] < self._node_cache_seconds:
                 return self._node_cache[1]
-        items = self._json(self.core.list_node(_preload_content=False))["items"]
+        items: list[dict[str, Any]] = self._json(self.core.list_node(_preload_content=False))[
+            "items"
+        ]
         with self._lock:
             self._node_cache = (time.monotonic(), items)
         return items
@@ -485,8 +511,12 @@ class Client:
     def post_event(self, body: dict[str, Any]) -> None:
         try:
             self._done(
+                # the body is a dict: validate_call parses it into CoreV1Event (the annotation
+                # names only the model)
                 self.core.create_namespaced_event(
-                    body["metadata"]["namespace"], body, _preload_content=False
+                    body["metadata"]["namespace"],
+                    body,  # type: ignore[arg-type]
+                    _preload_content=False,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - an Event is best effort; never kill the poster

@@ -23,6 +23,7 @@ from .. import constants as C
 from ..builders import prepare as B
 from ..builders.common import JobRef
 from ..spec import JobSpec
+from .client import Client
 from .inspect import Inspected, ensure_children, find_pod, run_pod
 from .outcome import NotYet, Refused
 
@@ -79,7 +80,7 @@ def refusal(r: DataPrepReport) -> Refused:
 
 
 def ensure_data(
-    client,
+    client: Client,
     job: JobRef,
     spec: JobSpec,
     status: dict[str, Any],

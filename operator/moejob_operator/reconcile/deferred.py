@@ -15,9 +15,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Generic, TypeVar
 
 log = logging.getLogger("moejob_operator")
+Item = TypeVar("Item")
 
 
 class PassClock:
@@ -30,7 +31,7 @@ class PassClock:
         self.last = time.monotonic()
 
 
-class YieldingQueue:
+class YieldingQueue(Generic[Item]):
     """Items handed to ``run`` by ``threads`` daemon threads, oldest first, each once no pass has
     started (``clock``) for ``quiet`` seconds or ``max_delay`` seconds after it was queued. With
     one thread the items run in order. ``run`` raising is logged; the item is dropped (callers
@@ -39,7 +40,7 @@ class YieldingQueue:
     def __init__(
         self,
         name: str,
-        run: Callable[[Any], None],
+        run: Callable[[Item], None],
         clock: PassClock,
         *,
         quiet: float,
@@ -50,11 +51,11 @@ class YieldingQueue:
         self.name, self._run, self._clock = name, run, clock
         self.quiet, self.max_delay = quiet, max_delay
         self._threads = threads
-        self._q: queue.Queue = queue.Queue(maxsize)
+        self._q: queue.Queue[tuple[float, Item]] = queue.Queue(maxsize)
         self._started = False
         self._lock = threading.Lock()
 
-    def put(self, item: Any) -> bool:
+    def put(self, item: Item) -> bool:
         """Queue ``item``; False when the queue is full (the item is not queued)."""
         with self._lock:
             if not self._started:

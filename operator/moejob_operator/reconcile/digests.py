@@ -16,6 +16,7 @@ from ..builders.common import JobRef
 from ..core.gate import digest_of
 from ..core.gate.digests import PENDING
 from ..spec import JobSpec
+from .client import Client
 
 
 def _reported(pod: dict[str, Any]) -> str | None:
@@ -29,13 +30,13 @@ def _reported(pod: dict[str, Any]) -> str | None:
     return PENDING
 
 
-def _probes(client, job: JobRef) -> dict[str, dict[str, Any]]:
+def _probes(client: Client, job: JobRef) -> dict[str, dict[str, Any]]:
     pods = client.list_pods(job.namespace, {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: B.COMPONENT})
     return {p["metadata"]["name"]: p for p in pods}
 
 
 def node_digests(
-    client, body: dict[str, Any], spec: JobSpec, nodes: list[str]
+    client: Client, body: dict[str, Any], spec: JobSpec, nodes: list[str]
 ) -> dict[str, str | None]:
     """``{node: digest | None | PENDING}`` for the job's ``nodes``; creates the probes missing."""
     job = JobRef.from_body(body)
@@ -60,7 +61,7 @@ def node_digests(
     return out
 
 
-def delete_probes(client, body: dict[str, Any]) -> None:
+def delete_probes(client: Client, body: dict[str, Any]) -> None:
     job = JobRef.from_body(body)
     for name, pod in _probes(client, job).items():
         if not pod["metadata"].get("deletionTimestamp"):

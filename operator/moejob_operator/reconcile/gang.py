@@ -115,7 +115,7 @@ def _fault_env(p: Pass) -> dict[str, str]:
     return faults.trainer_env(p.body["metadata"].get("annotations")) if faults is not None else {}
 
 
-def _regate(p: Pass, spec: JobSpec, pods: list, digest: str) -> float:
+def _regate(p: Pass, spec: JobSpec, pods: list[machine.PodView], digest: str) -> float:
     """A tag-only image whose pods run other bits than the smoke test verified: stop the gang and
     test those bits (the gate pins the identity to ``digest``); relaunch when they pass."""
     msg = (

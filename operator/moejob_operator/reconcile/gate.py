@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from .. import constants as C
 from .. import metrics
@@ -34,7 +34,9 @@ from ..core.dsconfig import GpuCaps
 from ..core.gate import digests as GD
 from ..core.gate import golden as GG
 from ..spec import JobSpec
+from ..status import get_condition
 from . import digests as probes
+from .client import Client
 from .gate_store import SMOKE_JOB_KEEP_SECONDS, Store, sweep_smoke_jobs
 from .outcome import NotYet, Refused
 
@@ -60,10 +62,8 @@ class Verified:
 
 
 def _previous(job: dict[str, Any]) -> dict[str, Any]:
-    for c in (job.get("status") or {}).get("conditions") or ():
-        if c.get("type") == C.COND_UPGRADE_VERIFIED:
-            return c
-    return {}
+    conditions = (job.get("status") or {}).get("conditions")
+    return get_condition(conditions, C.COND_UPGRADE_VERIFIED) or {}
 
 
 def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None) -> G.Identity:
@@ -78,7 +78,7 @@ def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None)
 
 
 def check(
-    client,
+    client: Client,
     job: dict[str, Any],
     spec: JobSpec,
     now: dt.datetime | None = None,
@@ -203,7 +203,7 @@ def worker_image(spec: JobSpec, status: dict[str, Any]) -> str:
 
 def _decide_and_act(
     store: Store,
-    job,
+    job: dict[str, Any],
     spec: JobSpec,
     identity: G.Identity,
     prev: dict[str, Any],
@@ -233,6 +233,7 @@ def _decide_and_act(
         cases=_case_names(identity),
     )
     if d.action == "create_job":
+        assert d.job_name is not None, "a create_job decision names its Job"
         if d.record:
             store.write(d.record)
         if d.stale_job:
@@ -268,6 +269,7 @@ def _decide_and_act(
             d.job_name,
         )
     elif d.action == "record":
+        assert d.record is not None, "a record decision carries its record"
         record = dict(d.record, goldenKey=golden_key)
         store.write(record)
         same_bits = GD.digest_record(record, identity)

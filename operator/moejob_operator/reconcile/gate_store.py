@@ -12,10 +12,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
+import urllib3
 from kubernetes import client as k8s
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from moe_contracts.errors import DocumentError
 from moe_contracts.gate import parse_gate_verdict, parse_smoke_golden
@@ -25,20 +26,30 @@ from ..builders import smoke as B
 from ..core import gate as G
 from ..core.gate import digests as GD
 from ..core.gate import golden as GG
+from .client import Client
 
 log = logging.getLogger("moejob_operator")
+
+
+def _json_body(resp: object) -> dict[str, Any]:
+    """The JSON object in a ``_preload_content=False`` response: urllib3's, whatever model the
+    generated method's annotation names."""
+    doc: dict[str, Any] = json.loads(cast(urllib3.BaseHTTPResponse, resp).data)
+    return doc
 
 
 class Store:
     """Verdict ConfigMaps and smoke Jobs in the operator's namespace."""
 
-    def __init__(self, client, namespace: str):
+    def __init__(self, client: Client, namespace: str):
         self.client, self.namespace = client, namespace
         self.batch = k8s.BatchV1Api(client.api)
 
     def read(self, identity: G.Identity) -> dict[str, Any] | None:
         cm = self.client.get_configmap(self.namespace, G.store_name(identity))
-        raw = ((cm or {}).get("data") or {}).get(G.VERDICT_KEY)
+        if cm is None:
+            return None
+        raw = (cm.get("data") or {}).get(G.VERDICT_KEY)
         if raw is None:
             return None
         try:
@@ -73,8 +84,12 @@ class Store:
             resource_version=(cm or {}).get("metadata", {}).get("resourceVersion"),
         )
         try:
+            # the body is a dict: validate_call parses it into V1ConfigMap
             self.client.core.replace_namespaced_config_map(
-                name, self.namespace, body, _preload_content=False
+                name,
+                self.namespace,
+                body,  # type: ignore[arg-type]
+                _preload_content=False,
             )
         except ApiException as exc:
             if exc.status not in (404, 409):  # someone else wrote it first: theirs is as good
@@ -118,7 +133,7 @@ class Store:
             _preload_content=False,
         )
         best = None
-        for cm in json.loads(resp.data)["items"]:
+        for cm in _json_body(resp)["items"]:
             data = cm.get("data") or {}
             if (cm["metadata"].get("labels") or {}).get(G.LABEL_GATE_KEY) == exclude:
                 continue
@@ -133,10 +148,8 @@ class Store:
 
     def observe(self, job_name: str) -> G.SmokeObservation | None:
         try:
-            job = json.loads(
-                self.batch.read_namespaced_job(
-                    job_name, self.namespace, _preload_content=False
-                ).data
+            job = _json_body(
+                self.batch.read_namespaced_job(job_name, self.namespace, _preload_content=False)
             )
         except ApiException as exc:
             if exc.status == 404:
@@ -159,7 +172,13 @@ class Store:
 
     def create_job(self, job: dict[str, Any]) -> bool:
         try:
-            self.batch.create_namespaced_job(self.namespace, job, _preload_content=False)
+            # the body is a dict: validate_call parses it into V1Job (the annotation names only
+            # the model)
+            self.batch.create_namespaced_job(
+                self.namespace,
+                job,  # type: ignore[arg-type]
+                _preload_content=False,
+            )
             return True
         except ApiException as exc:
             if exc.status == 409:
@@ -195,12 +214,12 @@ def _finished_at(job: dict[str, Any]) -> dt.datetime | None:
 
 
 def sweep_smoke_jobs(
-    client,
+    client: Client,
     config: G.GateConfig | G.GateError,
     now: dt.datetime | None = None,
     *,
     keep_seconds: float | None = None,
-    batch=None,
+    batch: k8s.BatchV1Api | None = None,
 ) -> list[str]:
     """Delete smoke Jobs that finished more than ``keep_seconds`` ago: those whose verdict is
     in the store (or superseded by a later attempt), and orphans whose verdict nobody recorded
@@ -219,7 +238,7 @@ def sweep_smoke_jobs(
         config.namespace, label_selector=f"{C.LABEL_COMPONENT}=smoke", _preload_content=False
     )
     deleted = []
-    for job in json.loads(resp.data)["items"]:
+    for job in _json_body(resp)["items"]:
         name = job["metadata"]["name"]
         done = _finished_at(job)
         if done is None or (now - done).total_seconds() < keep:

@@ -28,6 +28,7 @@ from ..core.model_report import ModelRefused, resolve_report
 from ..core.models import ResolvedModel
 from ..spec import JobSpec
 from . import machine
+from .client import Client
 from .outcome import NotYet, Refused
 
 MAX_ATTEMPTS = 3
@@ -57,7 +58,9 @@ def model_status(report: ModelReport, model: ResolvedModel) -> dict[str, Any]:
     }
 
 
-def ensure_children(client, job: JobRef, spec: JobSpec, cm_name: str, component: str) -> dict:
+def ensure_children(
+    client: Client, job: JobRef, spec: JobSpec, cm_name: str, component: str
+) -> dict[str, Any]:
     """The report ConfigMap (seeded empty, annotated with the spec it is for; created with the
     prepare ServiceAccount, Role and binding the pods write it with). A ConfigMap of an earlier
     spec (edited before launch) and its pods go. Returns the ConfigMap as read."""
@@ -80,7 +83,7 @@ def ensure_children(client, job: JobRef, spec: JobSpec, cm_name: str, component:
     return seeded
 
 
-def find_pod(client, job: JobRef, name: str, component: str) -> dict | None:
+def find_pod(client: Client, job: JobRef, name: str, component: str) -> dict[str, Any] | None:
     selector = {C.LABEL_JOB: job.name, C.LABEL_COMPONENT: component}
     for pod in client.list_owned_pods(job.namespace, selector, job.uid)[0]:
         if pod["metadata"]["name"] == name:
@@ -89,11 +92,11 @@ def find_pod(client, job: JobRef, name: str, component: str) -> dict | None:
 
 
 def run_pod(
-    client,
+    client: Client,
     job: JobRef,
-    pod_manifest: dict,
+    pod_manifest: dict[str, Any],
     component: str,
-    status: dict,
+    status: dict[str, Any],
     what: str,
     reasons: tuple[str, str] = (C.R_INSPECTION_PENDING, C.R_INSPECTION_FAILED),
 ) -> NotYet:
@@ -120,7 +123,7 @@ def run_pod(
     return NotYet(reasons[0], f"{what} in pod {name} ({phase or 'Pending'})", 5.0)
 
 
-def _tail(pod: dict) -> str:
+def _tail(pod: dict[str, Any]) -> str:
     for cs in (pod.get("status") or {}).get("containerStatuses") or ():
         term = (cs.get("state") or {}).get("terminated") or {}
         if term.get("message"):
@@ -128,7 +131,7 @@ def _tail(pod: dict) -> str:
     return ""
 
 
-def _report(cm: dict, key: str) -> ModelReport | None:
+def _report(cm: dict[str, Any], key: str) -> ModelReport | None:
     raw = (cm.get("data") or {}).get(key)
     if not raw:
         return None
@@ -143,7 +146,9 @@ def _report(cm: dict, key: str) -> ModelReport | None:
         ) from None
 
 
-def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> Inspected | None:
+def ensure_model(
+    client: Client, job: JobRef, spec: JobSpec, status: dict[str, Any]
+) -> Inspected | None:
     """The inspected model (None: the spec names a preset or hfConfig)."""
     if spec.model.path is None:
         return None
@@ -182,7 +187,9 @@ def ensure_model(client, job: JobRef, spec: JobSpec, status: dict[str, Any]) -> 
     return Inspected(model, report, msg)
 
 
-def recheck(client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict) -> str | None:
+def recheck(
+    client: Client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict[str, Any]
+) -> str | None:
     """Before the first launch: the directory must still hash to the plan's contentHash.
     Returns a message when this call found it unchanged (None: nothing to check)."""
     planned = (plan.get("model") or {}).get("contentHash")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import urllib3
-from kubernetes.client.rest import ApiException
+from kubernetes.client.exceptions import ApiException
 
 from .. import constants as C
 from .. import metrics

@@ -66,7 +66,8 @@ class Pass:
     def cond_status(self, ctype: str) -> str | None:
         for c in self.status.get("conditions") or ():
             if c.get("type") == ctype:
-                return c.get("status")
+                status: str | None = c.get("status")
+                return status
         return None
 
     def event(self, etype: str, reason: str, message: str) -> None:

@@ -230,7 +230,8 @@ def node_ready(node: dict[str, Any]) -> bool:
         return False
     for cond in (node.get("status") or {}).get("conditions") or ():
         if cond.get("type") == "Ready":
-            return cond.get("status") == "True"
+            ready: bool = cond.get("status") == "True"
+            return ready
     return False
 
 

@@ -29,8 +29,9 @@ from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.plan import PlanRequest, TrainingOptions, build_plan
 from ..core.sizing import plan_sized
-from ..spec import AUTO, JobSpec, SpecError, parse_spec
+from ..spec import AUTO, JobSpec, RoutingStatsFrom, SpecError, parse_spec
 from . import sizing
+from .client import Client
 from .outcome import NotYet, Refused
 
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
@@ -139,7 +140,9 @@ SOURCE_ACTIVE_WAIT_SECONDS = 24 * 3600  # the source job is still pending or tra
 SOURCE_SUCCEEDED_GRACE_SECONDS = 60  # the trainer publishes before it exits: a little slack
 
 
-def read_routing_stats(client, job: JobRef, spec: JobSpec, now: dt.datetime | None = None):
+def read_routing_stats(
+    client: Client, job: JobRef, spec: JobSpec, now: dt.datetime | None = None
+) -> RoutingStats | None:
     src = spec.placement.routing_stats_from
     if src is None:
         return None
@@ -168,7 +171,7 @@ def _age(stamp: str | None, now: dt.datetime) -> float:
     return (now - t).total_seconds()
 
 
-def _source_progress_note(client, namespace: str, source: str) -> str:
+def _source_progress_note(client: Client, namespace: str, source: str) -> str:
     """What the source trainer said about publishing (``routingStats.message`` of its progress)."""
     cm = client.get_configmap(namespace, f"{source}-progress") or {}
     try:
@@ -179,7 +182,9 @@ def _source_progress_note(client, namespace: str, source: str) -> str:
     return f"; its trainer reported: {msg}" if msg else ""
 
 
-def _no_stats_yet(client, job: JobRef, src, now: dt.datetime) -> Exception:
+def _no_stats_yet(
+    client: Client, job: JobRef, src: RoutingStatsFrom, now: dt.datetime
+) -> Exception:
     """No statistics in the ConfigMap: NotYet while they may still come (bounded), Refused when
     they never will (source job Failed, or Succeeded without publishing)."""
     field = "spec.placement.routingStatsFrom"
@@ -234,7 +239,7 @@ def _no_stats_yet(client, job: JobRef, src, now: dt.datetime) -> Exception:
     )
 
 
-def stats_source(spec: JobSpec, stats) -> dict[str, Any] | None:
+def stats_source(spec: JobSpec, stats: RoutingStats | None) -> dict[str, Any] | None:
     """``placement.routingStatsFrom`` of the plan: where the statistics came from (a note for
     people)."""
     src = spec.placement.routing_stats_from
@@ -314,7 +319,7 @@ class Inputs:
 
 
 def make_plan(
-    client,
+    client: Client,
     job: JobRef,
     spec: JobSpec,
     reports: dict[str, TopologyReport],
@@ -354,7 +359,7 @@ def output_section(spec: JobSpec) -> dict[str, Any] | None:
 
 
 def _plan_document(
-    client,
+    client: Client,
     job: JobRef,
     spec: JobSpec,
     reports: dict[str, TopologyReport],

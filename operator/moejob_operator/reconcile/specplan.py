@@ -10,7 +10,7 @@ from typing import Any
 from .. import admission
 from .. import constants as C
 from ..builders import common, configmaps
-from ..spec import JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
+from ..spec import AUTO, JobSpec, SpecError, changed_immutable_fields, field_hashes, parse_spec
 from ..status import FALSE, TRUE
 from . import planning
 from .jobpass import Pass, _crashpoint, _is_launched
@@ -131,13 +131,13 @@ def _new_plan(
     p: Pass, spec: JobSpec, reports: dict[str, Any], found: planning.Inputs
 ) -> dict[str, Any]:
     """The plan stage (raises NotYet / Refused); the ConfigMap is written later in this pass."""
-    cpu_memory = (
-        0
-        if spec.device != "CPU"
-        else planning.cpu_memory_per_process(
-            spec, p.client.list_nodes(), list(reports)[: spec.nodes.count]
+    cpu_memory = 0
+    if spec.device == "CPU":
+        count = spec.nodes.count
+        assert count != AUTO, "sizing.check refuses Auto with device CPU (validate stage)"
+        cpu_memory = planning.cpu_memory_per_process(
+            spec, p.client.list_nodes(), list(reports)[:count]
         )
-    )
     plan = planning.make_plan(
         p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory, inputs=found
     )
@@ -156,6 +156,7 @@ def _plan_written(p: Pass, created: bool) -> None:
     """After writing ``p.new_plan_cm``: "already exists" is a plan a crashed pass wrote; the
     workers read the ConfigMap, so it must be this spec's (else it is replaced)."""
     cm, p.new_plan_cm = p.new_plan_cm, None
+    assert cm is not None, "called after writing the plan ConfigMap"
     if not created:
         name = cm["metadata"]["name"]
         have = p.client.get_owned_configmap(p.job.namespace, name, p.job.uid)

@@ -22,6 +22,7 @@ from ..builders.common import JobRef, owner_reference
 from ..core.errors import DocumentError
 from ..spec import AUTO, JobSpec
 from . import machine
+from .client import Client
 from .outcome import NotYet
 
 MAX_CANDIDATES = 64
@@ -71,7 +72,7 @@ def _fresh(
     cm: dict[str, Any] | None, node: dict[str, Any], now: dt.datetime
 ) -> TopologyReport | None:
     """The cached report when it is current (age, boot id: D.cached_report_is_current) and valid."""
-    if not D.cached_report_is_current(cm, node, now=now)[0]:
+    if cm is None or not D.cached_report_is_current(cm, node, now=now)[0]:
         return None
     return _parse_cached(cm)
 
@@ -84,7 +85,9 @@ def _termination_message(pod: dict[str, Any]) -> str:
     return ""
 
 
-def ensure_reports(client, body: dict[str, Any], spec: JobSpec, now: dt.datetime) -> Discovered:
+def ensure_reports(
+    client: Client, body: dict[str, Any], spec: JobSpec, now: dt.datetime
+) -> Discovered:
     job = JobRef.from_body(body)
     nodes = {n["metadata"]["name"]: n for n in client.list_nodes()}
     selectors = [spec.nodes.node_selector, spec.scheduling.node_selector]
