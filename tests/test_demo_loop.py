@@ -1,11 +1,12 @@
 """The demo's closed loop (``moe_localkube.demo_loop``): job 2 planned from job 1's routing
 statistics, and the bytes it saves as the demo prints them.
 
-Unit part: the printed figures are the plan's numbers, whatever they are. Cluster part (slow):
-the demo's second-job path on the local cluster; job 1 trains and records routing statistics,
-job 2 (``planned_manifest``) plans from them and trains to Succeeded, and the saving the demo
-prints is the one job 2's plan ConfigMap holds, and is a real one (on the recorded tokens); the
-counted bytes it prints are the trainers' own.
+Unit part: the printed figures are the plan's and the progress documents' numbers, whatever
+they are. Cluster part (slow): the demo's two jobs on the local cluster; job 1
+(``baseline_manifest``: contiguous, AutoEP) trains and records routing statistics, job 2
+(``planned_manifest``) plans from them and trains to Succeeded with the de-duplicating
+dispatcher; the figures the demo prints are the ones job 2's plan and both jobs' progress hold,
+and job 2's trainers counted fewer bytes across NVLink groups over the run than job 1's.
 """
 
 from __future__ import annotations
@@ -50,24 +51,34 @@ def test_planned_manifest_reads_the_first_jobs_statistics():
     assert out["metadata"] == {"name": "tiny-planned"}
     assert out["spec"]["placement"] == {
         "strategy": "TopologyAware",
+        "dispatcher": "Dedup",
         "expertParallelSize": 2,
         "routingStatsFrom": {"jobName": "tiny"},
     }
     assert doc["spec"]["placement"]["strategy"] == "Contiguous"  # the input is not changed
+    base = demo_loop.baseline_manifest({"metadata": {"name": "tiny"}, "spec": {}})
+    assert base["spec"]["placement"] == {"strategy": "Contiguous", "dispatcher": "AutoEP"}
 
 
 @pytest.mark.parametrize(("cross", "contiguous"), [(61_440, 81_920), (84_992, 81_920)])
 def test_printed_saving_is_the_plans(cross, contiguous, tmp_path):
     a = demo_loop.PlanBytes.from_plan("one", plan_doc(90_000, 90_000, fell_back=True), {"moe": {}})
+    since = {"steps": 4, "byTier": {"intraGroup": 0, "crossGroup": 17_284, "crossNode": 9}}
     b = demo_loop.PlanBytes.from_plan(
         "two",
         plan_doc(cross, contiguous, stats_from="one", dedup=5_000, autoep=9_000),
-        {"moe": {"allToAllBytesPerStepByTier": {"crossGroup": 4_321}}},
+        {"moe": {"allToAllBytesSinceStart": since}},
     )
     assert a.strategy == "contiguous" and a.dedup_cross_group_bytes is None
-    assert b.saved_bytes == contiguous - cross and b.counted_cross_group_bytes == 4_321
+    assert b.saved_bytes == contiguous - cross and b.counted_cross_group_bytes == 17_284
+    assert b.counted_steps == 4 and b.counted_per_step == 4_321
+    assert b.predicted_cross_group_bytes == 5_000  # its dispatcher is dedup
     lines = demo_loop.comparison(a, b)
-    saved = lines[-1]  # job 1 counted nothing here: no "counted:" line
+    assert not any(ln.startswith("counted:") for ln in lines)  # job 1 counted nothing here
+    saved = next(ln for ln in lines if ln.startswith(("saved:", "no saving:")))
+    dispatcher = next(ln for ln in lines if ln.startswith("dispatcher:"))
+    assert "de-duplicating 5,000 bytes" in dispatcher and "AutoEP 9,000" in dispatcher
+    assert "(0.556x)" in dispatcher
     if cross < contiguous:
         assert saved.startswith(f"saved: {contiguous - cross:,} bytes per step"), saved
     else:  # a plan worse than contiguous is said so, not printed as a negative saving
@@ -80,7 +91,26 @@ def test_printed_saving_is_the_plans(cross, contiguous, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = demo_loop.result(a, b)
     assert doc["savedCrossGroupBytesPerStep"] == contiguous - cross
-    assert doc["jobs"][1]["counted_cross_group_bytes"] == 4_321
+    assert doc["jobs"][1]["counted_cross_group_bytes"] == 17_284
+    assert doc["countedCrossGroupJob2VsJob1"] is None  # job 1 counted nothing
+
+
+def test_counted_line_is_both_progress_sums():
+    def progress(total, steps):
+        return {
+            "moe": {"allToAllBytesSinceStart": {"steps": steps, "byTier": {"crossGroup": total}}}
+        }
+
+    a = demo_loop.PlanBytes.from_plan(
+        "one", plan_doc(90_000, 90_000, fell_back=True), progress(40_000, 4)
+    )
+    b = demo_loop.PlanBytes.from_plan(
+        "two", plan_doc(80_000, 90_000, stats_from="one"), progress(30_000, 4)
+    )
+    counted = next(ln for ln in demo_loop.comparison(a, b) if ln.startswith("counted:"))
+    assert counted.startswith("counted: 30,000 bytes across NVLink groups in 4 steps of two, ")
+    assert "40,000 in 4 steps of one (0.750x;" in counted
+    assert demo_loop.result(a, b)["countedCrossGroupJob2VsJob1"] == 0.75
 
 
 # ---- cluster: the demo's second job on the local cluster -------------------------------------
@@ -99,6 +129,7 @@ def test_second_job_plans_from_the_first_and_saves_cross_group_bytes(
     first["metadata"]["name"] = "loop-a"
     first["spec"]["training"]["steps"] = 4
     first["spec"]["data"] = demo_loop.text_data(tmp_path / "data")  # as the demo does
+    first = demo_loop.baseline_manifest(first)
     second = demo_loop.planned_manifest(first, "loop-a")
     assert second["metadata"]["name"] == "loop-a-planned"
 
@@ -145,19 +176,21 @@ def test_second_job_plans_from_the_first_and_saves_cross_group_bytes(
         f"{q['crossGroupBytesPerStep']:,} instead of {q['contiguousCrossGroupBytesPerStep']:,}"
         in saved
     )
-    # what the trainers counted, as each job's progress ConfigMap has it. Not asserted: that job 2
-    # counted fewer than job 1. The plan's saving is on the recorded tokens; on this tiny model
-    # the next step's tokens went either way in these runs (the demo prints the planner's
-    # held-out estimate beside the saving for that reason).
+    # what the trainers counted over each run, as each job's progress ConfigMap has it
     for pb in (a, b):
         progress = json.loads(
             kube.core.read_namespaced_config_map(f"{pb.job}-progress", namespace).data[
                 C.PROGRESS_KEY
             ]
         )
-        counted = progress["moe"]["allToAllBytesPerStepByTier"]["crossGroup"]
-        assert pb.counted_cross_group_bytes == counted > 0, (pb, progress["moe"])
+        since = progress["moe"]["allToAllBytesSinceStart"]
+        assert since["steps"] == pb.counted_steps == 4, (pb, progress["moe"])
+        assert pb.counted_cross_group_bytes == since["byTier"]["crossGroup"] > 0
+        assert progress["moe"]["dispatcher"] == pb.dispatcher
+    assert (a.strategy, a.dispatcher, b.dispatcher) == ("contiguous", "autoep", "dedup")
+    # the product's job sent fewer bytes across NVLink groups over the same tokens
+    assert b.counted_cross_group_bytes < a.counted_cross_group_bytes, (a, b)
     counted_line = next(ln for ln in lines if ln.startswith("counted:"))
     assert f"{b.counted_cross_group_bytes:,} bytes" in counted_line, counted_line
-    assert f"{a.counted_cross_group_bytes:,} on loop-a's" in counted_line, counted_line
+    assert f"{a.counted_cross_group_bytes:,} in 4 steps of loop-a " in counted_line, counted_line
     assert demo_loop.write_result(tmp_path, a, b).is_file()

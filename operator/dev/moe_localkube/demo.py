@@ -5,9 +5,11 @@ the node agent playing the kubelet for two fake 8-GPU nodes, and the operator (`
 ``kubectl apply -f examples/tiny-cpu.yaml`` (tiny Mixtral, CPU, 2 node ranks, DeepSpeed ZeRO-3 +
 AutoEP); waits for ``Succeeded``; prints ``kubectl get moejob`` and ``kubectl describe``, and
 where the expert-load heatmap and routing statistics are. Then the closed loop (``demo_loop``):
-job 2, the same job planned from job 1's routing statistics (``routingStatsFrom``), runs to
-``Succeeded`` and the demo prints both plans' cross-group bytes per step and what job 2's saves
-against contiguous placement (``closed_loop.json``); --quick stops after job 1. Logs,
+job 1 runs with DeepSpeed's own expert layout and all-to-all (contiguous, AutoEP) on real text;
+job 2, the same job planned from job 1's routing statistics (``routingStatsFrom``, topology-aware
+placement, de-duplicating dispatcher), runs to ``Succeeded`` and the demo prints both jobs'
+cross-group bytes, predicted and counted over the run (``closed_loop.json``, ``closed_loop.png``);
+--quick runs the example as written and stops after it. Logs,
 checkpoints, the heatmap and the figures stay in --dir (default runs/demo). With --stay the
 cluster keeps running after the jobs, for kubectl and helm through DIR/env.sh, until Ctrl-C or
 ``moe-demo --stop`` (``scripts/dev.sh down``).
@@ -192,6 +194,7 @@ def _demo(
         from moe_localkube import demo_loop
 
         doc["spec"]["data"] = demo_loop.text_data(data_dir)  # both jobs train on real text
+        doc = demo_loop.baseline_manifest(doc)  # job 1: DeepSpeed's own layout and all-to-all
     # JSON, not re-dumped YAML: PyYAML writes "1e-3" unquoted and kubectl reads that as a number
     applied = work / "job.json"
     applied.write_text(json.dumps(doc, indent=1))
@@ -253,7 +256,14 @@ def _demo(
                 pass
             time.sleep(0.2)
 
-        _say(f"kubectl apply -f {manifest}")
+        if quick:
+            _say(f"kubectl apply -f {manifest}")
+        else:
+            _say(
+                f"job 1: kubectl apply -f {manifest}, on real text with DeepSpeed's own expert "
+                "layout and all-to-all (placement.strategy Contiguous, dispatcher AutoEP); it "
+                "records its routing statistics"
+            )
         print(k("apply", "-f", str(applied)), end="")
         _say(
             f"waiting for condition Succeeded (up to {timeout:.0f}s; the first run JIT-builds "
@@ -356,7 +366,10 @@ def _second_job(kube, k, work: Path, doc: dict, first: str, timeout: float) -> b
         print(f"$ kubectl describe moejob {name}\n" + k("describe", "moejob", name))
         return False
     a, b = demo_loop.report(kube, "default", first, name)
-    _say("what job 2's plan predicts, per optimizer step (placement.quality of each plan):")
+    _say(
+        "both jobs side by side (predicted: placement.quality of each plan; counted: each job's "
+        "progress)"
+    )
     for line in demo_loop.comparison(a, b):
         print(line if line.startswith("  ") else f"[demo] {line}", flush=True)
     result, plot = demo_loop.write_result(work, a, b), demo_loop.write_plot(work, a, b)

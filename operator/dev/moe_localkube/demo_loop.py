@@ -1,15 +1,17 @@
 """The demo's second act: a job planned from the first job's routing statistics, and the bytes
 it saves.
 
-Job 1 records which experts its tokens picked (ConfigMap ``<job>-routing-stats``). Job 2 is the
-same manifest with ``spec.placement.routingStatsFrom.jobName: <job 1>``: the operator's planner
-reads those statistics, places experts that fire together on the same NVLink group (the
-topology-aware placement) and the trainer dispatches with the de-duplicating dispatcher (the
-planner's default when expert parallelism spans more than one rank). Both plans are scored by the
-planner's cost model on the statistics they had (``placement.quality`` of the plan ConfigMap):
-cross-group bytes per optimizer step of the plan's layout and of contiguous placement. This module
-reads those numbers back, prints them side by side and writes them to ``closed_loop.json``;
-nothing here computes or invents a byte count of its own.
+Job 1 runs with DeepSpeed's own expert layout and all-to-all (``placement.strategy: Contiguous``,
+``dispatcher: AutoEP``: what a user gets without this product) and records which experts its
+tokens picked (ConfigMap ``<job>-routing-stats``). Job 2 is the same manifest with the product's
+choices: ``spec.placement.routingStatsFrom.jobName: <job 1>`` (the planner places experts that
+fire together on the same NVLink group: the topology-aware placement) and the de-duplicating
+dispatcher. Both jobs read the same text in the same order from the same seed, so they route the
+same tokens the same way, and the trainers' byte counters summed over the run
+(``moe.allToAllBytesSinceStart``) compare like with like. Beside them: what each plan predicted
+(``placement.quality`` of the plan ConfigMap: the layout against contiguous placement on job 1's
+tokens, each dispatcher's bytes). This module reads those numbers back, prints them side by side
+and writes them to ``closed_loop.json``; nothing here computes or invents a byte count of its own.
 """
 
 from __future__ import annotations
@@ -40,9 +42,20 @@ def planned_name(first: str) -> str:
     return f"{first}-planned"
 
 
+def baseline_manifest(doc: dict[str, Any]) -> dict[str, Any]:
+    """Job 1: ``doc`` with DeepSpeed's own expert layout and all-to-all (contiguous placement,
+    AutoEP's dispatcher); everything else as written."""
+    out = copy.deepcopy(doc)
+    placement = out["spec"].setdefault("placement", {})
+    placement["strategy"] = "Contiguous"
+    placement["dispatcher"] = "AutoEP"
+    return out
+
+
 def planned_manifest(doc: dict[str, Any], first: str) -> dict[str, Any]:
     """Job 2: ``doc`` (job 1's manifest) renamed, planned TopologyAware from ``first``'s
-    routing statistics; everything else (model, data, nodes, steps) as job 1."""
+    routing statistics, with the de-duplicating dispatcher; everything else (model, data, nodes,
+    steps) as job 1."""
     out = copy.deepcopy(doc)
     out["metadata"] = {
         k: v for k, v in out["metadata"].items() if k in ("namespace", "labels", "annotations")
@@ -50,6 +63,7 @@ def planned_manifest(doc: dict[str, Any], first: str) -> dict[str, Any]:
     out["metadata"]["name"] = planned_name(first)
     placement = out["spec"].setdefault("placement", {})
     placement["strategy"] = "TopologyAware"
+    placement["dispatcher"] = "Dedup"
     placement["routingStatsFrom"] = {"jobName": first}
     return out
 
@@ -70,7 +84,22 @@ class PlanBytes:
     # forward + backward, with the id/weight columns (core.dispatch; None without token samples)
     dedup_cross_group_bytes: int | None  # the de-duplicating dispatcher, this layout
     autoep_cross_group_bytes: int | None  # DeepSpeed AutoEP's all-to-all, same tokens
-    counted_cross_group_bytes: int | None = None  # the trainer's byte counters, last step
+    # the trainers' byte counters summed over the run (moe.allToAllBytesSinceStart), and its steps
+    counted_cross_group_bytes: int | None = None
+    counted_steps: int | None = None
+
+    @property
+    def predicted_cross_group_bytes(self) -> int | None:
+        """Forward + backward bytes per step the plan predicts for the job's own dispatcher."""
+        if self.dispatcher == "dedup":
+            return self.dedup_cross_group_bytes
+        return self.autoep_cross_group_bytes
+
+    @property
+    def counted_per_step(self) -> float | None:
+        if self.counted_cross_group_bytes is None or not self.counted_steps:
+            return None
+        return self.counted_cross_group_bytes / self.counted_steps
 
     @property
     def saved_bytes(self) -> int:
@@ -85,14 +114,15 @@ class PlanBytes:
     def from_plan(
         cls, job: str, plan: dict[str, Any], progress: dict[str, Any] | None = None
     ) -> PlanBytes:
-        """From the plan document and (optionally) the trainer's last progress document."""
+        """From the plan document and (optionally) the trainer's last progress document (its
+        ``moe.allToAllBytesSinceStart``: the bytes of a finished job's whole run)."""
         pl = plan["placement"]
         q = pl["quality"]
         dispatch = q.get("dispatch") or {}
         dedup = (dispatch.get("dedup") or {}).get("crossGroupBytesPerStep")
         autoep = (dispatch.get("autoep") or {}).get("crossGroupBytesPerStep")
-        tiers = ((progress or {}).get("moe") or {}).get("allToAllBytesPerStepByTier") or {}
-        counted = tiers.get("crossGroup")
+        since = ((progress or {}).get("moe") or {}).get("allToAllBytesSinceStart") or {}
+        counted = (since.get("byTier") or {}).get("crossGroup")
         src = pl.get("routingStatsFrom") or {}
         return cls(
             job=job,
@@ -111,6 +141,7 @@ class PlanBytes:
             dedup_cross_group_bytes=None if dedup is None else int(dedup),
             autoep_cross_group_bytes=None if autoep is None else int(autoep),
             counted_cross_group_bytes=None if counted is None else int(counted),
+            counted_steps=since.get("steps"),
         )
 
 
@@ -142,51 +173,42 @@ def report(kube: Any, namespace: str, first: str, second: str) -> tuple[PlanByte
     )
 
 
-def _kib(n: int | None) -> str:
+def _kib(n: float | None) -> str:
     return "-" if n is None else f"{n / 1024:,.1f} KiB"
 
 
+def _placement(job: PlanBytes) -> str:
+    if job.routing_stats_from:
+        return f"{job.strategy} (from {job.routing_stats_from}'s routing)"
+    return job.strategy
+
+
 def comparison(first: PlanBytes, second: PlanBytes) -> list[str]:
-    """The side-by-side the demo prints: one row per figure, one column per job, then the
-    saving of job 2's plan against contiguous placement."""
+    """The side-by-side the demo prints: one row per figure, one column per job; then what job
+    2's placement saves against contiguous placement (its plan), what its dispatcher saves against
+    AutoEP (its plan) and what the trainers counted over both runs."""
     rows = [
         ("job", first.job, second.job),
-        (
-            "placement",
-            first.strategy,
-            f"{second.strategy} (from {second.routing_stats_from}'s routing)"
-            if second.routing_stats_from
-            else second.strategy,
-        ),
-        ("scored on", first.basis, second.basis),
+        ("placement", _placement(first), _placement(second)),
         ("dispatcher", first.dispatcher, second.dispatcher),
+        ("predicted on", first.basis, second.basis),
+        ("cross-group bytes per step, forward + backward:", "", ""),
         (
-            "cross-group bytes/step (cost model)",
-            _kib(first.cross_group_bytes),
-            _kib(second.cross_group_bytes),
+            "  predicted, the job's dispatcher",
+            _kib(first.predicted_cross_group_bytes),
+            _kib(second.predicted_cross_group_bytes),
         ),
         (
-            "  contiguous, same tokens",
-            _kib(first.contiguous_cross_group_bytes),
-            _kib(second.contiguous_cross_group_bytes),
-        ),
-        ("forward + backward, by dispatcher:", "", ""),
-        (
-            "  de-duplicating, predicted",
-            _kib(first.dedup_cross_group_bytes),
-            _kib(second.dedup_cross_group_bytes),
-        ),
-        (
-            "  AutoEP all-to-all, predicted",
+            "  predicted, AutoEP, same tokens",
             _kib(first.autoep_cross_group_bytes),
             _kib(second.autoep_cross_group_bytes),
         ),
         (
-            "  counted by the trainer (last step)",
-            _kib(first.counted_cross_group_bytes),
-            _kib(second.counted_cross_group_bytes),
+            f"  counted by the trainers (mean of {second.counted_steps or '-'} steps)",
+            _kib(first.counted_per_step),
+            _kib(second.counted_per_step),
         ),
-        ("load max/mean", f"{first.max_mean_load:.3f}", f"{second.max_mean_load:.3f}"),
+        ("load max/mean (plan)", f"{first.max_mean_load:.3f}", f"{second.max_mean_load:.3f}"),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
@@ -207,24 +229,35 @@ def comparison(first: PlanBytes, second: PlanBytes) -> list[str]:
     else:  # said as plainly as a saving: the placement found nothing to gain on these tokens
         head = f"no saving: {-second.saved_bytes:,} bytes per step more across NVLink groups "
         lines.append(head + f"({plan}, {pct:.1f}% more), predicted by {source}")
+    d, e = second.dedup_cross_group_bytes, second.autoep_cross_group_bytes
+    if d and e:
+        lines.append(
+            f"dispatcher: de-duplicating {d:,} bytes per step across NVLink groups, AutoEP "
+            f"{e:,} for the same tokens and layout ({d / e:.3f}x), predicted by {second.job}'s plan"
+        )
     a, b = first.counted_cross_group_bytes, second.counted_cross_group_bytes
     if a and b:
         lines.append(
-            f"counted: {b:,} bytes across NVLink groups on {second.job}'s last step, "
-            f"{a:,} on {first.job}'s ({b / a:.3f}x; the trainers' byte counters, "
-            "status.progress of each job's progress ConfigMap)"
+            f"counted: {b:,} bytes across NVLink groups in {second.counted_steps} steps of "
+            f"{second.job}, {a:,} in {first.counted_steps} steps of {first.job} ({b / a:.3f}x; "
+            "the trainers' byte counters, moe.allToAllBytesSinceStart of each job's progress; "
+            "both jobs read the same tokens, the ones job 2 was planned from)"
         )
     return lines
 
 
 def result(first: PlanBytes, second: PlanBytes) -> dict[str, Any]:
-    """``closed_loop.json``: both plans' figures and the saving (bytes per optimizer step)."""
+    """``closed_loop.json``: both jobs' figures, the saving of job 2's placement (bytes per
+    optimizer step, its plan) and the counted ratio job 2 / job 1 over the run."""
+    a, b = first.counted_cross_group_bytes, second.counted_cross_group_bytes
     return {
         "jobs": [asdict(first), asdict(second)],
         "savedCrossGroupBytesPerStep": second.saved_bytes,
         "crossGroupVsContiguous": round(second.vs_contiguous, 4),
         "crossGroupVsContiguousHeldOut": second.held_out_vs_contiguous,
-        "source": "placement.quality of each job's plan ConfigMap (<job>-plan)",
+        "countedCrossGroupJob2VsJob1": round(b / a, 4) if a and b else None,
+        "source": "placement.quality of each job's plan ConfigMap (<job>-plan); counted: "
+        "moe.allToAllBytesSinceStart of each job's progress ConfigMap (<job>-progress)",
     }
 
 
@@ -236,11 +269,9 @@ def write_result(work: Path, first: PlanBytes, second: PlanBytes) -> Path:
 
 PLOT_FILE = "closed_loop.png"
 _BARS = (
-    ("plan's layout\n(cost model, fwd)", "cross_group_bytes"),
-    ("contiguous\n(cost model, fwd)", "contiguous_cross_group_bytes"),
-    ("de-duplicating\n(predicted, fwd+bwd)", "dedup_cross_group_bytes"),
-    ("AutoEP\n(predicted, fwd+bwd)", "autoep_cross_group_bytes"),
-    ("counted, last step\n(fwd+bwd)", "counted_cross_group_bytes"),
+    ("predicted,\nthe job's dispatcher", "predicted_cross_group_bytes"),
+    ("predicted,\nAutoEP, same tokens", "autoep_cross_group_bytes"),
+    ("counted by the trainers,\nmean per step", "counted_per_step"),
 )
 
 
@@ -257,9 +288,9 @@ def write_plot(work: Path, first: PlanBytes, second: PlanBytes) -> Path:
     for offset, job in ((-width / 2, first), (width / 2, second)):
         xs = [i + offset for i, (_, f) in enumerate(_BARS) if getattr(job, f) is not None]
         kib = [getattr(job, f) / 1024 for _, f in _BARS if getattr(job, f) is not None]
-        ax.bar(xs, kib, width, label=f"{job.job} ({job.strategy})")
+        ax.bar(xs, kib, width, label=f"{job.job} ({job.strategy}, {job.dispatcher})")
     ax.set_xticks(range(len(_BARS)), [label for label, _ in _BARS], fontsize=8)
-    ax.set_ylabel("KiB per step across NVLink groups")
+    ax.set_ylabel("KiB per step across NVLink groups (fwd + bwd)")
     ax.set_title("Bytes across NVLink groups: job 1 vs job 2 planned from its routing", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
