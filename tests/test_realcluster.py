@@ -3,7 +3,9 @@ containerd (``moe_localkube.realnodes``), ``helm install`` of the chart with the
 image, ``kubectl apply -f examples/tiny-cpu.yaml`` -> discovery pods, the smoke-test Job and the
 worker pods as real containers of the built trainer image -> ``kubectl wait
 --for=condition=Succeeded`` -> ``helm uninstall``. Security facts are read from inside the running
-containers and compared with what their pod specs promise.
+containers and compared with what their pod specs promise. Before the uninstall, a job whose
+checkpoint hostPath is a symlink planted under the allowed prefix pointing outside it: the real
+kubelet refuses the subPath (issue 31; the node agent's imitation is tests/test_trust_cluster.py).
 
 Slow the first time on a machine (base image, both image builds: see docs/localkube.md), seconds
 after that (content-addressed image cache). Stage timings go to
@@ -231,10 +233,13 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
         assert node.status.node_info.container_runtime_version.startswith("containerd://")
         assert node.status.node_info.kubelet_version == "v1.20.2"
 
-    # the example's checkpoints go to a hostPath: a folder the workers (non-root) may write, which
-    # the chart must allow (hostPathPolicy; every hostPath is refused by default)
+    # the example's checkpoints go to a hostPath under a prefix the chart must allow
+    # (hostPathPolicy; every hostPath is refused by default): the pod mounts the prefix and reaches
+    # the job's folder (one the workers, non-root, may write) by subPath through the real kubelet
     ckpt = Path(tempfile.mkdtemp(prefix="moe-e2e-ckpt-"))
     ckpt.chmod(0o1777)
+    (ckpt / "tiny-cpu").mkdir(mode=0o1777)
+    (ckpt / "tiny-cpu").chmod(0o1777)  # mkdir's mode is masked by the umask
 
     # ---- helm install with the built operator image; Ready through its probes; lease taken.
     # The operator reconciles (and holds write permissions in) the listed namespaces only.
@@ -303,7 +308,7 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
     # ---- kubectl apply -f examples/tiny-cpu.yaml (checkpoints on a hostPath the workers may write)
     t0 = time.monotonic()
     job = yaml.safe_load(EXAMPLE.read_text())
-    job["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = str(ckpt)
+    job["spec"]["checkpoint"]["volume"]["hostPath"]["path"] = str(ckpt / "tiny-cpu")
     assert (
         job["spec"]["image"] == "moe-trainer:local"
         and "moe-trainer:local" in images["trainer"].tags
@@ -379,9 +384,16 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
             assert cs.image_id and "moe-trainer" in cs.image, cs
         out = cli.run("kubectl", "logs", "-n", ns, workers[0].metadata.name).stdout
         assert out.strip(), "kubectl logs of a worker is empty"
-        assert any(ckpt.rglob("*")), "the workers wrote no checkpoint into the hostPath"
+        assert any((ckpt / "tiny-cpu").rglob("*")), "the workers wrote no checkpoint (subPath)"
     finally:
         cli.run("kubectl", "delete", "-n", ns, f"{C.PLURAL}", "--all", "--wait=false", check=False)
+
+    # ---- a symlink planted under the allowed prefix: the real kubelet refuses the subPath
+    t0 = time.monotonic()
+    _symlink_out_of_the_prefix_is_refused(kube, cli, _nodes, ns, ckpt)
+    TIMINGS["symlink: apply -> kubelet refused -> children gone (s)"] = round(
+        time.monotonic() - t0, 2
+    )
 
     # ---- helm uninstall: no operator objects left (the CRD stays, as docs/install.md says)
     t0 = time.monotonic()
@@ -424,6 +436,123 @@ def test_users_path_on_real_nodes(cluster, images, tmp_path):
     assert kube.apiext.read_custom_resource_definition(f"{C.PLURAL}.{C.GROUP}")
     TIMINGS["uninstall (s)"] = round(time.monotonic() - t0, 2)
     shutil.rmtree(ckpt, ignore_errors=True)
+
+
+# The kubelet's answer (v1.20 pkg/kubelet/kubelet_pods.go makeMounts) in the container status:
+# the detail, kept out of the status so as not to describe the host, goes to the kubelet's log
+# (pkg/volume/util/subpath/subpath_linux.go: 'subpath "<resolved>" not within volume path "<vol>"').
+SUBPATH_REFUSED = 'failed to prepare subPath for volumeMount "checkpoint" of container "trainer"'
+
+
+def _symlink_out_of_the_prefix_is_refused(kube, cli: Cli, nodes, ns: str, ckpt: Path) -> None:
+    """Issue 31: a job whose checkpoint hostPath is ``<allowed prefix>/escape``, ``escape`` a
+    symlink to a folder outside the prefix that the workers could write (1777). The pod mounts the
+    prefix and reaches ``escape`` by subPath; the real kubelet resolves it, finds it outside its
+    volume and does not create the container. Nothing is written outside, the job does not
+    succeed, and deleting it removes its children."""
+    outside = Path(tempfile.mkdtemp(prefix="moe-e2e-outside-"))
+    outside.chmod(0o1777)
+    (ckpt / "escape").symlink_to(outside)
+    name = "escape"
+    job = yaml.safe_load(EXAMPLE.read_text())
+    job["metadata"]["name"] = name
+    job["spec"]["checkpoint"] = {
+        "everySteps": 1,
+        "volume": {"hostPath": {"path": str(ckpt / name)}},
+    }
+    job["spec"]["training"].update(steps=2)
+    job["spec"]["gate"] = {"skip": True, "skipReason": "the image passed the gate above"}
+    try:
+        cli.run("kubectl", "apply", "-n", ns, "-f", "-", input=json.dumps(job))
+        sel = f"{C.LABEL_JOB}={name},{C.LABEL_COMPONENT}=worker"
+
+        def refused_or_ran():
+            # a refused worker, or the hole: a trainer container that started, or files outside
+            for p in kube.core.list_namespaced_pod(ns, label_selector=sel).items:
+                for cs in p.status.container_statuses or ():
+                    w = cs.state.waiting if cs.state else None
+                    if (
+                        w
+                        and w.reason == "CreateContainerConfigError"
+                        and w.message == SUBPATH_REFUSED
+                    ):
+                        return p
+                    if cs.state and (cs.state.running or cs.state.terminated):
+                        return "ran"
+            return "ran" if any(outside.iterdir()) else None
+
+        try:
+            pod = wait_for(refused_or_ran, timeout=600, interval=1, message="a refused worker")
+            assert pod != "ran", "a worker's container started with the escaping checkpoint"
+        except AssertionError as exc:  # what happened instead: the evidence for a real hole
+            pods = [
+                (p.metadata.name, p.status.phase, p.status.container_statuses)
+                for p in kube.core.list_namespaced_pod(ns, label_selector=sel).items
+            ]
+            raise AssertionError(
+                f"{exc}\nworkers: {pods}"
+                f"\noutside: {sorted(str(x) for x in outside.rglob('*'))}"
+                f"\njob: {_job_status(kube, ns, name)}\noperator log:\n{_operator_log(cli)}"
+            ) from None
+        vols = {v.name: v for v in pod.spec.volumes}
+        assert vols["checkpoint"].host_path.path == str(ckpt), vols["checkpoint"]
+        (vm,) = [m for m in pod.spec.containers[0].volume_mounts if m.name == "checkpoint"]
+        assert vm.sub_path == "escape", vm
+        # the detail in the node's kubelet log: the symlink resolved outside the volume
+        line = wait_for(
+            lambda: next(
+                (
+                    ln
+                    for ln in nodes.kubelet_log(pod.spec.node_name).splitlines()
+                    if SUBPATH_REFUSED in ln and "not within volume path" in ln
+                ),
+                None,
+            ),
+            timeout=60,
+            interval=1,
+            message="the kubelet's log names the refusal",
+        )
+        assert str(outside) in line, line
+        assert list(outside.iterdir()) == [], "a worker wrote outside the allowed prefix"
+        status = kube.custom.get_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL, name)
+        assert status.get("status", {}).get("phase") != "Succeeded", status.get("status")
+        uid = status["metadata"]["uid"]
+    finally:
+        cli.run("kubectl", "delete", "-n", ns, f"{C.PLURAL}/{name}", "--wait=false", check=False)
+    wait_for(
+        lambda: not _children(kube, ns, name, uid),
+        timeout=300,
+        interval=1,
+        message=f"the children of {name} to go",
+    )
+    assert list(outside.iterdir()) == [], "a worker wrote outside the allowed prefix"
+    (ckpt / "escape").unlink()
+    shutil.rmtree(outside, ignore_errors=True)
+
+
+def _children(kube, ns: str, name: str, uid: str) -> list[str]:
+    """The job's objects still there: itself, pods with its label, anything it owns."""
+    left = [
+        f"pod {p.metadata.name}"
+        for p in kube.core.list_namespaced_pod(ns, label_selector=f"{C.LABEL_JOB}={name}").items
+    ]
+    listers = {
+        "ConfigMap": kube.core.list_namespaced_config_map,
+        "Service": kube.core.list_namespaced_service,
+        "ServiceAccount": kube.core.list_namespaced_service_account,
+        "Pod": kube.core.list_namespaced_pod,
+        "Role": kube.rbac.list_namespaced_role,
+        "RoleBinding": kube.rbac.list_namespaced_role_binding,
+    }
+    for kind, lister in listers.items():
+        left += [
+            f"{kind} {o.metadata.name}"
+            for o in lister(ns).items
+            if any(r.uid == uid for r in o.metadata.owner_references or ())
+        ]
+    jobs = kube.custom.list_namespaced_custom_object(C.GROUP, C.VERSION, ns, C.PLURAL)["items"]
+    left += [f"job {j['metadata']['name']}" for j in jobs if j["metadata"]["uid"] == uid]
+    return left
 
 
 def _operator_log(cli: Cli) -> str:
