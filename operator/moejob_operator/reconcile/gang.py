@@ -4,6 +4,8 @@ ConfigMap (read under limits), node loss and suspension."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from typing import Any
 
@@ -324,7 +326,19 @@ def _health_reason(kind: str) -> str:
 
 def _health_events(p: Pass, warnings: list[dict[str, str]]) -> None:
     """One Event per finding not already in ``status.health``, de-duplicated, at most
-    :data:`MAX_HEALTH_EVENTS` a pass; the others are counted in one aggregate Event."""
+    :data:`MAX_HEALTH_EVENTS` a pass; the others are counted in one aggregate Event. The set of
+    findings last announced is remembered by its digest (``status.healthDigest``): a trainer
+    that publishes the same findings again (every progress interval) posts nothing again,
+    however many more there are than ``status.health`` keeps."""
+    keys = sorted({(f["type"], f["message"]) for f in warnings})
+    digest = hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16] if keys else None
+    announced = p.status.get("healthDigest")
+    if digest is None:
+        p.status.pop("healthDigest", None)
+    else:
+        p.status["healthDigest"] = digest
+    if digest is None or digest == announced:
+        return
     seen = {(f["type"], f["message"]) for f in p.status.get("health") or ()}
     new = []
     for f in warnings:
