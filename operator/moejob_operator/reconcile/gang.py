@@ -52,9 +52,13 @@ def _worker_pods(p: Pass) -> list[dict[str, Any]]:
 def _launch_children(p: Pass, spec: JobSpec) -> None:
     """What the worker pods need to exist and start, before them and at once (one round trip):
     pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
-    follows the pods (_complete_launch)."""
+    follows the pods (_complete_launch), but its names are claimed here, in the same round trip:
+    one a neighbour holds is a ChildConflict before any worker pod exists (the pods would run
+    with its Service, or their Role would let them write its ConfigMaps)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
-    created = p.client.create_all([*plan_cm, rbac.service_account(p.job)])
+    created = p.client.create_all(
+        [*plan_cm, rbac.service_account(p.job)], claim=_trainer_children(p)
+    )
     if plan_cm:
         _plan_written(p, created[0])
     # a hash, not a copy: status stays small whatever the spec holds (the plan ConfigMap keeps
@@ -66,6 +70,17 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
     p.status.setdefault("attempt", 0)
     p.status.setdefault("restarts", 0)
     p.status.setdefault("failedRestarts", 0)
+
+
+def _trainer_children(p: Pass) -> list[dict[str, Any]]:
+    """The children only the running trainer uses, the Role first (_complete_launch)."""
+    return [
+        rbac.role(p.job),
+        workers.headless_service(p.job),
+        configmaps.progress_configmap(p.job),
+        configmaps.routing_stats_configmap(p.job),
+        rbac.role_binding(p.job),
+    ]
 
 
 def _complete_launch(p: Pass) -> None:
@@ -86,15 +101,9 @@ def _complete_launch(p: Pass) -> None:
                 # The Role before its binding: for an operator without system:masters (the chart's
                 # ServiceAccount) the API server's RBAC escalation check resolves the bound Role,
                 # and a binding created first (or concurrently) is refused with 404.
-                p.client.create(rbac.role(p.job))
-                p.client.create_all(
-                    [
-                        workers.headless_service(p.job),
-                        configmaps.progress_configmap(p.job),
-                        configmaps.routing_stats_configmap(p.job),
-                        rbac.role_binding(p.job),
-                    ]
-                )
+                role, *rest = _trainer_children(p)
+                p.client.create(role)
+                p.client.create_all(rest)
             except Rejected as exc:
                 p.fail(C.R_CHILD_REJECTED, str(exc))
             except ChildConflict as exc:
