@@ -13,7 +13,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moe_contracts.errors import DocumentError
 from moe_contracts.progress import HEALTH_TYPES
+from moe_contracts.routing import decode_configmap
 from moe_localkube.podfiles import ConfigError, container_mounts
 from moejob_operator import admission
 from moejob_operator import constants as C
@@ -216,6 +218,30 @@ def test_a_flood_of_health_findings_posts_a_bounded_number_of_events():
     assert len(client.patches[-1]["health"]) <= 20
 
 
+def test_the_same_findings_published_again_post_no_events_again():
+    """The trainer republishes its progress every interval with the same findings: each set is
+    announced once (status.healthDigest), not once a pass; a changed set is announced again."""
+    findings = [{"type": "DeadExpert", "message": f"finding {i}"} for i in range(3000)]
+    doc = {"kind": "TrainerProgress", "version": 1, "phase": "Training", "step": 1}
+    doc.update(totalSteps=2, health=findings)
+    client, p = _progress_pass(json.dumps(doc))
+    gang._progress(p)
+    p.flush()
+    first = len(client.events)
+    assert first == gang.MAX_HEALTH_EVENTS + 2  # + the Healthy=False transition
+    status = client.patches[-1]
+    for step, extra in ((2, []), (3, [{"type": "DeadExpert", "message": "a new one"}])):
+        doc.update(step=step, health=extra + findings)  # only the first 1000 are read
+        client.progress = json.dumps(doc)
+        p = J.Pass(client, {**p.body, "status": status}, NOW, Settings())
+        gang._progress(p)
+        p.flush()
+        status = client.patches[-1]
+        if not extra:
+            assert len(client.events) == first, client.events[first:]
+    assert 1 <= len(client.events) - first <= gang.MAX_HEALTH_EVENTS + 1
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -305,3 +331,12 @@ def test_image_pull_secrets_reach_every_pod_that_runs_the_image_in_the_jobs_name
     raw["imagePullSecrets"] = [{"name": "Not_A_Name"}]
     with pytest.raises(admission.SpecError, match=r"spec\.imagePullSecrets\[0\]\.name"):
         admission.check("j", raw, parse_spec(raw), admission.Policy())
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000, "{not json"], ids=["deep", "bad"])
+def test_hostile_routing_statistics_are_a_document_error_not_a_crash(text):
+    """The routing-statistics ConfigMap is the trainer's to write: a document nested past the
+    parser is refused like any malformed one (a RecursionError was a pass error, retried
+    forever, for every job planning from it)."""
+    with pytest.raises(DocumentError, match="RoutingStats"):
+        decode_configmap({"data": {C.ROUTING_STATS_KEY: text}})

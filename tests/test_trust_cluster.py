@@ -149,3 +149,40 @@ def test_a_foreign_pod_with_worker_labels_neither_fails_the_job_nor_is_deleted(
     assert condition({"status": st}, C.COND_FAILED).get("status") != "True", st
     assert st["workers"].get("failed", 0) == 0, st
     assert kube.core.read_namespaced_pod("intruder", namespace).metadata.deletion_timestamp is None
+
+
+@pytest.mark.parametrize(
+    ("kind", "name"),
+    [("Service", "svcsquat-workers"), ("ConfigMap", "cmsquat-progress")],
+    ids=["service", "progress"],
+)
+def test_a_squatted_trainer_child_stops_the_launch_before_any_worker_pod(
+    kube, namespace, trust_operator, wait_for, allowed, kind, name
+):
+    """The children only the running trainer uses (headless Service, progress and routing
+    ConfigMaps, Role, RoleBinding) are created after the worker pods; a neighbour's object with
+    one of their names was reported only once the pods existed, which then ran with its Service
+    (rendezvous DNS) or a Role that let them write its ConfigMap. Their names are claimed before
+    the pods now."""
+    job_name = name.split("-")[0]
+    if kind == "Service":
+        body = {
+            "metadata": {"name": name},
+            "spec": {"clusterIP": "None", "selector": {"x": "y"}, "ports": [{"port": 1}]},
+        }
+        kube.core.create_namespaced_service(namespace, body)
+    else:
+        kube.core.create_namespaced_config_map(namespace, {"metadata": {"name": name}})
+    seed_topology(kube, namespace)
+    job = _job(job_name, str(allowed / job_name))
+    job["spec"]["scheduling"] = {"schedulerName": "none-such"}
+    apply_job(kube, namespace, job)
+
+    def conflict():
+        c = condition(get_job(kube, namespace, job_name), C.COND_RECONCILED)
+        return c if c.get("reason") == C.R_CHILD_CONFLICT else None
+
+    c = wait_for(conflict, timeout=60, message="ChildConflict on the job")
+    assert f"{kind} {name}" in c["message"], c
+    sel = f"{C.LABEL_JOB}={job_name}"
+    assert kube.core.list_namespaced_pod(namespace, label_selector=sel).items == []

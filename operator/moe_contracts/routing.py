@@ -385,6 +385,8 @@ def decode_configmap(cm: dict[str, Any] | None) -> RoutingStats | None:
         return None
     try:
         obj = json.loads(text)
+    except RecursionError:  # written by code in the user's image: any depth
+        raise DocumentError(f"{DOCUMENT}: nested too deeply") from None
     except ValueError as exc:
         raise DocumentError(f"{DOCUMENT}: not JSON ({str(exc)[:80]})") from None
     return parse_routing_stats(obj)

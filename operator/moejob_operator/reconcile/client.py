@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import urllib3
@@ -315,18 +315,26 @@ class Client:
         if have is not None and controller_uid(have) != want:
             raise ChildConflict(kind, name, controller_uid(have))
 
-    def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:
+    def create_all(
+        self, objs: list[dict[str, Any]], *, claim: Sequence[dict[str, Any]] = ()
+    ) -> list[bool]:
         """``create`` each of ``objs`` concurrently (independent children: one round trip of
-        latency instead of one per object); results in order. Raises the first error after all
-        have been tried."""
-        if len(objs) <= 1:
+        latency instead of one per object); results in order. ``claim``: children created later
+        whose names must not be held now by an object another controller (or none) owns, read in
+        the same round trip (:class:`ChildConflict`). Raises the first error after all have been
+        tried."""
+        if len(objs) + len(claim) <= 1:
             return [self.create(o) for o in objs]
         with self._lock:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="moe-create")
         futures = [self._pool.submit(self.create, o) for o in objs]
-        cf.wait(futures)
-        return [f.result() for f in futures]
+        checks = [self._pool.submit(self._check_owner, o) for o in claim]
+        cf.wait(futures + checks)
+        created = [f.result() for f in futures]
+        for f in checks:
+            f.result()
+        return created
 
     def serves(self, group: str, version: str, plural: str) -> bool:
         """Whether the API server serves ``plural`` in ``group/version`` (e.g. Volcano's

@@ -4,6 +4,8 @@ ConfigMap (read under limits), node loss and suspension."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from typing import Any
 
@@ -50,9 +52,13 @@ def _worker_pods(p: Pass) -> list[dict[str, Any]]:
 def _launch_children(p: Pass, spec: JobSpec) -> None:
     """What the worker pods need to exist and start, before them and at once (one round trip):
     pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
-    follows the pods (_complete_launch)."""
+    follows the pods (_complete_launch), but its names are claimed here, in the same round trip:
+    one a neighbour holds is a ChildConflict before any worker pod exists (the pods would run
+    with its Service, or their Role would let them write its ConfigMaps)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
-    created = p.client.create_all([*plan_cm, rbac.service_account(p.job)])
+    created = p.client.create_all(
+        [*plan_cm, rbac.service_account(p.job)], claim=_trainer_children(p)
+    )
     if plan_cm:
         _plan_written(p, created[0])
     # a hash, not a copy: status stays small whatever the spec holds (the plan ConfigMap keeps
@@ -64,6 +70,17 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
     p.status.setdefault("attempt", 0)
     p.status.setdefault("restarts", 0)
     p.status.setdefault("failedRestarts", 0)
+
+
+def _trainer_children(p: Pass) -> list[dict[str, Any]]:
+    """The children only the running trainer uses, the Role first (_complete_launch)."""
+    return [
+        rbac.role(p.job),
+        workers.headless_service(p.job),
+        configmaps.progress_configmap(p.job),
+        configmaps.routing_stats_configmap(p.job),
+        rbac.role_binding(p.job),
+    ]
 
 
 def _complete_launch(p: Pass) -> None:
@@ -84,15 +101,9 @@ def _complete_launch(p: Pass) -> None:
                 # The Role before its binding: for an operator without system:masters (the chart's
                 # ServiceAccount) the API server's RBAC escalation check resolves the bound Role,
                 # and a binding created first (or concurrently) is refused with 404.
-                p.client.create(rbac.role(p.job))
-                p.client.create_all(
-                    [
-                        workers.headless_service(p.job),
-                        configmaps.progress_configmap(p.job),
-                        configmaps.routing_stats_configmap(p.job),
-                        rbac.role_binding(p.job),
-                    ]
-                )
+                role, *rest = _trainer_children(p)
+                p.client.create(role)
+                p.client.create_all(rest)
             except Rejected as exc:
                 p.fail(C.R_CHILD_REJECTED, str(exc))
             except ChildConflict as exc:
@@ -324,7 +335,19 @@ def _health_reason(kind: str) -> str:
 
 def _health_events(p: Pass, warnings: list[dict[str, str]]) -> None:
     """One Event per finding not already in ``status.health``, de-duplicated, at most
-    :data:`MAX_HEALTH_EVENTS` a pass; the others are counted in one aggregate Event."""
+    :data:`MAX_HEALTH_EVENTS` a pass; the others are counted in one aggregate Event. The set of
+    findings last announced is remembered by its digest (``status.healthDigest``): a trainer
+    that publishes the same findings again (every progress interval) posts nothing again,
+    however many more there are than ``status.health`` keeps."""
+    keys = sorted({(f["type"], f["message"]) for f in warnings})
+    digest = hashlib.sha256(json.dumps(keys).encode()).hexdigest()[:16] if keys else None
+    announced = p.status.get("healthDigest")
+    if digest is None:
+        p.status.pop("healthDigest", None)
+    else:
+        p.status["healthDigest"] = digest
+    if digest is None or digest == announced:
+        return
     seen = {(f["type"], f["message"]) for f in p.status.get("health") or ()}
     new = []
     for f in warnings:

@@ -130,6 +130,7 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         ("progress", dict),
         ("health", list),
         ("foreignPods", list),
+        ("healthDigest", str),
         ("launchedFields", dict),
         ("model", dict),
         ("data", dict),
