@@ -330,7 +330,8 @@ class Client:
                 self._pool = cf.ThreadPoolExecutor(CREATE_THREADS, thread_name_prefix="moe-create")
         futures = [self._pool.submit(self.create, o) for o in objs]
         checks = [self._pool.submit(self._check_owner, o) for o in claim]
-        cf.wait(futures + checks)
+        cf.wait(futures)
+        cf.wait(checks)
         created = [f.result() for f in futures]
         for f in checks:
             f.result()
