@@ -119,6 +119,7 @@ def test_topology_aware_beats_contiguous_when_ep_spans_groups():
     assert q["crossGroupBytesPerStep"] < 0.95 * qb["crossGroupBytesPerStep"]
     assert q["crossGroupVsContiguous"] < 0.95 and qb["crossGroupVsContiguous"] == 1.0
     assert q["contiguousCrossGroupBytesPerStep"] == qb["crossGroupBytesPerStep"]
+    assert q["contiguousMaxMeanLoad"] == qb["maxMeanLoad"]
     assert any("spans NVLink groups" in w for w in ours.warnings)
 
 

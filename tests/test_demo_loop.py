@@ -25,6 +25,7 @@ def plan_doc(cross, contiguous, *, stats_from=None, dedup=None, autoep=None, fel
         "crossGroupBytesPerStep": cross,
         "contiguousCrossGroupBytesPerStep": contiguous,
         "maxMeanLoad": 1.25,
+        "contiguousMaxMeanLoad": 1.5,
         "basis": "routingStats" if stats_from else "uniform",
     }
     if dedup is not None:
@@ -85,8 +86,11 @@ def test_printed_saving_is_the_plans(cross, contiguous, tmp_path):
         assert saved.startswith(f"no saving: {cross - contiguous:,} bytes per step more"), saved
     assert f"{cross:,} instead of {contiguous:,}" in saved and "from one's routing" in saved
     assert f"{cross / contiguous:.3f}x contiguous" in saved
+    assert "load max/mean 1.250, contiguous 1.500" in saved  # what the layout bought instead
     table = "\n".join(lines)
     assert "4.2 KiB" in table and "8.8 KiB" in table  # counted, AutoEP: as read
+    load_row = next(ln for ln in lines if "load max/mean per GPU" in ln)
+    assert load_row.split()[-2:] == ["1.500", "1.250"]  # job 1 ran contiguous on those tokens
     plot = demo_loop.write_plot(tmp_path, a, b)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = demo_loop.result(a, b)
@@ -168,6 +172,10 @@ def test_second_job_plans_from_the_first_and_saves_cross_group_bytes(
     assert b.cross_group_bytes == q["crossGroupBytesPerStep"] > 0
     assert b.contiguous_cross_group_bytes == q["contiguousCrossGroupBytesPerStep"] > 0
     assert b.saved_bytes == q["contiguousCrossGroupBytesPerStep"] - q["crossGroupBytesPerStep"]
+    assert (b.max_mean_load, b.contiguous_max_mean_load) == (
+        q["maxMeanLoad"],
+        q["contiguousMaxMeanLoad"],
+    )
     lines = demo_loop.comparison(a, b)
     saved = next(ln for ln in lines if ln.startswith(("saved:", "no saving:")))
     assert f"{abs(b.saved_bytes):,} bytes per step" in saved, saved

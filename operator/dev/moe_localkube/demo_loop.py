@@ -79,7 +79,8 @@ class PlanBytes:
     dispatcher: str  # "dedup" | "autoep"
     cross_group_bytes: int  # the plan's layout
     contiguous_cross_group_bytes: int  # contiguous placement, same tokens, same dispatcher
-    max_mean_load: float
+    max_mean_load: float  # mean over layers of max/mean tokens per GPU
+    contiguous_max_mean_load: float  # contiguous placement, same tokens
     held_out_vs_contiguous: float  # the ratio the planner expects on tokens after the recording
     # forward + backward, with the id/weight columns (core.dispatch; None without token samples)
     dedup_cross_group_bytes: int | None  # the de-duplicating dispatcher, this layout
@@ -135,6 +136,7 @@ class PlanBytes:
                 q.get("contiguousCrossGroupBytesPerStep", q["crossGroupBytesPerStep"])
             ),
             max_mean_load=float(q["maxMeanLoad"]),
+            contiguous_max_mean_load=float(q.get("contiguousMaxMeanLoad", q["maxMeanLoad"])),
             held_out_vs_contiguous=float(
                 q.get("crossGroupVsContiguousHeldOut", q.get("crossGroupVsContiguous", 1.0))
             ),
@@ -208,12 +210,21 @@ def comparison(first: PlanBytes, second: PlanBytes) -> list[str]:
             _kib(first.counted_per_step),
             _kib(second.counted_per_step),
         ),
-        ("load max/mean (plan)", f"{first.max_mean_load:.3f}", f"{second.max_mean_load:.3f}"),
+        (
+            "load max/mean per GPU, job 1's tokens",
+            f"{second.contiguous_max_mean_load:.3f}",
+            f"{second.max_mean_load:.3f}",
+        ),
     ]
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     lines = [f"  {a:<{w0}}  {b:<{w1}}  {c}" for a, b, c in rows]
     pct = 100 * abs(1 - second.vs_contiguous)
+    load = (
+        f"; load max/mean {second.max_mean_load:.3f}, contiguous "
+        f"{second.contiguous_max_mean_load:.3f}: the planner keeps every GPU's load within "
+        "its limit first, docs/placement.md"
+    )
     plan = (
         f"{second.cross_group_bytes:,} instead of {second.contiguous_cross_group_bytes:,}, "
         f"{second.vs_contiguous:.3f}x contiguous"
@@ -225,10 +236,10 @@ def comparison(first: PlanBytes, second: PlanBytes) -> list[str]:
     )
     if second.saved_bytes > 0:
         head = f"saved: {second.saved_bytes:,} bytes per step across NVLink groups ({plan}, "
-        lines.append(head + f"{pct:.1f}% less), predicted by {source}")
+        lines.append(head + f"{pct:.1f}% less{load}), predicted by {source}")
     else:  # said as plainly as a saving: the placement found nothing to gain on these tokens
         head = f"no saving: {-second.saved_bytes:,} bytes per step more across NVLink groups "
-        lines.append(head + f"({plan}, {pct:.1f}% more), predicted by {source}")
+        lines.append(head + f"({plan}, {pct:.1f}% more{load}), predicted by {source}")
     d, e = second.dedup_cross_group_bytes, second.autoep_cross_group_bytes
     if d and e:
         lines.append(

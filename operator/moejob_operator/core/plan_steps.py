@@ -96,6 +96,7 @@ def _score(
         quality[key] = round(quality[key] * scale)
     quality["allToAllSecondsPerStep"] = quality["allToAllSecondsPerStep"] * scale
     quality["contiguousCrossGroupBytesPerStep"] = round(base.cross_group_bytes_per_step * scale)
+    quality["contiguousMaxMeanLoad"] = round(base.max_mean_load, 4)
     quality["autoEpMaxGpuBytesPerStep"] = round(quality["autoEpMaxGpuBytesPerStep"] * scale)
     return ours, quality
 
