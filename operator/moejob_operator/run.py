@@ -38,9 +38,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:  # for annotations only: at run time the heavy imports stay local (above)
+    import urllib3
+    from kubernetes.client import ApiClient
+
+    from .controller import Controller, ControllerConfig
 
 log = logging.getLogger("moejob_operator.run")
 
@@ -65,7 +71,7 @@ class LeaseElector:
 
     def __init__(
         self,
-        api_client,
+        api_client: ApiClient,
         namespace: str,
         name: str,
         identity: str,
@@ -88,7 +94,9 @@ class LeaseElector:
 
         try:
             resp = self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
-            return json.loads(resp.data)
+            # _preload_content=False: urllib3's response, whatever model the annotation names
+            lease: dict[str, Any] = json.loads(cast("urllib3.BaseHTTPResponse", resp).data)
+            return lease
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -116,7 +124,13 @@ class LeaseElector:
                     "metadata": {"name": self.name, "namespace": self.namespace},
                     "spec": self._spec(0, None),
                 }
-                self.api.create_namespaced_lease(self.namespace, body, _preload_content=False)
+                self.api.create_namespaced_lease(
+                    self.namespace,
+                    # the body is a dict: validate_call parses it into V1Lease (the annotation
+                    # names only the model)
+                    body,  # type: ignore[arg-type]
+                    _preload_content=False,
+                )
                 return self._set(True)
             spec = lease.get("spec") or {}
             holder = spec.get("holderIdentity") or ""
@@ -135,7 +149,11 @@ class LeaseElector:
             )
             # resourceVersion stays in metadata: a concurrent writer makes this a 409
             self.api.replace_namespaced_lease(
-                self.name, self.namespace, lease, _preload_content=False
+                self.name,
+                self.namespace,
+                # a dict: validate_call parses it into V1Lease (the annotation names the model)
+                lease,  # type: ignore[arg-type]
+                _preload_content=False,
             )
             return self._set(True)
         except ApiException as exc:
@@ -153,7 +171,11 @@ class LeaseElector:
             lease["spec"]["leaseDurationSeconds"] = 1
             try:
                 self.api.replace_namespaced_lease(
-                    self.name, self.namespace, lease, _preload_content=False
+                    self.name,
+                    self.namespace,
+                    # a dict: validate_call parses it into V1Lease (as in try_acquire_or_renew)
+                    lease,  # type: ignore[arg-type]
+                    _preload_content=False,
                 )
             except Exception as exc:  # noqa: BLE001 - best effort at shutdown
                 log.warning("releasing Lease %s/%s failed: %s", self.namespace, self.name, exc)
@@ -195,7 +217,7 @@ class Health:
 
 def start_health_server(health: Health, port: int, addr: str = "0.0.0.0") -> ThreadingHTTPServer:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
+        def do_GET(self) -> None:
             if self.path not in ("/healthz", "/readyz"):
                 self.send_error(404)
                 return
@@ -207,7 +229,8 @@ def start_health_server(health: Health, port: int, addr: str = "0.0.0.0") -> Thr
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *_):  # probes every few seconds: keep the log for real events
+        # probes every few seconds: keep the log for real events
+        def log_message(self, *_: Any) -> None:
             pass
 
     server = ThreadingHTTPServer((addr, port), Handler)
@@ -229,7 +252,11 @@ def _lease_namespace(given: str | None) -> str | None:
 
 
 def _renew_loop(
-    elector: LeaseElector, args, stop: threading.Event, lost: threading.Event, health: Health
+    elector: LeaseElector,
+    args: argparse.Namespace,
+    stop: threading.Event,
+    lost: threading.Event,
+    health: Health,
 ) -> None:
     """Renew until ``stop``; set ``lost`` when renewal failed for ``renew_deadline`` seconds."""
     last_ok = time.monotonic()
@@ -260,7 +287,9 @@ def _own_namespace() -> str:
         return "default"
 
 
-def controller_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+def controller_config(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> ControllerConfig:
     """The controller's settings from the flags, and the passes' settings (admission policy,
     upgrade gate) from ``env`` (default: this process's environment, which the chart sets),
     read once here: nothing later reads the environment."""
@@ -281,7 +310,7 @@ def controller_config(args: argparse.Namespace, env: Mapping[str, str] | None = 
 
 
 async def _run_kopf(
-    args: argparse.Namespace, controller: Any, lost: threading.Event, health: Health
+    args: argparse.Namespace, controller: Controller, lost: threading.Event, health: Health
 ) -> None:
     """kopf until a signal (kopf's own handlers) or until the Lease is lost; the handlers reach
     ``controller`` through kopf's memo.
@@ -335,7 +364,7 @@ def run_operator(args: argparse.Namespace) -> int:
     )
     metrics.set_build_info(_version())
     health = Health()
-    servers: list[Any] = []
+    servers: list[HTTPServer] = []
     if args.metrics_port:
         servers.append(metrics.start_server(args.metrics_port, args.bind_address)[0])
     if args.health_port:
@@ -385,7 +414,9 @@ def run_operator(args: argparse.Namespace) -> int:
             server.server_close()
 
 
-def _elect(args, health: Health, stopping: threading.Event) -> LeaseElector | None:
+def _elect(
+    args: argparse.Namespace, health: Health, stopping: threading.Event
+) -> LeaseElector | None:
     from .reconcile.client import api_client_from_env
 
     namespace = _lease_namespace(args.lease_namespace)
@@ -436,7 +467,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_operator(sub) -> None:
+def add_operator(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "operator",
         help="run the operator (the container entrypoint)",
