@@ -13,10 +13,16 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from .core.errors import DocumentError
 from .run import add_operator
 from .smoke_cli import add_smoke
+
+if TYPE_CHECKING:  # for annotations only: the commands import the core when they run
+    from moe_contracts.topology import TopologyReport
+
+    from .core.sizing import AutoFields
 
 EXIT_USAGE = 2
 
@@ -26,14 +32,14 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message}")
 
 
 # ---- moectl plan ---------------------------------------------------------------------------
 
 
-def _load_reports(refs: Sequence[str]):
+def _load_reports(refs: Sequence[str]) -> list[TopologyReport]:
     """``FILE``, ``FIXTURE`` or ``FILE|FIXTURE@NODE`` (renames the node: one fixture, many
     nodes)."""
     from .core.topology import load_topology
@@ -46,7 +52,7 @@ def _load_reports(refs: Sequence[str]):
     return reports
 
 
-def _json_arg(text: str, what: str) -> dict:
+def _json_arg(text: str, what: str) -> dict[str, Any]:
     """A JSON object given inline or as ``@path``."""
     try:
         raw = Path(text[1:]).read_text() if text.startswith("@") else text
@@ -65,7 +71,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     model = models.resolve_model(args.model)
     stats = read_routing_stats(args.stats) if args.stats else None
-    overrides: dict = {}
+    overrides: dict[str, Any] = {}
     for text in args.ds_override:
         overrides = dsconfig.deep_merge(overrides, _json_arg(text, "--ds-override"))
     nodes = [n for n in (args.nodes or "").split(",") if n] or None
@@ -135,7 +141,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _auto_fields(args: argparse.Namespace, overrides: dict):
+def _auto_fields(args: argparse.Namespace, overrides: dict[str, Any]) -> AutoFields:
     """``--auto``: every sizing field the command line does not give."""
     from .core.sizing import AutoFields
 
@@ -150,7 +156,7 @@ def _auto_fields(args: argparse.Namespace, overrides: dict):
     )
 
 
-def add_plan(sub) -> None:
+def add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .core.placement import STRATEGIES
     from .core.plan import TrainingOptions
 
@@ -281,7 +287,7 @@ def _run_export(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
-def add_export(sub) -> None:
+def add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export",
         help="write a Hugging Face model directory from a trainer checkpoint",
@@ -299,12 +305,19 @@ def add_export(sub) -> None:
 
 # ---- entry point ---------------------------------------------------------------------------
 
-COMMANDS: list[Callable] = [add_plan, add_operator, add_smoke, add_export]
+COMMANDS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    add_plan,
+    add_operator,
+    add_smoke,
+    add_export,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moectl", description="moe-operator command line")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub: argparse._SubParsersAction[argparse.ArgumentParser] = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser
+    )
     for register in COMMANDS:
         register(sub)
     return parser
@@ -313,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        return args.func(args)
+        rc: int = args.func(args)  # the subcommand's exit code (the module docstring)
+        return rc
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
         return EXIT_USAGE

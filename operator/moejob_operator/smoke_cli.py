@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from moe_contracts import env as E
 from moe_contracts.gate import parse_smoke_verdict
@@ -57,7 +58,7 @@ def local_gpu(compute_capability: str | None = None) -> GpuCaps:
     return GpuCaps(name, mem, cc or "8.0")
 
 
-def render_plans(args: argparse.Namespace) -> dict:
+def render_plans(args: argparse.Namespace) -> dict[str, Any]:
     """The SmokePlans the operator would mount: CPU, or the GPU this run uses."""
     if args.cpu or (not args.image and not args.gpu and not _gpu_visible()):
         return smoke_plans("cpu")
@@ -97,7 +98,7 @@ def smoke_command(
     return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts + ["--plans", plans_file]
 
 
-def format_verdict(doc: dict) -> str:
+def format_verdict(doc: dict[str, Any]) -> str:
     """A readable verdict: one line per check, versions, the failure and its exception."""
     lines = []
     label = [c["name"] + (f" [{c['case']}]" if c.get("case") else "") for c in doc["checks"]]
@@ -185,7 +186,7 @@ def _run(args: argparse.Namespace, cmd: list[str]) -> int:
     return 0 if doc["passed"] and p.returncode == 0 else 1
 
 
-def add_smoke(sub) -> None:
+def add_smoke(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "smoke",
         help="run the DeepSpeed upgrade smoke test locally",
