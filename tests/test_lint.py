@@ -1,8 +1,8 @@
 """The lint gate CI runs with the suite: `ruff check`, `ruff format --check` and `mypy` are clean.
 
-Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the planning core, the
-manifest builders, the contracts package, the reconcile layer and the controller, and on what
-they import). Locally: `scripts/dev.sh lint` runs the same three
+Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the whole operator package,
+from the planning core to the kopf handlers, the operator process and the command line, and on
+the contracts package). Locally: `scripts/dev.sh lint` runs the same three
 commands; `ruff check --fix .` and `ruff format .` repair most findings.
 """
 
