@@ -350,3 +350,24 @@ def test_plan_defaults_checkpoint_as_the_crd(capsys, tmp_path):
     assert code == 0, err
     every = read_plan(out_file)["training"]["checkpointEverySteps"]
     assert every == Checkpoint().every_steps == 50
+
+
+def test_plan_as_a_module_as_the_gpu_benchmarks_run_it(tmp_path):
+    """``python -m moejob_operator.cli plan`` (benchmarks/userflow_gpu.sh, finetune_gpu.py): the
+    module's ``__main__`` block runs after every helper its parser uses is defined."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out_file = tmp_path / "plan.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(root / p) for p in ("operator",))}
+    r = subprocess.run(
+        [sys.executable, "-m", "moejob_operator.cli", "plan", "--topology",
+         "nvswitch-h200-8@gpu-a", "--model", "mixtral-8x7b", "--replicas", "none",
+         "-o", str(out_file)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert read_plan(out_file)["worldSize"] == 8

@@ -337,10 +337,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def _replicas_arg(value: str) -> int | str | None:
     """``--replicas``: ``auto``, ``none`` or a count of extra copies per layer."""
     v = value.strip().lower()
@@ -349,3 +345,7 @@ def _replicas_arg(value: str) -> int | str | None:
     if v.isdigit():
         return int(v)
     raise SystemExit(f"--replicas: {value!r} is not auto, none or a number of copies")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
