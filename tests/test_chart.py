@@ -276,3 +276,41 @@ def test_notes_tell_what_to_do_next(helm):
         "docs/troubleshooting.md",
     ):
         assert needle in notes
+
+
+def test_gate_namespace_and_pull_secrets_reach_the_operator_and_its_role(helm):
+    """``gate.namespace``: the operator's gate settings and its gate Role/RoleBinding name it
+    (default: the release namespace); ``gate.imagePullSecrets`` reach the smoke Job's pods."""
+    from moejob_operator.builders.smoke import smoke_job
+    from moejob_operator.core import gate as G
+
+    def gate(*args):
+        docs = render(helm, *args)
+        (dep,) = by_kind(docs, "Deployment")
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        env["POD_NAMESPACE"] = dep["metadata"].get("namespace") or "default"
+        config = G.GateConfig.from_env(env)
+        roles = {
+            (d["kind"], d["metadata"]["namespace"])
+            for d in docs
+            if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["name"].endswith("-gate")
+        }
+        return config, roles
+
+    config, roles = gate()
+    assert config.image_pull_secrets == ()
+    assert roles == {("Role", config.namespace), ("RoleBinding", config.namespace)}
+    config, roles = gate(
+        "--set", "gate.namespace=moe-gate", "--set", "gate.imagePullSecrets={regcred,other}"
+    )
+    assert config.namespace == "moe-gate" and config.image_pull_secrets == ("regcred", "other")
+    assert roles == {("Role", "moe-gate"), ("RoleBinding", "moe-gate")}
+    job = smoke_job(G.identity_for("registry.example/team/trainer:1", None, "CPU", None), 1, config)
+    assert job["metadata"]["namespace"] == "moe-gate"
+    assert job["spec"]["template"]["spec"]["imagePullSecrets"] == [
+        {"name": "regcred"},
+        {"name": "other"},
+    ]
+    for bad in ("gate.namespace=kube-system", "gate.imagePullSecrets={Bad_Name}"):
+        assert run_helm(helm, "template", "rel", str(CHART), "--set", bad).returncode != 0

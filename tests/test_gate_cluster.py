@@ -262,6 +262,54 @@ def test_skipping_the_gate_is_audited(kube, namespace, operator_proc, gate_ns, w
     assert not [j for j in smoke_jobs(kube, gate_ns) if key in j.metadata.name]
 
 
+def test_a_job_squatting_the_smoke_tests_name_is_reported_not_used_or_deleted(
+    kube, namespace, operator_proc, gate_ns, wait_for, tmp_path
+):
+    """A Job a neighbour of the gate's namespace made with the smoke Job's name (another image,
+    a command that prints a pass) is a SmokeJobConflict: the job waits, naming it; the squatter
+    is neither read as a verdict nor deleted; once it is gone the gate runs its own."""
+    image = f"registry.local/moe-trainer:{unique_name('squat')}"
+    ident = G.identity_for(image, None, "CPU")
+    name = G.smoke_job_name(ident, 1)
+    squat = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": {C.LABEL_COMPONENT: "smoke"}},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "schedulerName": "no-such-scheduler",  # created, never run
+                    "containers": [
+                        {"name": "smoke", "image": "busybox", "command": ["echo", "passed"]}
+                    ],
+                }
+            },
+        },
+    }
+    uid = kube.batch.create_namespaced_job(gate_ns, squat).metadata.uid
+    apply_job(kube, namespace, gate_job("gate-squat", image, tmp_path))
+    cond = wait_for(
+        lambda: (
+            (c := verified(kube, namespace, "gate-squat")).get("reason") == "SmokeJobConflict" and c
+        ),
+        timeout=60,
+        message=operator_proc.logs(),
+    )
+    assert cond["status"] == "Unknown" and f"Job {gate_ns}/{name}" in cond["message"]
+    assert kube.batch.read_namespaced_job(name, gate_ns).metadata.uid == uid  # not deleted
+    kube.batch.delete_namespaced_job(name, gate_ns, propagation_policy="Foreground")
+
+    def own_job():
+        jobs = [j for j in smoke_jobs(kube, gate_ns, ident.key) if j.metadata.uid != uid]
+        return jobs and verified(kube, namespace, "gate-squat").get("reason") == (
+            G.R_SMOKE_TEST_RUNNING
+        )
+
+    wait_for(own_job, timeout=120, message=operator_proc.logs())
+
+
 def test_the_real_smoke_program_passes_through_the_job(
     kube, namespace, operator_proc, gate_ns, wait_for, tmp_path
 ):

@@ -184,3 +184,155 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
     quiet = GangClient([same])
     J._track(J.Pass(quiet, job, NOW, Settings()), s, plan)
     assert not quiet.deleted and not any(e[1] == gate.R_IMAGE_DIGEST_CHANGED for e in quiet.events)
+
+
+# ---- objects with the smoke test's names that the gate did not make ---------------------------
+class _Resp:
+    def __init__(self, doc):
+        import json
+
+        self.data = json.dumps(doc).encode()
+
+
+class StoreClient:
+    """A namespace holding ``jobs``, ``pods`` and ``configmaps``, as the Store reads them."""
+
+    api = None
+
+    def __init__(self, jobs=(), pods=(), configmaps=()):
+        self.jobs = {j["metadata"]["name"]: j for j in jobs}
+        self.pods, self.configmaps = list(pods), {c["metadata"]["name"]: c for c in configmaps}
+        self.deleted = []
+
+    # Client
+    def list_pods(self, namespace, labels):
+        return [p for p in self.pods if labels.items() <= p["metadata"]["labels"].items()]
+
+    def get_configmap(self, namespace, name):
+        return self.configmaps.get(name)
+
+    def create(self, obj):
+        name = obj["metadata"]["name"]
+        if name in self.configmaps:
+            return False
+        self.configmaps[name] = obj
+        return True
+
+    def delete_configmap(self, namespace, name):
+        self.deleted.append(("ConfigMap", name))
+
+    # BatchV1Api
+    def read_namespaced_job(self, name, namespace, _preload_content=False):
+        if name not in self.jobs:
+            raise ApiException(status=404, reason="Not Found")
+        return _Resp(self.jobs[name])
+
+    def list_namespaced_job(self, namespace, label_selector="", _preload_content=False):
+        return _Resp({"items": list(self.jobs.values())})
+
+    def delete_namespaced_job(self, name, namespace, **_):
+        self.deleted.append(("Job", name))
+
+
+def _store(client):
+    from moejob_operator.reconcile.gate_store import Store
+
+    store = Store(client, CFG.namespace)
+    store.batch = client
+    return store
+
+
+def _smoke(identity, *, image=None, command=None, finished=True):
+    from moejob_operator.builders.smoke import smoke_job
+
+    job = smoke_job(identity, 1, CFG)
+    job["metadata"]["uid"] = "job-uid"
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    c["image"] = image or c["image"]
+    c["command"] = command or c["command"]
+    if finished:
+        job["status"] = {
+            "completionTime": "2026-11-29T12:00:00Z",
+            "conditions": [{"type": "Complete", "status": "True"}],
+        }
+    return job
+
+
+def _pod(name, job_name, controller_uid, message):
+    refs = [{"kind": "Job", "name": job_name, "uid": controller_uid, "controller": True}]
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"job-name": job_name},
+            "ownerReferences": refs if controller_uid else [],
+            "creationTimestamp": "2026-11-29T11:00:00Z" if controller_uid else "2026-11-29T11:59Z",
+        },
+        "status": {
+            "phase": "Succeeded",
+            "containerStatuses": [
+                {"state": {"terminated": {"exitCode": 0, "message": message}}, "imageID": ""}
+            ],
+        },
+    }
+
+
+def test_a_job_with_the_smoke_tests_name_that_the_gate_did_not_make_is_a_conflict():
+    from moejob_operator.reconcile.gate_store import GateConflict, sweep_smoke_jobs
+
+    ident = G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU", None)
+    name = G.smoke_job_name(ident, 1)
+    for forged in (
+        _smoke(ident, image="busybox:latest"),
+        _smoke(ident, command=["sh", "-c", "echo passed"]),
+    ):
+        client = StoreClient(jobs=[forged])
+        with pytest.raises(GateConflict, match=f"Job moe-system/{name} has the smoke test's name"):
+            _store(client).observe(name, ident, CFG)
+        # finished long ago, but not the gate's: the sweep never deletes it
+        assert sweep_smoke_jobs(client, CFG, NOW, batch=client) == [] and not client.deleted
+    # the gate's own Job: observed, and swept once finished and unrecorded past the keep time
+    client = StoreClient(jobs=[_smoke(ident)])
+    assert _store(client).observe(name, ident, CFG).name == name
+    assert sweep_smoke_jobs(client, CFG, NOW, batch=client) == [name]
+
+
+def test_only_pods_the_smoke_job_controls_are_its_result():
+    ident = G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU", None)
+    name = G.smoke_job_name(ident, 1)
+    real = _pod("real", name, "job-uid", "the real verdict")
+    forged = _pod("forged", name, None, "a forged verdict")  # the Job's labels, no controller
+    obs = _store(StoreClient(jobs=[_smoke(ident)], pods=[real, forged])).observe(name, ident, CFG)
+    assert obs.message == "the real verdict"
+
+
+def test_plans_of_the_smoke_tests_name_that_are_not_the_gates_are_a_conflict():
+    from moejob_operator.builders.smoke import PLANS_KEY, smoke_plans_configmap
+    from moejob_operator.core import smoke_plans as SP
+    from moejob_operator.reconcile.gate_store import GateConflict
+
+    ident = G.identity_for("reg.io/trainer:1.0", "0.19.8", "CPU", None)
+    plans = SP.smoke_plans("cpu")
+    ours = smoke_plans_configmap(ident, 1, CFG, plans)
+    _store(StoreClient(configmaps=[ours])).create_plans(ident, 1, CFG, plans)  # shared: fine
+    forged = dict(ours, data={PLANS_KEY: '{"cases": []}'})
+    with pytest.raises(GateConflict, match="not the plans this gate wrote"):
+        _store(StoreClient(configmaps=[forged])).create_plans(ident, 1, CFG, plans)
+
+
+def test_a_conflict_leaves_the_job_waiting_with_the_reason(monkeypatch):
+    import moejob_operator.reconcile.gate_store as gs
+
+    ident = gate.identity_of(body(), spec(), None)
+    client = StoreClient(jobs=[_smoke(ident, image="busybox:latest", finished=False)])
+    real_init = gs.Store.__init__
+
+    def init(self, c, ns):
+        real_init(self, c, ns)
+        self.batch = c  # the fake namespace's Jobs
+
+    monkeypatch.setattr(gs.Store, "__init__", init)
+    # no verdict stored: the gate looks at attempt 1's Job, which is not its own
+    with pytest.raises(NotYet) as exc:
+        gate.check(client, body(), spec(), NOW, CFG)
+    assert exc.value.reason == gate.R_SMOKE_JOB_CONFLICT and "busybox:latest" in exc.value.message
+    assert not client.deleted

@@ -134,6 +134,8 @@ def smoke_job(
         pod_spec["tolerations"] = [
             {"key": C.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
         ]
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n} for n in config.image_pull_secrets]
     if config.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(config.node_selector.items()))
     elif node and identity.device == "GPU":

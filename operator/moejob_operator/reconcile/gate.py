@@ -37,7 +37,7 @@ from ..spec import JobSpec
 from ..status import get_condition
 from . import digests as probes
 from .client import Client
-from .gate_store import SMOKE_JOB_KEEP_SECONDS, Store, sweep_smoke_jobs
+from .gate_store import SMOKE_JOB_KEEP_SECONDS, GateConflict, Store, sweep_smoke_jobs
 from .outcome import NotYet, Refused
 
 __all__ = ["SMOKE_JOB_KEEP_SECONDS", "Store", "Verified", "check", "sweep_smoke_jobs"]
@@ -47,6 +47,7 @@ log = logging.getLogger("moejob_operator")
 R_GATE_MISCONFIGURED = "GateMisconfigured"
 R_IMAGE_DIGEST_CHANGED = G.R_IMAGE_DIGEST_CHANGED
 R_RESOLVING_IMAGE = "ResolvingImageDigest"  # the probe pods have not all reported yet
+R_SMOKE_JOB_CONFLICT = "SmokeJobConflict"  # a Job / plans of the smoke test's name not the gate's
 
 
 DEFAULT_WAIT_SECONDS = 10.0  # a smoke test to wait for, when the decision names no delay
@@ -130,6 +131,8 @@ def check(
         if identity.digest or not verified.digest or not plan:
             return verified
         return _resolve_tag(store, job, spec, tag, verified, prev, now, config, plan)
+    except GateConflict as exc:
+        raise NotYet(R_SMOKE_JOB_CONFLICT, str(exc), 30.0) from None
     except ApiException as exc:
         raise NotYet(
             C.R_GATE_PENDING,
@@ -221,7 +224,7 @@ def _decide_and_act(
             if stored and stored["identity"].get("key") == identity.key
             else 1
         )
-        obs = store.observe(G.smoke_job_name(identity, attempt))
+        obs = store.observe(G.smoke_job_name(identity, attempt), identity, config)
     d = G.decide(
         identity,
         stored,

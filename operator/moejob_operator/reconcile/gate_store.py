@@ -26,9 +26,42 @@ from ..builders import smoke as B
 from ..core import gate as G
 from ..core.gate import digests as GD
 from ..core.gate import golden as GG
-from .client import Client
+from .client import Client, controller_uid
 
 log = logging.getLogger("moejob_operator")
+
+
+class GateConflict(Exception):
+    """An object in the gate's namespace has a smoke Job's (or its plans') name but is not what
+    this gate made: never observed, never deleted; the jobs waiting on it report it."""
+
+
+def foreign_smoke_job(
+    job: dict[str, Any], config: G.GateConfig, image: str | None = None
+) -> str | None:
+    """Why ``job`` (named like a smoke Job) is not one this gate made, or None: its gate-key
+    label must match its name, its one container run the smoke command (``config.command`` or
+    ``moe-smoke``) on the plans ConfigMap of its own name, and, when ``image`` is given, that
+    image. Anyone who may create Jobs in the gate's namespace can still copy all of it (then it
+    runs the real smoke test); the namespace's RBAC is the boundary (docs/security.md)."""
+    meta = job.get("metadata") or {}
+    name = meta.get("name", "")
+    key = name.removeprefix(G.SMOKE_JOB_PREFIX).rpartition("-")[0]
+    if (meta.get("labels") or {}).get(G.LABEL_GATE_KEY) != key:
+        return "its gate-key label does not match its name"
+    pod = (((job.get("spec") or {}).get("template") or {}).get("spec")) or {}
+    containers = pod.get("containers") or []
+    if len(containers) != 1:
+        return f"it runs {len(containers)} containers, not the smoke container"
+    c = containers[0]
+    if list(c.get("command") or ()) != list(config.command or B.SMOKE_COMMAND):
+        return f"its command is {c.get('command')}, not the smoke test's"
+    if image is not None and c.get("image") != image:
+        return f"it runs image {c.get('image')!r}, not {image!r}"
+    plans = [v for v in pod.get("volumes") or () if v.get("name") == "plans"]
+    if [(v.get("configMap") or {}).get("name") for v in plans] != [name]:
+        return "it does not mount the gate's plans ConfigMap of its name"
+    return None
 
 
 def _json_body(resp: object) -> dict[str, Any]:
@@ -146,7 +179,12 @@ class Store:
                 best = (when, doc)
         return best[1] if best else None
 
-    def observe(self, job_name: str) -> G.SmokeObservation | None:
+    def observe(
+        self, job_name: str, identity: G.Identity, config: G.GateConfig
+    ) -> G.SmokeObservation | None:
+        """The smoke Job ``job_name`` of ``identity`` and the pods its controller made (a pod
+        with its labels that it does not control is not its result); None: no such Job. Raises
+        :class:`GateConflict` for a Job of that name this gate did not make."""
         try:
             job = _json_body(
                 self.batch.read_namespaced_job(job_name, self.namespace, _preload_content=False)
@@ -155,7 +193,18 @@ class Store:
             if exc.status == 404:
                 return None
             raise
-        pods = self.client.list_pods(self.namespace, {"job-name": job_name})
+        why = foreign_smoke_job(job, config, identity.image)
+        if why is not None:
+            raise GateConflict(
+                f"Job {self.namespace}/{job_name} has the smoke test's name but {why}: the gate "
+                "neither uses nor deletes it (delete it to let the smoke test run)"
+            )
+        uid = job["metadata"].get("uid")
+        pods = [
+            p
+            for p in self.client.list_pods(self.namespace, {"job-name": job_name})
+            if controller_uid(p) == uid
+        ]
         return G.observe(job, pods)
 
     def create_plans(
@@ -167,8 +216,21 @@ class Store:
         golden: dict[str, Any] | None = None,
     ) -> None:
         """Before the Job: its pod mounts them ("already exists": another job made the same
-        ones)."""
-        self.client.create(B.smoke_plans_configmap(identity, attempt, config, plans, golden))
+        ones, checked: plans that are not these raise :class:`GateConflict`)."""
+        body = B.smoke_plans_configmap(identity, attempt, config, plans, golden)
+        if self.client.create(body):
+            return
+        name = body["metadata"]["name"]
+        have = self.client.get_configmap(self.namespace, name)
+        if (
+            have is not None
+            and (have.get("data") or {}).get(B.PLANS_KEY) != body["data"][B.PLANS_KEY]
+        ):
+            raise GateConflict(
+                f"ConfigMap {self.namespace}/{name} has the smoke plans' name but not the plans "
+                "this gate wrote: the gate neither uses nor deletes it (delete it to let the "
+                "smoke test run)"
+            )
 
     def create_job(self, job: dict[str, Any]) -> bool:
         try:
@@ -243,6 +305,9 @@ def sweep_smoke_jobs(
         done = _finished_at(job)
         if done is None or (now - done).total_seconds() < keep:
             continue
+        image = (job["metadata"].get("annotations") or {}).get(f"{C.GROUP}/gate-image", "")
+        if foreign_smoke_job(job, config, image) is not None:
+            continue  # not the gate's: never deleted
         key, _, attempt = name.removeprefix(G.SMOKE_JOB_PREFIX).rpartition("-")
         if not (key and attempt.isdigit()):
             continue
