@@ -1,9 +1,10 @@
 """The lint gate CI runs with the suite: `ruff check`, `ruff format --check` and `mypy` are clean.
 
 Configuration in pyproject.toml ([tool.ruff], [tool.mypy]: strict on the whole operator package,
-from the planning core to the kopf handlers, the operator process and the command line, and on
-the contracts package). Locally: `scripts/dev.sh lint` runs the same three
-commands; `ruff check --fix .` and `ruff format .` repair most findings.
+from the planning core to the kopf handlers, the operator process and the command line, on the
+contracts package, and on the trainer's boundary with the operator: plan reading, progress
+documents, exit codes and the TrainerExit document). Locally: `scripts/dev.sh lint` runs the
+same three commands; `ruff check --fix .` and `ruff format .` repair most findings.
 """
 
 from __future__ import annotations

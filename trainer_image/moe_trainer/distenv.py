@@ -19,8 +19,10 @@ import fcntl
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -94,9 +96,8 @@ def read_env(plan_world_size: int, rank_gpus: list[int | None], force_cpu: bool 
         raise RendezvousError(f"RANK={rank} is outside 0..{world - 1}")
     use_cuda = torch.cuda.is_available() and not force_cpu
     if use_cuda:
-        gpu = (
-            rank_gpus[rank] if rank < len(rank_gpus) and rank_gpus[rank] is not None else local_rank
-        )
+        planned = rank_gpus[rank] if rank < len(rank_gpus) else None
+        gpu = planned if planned is not None else local_rank
         if gpu >= torch.cuda.device_count():
             raise RendezvousError(
                 f"plan puts rank {rank} on GPU {gpu}, this pod sees "
@@ -111,7 +112,7 @@ log = logging.getLogger("moe_trainer.distenv")
 SHM_OP_NAME = "deepspeed_shm_comm"
 
 
-def _no_shm_op():
+def _no_shm_op() -> None:
     return None
 
 
@@ -123,11 +124,15 @@ def extension_build_dir(name: str = SHM_OP_NAME) -> Path:
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
-def guarded_build(build, build_dir: Path | None = None):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def guarded_build(build: Callable[_P, _R], build_dir: Path | None = None) -> Callable[_P, _R]:
     """`build` wrapped so that builders on this machine take turns under an flock next to the build
     dir, and a baton `lock` file found while holding it (left by a killed build) is removed."""
 
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         d = Path(build_dir) if build_dir is not None else extension_build_dir()
         d.mkdir(parents=True, exist_ok=True)
         with open(d.parent / f".{d.name}.moe-build.flock", "a+") as f:
@@ -167,7 +172,8 @@ def init_distributed(env: DistEnv, timeout_s: int = 600) -> None:
 
     # Not `import deepspeed.comm.torch as m`: `deepspeed.comm` star-exports PyTorch as `torch`,
     # so that spelling binds the torch package instead of DeepSpeed's backend module.
-    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    # Any: DeepSpeed has no type information (it is Any here too, see pyproject.toml).
+    ds_torch_comm: Any = importlib.import_module("deepspeed.comm.torch")
     if env.device.type == "cpu" and os.environ.get("MOE_DS_SHM_OP", "0") != "1":
         ds_torch_comm.build_shm_op = _no_shm_op
     elif (

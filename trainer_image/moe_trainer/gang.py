@@ -34,8 +34,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import IO
 
 GRACE_SECONDS = 25.0  # worker pods get 30 s (terminationGracePeriodSeconds) before SIGKILL
@@ -44,6 +45,7 @@ TAIL_LINES = 40
 _PR_SET_PDEATHSIG = 1
 
 
+_prctl: Callable[..., int] | None
 try:  # resolved here: the child must not dlopen after fork
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux
@@ -66,7 +68,7 @@ class Result:
     first_failure: int | None = None  # the rank that exited non-zero first
     signal: int | None = None  # SIGTERM / SIGINT this process received
     timed_out: bool = False
-    tails: list[collections.deque] = field(default_factory=list)
+    tails: list[collections.deque[str]] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -103,7 +105,7 @@ class Gang:
         *,
         labels: Sequence[str] | None = None,
         out: IO[str] | None = None,
-        log_paths: Sequence[str | os.PathLike] | None = None,
+        log_paths: Sequence[str | os.PathLike[str]] | None = None,
         grace_seconds: float = GRACE_SECONDS,
         stop_seconds: float = STOP_SECONDS,
         timeout: float | None = None,
@@ -119,13 +121,15 @@ class Gang:
         self.log_paths = list(log_paths) if log_paths else None
         self.grace, self.stop_after, self.timeout = grace_seconds, stop_seconds, timeout
         self.forward_signals = forward_signals
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._signal: int | None = None
         self._kill_at: float | None = None
 
     # ---- output ----------------------------------------------------------------------------
-    def _pump(self, stream, tail: collections.deque, label: str, log: IO[bytes] | None) -> None:
+    def _pump(
+        self, stream: IO[bytes], tail: collections.deque[str], label: str, log: IO[bytes] | None
+    ) -> None:
         out = self.out if self.out is not None else sys.stdout
         for raw in iter(stream.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
@@ -146,7 +150,7 @@ class Gang:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, sig)
 
-    def _on_signal(self, signum, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self._signal is None:
             self._signal = signum
             self._kill_at = time.monotonic() + self.grace
@@ -160,7 +164,9 @@ class Gang:
                 restore[s] = signal.signal(s, self._on_signal)
         logs: list[IO[bytes] | None] = [None] * len(self.cmds)
         pumps: list[threading.Thread] = []
-        tails = [collections.deque(maxlen=TAIL_LINES) for _ in self.cmds]
+        tails: list[collections.deque[str]] = [
+            collections.deque(maxlen=TAIL_LINES) for _ in self.cmds
+        ]
         try:
             for cmd, env in zip(self.cmds, self.envs, strict=True):
                 self.procs.append(

@@ -32,8 +32,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class Finding:
     severity: str
     message: str
 
-    def to_doc(self) -> dict:
+    def to_doc(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -99,7 +104,7 @@ class HealthMonitor:
         self.low_windows = np.zeros((num_layers, num_experts), dtype=np.int64)  # [L, E]
         self.slow_streak = np.zeros(world_size, dtype=np.int64)  # [world]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "window_load": self.window_load.copy(),
             "window_steps": self.window_steps,
@@ -107,7 +112,7 @@ class HealthMonitor:
             "slow_streak": self.slow_streak.copy(),
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore; a checkpoint of the per-step rule (``low_streak``) restarts the windows."""
         if "low_windows" in sd:
             self.window_load[...] = sd["window_load"]
@@ -120,7 +125,7 @@ class HealthMonitor:
             return []
         return [Finding("NonFiniteLoss", "Error", f"loss is {loss}")]
 
-    def check_router_logits(self, max_abs_logit) -> list[Finding]:
+    def check_router_logits(self, max_abs_logit: npt.ArrayLike) -> list[Finding]:
         """max_abs_logit[L]."""
         return [
             Finding(
@@ -132,7 +137,7 @@ class HealthMonitor:
             if not (v <= self.router_logit_limit)
         ]
 
-    def update_dead(self, step_load) -> list[Finding]:
+    def update_dead(self, step_load: npt.ArrayLike) -> list[Finding]:
         """step_load[L, E] (this step, all ranks, original expert ids). The dead experts found so
         far: the set changes only when a window closes."""
         self.window_load += np.asarray(step_load, dtype=np.float64)
@@ -158,7 +163,7 @@ class HealthMonitor:
             for layer, e in zip(*np.nonzero(self.low_windows >= 2), strict=True)
         ]
 
-    def update_stragglers(self, step_seconds) -> list[Finding]:
+    def update_stragglers(self, step_seconds: npt.ArrayLike) -> list[Finding]:
         """step_seconds[world]: this step's wall time of every rank."""
         t = np.asarray(step_seconds, dtype=np.float64)
         med = float(np.median(t))
@@ -186,7 +191,7 @@ class HealthMonitor:
         ]
 
 
-def memory_peaks(device) -> tuple[int, int]:
+def memory_peaks(device: torch.device) -> tuple[int, int]:
     """(peak allocated, peak reserved) bytes of the caching allocator since the process started;
     (0, 0) on CPU."""
     import torch
@@ -196,7 +201,7 @@ def memory_peaks(device) -> tuple[int, int]:
     return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
 
 
-def fragmentation(device) -> float | None:
+def fragmentation(device: torch.device) -> float | None:
     """Share of the caching allocator's reserved memory that sits free inside split blocks
     (``inactive_split_bytes / reserved_bytes``): memory that is reserved but, being cut into
     pieces, cannot serve a large request. None on CPU (no caching allocator to ask).
@@ -211,4 +216,5 @@ def fragmentation(device) -> float | None:
     reserved = stats.get("reserved_bytes.all.current", 0)
     if reserved == 0:
         return 0.0
-    return stats.get("inactive_split_bytes.all.current", 0) / reserved
+    share: float = stats.get("inactive_split_bytes.all.current", 0) / reserved
+    return share

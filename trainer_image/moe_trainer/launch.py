@@ -31,14 +31,18 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from moe_contracts import env as E
 from moe_contracts.errors import DocumentError
 from moe_contracts.exit import TERMINATION_LIMIT, exit_doc, parse_trainer_exit
 from moe_trainer import gang
+
+if TYPE_CHECKING:
+    from moe_contracts.plan import RankSpec
 
 log = logging.getLogger("moe_trainer.launch")
 
@@ -54,7 +58,8 @@ class LaunchError(ValueError):
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) of an AF_INET socket
+        return port
 
 
 def rank_env(
@@ -77,7 +82,7 @@ def rank_env(
 def launch(
     nproc: int,
     trainer_args: list[str],
-    env: dict | None = None,
+    env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     log_prefix: str | None = None,
 ) -> list[int]:
@@ -96,7 +101,10 @@ def launch(
     ).run()
     if res.timed_out:
         raise TimeoutError(f"trainer ranks still running after {timeout}s")
-    return [int(c) for c in res.codes]
+    codes = [c for c in res.codes if c is not None]
+    if len(codes) != nproc:  # not reached: Gang.run waits for every rank unless it timed out
+        raise RuntimeError(f"trainer ranks without an exit code: {res.codes}")
+    return codes
 
 
 # ---- the worker pod ----------------------------------------------------------------------------
@@ -117,7 +125,9 @@ def _int(env: dict[str, str], name: str) -> int:
         raise LaunchError(f"{name}={raw!r} is not an integer") from None
 
 
-def node_ranks(env: dict[str, str], plan_ranks: Sequence, plan_world_size: int) -> list[NodeRank]:
+def node_ranks(
+    env: dict[str, str], plan_ranks: Sequence[RankSpec], plan_world_size: int
+) -> list[NodeRank]:
     """This node rank's ranks, by local rank, checked against the plan (``plan_ranks``: the
     trainer's ``RankSpec`` list, ordered by rank)."""
     nproc, node_rank = _int(env, E.NPROC_PER_NODE), _int(env, E.NODE_RANK)
@@ -150,7 +160,7 @@ def node_ranks(env: dict[str, str], plan_ranks: Sequence, plan_world_size: int) 
     return out
 
 
-def write_termination_message(doc: dict, path: str | None = None) -> None:
+def write_termination_message(doc: dict[str, Any], path: str | None = None) -> None:
     """The pod's one termination message (the kubelet shows it in the container's status; the
     operator reads TrainerExit documents from it). Written only where the file exists: the kubelet
     creates it in a pod, a local run has none."""
@@ -174,7 +184,7 @@ def failure_document(
     ranks: Sequence[NodeRank],
     node_rank: int,
     rank_docs: Sequence[str],
-) -> dict:
+) -> dict[str, Any]:
     """TrainerExit v1 for the pod: the first failing rank's own document (``rank_docs[i]``: what it
     wrote to its termination file), its message prefixed with the gang's summary; a rank that
     wrote none (killed by a signal) gets cause ``Signalled`` (128 + N) or ``Unexpected``."""
@@ -260,7 +270,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
     return res.exit_code
 
 
-def is_pod_entry(env: dict[str, str] | None = None) -> bool:
+def is_pod_entry(env: Mapping[str, str] | None = None) -> bool:
     """``moe-train`` started by a worker pod (node launcher) rather than as one rank."""
     env = os.environ if env is None else env
     return E.NPROC_PER_NODE in env and E.RANK not in env

@@ -19,7 +19,9 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moe_contracts import env as E
 from moe_trainer.kubeapi import SA_DIR, api_request, service_url
@@ -27,7 +29,7 @@ from moe_trainer.kubeapi import SA_DIR, api_request, service_url
 log = logging.getLogger("moe_trainer.progress")
 
 
-def write_json_atomic(path: str | os.PathLike, doc: dict) -> None:
+def write_json_atomic(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -87,7 +89,7 @@ class ConfigMapPublisher:
             timeout_s=timeout_s,
         )
 
-    def patch_request(self, body: dict) -> urllib.request.Request:
+    def patch_request(self, body: dict[str, Any]) -> urllib.request.Request:
         ns = (self.sa_dir / "namespace").read_text().strip()
         token = (self.sa_dir / "token").read_text().strip()
         base = service_url()
@@ -98,10 +100,10 @@ class ConfigMapPublisher:
             "PATCH", url, json.dumps(body).encode(), token, "application/merge-patch+json"
         )
 
-    def request(self, doc: dict) -> urllib.request.Request:
+    def request(self, doc: dict[str, Any]) -> urllib.request.Request:
         return self.patch_request({"data": {E.PROGRESS_KEY: json.dumps(doc)}})
 
-    def send(self, body: dict) -> bool:
+    def send(self, body: dict[str, Any]) -> bool:
         """One merge-patch; failures are logged and counted, never raised."""
         try:
             ctx = ssl.create_default_context(cafile=str(self.sa_dir / "ca.crt"))
@@ -132,7 +134,12 @@ class ConfigMapPublisher:
     # an answer that will not change (a 4xx refusal) is not retried.
     FINAL_RETRY_SECONDS = (1.0, 2.0, 4.0, 8.0, 15.0)
 
-    def publish(self, doc: dict, force: bool = False, sleep=time.sleep) -> bool:
+    def publish(
+        self,
+        doc: dict[str, Any],
+        force: bool = False,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> bool:
         now = time.monotonic()
         if not force and now - self._last < self.interval_s:
             return False
@@ -211,7 +218,7 @@ class Metrics:
         )
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
-    def update(self, doc: dict, tokens: int) -> None:
+    def update(self, doc: dict[str, Any], tokens: int) -> None:
         j = self.job
         self.step.labels(j).set(doc["step"])
         if doc["loss"] is not None:

@@ -19,6 +19,7 @@ which is stricter than the API server's own check (decoded bytes), leaving room 
 from __future__ import annotations
 
 import logging
+from typing import Any, TypedDict
 
 from moe_contracts import env as E
 from moe_contracts.routing import LIMIT_BYTES, encode_configmap
@@ -29,12 +30,26 @@ log = logging.getLogger("moe_trainer.routing_publish")
 ENV = E.ROUTING_STATS_CONFIGMAP
 
 
+class RoutingStatsStatus(TypedDict):
+    """The `routingStats` section of the progress document: the last publish attempt. Its keys
+    are the document's (camelCase)."""
+
+    configMap: str
+    key: str | None  # which ConfigMap key it went to (None: too large for either)
+    step: int
+    jsonBytes: int
+    storedBytes: int
+    published: bool
+    file: str | None  # the checkpoint dir's copy, None without a checkpoint dir
+    message: str
+
+
 class RoutingStatsPublisher:
     """Patches the ConfigMap; ``status`` is the `routingStats` section of the progress document."""
 
     def __init__(self, publisher: ConfigMapPublisher, limit: int = LIMIT_BYTES):
         self.publisher, self.limit = publisher, limit
-        self.status: dict | None = None
+        self.status: RoutingStatsStatus | None = None
         self._warned_too_large = False
 
     @classmethod
@@ -42,9 +57,9 @@ class RoutingStatsPublisher:
         pub = ConfigMapPublisher.from_env(ENV, timeout_s=30.0)
         return None if pub is None else cls(pub)
 
-    def publish(self, doc: dict, step: int, file_path: str | None) -> dict:
+    def publish(self, doc: dict[str, Any], step: int, file_path: str | None) -> RoutingStatsStatus:
         enc = encode_configmap(doc, self.limit)
-        status = {
+        status: RoutingStatsStatus = {
             "configMap": self.publisher.name,
             "key": enc.key,
             "step": int(step),

@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 
 from moe_contracts import env as E
 from moe_contracts.exit import TERMINATION_LIMIT, exit_doc
@@ -101,7 +102,7 @@ def _failed(cause: str, code: int, message: str) -> int:
     return code
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="moe-train", description=__doc__.splitlines()[0])
     ap.add_argument("--plan", help="MoEPlan v1 JSON (default $MOE_PLAN, then /etc/moe/plan.json)")
     ap.add_argument(
@@ -112,7 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run(argv=None) -> int:
+def run(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("MOE_LOG_LEVEL", "INFO"),
@@ -187,7 +188,7 @@ def run(argv=None) -> int:
             trainer.close()
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     from moe_trainer import launch
 
     if launch.is_pod_entry():

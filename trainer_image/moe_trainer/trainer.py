@@ -31,7 +31,7 @@ from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
 from moe_trainer.progress import ConfigMapPublisher, Metrics, write_json_atomic
-from moe_trainer.routing_publish import RoutingStatsPublisher
+from moe_trainer.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
 from moe_trainer.token_samples import TokenSampler
 from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
 
@@ -370,7 +370,7 @@ class Trainer:
         if self.routing_publisher:
             self.routing_publisher.publish(doc, self.acc.steps, path)
 
-    def routing_status(self) -> dict | None:
+    def routing_status(self) -> RoutingStatsStatus | None:
         """The progress document's `routingStats` section (None without a ConfigMap to publish
         to)."""
         return None if self.routing_publisher is None else self.routing_publisher.status
