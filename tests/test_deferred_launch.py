@@ -24,7 +24,7 @@ from moejob_operator import metrics
 from moejob_operator.controller import Controller, ControllerConfig
 from moejob_operator.core.topology import load_topology
 from moejob_operator.reconcile import job as J
-from moejob_operator.reconcile.client import Client
+from moejob_operator.reconcile.client import ChildConflict, Client, controller_uid
 from moejob_operator.reconcile.deferred import PassClock, YieldingQueue
 from moejob_operator.reconcile.settings import Settings
 from moejob_operator.status import now_iso
@@ -190,7 +190,11 @@ class MemoryClient(Client):
         self.writes.append(f"{kind}/{name}")
         return True
 
-    def create_all(self, objs):
+    def create_all(self, objs, *, claim=()):
+        for o in claim:  # reads, as the real client's claim: a name held by another is a conflict
+            have = self.objects.get((o["kind"], o["metadata"]["name"]))
+            if have is not None and controller_uid(have) != controller_uid(o):
+                raise ChildConflict(o["kind"], o["metadata"]["name"], controller_uid(have))
         out, err = [], None
         for o in objs:
             try:
