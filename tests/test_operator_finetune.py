@@ -357,6 +357,10 @@ def test_export_round_trip_through_the_operator(
     assert condition(body_a, C.COND_SUCCEEDED).get("status") == "True", body_a["status"]
     assert body_a["status"]["data"]["rows"] == 2, body_a["status"]["data"]
     assert (work / "rt-a-export" / "export.json").exists()
+    # the trainer's export report, copied to the status (path in the pod, size, content hash)
+    output = body_a["status"]["output"]
+    assert output["path"].startswith("/output") and output["bytes"] > 0, output
+    assert re.fullmatch(r"[0-9a-f]{64}", output["sha256"]), output
 
     b = job(
         "rt-b",
@@ -384,3 +388,85 @@ def test_export_round_trip_through_the_operator(
     model = AutoModelForCausalLM.from_pretrained(str(work / "rt-b-export"), dtype=torch.float32)
     ids = torch.arange(32).unsqueeze(0) % model.config.vocab_size
     assert torch.isfinite(model(ids).logits).all()
+
+
+def _family_model(family: str, where) -> None:
+    """``save_pretrained`` of the family's tiny model (seeded, every weight perturbed so that no
+    zero tensor hides a misplaced one) with the word tokenizer beside it, readable by the pods."""
+    import torch
+
+    from moe_trainer import families, models
+
+    fam = families.get(family)
+    model = models.build_model(dict(fam.tiny_config), seed=5)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for _, t in list(model.named_parameters()) + [
+            (n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in fam.router_buffers
+        ]:
+            t.add_(torch.randn(t.shape, generator=g) * 0.05)
+    model.save_pretrained(str(where))
+    make_tokenizer(where)
+    for f in where.iterdir():
+        f.chmod(0o644)
+
+
+def test_every_family_trains_on_jsonl_and_exports_through_the_operator(
+    kube, ns, work, operator_proc, wait_for
+):
+    """Each registered family (the six DeepSpeed AutoEP has presets for and one through the
+    project's own layer): a seeded ``save_pretrained`` directory as ``spec.model.path``, JSONL
+    data, ``spec.output``; the job inspects, plans, prepares, trains and exports to Succeeded.
+    The trainer's logits on one fixed batch (its test hook, asked for by a test-mode annotation)
+    equal ``from_pretrained(model.path)``'s at the start and ``from_pretrained(export)``'s at the
+    end within 1e-4 relative (fp32, CPU), and ``status.output`` is the export's manifest."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe_trainer import families
+
+    def logits(path, input_ids):
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            return model(input_ids=input_ids).logits
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max())
+
+    jsonl = write_jsonl(work / "fam-jsonl" / "a.jsonl", [{"text": s} for s in sentences(40, 3)])
+    names = {}
+    for family in families.NAMES:
+        name = f"fam-{family.replace('_', '-')}"
+        _family_model(family, work / name / "model")
+        ck, out = work / name / "ck", work / name / "export"
+        for d in (ck / "logits", out):
+            d.mkdir(parents=True)
+            os.chmod(d, 0o777)
+        os.chmod(ck, 0o777)
+        doc = job(
+            name,
+            work,
+            model=model_from(work / name / "model"),
+            data={"kind": "JSONL", "volume": {"hostPath": {"path": str(jsonl.parent)}}},
+            checkpoint={"everySteps": 5, "volume": {"hostPath": {"path": str(ck)}}},
+            output={"path": "/output", "volume": {"hostPath": {"path": str(out)}}},
+        )
+        doc["metadata"]["annotations"] = {f"{C.GROUP}/test-logits-dir": "/ckpt/logits"}
+        apply_job(kube, ns, doc)
+        names[name] = family
+    bodies = wait_done(kube, ns, list(names), wait_for, operator_proc, timeout=1500)
+    for name, family in names.items():
+        body = bodies[name]
+        assert condition(body, C.COND_SUCCEEDED).get("status") == "True", (name, body["status"])
+        assert body["status"]["model"]["family"] == family
+        start = torch.load(work / name / "ck" / "logits" / "start.pt")
+        final = torch.load(work / name / "ck" / "logits" / "final.pt")
+        assert rel(logits(work / name / "model", start["input_ids"]), start["logits"]) < 1e-4
+        assert rel(final["logits"], start["logits"]) > 0.01, name  # training moved the weights
+        exported = logits(work / name / "export", final["input_ids"])
+        assert rel(exported, final["logits"]) < 1e-4, name
+        manifest = json.loads((work / name / "export" / "export.json").read_text())
+        output = body["status"]["output"]
+        assert (output["bytes"], output["sha256"]) == (manifest["bytes"], manifest["sha256"])

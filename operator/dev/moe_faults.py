@@ -48,6 +48,8 @@ FAULT_ANNOTATIONS = {
     f"{GROUP}/fault-exit-at-step": E.FAULT_EXIT_AT_STEP,
     f"{GROUP}/fault-exit-code": E.FAULT_EXIT_CODE,
     f"{GROUP}/fault-hold-checkpoint-at-step": E.FAULT_HOLD_CHECKPOINT_AT_STEP,
+    # not a fault: where the trainer saves its logits on a fixed batch (tests compare exports)
+    f"{GROUP}/test-logits-dir": E.TEST_LOGITS_DIR,
 }
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe_contracts import env as E
 from moe_trainer import families, models
 from moe_trainer.inspect_model import TOKENIZER_FILES  # export copies what inspection reports
 
@@ -427,7 +428,7 @@ def save_plan(plan, ckpt_dir: str | None) -> None:
         log.warning("plan.json not written to the checkpoint dir: %s", exc)
 
 
-TEST_LOGITS_ENV = "MOE_TEST_LOGITS_DIR"
+TEST_LOGITS_ENV = E.TEST_LOGITS_DIR
 
 
 def write_test_logits(trainer, tag: str) -> None:
