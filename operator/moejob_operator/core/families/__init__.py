@@ -67,6 +67,15 @@ TINY: dict[str, Any] = dict(
 )
 
 
+def text_backbone_only(wrapper: str, model_type: str, architecture: str) -> str:
+    """``refused_model_types``' reason for a multimodal wrapper whose text backbone
+    (``model_type``, ``architecture``) is the trainable model."""
+    return (
+        f"the multimodal {wrapper} wrapper; AutoEP and the trainer train its text backbone "
+        f"(model_type {model_type!r}, {architecture})"
+    )
+
+
 def _load() -> dict[str, FamilySpec]:
     from . import (
         deepseek_v2,

@@ -22,7 +22,7 @@ from ..model_spec import (
     req,
     req_any,
 )
-from . import TINY, FamilySpec
+from . import TINY, FamilySpec, text_backbone_only
 
 SPARSE_ATTENTION = "minimax_m3_sparse"
 
@@ -118,9 +118,8 @@ FAMILY = FamilySpec(
     decoder_layer_class="MiniMaxM3VLDecoderLayer",
     presets=PRESETS,
     refused_model_types={
-        "minimax_m3_vl": (
-            "the multimodal MiniMax-M3 wrapper; AutoEP and the trainer train its text backbone "
-            "(model_type 'minimax_m3_vl_text', MiniMaxM3VLForCausalLM)"
+        "minimax_m3_vl": text_backbone_only(
+            "MiniMax-M3", "minimax_m3_vl_text", "MiniMaxM3VLForCausalLM"
         )
     },
 )

@@ -21,7 +21,7 @@ from ..model_spec import (
     req,
     req_any,
 )
-from . import TINY, FamilySpec
+from . import TINY, FamilySpec, text_backbone_only
 
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
@@ -137,9 +137,8 @@ FAMILY = FamilySpec(
     decoder_layer_class="Qwen3_5MoeDecoderLayer",
     presets=PRESETS,
     refused_model_types={
-        "qwen3_5_moe": (
-            "the multimodal Qwen3.5-MoE wrapper; AutoEP and the trainer train its text backbone "
-            "(model_type 'qwen3_5_moe_text', Qwen3_5MoeForCausalLM)"
+        "qwen3_5_moe": text_backbone_only(
+            "Qwen3.5-MoE", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"
         )
     },
 )
