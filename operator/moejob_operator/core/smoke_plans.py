@@ -40,19 +40,10 @@ from .topology import ClusterTopology
 SMOKE_PLANS_KIND, SMOKE_PLANS_VERSION = "SmokePlans", 1
 SMOKE_NAMESPACE, SMOKE_JOB = "moe-smoke", "smoke"
 
-# Shared dims: hidden 64, 16 experts top-2 (router 16 x 64 = 1024 elements >= 10 h = 640, so
-# ZeRO-3 partitions it), 2 layers, byte vocabulary padded to 320.
-_COMMON = dict(
-    vocab_size=320,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    bos_token_id=256,
-    eos_token_id=257,
-    pad_token_id=258,
-)
+# Shared dims: the tiny models' (``families.TINY``: hidden 64, byte vocabulary padded to 320) with
+# 2 layers and 256 positions; 16 experts top-2 (router 16 x 64 = 1024 elements >= 10 h = 640, so
+# ZeRO-3 partitions it).
+_COMMON = dict(families.TINY, num_hidden_layers=2, max_position_embeddings=256)
 # The small model of each family the gate covers (``FamilySpec.smoke_config``).
 SMOKE_HF_CONFIGS: dict[str, dict[str, Any]] = {
     f.name: dict(_COMMON, **f.smoke_config)

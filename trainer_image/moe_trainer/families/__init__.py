@@ -70,6 +70,18 @@ class Family:
         return name
 
 
+# What every family's tiny test model shares: the byte vocabulary padded to 320, hidden 64,
+# 4 heads, 512 positions, untied embeddings. A ``tiny_config`` is
+# ``{"model_type": ..., **TINY, <its own dims>}``.
+TINY: dict[str, Any] = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
 def _load() -> dict[str, Family]:
     from . import (
         deepseek_v2,

@@ -2,7 +2,7 @@
 on (router ``gate``, experts ``experts``, ``shared_experts`` not permuted); one projection per
 expert on disk. AutoEP preset ``deepseek_v2``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="deepseek_v2",
@@ -14,12 +14,10 @@ FAMILY = Family(
     tiny_name="tiny-deepseek-v2",
     tiny_config={
         "model_type": "deepseek_v2",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 128,
         "moe_intermediate_size": 32,
         "num_hidden_layers": 3,
-        "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
@@ -33,7 +31,5 @@ FAMILY = Family(
         "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8,
         "v_head_dim": 16,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
     },
 )

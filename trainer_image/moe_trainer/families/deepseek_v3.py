@@ -4,7 +4,7 @@ router rows; experts ``experts``; ``shared_experts`` not permuted); one projecti
 disk. Router groups (``n_group``) are contiguous expert-id blocks: the plan's permutation keeps
 them whole. AutoEP preset ``deepseek_v3``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="deepseek_v3",
@@ -17,12 +17,10 @@ FAMILY = Family(
     tiny_name="tiny-deepseek-v3",
     tiny_config={
         "model_type": "deepseek_v3",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 128,
         "moe_intermediate_size": 32,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "n_routed_experts": 4,
         "n_shared_experts": 1,
@@ -35,8 +33,6 @@ FAMILY = Family(
         "qk_rope_head_dim": 8,
         "qk_nope_head_dim": 8,
         "v_head_dim": 16,
-        "max_position_embeddings": 512,
-        "tie_word_embeddings": False,
         "rope_scaling": None,
     },
 )

@@ -4,7 +4,7 @@
 clamped SwiGLU; ``shared_experts`` not permuted). ``save_pretrained`` writes the stacked expert
 tensors as they are (no per-expert split). AutoEP preset ``minimax_m3``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="minimax_m3",
@@ -18,22 +18,18 @@ FAMILY = Family(
     tiny_name="tiny-minimax-m3",
     tiny_config={
         "model_type": "minimax_m3_vl_text",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 32,
         "dense_intermediate_size": 128,
         "shared_intermediate_size": 32,
         "num_hidden_layers": 3,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "rotary_dim": 8,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
         "mlp_layer_types": ["dense", "sparse", "sparse"],
-        "max_position_embeddings": 512,
         "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
         "bos_token_id": 256,
         "eos_token_id": 257,
     },

@@ -3,7 +3,7 @@
 ``block_sparse_moe`` and each expert's projections ``w1`` (gate), ``w3`` (up), ``w2`` (down).
 AutoEP preset ``mixtral``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="mixtral",
@@ -17,17 +17,13 @@ FAMILY = Family(
     tiny_name="tiny-mixtral",
     tiny_config={
         "model_type": "mixtral",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
-        "max_position_embeddings": 512,
         "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
         "rope_theta": 10000.0,
     },
 )

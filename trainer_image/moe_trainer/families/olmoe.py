@@ -3,7 +3,7 @@
 the trainer's grouped block (``moe_trainer.grouped_moe``, ``training.moeImpl: grouped``) or the HF
 block runs it, experts being ordinary ZeRO-3 parameters (no expert parallelism)."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="olmoe",
@@ -15,18 +15,14 @@ FAMILY = Family(
     tiny_name="tiny-olmoe",
     tiny_config={
         "model_type": "olmoe",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "norm_topk_prob": False,
-        "max_position_embeddings": 512,
         "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
         "bos_token_id": 256,
         "eos_token_id": 257,
         "pad_token_id": 258,

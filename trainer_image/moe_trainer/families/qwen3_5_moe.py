@@ -5,7 +5,7 @@ not permuted). Checkpoints store one projection per expert; the hub's multimodal
 prefix the text backbone with ``model.language_model.`` (read, not written). AutoEP preset
 ``qwen3_5_moe``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="qwen3_5_moe",
@@ -18,10 +18,8 @@ FAMILY = Family(
     tiny_name="tiny-qwen3.5-moe",
     tiny_config={
         "model_type": "qwen3_5_moe_text",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "linear_conv_kernel_dim": 4,
@@ -34,8 +32,6 @@ FAMILY = Family(
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "layer_types": ["linear_attention", "full_attention"],
-        "max_position_embeddings": 512,
         "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
     },
 )

@@ -2,7 +2,7 @@
 ``experts``); checkpoints store one ``gate_proj``/``up_proj``/``down_proj`` per expert.
 AutoEP preset ``qwen3_moe``."""
 
-from . import Family
+from . import TINY, Family
 
 FAMILY = Family(
     name="qwen3_moe",
@@ -14,12 +14,10 @@ FAMILY = Family(
     tiny_name="tiny-qwen3-moe",
     tiny_config={
         "model_type": "qwen3_moe",
-        "vocab_size": 320,
-        "hidden_size": 64,
+        **TINY,
         "intermediate_size": 128,
         "moe_intermediate_size": 64,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
         "num_experts": 4,
@@ -27,8 +25,6 @@ FAMILY = Family(
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
-        "max_position_embeddings": 512,
         "router_aux_loss_coef": 0.0,
-        "tie_word_embeddings": False,
     },
 )

@@ -52,6 +52,30 @@ class FamilySpec:
     refused_model_types: dict[str, str] = field(default_factory=dict)
 
 
+# What every tiny debug model (CPU tests) shares: the byte tokenizer (256 bytes + BOS 256 /
+# EOS 257 / PAD 258, vocabulary padded to 320, a multiple of 64), hidden 64, 4 heads, 512
+# positions, untied embeddings. A family's tiny preset is
+# ``dict(<family base>, **TINY, <its own dims>)``.
+BYTE_TOKENS: dict[str, Any] = dict(bos_token_id=256, eos_token_id=257, pad_token_id=258)
+TINY: dict[str, Any] = dict(
+    vocab_size=320,
+    hidden_size=64,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    **BYTE_TOKENS,
+)
+
+
+def text_backbone_only(wrapper: str, model_type: str, architecture: str) -> str:
+    """``refused_model_types``' reason for a multimodal wrapper whose text backbone
+    (``model_type``, ``architecture``) is the trainable model."""
+    return (
+        f"the multimodal {wrapper} wrapper; AutoEP and the trainer train its text backbone "
+        f"(model_type {model_type!r}, {architecture})"
+    )
+
+
 def _load() -> dict[str, FamilySpec]:
     from . import (
         deepseek_v2,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..model_spec import MoEModelSpec, opt
-from . import FamilySpec, _deepseek
+from . import TINY, FamilySpec, _deepseek
 
 
 def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
@@ -20,28 +20,32 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return _deepseek.parse(cfg, where, "deepseek_v2", groups)
 
 
-_V2 = dict(
+# What every DeepSeek-V2 model here shares.
+_V2: dict[str, Any] = dict(
     model_type="deepseek_v2",
+    first_k_dense_replace=1,
+    norm_topk_prob=False,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+# Published dims of the released checkpoints' config.json (Hugging Face hub).
+_HUB: dict[str, Any] = dict(
+    _V2,
     vocab_size=102400,
     max_position_embeddings=163840,
     qk_rope_head_dim=64,
     qk_nope_head_dim=128,
     v_head_dim=128,
     kv_lora_rank=512,
-    first_k_dense_replace=1,
     n_shared_experts=2,
     num_experts_per_tok=6,
-    norm_topk_prob=False,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
     bos_token_id=100000,
     eos_token_id=100001,
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # published dims of the released checkpoints' config.json (Hugging Face hub)
     "deepseek-v2-lite": dict(
-        _V2,
+        _HUB,
         hidden_size=2048,
         intermediate_size=10944,
         moe_intermediate_size=1408,
@@ -56,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=1.0,
     ),
     "deepseek-v2": dict(
-        _V2,
+        _HUB,
         hidden_size=5120,
         intermediate_size=12288,
         moe_intermediate_size=1536,
@@ -71,13 +75,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         routed_scaling_factor=16.0,
     ),
     "tiny-deepseek-v2": dict(
-        model_type="deepseek_v2",
-        vocab_size=320,
-        hidden_size=64,
+        _V2,
+        **TINY,
         intermediate_size=128,
         moe_intermediate_size=32,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=4,
         n_shared_experts=1,
         n_routed_experts=8,
@@ -90,14 +92,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         n_group=1,
         topk_group=1,
         num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        norm_topk_prob=False,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 

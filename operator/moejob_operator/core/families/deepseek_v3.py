@@ -13,16 +13,34 @@ from __future__ import annotations
 from typing import Any
 
 from ..model_spec import MoEModelSpec, opt
-from . import FamilySpec, _deepseek
+from . import TINY, FamilySpec, _deepseek
 
 
 def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return _deepseek.parse(cfg, where, "deepseek_v3", opt(cfg, "n_group", where, 1))
 
 
+# What every DeepSeek-V3 model here shares, the smoke model included.
+_V3: dict[str, Any] = dict(
+    model_type="deepseek_v3", n_shared_experts=1, norm_topk_prob=True, rms_norm_eps=1e-6
+)
+# The small shape of the tiny and the smoke model.
+_SMALL: dict[str, Any] = dict(
+    _V3,
+    intermediate_size=128,
+    num_key_value_heads=4,
+    routed_scaling_factor=1.0,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    topk_group=1,
+    num_experts_per_tok=2,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": dict(
-        model_type="deepseek_v3",
+        _V3,
         vocab_size=129280,
         hidden_size=7168,
         intermediate_size=18432,
@@ -30,7 +48,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=61,
         num_attention_heads=128,
         num_key_value_heads=128,
-        n_shared_experts=1,
         n_routed_experts=256,
         routed_scaling_factor=2.5,
         kv_lora_rank=512,
@@ -42,41 +59,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         topk_group=4,
         num_experts_per_tok=8,
         first_k_dense_replace=3,
-        norm_topk_prob=True,
         max_position_embeddings=163840,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
     ),
     "tiny-deepseek-v3": dict(
-        model_type="deepseek_v3",
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
+        _SMALL,
+        **TINY,
         moe_intermediate_size=64,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
         n_routed_experts=8,
-        routed_scaling_factor=1.0,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
         qk_nope_head_dim=16,
         n_group=2,
-        topk_group=1,
-        num_experts_per_tok=2,
         first_k_dense_replace=1,
-        norm_topk_prob=True,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 
@@ -92,25 +88,13 @@ FAMILY = FamilySpec(
     published_active={"deepseek-v3": 37e9},
     # n_group 1: the smoke run's round-robin placement would cross router groups
     smoke_config=dict(
-        model_type="deepseek_v3",
+        _SMALL,
         architectures=["DeepseekV3ForCausalLM"],
-        intermediate_size=128,
         moe_intermediate_size=32,
-        num_key_value_heads=4,
-        n_shared_experts=1,
         n_routed_experts=16,
-        routed_scaling_factor=1.0,
-        kv_lora_rank=16,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
         qk_nope_head_dim=8,
         n_group=1,
-        topk_group=1,
-        num_experts_per_tok=2,
         first_k_dense_replace=0,
-        norm_topk_prob=True,
-        rms_norm_eps=1e-6,
         rope_scaling=None,
     ),
 )

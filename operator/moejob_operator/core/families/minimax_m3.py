@@ -22,7 +22,7 @@ from ..model_spec import (
     req,
     req_any,
 )
-from . import FamilySpec
+from . import TINY, FamilySpec, text_backbone_only
 
 SPARSE_ATTENTION = "minimax_m3_sparse"
 
@@ -90,29 +90,22 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-minimax-m3": dict(
+        **TINY,
         model_type="minimax_m3_vl_text",
-        vocab_size=320,
-        hidden_size=64,
         intermediate_size=32,
         dense_intermediate_size=128,
         shared_intermediate_size=32,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         rotary_dim=8,
-        max_position_embeddings=512,
         num_local_experts=8,
         num_experts_per_tok=2,
         mlp_layer_types=["dense", "sparse", "sparse"],
         layer_types=["full_attention", "full_attention", "full_attention"],
         routed_scaling_factor=2.0,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 
@@ -125,9 +118,8 @@ FAMILY = FamilySpec(
     decoder_layer_class="MiniMaxM3VLDecoderLayer",
     presets=PRESETS,
     refused_model_types={
-        "minimax_m3_vl": (
-            "the multimodal MiniMax-M3 wrapper; AutoEP and the trainer train its text backbone "
-            "(model_type 'minimax_m3_vl_text', MiniMaxM3VLForCausalLM)"
+        "minimax_m3_vl": text_backbone_only(
+            "MiniMax-M3", "minimax_m3_vl_text", "MiniMaxM3VLForCausalLM"
         )
     },
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..model_spec import MoEModelSpec, check_spec, common_fields, gqa_tensors, opt, req, req_any
-from . import FamilySpec
+from . import BYTE_TOKENS, TINY, FamilySpec
 
 
 def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
@@ -27,80 +27,67 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return check_spec(spec, where)
 
 
-# Published dims of the released checkpoints' config.json (Hugging Face hub), and the tiny /
-# benchmark models of the tests and benchmarks (byte tokenizer: 256 bytes + BOS 256 / EOS 257 /
-# PAD 258, vocab padded to 320).
+# What every Mixtral model here shares, the smoke model included.
+_MIXTRAL: dict[str, Any] = dict(
+    model_type="mixtral", num_experts_per_tok=2, rms_norm_eps=1e-5, sliding_window=None
+)
+# Published dims of the released checkpoints' config.json (Hugging Face hub).
+_HUB: dict[str, Any] = dict(
+    _MIXTRAL,
+    num_key_value_heads=8,
+    head_dim=128,
+    num_local_experts=8,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+# The tiny and benchmark models: byte tokenizer (``TINY``), rope theta 1e4, aux loss 0.01.
+_BYTE: dict[str, Any] = dict(
+    _MIXTRAL,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.01,
+    **BYTE_TOKENS,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": dict(
-        model_type="mixtral",
+        _HUB,
         vocab_size=32000,
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=32,
         num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
         max_position_embeddings=32768,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        rope_theta=1e6,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=None,
         router_aux_loss_coef=0.02,
-        bos_token_id=1,
-        eos_token_id=2,
     ),
     "mixtral-8x22b": dict(
-        model_type="mixtral",
+        _HUB,
         vocab_size=32768,
         hidden_size=6144,
         intermediate_size=16384,
         num_hidden_layers=56,
         num_attention_heads=48,
-        num_key_value_heads=8,
-        head_dim=128,
         max_position_embeddings=65536,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        rope_theta=1e6,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=None,
         router_aux_loss_coef=0.001,
-        bos_token_id=1,
-        eos_token_id=2,
     ),
-    # Tiny debug models (CPU tests). Byte tokenizer: 256 bytes + BOS 256 / EOS 257 / PAD 258,
-    # vocab padded to 320 (a multiple of 64). 8 experts top-2 like the benchmark model.
+    # Tiny debug model (CPU tests). 8 experts top-2 like the benchmark model.
     "tiny-mixtral": dict(
-        model_type="mixtral",
-        vocab_size=320,
-        hidden_size=64,
+        _BYTE,
+        **TINY,
         intermediate_size=128,
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
         num_local_experts=8,
-        num_experts_per_tok=2,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
     # The trainer benchmark's shape: hidden 1024, 4 layers, 8 experts top-2 (seq 1024,
-    # micro-batch 16, bf16), expert width 3.5h like
-    # Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert parameters), vocabulary 32000 and 4 KV heads as
-    # in
-    # the measured run (benchmarks/trainer_bench.py): 430M parameters.
+    # micro-batch 16, bf16), expert width 3.5h like Mixtral (8 x 3 x 1024 x 3584 x 4 = 352M expert
+    # parameters), vocabulary 32000 and 4 KV heads as in the measured run
+    # (benchmarks/trainer_bench.py): 430M parameters.
     "bench-mixtral": dict(
-        model_type="mixtral",
+        _BYTE,
         vocab_size=32000,
         hidden_size=1024,
         intermediate_size=3584,
@@ -110,20 +97,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=64,
         max_position_embeddings=4096,
         num_local_experts=8,
-        num_experts_per_tok=2,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
     # The 3.4B shape of the MFU benchmark (benchmarks/mfu_bench.py, issue 17): hidden 2048, expert
     # FFN 4096, 16 experts top-2, 8 layers, 16 heads / 8 KV heads, vocabulary 32000.
     "bench-mixtral-3b": dict(
-        model_type="mixtral",
+        _BYTE,
         vocab_size=32000,
         hidden_size=2048,
         intermediate_size=4096,
@@ -133,15 +111,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         head_dim=128,
         max_position_embeddings=4096,
         num_local_experts=16,
-        num_experts_per_tok=2,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=None,
-        router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 
@@ -157,16 +126,13 @@ FAMILY = FamilySpec(
     published_totals={"mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9},
     published_active={"mixtral-8x7b": 12.9e9, "mixtral-8x22b": 39e9},
     smoke_config=dict(
-        model_type="mixtral",
+        _MIXTRAL,
         architectures=["MixtralForCausalLM"],
         intermediate_size=64,
         num_key_value_heads=2,
         head_dim=16,
         num_local_experts=16,
-        num_experts_per_tok=2,
         rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        sliding_window=None,
         router_aux_loss_coef=0.0,
     ),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..model_spec import MoEModelSpec, check_spec, common_fields, gqa_tensors, opt, req, req_any
-from . import FamilySpec
+from . import TINY, FamilySpec
 
 
 def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
@@ -31,10 +31,20 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return check_spec(spec, where)
 
 
+# What every OLMoE model here shares.
+_OLMOE: dict[str, Any] = dict(
+    model_type="olmoe",
+    norm_topk_prob=False,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.01,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # published dims of allenai/OLMoE-1B-7B-0924's config.json
     "olmoe-1b-7b": dict(
-        model_type="olmoe",
+        _OLMOE,
         vocab_size=50304,
         hidden_size=2048,
         intermediate_size=1024,
@@ -44,34 +54,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         num_experts=64,
         num_experts_per_tok=8,
-        norm_topk_prob=False,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.01,
         bos_token_id=None,
         eos_token_id=50279,
         pad_token_id=1,
     ),
     "tiny-olmoe": dict(
-        model_type="olmoe",
-        vocab_size=320,
-        hidden_size=64,
+        _OLMOE,
+        **TINY,
         intermediate_size=64,
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
         num_experts=8,
         num_experts_per_tok=2,
-        norm_topk_prob=False,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 

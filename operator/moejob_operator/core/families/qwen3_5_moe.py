@@ -21,7 +21,7 @@ from ..model_spec import (
     req,
     req_any,
 )
-from . import FamilySpec
+from . import TINY, FamilySpec, text_backbone_only
 
 _LEGACY = {"mamba": "linear_attention", "attention": "full_attention"}
 
@@ -79,19 +79,26 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return check_spec(spec, where)
 
 
+# What every Qwen3.5-MoE model here shares.
+_QWEN3_5: dict[str, Any] = dict(
+    model_type="qwen3_5_moe_text",
+    num_key_value_heads=2,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # transformers 5.17.0's Qwen3_5MoeTextConfig defaults (its docstring names the checkpoint
     # Qwen/Qwen3.5-35B-A3B; the text backbone only)
     "qwen3.5-35b-a3b-text": dict(
-        model_type="qwen3_5_moe_text",
+        _QWEN3_5,
         vocab_size=248320,
         hidden_size=2048,
         num_hidden_layers=40,
         num_attention_heads=16,
-        num_key_value_heads=2,
         head_dim=256,
         max_position_embeddings=32768,
-        linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
         linear_num_key_heads=16,
@@ -101,20 +108,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=256,
         num_experts_per_tok=8,
         full_attention_interval=4,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         router_aux_loss_coef=0.001,
     ),
     "tiny-qwen3.5-moe": dict(
-        model_type="qwen3_5_moe_text",
-        vocab_size=320,
-        hidden_size=64,
+        _QWEN3_5,
+        **TINY,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
-        linear_conv_kernel_dim=4,
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         linear_num_key_heads=2,
@@ -124,12 +124,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=8,
         num_experts_per_tok=2,
         full_attention_interval=2,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 
@@ -142,9 +137,8 @@ FAMILY = FamilySpec(
     decoder_layer_class="Qwen3_5MoeDecoderLayer",
     presets=PRESETS,
     refused_model_types={
-        "qwen3_5_moe": (
-            "the multimodal Qwen3.5-MoE wrapper; AutoEP and the trainer train its text backbone "
-            "(model_type 'qwen3_5_moe_text', Qwen3_5MoeForCausalLM)"
+        "qwen3_5_moe": text_backbone_only(
+            "Qwen3.5-MoE", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"
         )
     },
 )

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import DocumentError
 from ..model_spec import MoEModelSpec, check_spec, common_fields, gqa_tensors, opt, req, req_any
-from . import FamilySpec
+from . import TINY, FamilySpec
 
 
 def moe_layers(cfg: dict[str, Any], where: str, layers: int) -> tuple[int, ...]:
@@ -44,76 +44,59 @@ def parse(cfg: dict[str, Any], where: str) -> MoEModelSpec:
     return check_spec(spec, where)
 
 
+# What every Qwen3-MoE model here shares, the smoke model included (``mlp_only_layers`` is given
+# per model: a list each of its own).
+_QWEN3: dict[str, Any] = dict(
+    model_type="qwen3_moe", decoder_sparse_step=1, norm_topk_prob=True, rms_norm_eps=1e-6
+)
+# Published dims of the released checkpoints' config.json (Hugging Face hub).
+_HUB: dict[str, Any] = dict(
+    _QWEN3,
+    vocab_size=151936,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    num_experts=128,
+    num_experts_per_tok=8,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    router_aux_loss_coef=0.001,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
+        _HUB,
         hidden_size=2048,
         intermediate_size=6144,
         moe_intermediate_size=768,
         num_hidden_layers=48,
         num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=40960,
-        num_experts=128,
-        num_experts_per_tok=8,
-        decoder_sparse_step=1,
         mlp_only_layers=[],
-        norm_topk_prob=True,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.001,
-        bos_token_id=151643,
-        eos_token_id=151645,
     ),
     "qwen3-235b-a22b": dict(
-        model_type="qwen3_moe",
-        vocab_size=151936,
+        _HUB,
         hidden_size=4096,
         intermediate_size=12288,
         moe_intermediate_size=1536,
         num_hidden_layers=94,
         num_attention_heads=64,
-        num_key_value_heads=4,
-        head_dim=128,
-        max_position_embeddings=40960,
-        num_experts=128,
-        num_experts_per_tok=8,
-        decoder_sparse_step=1,
         mlp_only_layers=[],
-        norm_topk_prob=True,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        router_aux_loss_coef=0.001,
-        bos_token_id=151643,
-        eos_token_id=151645,
     ),
     "tiny-qwen3-moe": dict(
-        model_type="qwen3_moe",
-        vocab_size=320,
-        hidden_size=64,
+        _QWEN3,
+        **TINY,
         intermediate_size=128,
         moe_intermediate_size=64,
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=512,
         num_experts=8,
         num_experts_per_tok=2,
-        decoder_sparse_step=1,
         mlp_only_layers=[],
-        norm_topk_prob=True,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         router_aux_loss_coef=0.01,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
     ),
 }
 
@@ -129,7 +112,7 @@ FAMILY = FamilySpec(
     published_totals={"qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235e9},
     published_active={"qwen3-30b-a3b": 3.3e9, "qwen3-235b-a22b": 22e9},
     smoke_config=dict(
-        model_type="qwen3_moe",
+        _QWEN3,
         architectures=["Qwen3MoeForCausalLM"],
         intermediate_size=128,
         moe_intermediate_size=64,
@@ -137,11 +120,8 @@ FAMILY = FamilySpec(
         head_dim=16,
         num_experts=16,
         num_experts_per_tok=2,
-        decoder_sparse_step=1,
         mlp_only_layers=[],
-        norm_topk_prob=True,
         rope_theta=10000.0,
-        rms_norm_eps=1e-6,
         router_aux_loss_coef=0.0,
     ),
 )
