@@ -520,8 +520,12 @@ def test_fuzzed_squatters_and_trainer_documents(
     logs = children_operator.logs()
     restarts = children_operator.starts - 1 + (0 if children_operator.proc.poll() is None else 1)
     result = {
-        "command": "MOE_FUZZ_RESULTS=benchmarks/results/fuzz_children.json "
-        "python -m pytest -q tests/test_operator_fuzz_children.py",
+        "command": " ".join(
+            f"{k}={os.environ[k]}"
+            for k in ("MOE_FUZZ_SEED", "MOE_FUZZ_CHILD_JOBS", "MOE_FUZZ_RESULTS")
+            if os.environ.get(k)
+        )
+        + " python -m pytest -q tests/test_operator_fuzz_children.py",
         "seed": SEED,
         "jobs": len(cases),
         "consumerJobs": len(consumers),
