@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,10 @@ class Recorder(Client):
         self.batches.append([copy.deepcopy(obj)])
         return True
 
-    def create_all(self, objs: list[dict[str, Any]]) -> list[bool]:
+    def create_all(
+        self, objs: list[dict[str, Any]], *, claim: Sequence[dict[str, Any]] = ()
+    ) -> list[bool]:
+        # ``claim``: reads of names the pass creates later (nothing held here), not writes
         self.batches.append(copy.deepcopy(objs))
         return [True] * len(objs)
 
