@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 from kubernetes import client as k8s
 
+from moejob_operator import constants as C
+from moejob_operator.builders.smoke import SMOKE_COMMAND
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate as RG
 
@@ -29,7 +31,18 @@ def smoke_job(name: str, finished_hours_ago: float | None, kind: str = "Complete
                 {"type": kind, "status": "True", "lastTransitionTime": stamp(finished_hours_ago)}
             ],
         }
-    return {"metadata": {"name": name}, "status": status}
+    key = name.removeprefix(G.SMOKE_JOB_PREFIX).rpartition("-")[0]
+    container = {"name": "smoke", "image": "x", "command": list(SMOKE_COMMAND)}
+    pod = {"containers": [container], "volumes": [{"name": "plans", "configMap": {"name": name}}]}
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {G.LABEL_GATE_KEY: key},
+            "annotations": {f"{C.GROUP}/gate-image": "x"},
+        },
+        "spec": {"template": {"spec": pod}},
+        "status": status,
+    }
 
 
 def verdict(key: str, attempt: int) -> dict:
@@ -78,6 +91,8 @@ def test_sweep_deletes_old_finished_jobs_recorded_or_orphaned():
         get_configmap=lambda ns, name: store.get(name),
         delete_configmap=lambda ns, name: None,
     )  # the smoke plans ConfigMap
+    forged = smoke_job("moe-smoke-gggg-1", 9)
+    forged["spec"]["template"]["spec"]["containers"][0]["image"] = "busybox"
     batch = Batch(
         [
             smoke_job("moe-smoke-aaaa-1", 2),  # verdict stored, 2 h old: goes
@@ -87,9 +102,10 @@ def test_sweep_deletes_old_finished_jobs_recorded_or_orphaned():
             smoke_job("moe-smoke-dddd-1", 4),  # verdict unreadable, 4 h: an orphan, goes
             smoke_job("moe-smoke-eeee-1", 4),  # never recorded, 4 h: an orphan, goes
             smoke_job("moe-smoke-ffff-1", 0.1),  # not recorded yet, recent: stays
-            smoke_job("moe-smoke-odd", 4),
+            smoke_job("moe-smoke-odd", 4),  # not ours by name: stays
+            forged,  # a smoke Job's name, another image: not the gate's, never deleted
         ]
-    )  # not ours by name: stays
+    )
     deleted = RG.sweep_smoke_jobs(client, config, NOW, batch=batch)
     assert deleted == batch.deleted
     assert deleted == [f"moe-smoke-{k}-1" for k in ("aaaa", "bbbb", "dddd", "eeee")]
