@@ -391,21 +391,12 @@ def test_export_round_trip_through_the_operator(
 
 
 def _family_model(family: str, where) -> None:
-    """``save_pretrained`` of the family's tiny model (seeded, every weight perturbed so that no
-    zero tensor hides a misplaced one) with the word tokenizer beside it, readable by the pods."""
-    import torch
+    """The seeded, perturbed ``save_pretrained`` directory the direct tests load
+    (``test_pretrained_export.seeded_checkpoint``), with the word tokenizer beside it, readable
+    by the pods."""
+    from test_pretrained_export import seeded_checkpoint
 
-    from moe_trainer import families, models
-
-    fam = families.get(family)
-    model = models.build_model(dict(fam.tiny_config), seed=5)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for _, t in list(model.named_parameters()) + [
-            (n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in fam.router_buffers
-        ]:
-            t.add_(torch.randn(t.shape, generator=g) * 0.05)
-    model.save_pretrained(str(where))
+    seeded_checkpoint(family, {}, where)
     make_tokenizer(where)
     for f in where.iterdir():
         f.chmod(0o644)

@@ -34,8 +34,10 @@ def allowed(tmp_path_factory):
 @pytest.fixture(scope="module")
 def trust_operator(control_plane, kube, node_agent, tmp_path_factory, allowed):
     install_crd(kube)
-    op = Operator(control_plane, tmp_path_factory.mktemp("operator-trust")).start(
-        MOE_ALLOWED_HOST_PATH_PREFIXES=str(allowed)
+    op = (
+        Operator(control_plane, tmp_path_factory.mktemp("operator-trust"))
+        .start(MOE_ALLOWED_HOST_PATH_PREFIXES=str(allowed))
+        .wait_ready()  # the tests' deadlines time the operator's work, not its start
     )
     yield op
     op.stop()
