@@ -275,12 +275,14 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def direct_run(worker_pod: dict, plan_json: str, work: Path, gpu_uuids: str) -> dict[str, Any]:
+def direct_run(
+    worker_pod: dict, plan_json: str, work: Path, gpu_uuids: str, ckpt: Path
+) -> dict[str, Any]:
     """The worker container's command started by hand on the same plan, with the same env less
-    what needs the API server (progress and routing-statistics ConfigMaps, metrics port)."""
+    what needs the API server (progress and routing-statistics ConfigMaps, metrics port); its
+    checkpoints in ``ckpt`` (the jobs' checkpoint volume: the same storage as the job's)."""
     plan = work / "direct-plan.json"
     plan.write_text(plan_json)
-    ckpt = work / "direct-ckpt"
     c = worker_pod["spec"]["containers"][0]
     argv = [*(c.get("command") or []), *(c.get("args") or [])]
     env = dict(os.environ)
@@ -417,13 +419,6 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             time.sleep(0.25)
         for name, stats_from in jobs:
-            if name == "gpu-e2e-2" and not args.skip_direct:
-                plan_text = (coll / "gpu-e2e-1" / "plan.json").read_text()
-                say("the worker's command started directly on job 1's plan")
-                uuids = ",".join(g.uuid for g in gpus[: args.gpus])
-                summary["direct"] = direct_run(worker_pod, plan_text, args.work, uuids)
-                (coll / "direct-train.log").write_text((args.work / "direct-train.log").read_text())
-                say(f"direct: {summary['direct']}")
             body = job_manifest(name, args, ckpt, stats_from)
             kube.custom.create_namespaced_custom_object(
                 C.GROUP, C.VERSION, "default", C.PLURAL, body
@@ -479,6 +474,16 @@ def main(argv: list[str] | None = None) -> int:
             for job_dir in ckpt.glob(f"{name}-*"):  # the optimizer state is tens of GB
                 shutil.rmtree(job_dir / "ds", ignore_errors=True)
             say(f"{name}: {st.get('phase')} progress {st.get('progress')}")
+            if name == "gpu-e2e-1" and not args.skip_direct:
+                # right after job 1 (also with --skip-second): the same plan, the same GPU
+                plan_text = (coll / "gpu-e2e-1" / "plan.json").read_text()
+                say("the worker's command started directly on job 1's plan")
+                uuids = ",".join(g.uuid for g in gpus[: args.gpus])
+                summary["direct"] = direct_run(
+                    worker_pod, plan_text, args.work, uuids, ckpt / "direct"
+                )
+                (coll / "direct-train.log").write_text((args.work / "direct-train.log").read_text())
+                say(f"direct: {summary['direct']}")
         (coll / "metrics.txt").write_text(scrape(metrics_port))
         for cm in kube.core.list_config_map_for_all_namespaces().items:
             n = cm.metadata.name
