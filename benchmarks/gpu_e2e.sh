@@ -6,9 +6,12 @@
 #
 #   benchmarks/gpu_e2e.sh prepare          on a dev machine with the project's .venv: builds
 #                                          .gpurun/ (wheels the GPU machine lacks, the Kubernetes
-#                                          v1.20.2 binaries, etcd), split in two parts of < 45 MB
-#   benchmarks/gpu_e2e.sh stage-a          on the GPU machine: unpack part a (apiserver, controller
-#                                          manager, etcd) under $MOE_GPU_DIR (default /tmp/moe-gpu)
+#                                          v1.20.2 binaries, etcd), split in three parts of < 25 MB
+#                                          (a: apiserver, etcd; a2: controller manager; b: below)
+#                                          so that each fits beside the checkout in one transfer
+#   benchmarks/gpu_e2e.sh stage-a          on the GPU machine: unpack the parts a* present (carry
+#                                          .gpurun/a in one call, .gpurun/a2 in the next) under
+#                                          $MOE_GPU_DIR (default /tmp/moe-gpu)
 #   benchmarks/gpu_e2e.sh run OUT [ARGS]   on the GPU machine: unpack part b (scheduler, wheels),
 #                                          install the wheels, run the end-to-end flow; results in OUT
 #                                          (gpu_e2e.json, collected.tar.gz, topology.json)
@@ -25,8 +28,9 @@ prepare)
   py="$root/.venv/bin/python"
   kbin="$root/../shared/k8s/bin"
   [ -d "$kbin" ] || kbin="$root/../../shared/k8s/bin"
-  rm -rf "$pack"; mkdir -p "$pack/a" "$pack/b/wheels"
-  cp "$kbin"/kube-apiserver.xz "$kbin"/kube-controller-manager.xz "$pack/a/"
+  rm -rf "$pack"; mkdir -p "$pack/a" "$pack/a2" "$pack/b/wheels"
+  cp "$kbin"/kube-apiserver.xz "$pack/a/"
+  cp "$kbin"/kube-controller-manager.xz "$pack/a2/"
   cp "$kbin"/kube-scheduler.xz "$kbin"/SHA256SUMS "$pack/b/"
   xz -T2 -9 -c "$(command -v etcd || echo /usr/bin/etcd)" > "$pack/a/etcd.xz"
   xz -T2 -9 -c "$(command -v openssl)" > "$pack/a/openssl.xz"   # used only where none exists
@@ -40,11 +44,11 @@ prepare)
   DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$w" \
       "$(grep -i '^deepspeed==' "$root/constraints.txt")"
   "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$w" "$root" "$root/operator/dev"
-  du -sh "$pack/a" "$pack/b"
+  du -sh "$pack/a" "$pack/a2" "$pack/b"
   ;;
 stage-a)
   mkdir -p "$gdir/bin"
-  for f in "$pack"/a/*.xz; do xz -dc "$f" > "$gdir/bin/$(basename "$f" .xz)"; done
+  for f in "$pack"/a*/*.xz; do xz -dc "$f" > "$gdir/bin/$(basename "$f" .xz)"; done
   chmod +x "$gdir"/bin/*
   command -v openssl >/dev/null && rm -f "$gdir/bin/openssl"
   ls -la "$gdir/bin"

@@ -157,7 +157,7 @@ def _auto_fields(args: argparse.Namespace, overrides: dict[str, Any]) -> AutoFie
 
 
 def add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .core.placement import STRATEGIES
+    from .core.placement import strategies
     from .core.plan import TrainingOptions
 
     defaults = TrainingOptions()
@@ -177,7 +177,7 @@ def add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--model", required=True, help="preset name or path of a HF config.json")
     p.add_argument("--stats", help="RoutingStats v1 file of an earlier run")
-    p.add_argument("--strategy", default="topology_aware", choices=STRATEGIES)
+    p.add_argument("--strategy", default=strategies.DEFAULT.name, choices=strategies.NAMES)
     p.add_argument("--nodes", help="comma-separated node names to use (default: all)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: all)")
     p.add_argument(

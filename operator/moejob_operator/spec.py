@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 from pydantic.alias_generators import to_camel
 
 from .core.errors import FieldError, field_path
+from .core.placement.strategies import SPEC_DEFAULT, SpecStrategy
 from .spec_json import DEEPSPEED_OVERRIDES_JSON_BYTES, HF_CONFIG_JSON_BYTES, fold_json
 
 # Keys of the generated DeepSpeed config that the plan depends on: overriding them would make the
@@ -251,7 +252,7 @@ class RoutingStatsFrom(_Model):
 
 
 class Placement(_Model):
-    strategy: Literal["Contiguous", "RoundRobin", "Balanced", "TopologyAware"] = "TopologyAware"
+    strategy: SpecStrategy = SPEC_DEFAULT
     dispatcher: Literal["AutoEP", "Dedup"] | None = None  # None: Dedup when EP > 1 (planner)
     # None: the largest EP size inside an NVLink group; Auto: chosen by predicted speed
     expert_parallel_size: Annotated[int, Field(ge=1, le=8192)] | Auto | None = None

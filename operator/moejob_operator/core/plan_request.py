@@ -11,6 +11,7 @@ from moe_contracts.topology import TopologyReport
 
 from .dsconfig import GpuCaps
 from .models import ResolvedModel
+from .placement.strategies import DEFAULT as DEFAULT_STRATEGY
 from .topology import ClusterTopology
 
 
@@ -53,7 +54,7 @@ class PlanRequest:
     seq_len: int
     nodes: Sequence[str] | None = None
     gpus_per_node: int | None = None
-    strategy: str = "topology_aware"
+    strategy: str = DEFAULT_STRATEGY.name
     routing_stats: RoutingStats | None = None
     micro_batch: int | None = None
     ep_size: int | None = None

@@ -27,6 +27,7 @@ from ..builders.common import JobRef
 from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
+from ..core.placement import strategies
 from ..core.plan import PlanRequest, TrainingOptions, build_plan
 from ..core.sizing import plan_sized
 from ..spec import AUTO, JobSpec, RoutingStatsFrom, SpecError, parse_spec
@@ -37,12 +38,6 @@ from .outcome import NotYet, Refused
 # The plan ConfigMap also carries the launched spec (admission.MAX_SPEC_BYTES); 1 MiB in all.
 MAX_PLAN_BYTES = 800 * 1024
 
-STRATEGY = {
-    "Contiguous": "contiguous",
-    "RoundRobin": "round_robin",
-    "Balanced": "balanced",
-    "TopologyAware": "topology_aware",
-}
 DISPATCHER = {"AutoEP": "autoep", "Dedup": "dedup", None: None}
 REPLICAS: dict[Any, Any] = {"Auto": "auto", "None": None, None: None}
 
@@ -443,7 +438,7 @@ def plan_request(
         None if cpu else [reports[n] for n in nodes],
         nodes=nodes,
         gpus_per_node=None if cpu or gpus == AUTO else gpus,
-        strategy=STRATEGY[spec.placement.strategy],
+        strategy=strategies.BY_SPEC_NAME[spec.placement.strategy].name,
         routing_stats=stats,
         global_batch=t.global_batch,
         micro_batch=None if t.micro_batch == AUTO else t.micro_batch,

@@ -12,9 +12,10 @@ greedy, heaviest expert first into the lightest bin, nodes then groups then GPUs
 ``topology_aware`` (co-activation graph partitioning with a load cap, same hierarchy, then
 load balancing across the GPUs of a group) and ``brute_force`` (exact, tiny sizes only).
 
-Modules: ``layout`` (the ``Placement`` result), ``packing`` (greedy packing blocks),
-``refine`` (``topology_aware``), ``exact`` (``brute_force``), ``heldout`` (held-out estimate of
-a fitted layout); ``solve`` here dispatches on the strategy.
+Modules: ``strategies`` (the table of strategies: names, needs, solvers), ``layout`` (the
+``Placement`` result), ``packing`` (greedy packing blocks), ``refine`` (``topology_aware``),
+``exact`` (``brute_force``), ``heldout`` (held-out estimate of a fitted layout); ``solve`` here
+runs a row of the table.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ import numpy as np
 from moe_contracts.routing import RoutingStats
 
 from ..topology import ClusterTopology
-from .exact import BRUTE_FORCE_LIMIT, _brute_force_layer, brute_force_count
-from .heldout import FITTED_STRATEGIES, HELDOUT_OPTIMISM, heldout_estimate, heldout_optimism
-from .layout import LOAD_TOLERANCE, STRATEGIES, Placement
-from .packing import _hierarchical, _levels, _permutation_from_ranks
-from .refine import MAX_STARTS, MULTI_START_WORK, _refine_sample, _topology_aware_layer
+from .exact import BRUTE_FORCE_LIMIT, brute_force_count
+from .heldout import HELDOUT_OPTIMISM, heldout_estimate, heldout_optimism
+from .layout import LOAD_TOLERANCE, Placement
+from .packing import _levels, _permutation_from_ranks
+from .refine import MAX_STARTS, MULTI_START_WORK
+from .strategies import CONTIGUOUS, FITTED, NAMES, LayerInputs, Strategy, lookup
+
+STRATEGIES = NAMES  # the plan's strategy names (``strategies.REGISTRY``)
+FITTED_STRATEGIES = FITTED
 
 __all__ = [
     "BRUTE_FORCE_LIMIT",
@@ -38,9 +43,11 @@ __all__ = [
     "MAX_STARTS",
     "STRATEGIES",
     "Placement",
+    "Strategy",
     "brute_force_count",
     "heldout_estimate",
     "heldout_optimism",
+    "lookup",
     "solve",
 ]
 
@@ -57,12 +64,10 @@ def solve(
     tol: float = LOAD_TOLERANCE,
 ) -> Placement:
     """Place ``num_experts`` experts of each of ``num_layers`` layers on ``ep_size`` EP ranks
-    over all GPUs of ``topo`` (world size = ``topo.num_gpus``)."""
+    over all GPUs of ``topo`` (world size = ``topo.num_gpus``) with the row of
+    ``strategies.REGISTRY`` named ``strategy``."""
     W, E, L, P = topo.num_gpus, num_experts, num_layers, ep_size
-    if strategy not in STRATEGIES:
-        raise ValueError(
-            f"unknown placement strategy {strategy!r} (choose from {', '.join(STRATEGIES)})"
-        )
+    row = lookup(strategy)
     if P < 1 or E % P or W % P:
         raise ValueError(f"ep_size {P} must divide num_experts {E} and the world size {W}")
     if stats is not None and (stats.num_layers, stats.num_experts) != (L, E):
@@ -70,41 +75,18 @@ def solve(
             f"routing stats are {stats.num_layers} layers x {stats.num_experts} experts, "
             f"the model has {L} x {E}"
         )
-    n = E // P
-    notes: list[str] = []
-    if strategy == "contiguous" or (stats is None and strategy != "round_robin"):
-        if strategy != "contiguous":
-            notes.append(f"{strategy}: no routing statistics, fell back to contiguous")
-        perm = np.tile(np.arange(E), (L, 1))
-        return Placement(
-            strategy, perm, np.arange(W), P, tuple(notes), fell_back=strategy != "contiguous"
-        ).validate(topo)
-    rank2gpu = topo.gpu_order()
-    if strategy == "round_robin":
-        perm = np.tile(_permutation_from_ranks(np.arange(E) % P, P), (L, 1))
-        return Placement(strategy, perm, rank2gpu, P).validate(topo)
+    notes: tuple[str, ...] = ()
+    fell_back = row.needs_stats and stats is None
+    if fell_back:
+        notes = (f"{strategy}: no routing statistics, fell back to contiguous",)
+        row = CONTIGUOUS
+    rank2gpu = np.arange(W) if row.keeps_gpu_order else topo.gpu_order()
     rank_node, rank_group = _levels(topo, rank2gpu[:P])
-    perm = np.empty((L, E), dtype=np.int64)
-    assert stats is not None  # without statistics every other strategy fell back above
     starts = max(1, min(MAX_STARTS, MULTI_START_WORK // (L * E)))
+    perm = np.empty((L, E), dtype=np.int64)
     for layer in range(L):
-        load = stats.load[layer].astype(float)
-        coact = stats.coact[layer].astype(float) / max(stats.tokens, 1)
-        if strategy == "brute_force":
-            e2r = _brute_force_layer(stats, layer, rank_node, rank_group, n, tol)
-        elif strategy == "balanced":
-            e2r = _hierarchical(load, rank_node, rank_group, n)
-        else:
-            e2r = _topology_aware_layer(
-                load,
-                coact,
-                rank_node,
-                rank_group,
-                n,
-                tol,
-                np.random.default_rng([seed, layer]),
-                starts,
-                _refine_sample(stats, layer, L),
-            )
-        perm[layer] = _permutation_from_ranks(e2r, P)
-    return Placement(strategy, perm, rank2gpu, P, tuple(notes)).validate(topo)
+        inputs = LayerInputs(
+            stats, layer, L, E, P, rank_node, rank_group, E // P, tol, seed, starts
+        )
+        perm[layer] = _permutation_from_ranks(row.solve_layer(inputs), P)
+    return Placement(strategy, perm, rank2gpu, P, notes, fell_back=fell_back).validate(topo)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from .layout import Placement
+from .strategies import BY_NAME
 
 # A placement fitted to one window's co-activation keeps less together on the tokens that follow:
 # routing keeps moving while the model trains. Scored on the next window of the same run, the
@@ -18,7 +19,6 @@ from .layout import Placement
 # much of it reaches the next window (benchmarks/results/placement-timesplit.json), so this is a
 # calibration on recorded runs, not a per-plan measurement.
 HELDOUT_OPTIMISM = {2: 0.051, 4: 0.046, 8: 0.024}
-FITTED_STRATEGIES = ("topology_aware", "brute_force")
 
 
 def heldout_optimism(top_k: int, table: dict[int, float] | None = None) -> float:
@@ -45,6 +45,7 @@ def heldout_estimate(placement: Placement, in_sample_ratio: float, top_k: int) -
     """Expected cross-group ratio to contiguous on tokens after the recorded window: the in-sample
     ratio, raised by ``heldout_optimism(top_k)`` for layouts fitted to the co-activation (capped
     at 1); layouts that ignore it (contiguous, round_robin, balanced, a fallback) keep theirs."""
-    if placement.fell_back or placement.strategy not in FITTED_STRATEGIES:
+    row = BY_NAME.get(placement.strategy)
+    if placement.fell_back or row is None or not row.fitted:
         return in_sample_ratio
     return min(1.0, in_sample_ratio * (1 + heldout_optimism(top_k)))

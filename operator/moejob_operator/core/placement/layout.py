@@ -9,7 +9,6 @@ import numpy as np
 
 from ..topology import ClusterTopology
 
-STRATEGIES = ("contiguous", "round_robin", "balanced", "topology_aware", "brute_force")
 LOAD_TOLERANCE = 0.02  # bins may exceed the balanced packing's heaviest bin by 2 %
 
 
