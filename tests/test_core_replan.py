@@ -121,6 +121,10 @@ def test_static_strategies_and_bad_shapes_stay(planned):
     assert not d.switch and "does not use routing statistics" in d.message
     d = replan.decide(inp, [[0, 1, 2, 3, 4, 5, 6, 7]], fresh, 10)
     assert not d.switch and "layers" in d.message
+    assert inp.dispatcher == "dedup"
+    autoep = replan.ReplanInputs(**{**inp.__dict__, "dispatcher": "autoep"})
+    d = replan.decide(autoep, doc["placement"]["permutation"], fresh, 10)
+    assert not d.switch and "AutoEP" in d.message
     copies = replan.ReplanInputs(**{**inp.__dict__, "replicas": True})
     assert not replan.decide(copies, doc["placement"]["permutation"], fresh, 10).switch
 

@@ -64,6 +64,7 @@ class ReplanInputs:
     tokens_per_step: int
     topology: ClusterTopology
     replicas: bool  # the plan placed extra copies of hot experts
+    dispatcher: str  # "dedup" | "autoep" (AutoEP's all-to-all: the same bytes for any placement)
     baseline: int | None  # the plan's predicted cross-group bytes per step (routing statistics)
 
 
@@ -124,6 +125,7 @@ def inputs_from_plan(plan: dict[str, Any]) -> ReplanInputs:
         tokens_per_step=int(ds.get("train_batch_size", 1)) * int(training.get("seqLen", 1)),
         topology=plan_topology(plan["ranks"]),
         replicas=bool(pl.get("replicas")),
+        dispatcher=str(pl.get("dispatcher") or "autoep"),
         baseline=_plan_baseline(pl.get("quality") or {}),
     )
 
@@ -186,6 +188,8 @@ def decide(
         )
     if inp.strategy in STATIC_STRATEGIES:
         return _stay(stay, f"strategy {inp.strategy} does not use routing statistics")
+    if inp.dispatcher == "autoep":
+        return _stay(stay, "dispatcher AutoEP sends the same bytes for every placement")
     if inp.replicas:
         return _stay(stay, "the plan has extra expert copies (placement.replicas): kept")
     if stats.tokens == 0:
@@ -266,5 +270,6 @@ def applied(progress: Any) -> tuple[int, int] | None:
     if not isinstance(pl, dict):
         return None
     gen, step = pl.get("generation"), pl.get("appliedAtStep")
-    ok = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (gen, step))
-    return (gen, step) if ok else None
+    if type(gen) is not int or type(step) is not int:  # a JSON bool is no count
+        return None
+    return (gen, step) if min(gen, step) >= 0 else None
