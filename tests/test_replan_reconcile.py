@@ -153,3 +153,12 @@ def test_statistics_step(progress, step):
 def test_decoded_progress():
     assert replan.decoded(json.dumps({"a": 1})) == {"a": 1}
     assert replan.decoded("[1]") is None and replan.decoded("{") is None
+
+
+def test_a_plan_it_cannot_read_is_a_status_message(planned):  # noqa: F811
+    doc, _ = planned
+    client = _cluster(doc, _counted(_trace(11)))
+    broken = {**doc, "ranks": None}
+    p = _pass(client)
+    replan.step(p, SPEC, broken, _progress(10))
+    assert client.writes == [] and "cannot be re-planned" in p.status["replan"]["message"]

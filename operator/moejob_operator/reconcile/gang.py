@@ -229,7 +229,6 @@ def _track(
     if d.action == "delete":
         _delete(p, d.delete)
         return 1.0
-    replan.step(p, spec, plan, progress)  # spec.placement.replan
     if d.action == "create":
         extra_env = _fault_env(p)
         h = spec.immutable_hash()
@@ -286,6 +285,7 @@ def _track(
             f"{d.counts.get('running', 0)} of {count} worker pods running",
             quiet=launching and p.cond_status(C.COND_RUNNING) is None,
         )
+    replan.step(p, spec, plan, progress)  # spec.placement.replan: after the gang's own work
     return min(left, 60.0) if left is not None else None
 
 

@@ -80,7 +80,11 @@ def step(p: Pass, spec: JobSpec, plan: dict[str, Any], progress: dict[str, Any] 
         return
     if stats is None:
         return
-    inputs = core.inputs_from_plan(plan)
+    try:
+        inputs = core.inputs_from_plan(plan)
+    except (KeyError, TypeError, ValueError, DocumentError) as exc:  # a plan it cannot read
+        p.status["replan"] = {**last, "message": f"the plan cannot be re-planned: {exc!r}"[:600]}
+        return
     baseline = (
         current.predicted.cross_group_bytes_after
         if current.generation > 0 and current.predicted is not None
