@@ -362,3 +362,43 @@ def test_no_kueue_group_without_a_queue_or_when_turned_off():
         _with_scheduling(gang="Kueue")
     # an absent gang changes no job's immutable hash (jobs launched before the field existed)
     assert "gang" not in _with_scheduling(podLabels=queue).immutable_view()["scheduling"]
+
+
+def test_replan_adds_the_placement_configmap_env_and_read_only_grant():
+    """spec.placement.replan: the PlacementUpdate ConfigMap (generation 0 = the plan's
+    permutation), its name in the worker env, and a get-only grant on it; without replan none
+    of it (the goldens above)."""
+    from moe_contracts import env as contract_env
+    from moe_contracts import placement_update
+
+    raw = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())["spec"]
+    raw["placement"]["replan"] = {"everySteps": 10}
+    spec = _admitted(raw)
+    perm = [[1, 0, 3, 2, 5, 4, 7, 6]] * 4
+    cm = configmaps.placement_configmap(JOB, perm)
+    assert cm["metadata"]["name"] == "tiny-cpu-placement"
+    assert cm["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
+    doc = placement_update.loads(cm["data"][placement_update.KEY])
+    assert (doc.generation, doc.permutation, doc.decided_at_step) == (0, perm, 0)
+    doc.check(4, 8)
+    env = {
+        e["name"]: e.get("value")
+        for e in workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h")[
+            "spec"
+        ]["containers"][0]["env"]
+    }
+    assert env[contract_env.PLACEMENT_CONFIGMAP] == "tiny-cpu-placement"
+    plain = workers.worker_pod(
+        JOB, _example("tiny-cpu.yaml"), node_rank=0, node="n", attempt=0, spec_hash="h"
+    )
+    assert contract_env.PLACEMENT_CONFIGMAP not in {
+        e["name"] for e in plain["spec"]["containers"][0]["env"]
+    }
+    rules = rbac.role(JOB, placement=True)["rules"]
+    assert rules[0] == rbac.role(JOB)["rules"][0]
+    assert rules[1] == {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": ["tiny-cpu-placement"],
+        "verbs": ["get"],
+    }

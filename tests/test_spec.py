@@ -118,6 +118,22 @@ def test_defaults_fill_in():
         ),
         ({"placement": {"strategy": "contiguous"}}, "spec.placement.strategy", "'contiguous'"),
         ({"placement": {"dispatcher": "dedup"}}, "spec.placement.dispatcher", "'dedup'"),
+        ({"placement": {"replan": {}}}, "spec.placement.replan.everySteps", "missing"),
+        (
+            {"placement": {"replan": {"everySteps": 0}}},
+            "spec.placement.replan.everySteps",
+            "0 is invalid",
+        ),
+        (
+            {"placement": {"replan": {"everySteps": 5, "minPredictedGainPercent": 101}}},
+            "spec.placement.replan.minPredictedGainPercent",
+            "101 is invalid",
+        ),
+        (
+            {"placement": {"replan": {"everySteps": 5, "minPredictedGainPercent": 2.5}}},
+            "spec.placement.replan.minPredictedGainPercent",
+            "2.5 is invalid",
+        ),
         ({"gate": {"skip": True}}, "spec.gate.skipReason", "audited"),
         (
             {"deepspeedOverrides": {"zero_optimization": {"stage": 2}}},
@@ -160,3 +176,17 @@ def test_spec_is_frozen():
     spec = parse_spec(MINIMAL)
     with pytest.raises(Exception, match="frozen"):
         spec.image = "x"  # type: ignore[misc]
+
+
+def test_replan_defaults_and_leaves_the_hash_of_jobs_without_it():
+    spec = parse_spec({**MINIMAL, "placement": {"replan": {"everySteps": 20}}})
+    assert spec.placement.replan is not None
+    assert (
+        spec.placement.replan.every_steps,
+        spec.placement.replan.min_predicted_gain_percent,
+    ) == (
+        20,
+        10,
+    )
+    assert parse_spec(MINIMAL).placement.replan is None
+    assert "replan" not in parse_spec(MINIMAL).immutable_view()["placement"]

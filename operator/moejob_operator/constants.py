@@ -137,6 +137,8 @@ R_DATA_PREPARED = "DataPrepared"
 R_DATA_PREP_FAILED = "DataPrepFailed"
 R_INVALID_DATA = "InvalidData"
 R_MODEL_EXPORTED = "ModelExported"
+# Re-placement during a job (spec.placement.replan): an Event per switch, with the prediction
+R_PLACEMENT_UPDATED = "PlacementUpdated"
 
 # Reconcile timing (seconds)
 TOPOLOGY_REPORT_MAX_AGE_SECONDS = (

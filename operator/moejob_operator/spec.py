@@ -251,6 +251,15 @@ class RoutingStatsFrom(_Model):
         return self.config_map_name or f"{self.job_name}-routing-stats"
 
 
+class Replan(_Model):
+    """Re-placement during the job (docs/placement.md): re-plan every ``everySteps`` steps of
+    fresh routing statistics; switch when the predicted cross-group bytes fall by
+    ``minPredictedGainPercent``."""
+
+    every_steps: int = Field(ge=1, le=10_000_000)
+    min_predicted_gain_percent: int = Field(default=10, ge=1, le=100)
+
+
 class Placement(_Model):
     strategy: SpecStrategy = SPEC_DEFAULT
     dispatcher: Literal["AutoEP", "Dedup"] | None = None  # None: Dedup when EP > 1 (planner)
@@ -263,6 +272,7 @@ class Placement(_Model):
     replicas: Literal["Auto", "None"] | Annotated[int, Field(ge=0, le=1_048_576)] | None = None
     # absent: "25%" (no CRD default, so existing jobs' launched-spec hash does not change)
     max_expert_memory_overhead: str | None = Field(default=None, max_length=8)
+    replan: Replan | None = None  # absent: the placement of the plan for the whole run
 
     @model_validator(mode="after")
     def _overhead(self) -> Placement:

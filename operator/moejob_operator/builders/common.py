@@ -86,6 +86,11 @@ def routing_stats_configmap_name(job: JobRef) -> str:
     return f"{job.name}-routing-stats"
 
 
+def placement_configmap_name(job: JobRef) -> str:
+    """The PlacementUpdate ConfigMap (``spec.placement.replan`` only)."""
+    return f"{job.name}-placement"
+
+
 def worker_account_name(job: JobRef) -> str:
     return f"{job.name}-worker"
 

@@ -1,7 +1,9 @@
 """The plan ConfigMap (mounted into every worker) and the ConfigMaps the trainer writes to.
 
 The trainer's ServiceAccount may only ``update``/``patch`` named ConfigMaps (RBAC cannot limit
-``create`` by name), so the operator seeds the progress and routing-stats ConfigMaps empty.
+``create`` by name), so the operator seeds the progress and routing-stats ConfigMaps empty. With
+``spec.placement.replan`` the operator also writes ``<job>-placement`` (PlacementUpdate), which the
+trainer only reads.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_contracts import placement_update
+
 from .. import constants as C
 from .common import (
     JobRef,
     child_metadata,
+    placement_configmap_name,
     plan_configmap_name,
     progress_configmap_name,
     routing_stats_configmap_name,
@@ -57,4 +62,16 @@ def routing_stats_configmap(job: JobRef) -> dict[str, Any]:
         "kind": "ConfigMap",
         "metadata": child_metadata(job, routing_stats_configmap_name(job), "routing-stats"),
         "data": {},
+    }
+
+
+def placement_configmap(job: JobRef, permutation: list[list[int]]) -> dict[str, Any]:
+    """``<job>-placement`` (``spec.placement.replan``): the PlacementUpdate the trainer reads at
+    its checkpoints, seeded with generation 0 = the plan's own permutation."""
+    update = placement_update.PlacementUpdate(generation=0, permutation=permutation, reason="plan")
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(job, placement_configmap_name(job), "placement"),
+        "data": {placement_update.KEY: placement_update.dumps(update)},
     }

@@ -1,7 +1,8 @@
 """Per-job ServiceAccount, Role and RoleBinding for the worker pods.
 
 Least privilege: the trainer may read and update exactly two ConfigMaps of its own job (progress
-and routing statistics), nothing else; the operator seeds both so no ``create`` is needed.
+and routing statistics), nothing else; the operator seeds both so no ``create`` is needed. With
+``spec.placement.replan`` it may also read (only) the job's ``<job>-placement``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 from .common import (
     JobRef,
     child_metadata,
+    placement_configmap_name,
     progress_configmap_name,
     routing_stats_configmap_name,
     worker_account_name,
@@ -26,19 +28,30 @@ def service_account(job: JobRef) -> dict[str, Any]:
     }
 
 
-def role(job: JobRef) -> dict[str, Any]:
+def role(job: JobRef, *, placement: bool = False) -> dict[str, Any]:
+    """``placement``: the job re-places (``spec.placement.replan``): its PlacementUpdate is read."""
+    rules: list[dict[str, Any]] = [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": [progress_configmap_name(job), routing_stats_configmap_name(job)],
+            "verbs": ["get", "update", "patch"],
+        }
+    ]
+    if placement:
+        rules.append(
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [placement_configmap_name(job)],
+                "verbs": ["get"],
+            }
+        )
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": child_metadata(job, worker_account_name(job), "worker-rbac"),
-        "rules": [
-            {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [progress_configmap_name(job), routing_stats_configmap_name(job)],
-                "verbs": ["get", "update", "patch"],
-            }
-        ],
+        "rules": rules,
     }
 
 

@@ -22,6 +22,7 @@ from .common import (
     child_metadata,
     job_ports,
     master_addr,
+    placement_configmap_name,
     plan_configmap_name,
     pod_security_context,
     progress_configmap_name,
@@ -137,6 +138,8 @@ def _env(
         E.HOME: f"{SCRATCH}/home",
         E.TORCH_EXTENSIONS_DIR: f"{SCRATCH}/torch_extensions",
     }
+    if spec.placement.replan is not None:  # the trainer reads it at its checkpoints
+        env[E.PLACEMENT_CONFIGMAP] = placement_configmap_name(job)
     env.update(extra_env)
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()]
     # the launcher checks it against the plan's node for this node rank

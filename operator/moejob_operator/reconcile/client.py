@@ -404,6 +404,14 @@ class Client:
             raise ChildConflict("ConfigMap", name, controller_uid(cm))
         return cm
 
+    def replace_configmap(self, namespace: str, obj: dict[str, Any]) -> None:
+        """Write ``obj`` over the ConfigMap it names; with ``metadata.resourceVersion`` set, a
+        write since that read is a 409 (the pass fails and runs again on fresh reads)."""
+        name = obj["metadata"]["name"]
+        # the generated method takes the dict (its validate_call parses it into the model)
+        replace: Callable[..., object] = self.core.replace_namespaced_config_map
+        self._done(replace(name, namespace, obj, _preload_content=False))
+
     def delete_configmap(self, namespace: str, name: str) -> None:
         try:
             self._done(

@@ -17,7 +17,7 @@ from .. import constants as C
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, field_hashes
 from ..status import FALSE, TRUE, UNKNOWN, now_iso, parse_time
-from . import gate, inputs, machine, planning, podgroups, sizing
+from . import gate, inputs, machine, planning, podgroups, replan, sizing
 from .client import ChildConflict, NotReady, Rejected
 from .jobpass import Pass, _conflict, _crashpoint, _finished, _status_int
 from .specplan import _plan_written
@@ -49,13 +49,15 @@ def _worker_pods(p: Pass) -> list[dict[str, Any]]:
 
 
 # ---- launch + track -----------------------------------------------------------------------
-def _launch_children(p: Pass, spec: JobSpec) -> None:
+def _launch_children(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> None:
     """What the worker pods need to exist and start, before them and at once (one round trip):
     pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
     follows the pods (_complete_launch), but its names are claimed here, in the same round trip:
     one a neighbour holds is a ChildConflict before any worker pod exists (the pods would run
     with its Service, or their Role would let them write its ConfigMaps)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
+    if spec.placement.replan is not None:
+        p.placement_cm = configmaps.placement_configmap(p.job, plan["placement"]["permutation"])
     created = p.client.create_all(
         [*plan_cm, rbac.service_account(p.job)], claim=_trainer_children(p)
     )
@@ -73,12 +75,15 @@ def _launch_children(p: Pass, spec: JobSpec) -> None:
 
 
 def _trainer_children(p: Pass) -> list[dict[str, Any]]:
-    """The children only the running trainer uses, the Role first (_complete_launch)."""
+    """The children only the running trainer uses, the Role first (_complete_launch); with
+    ``spec.placement.replan`` the PlacementUpdate ConfigMap too."""
+    placement = [p.placement_cm] if p.placement_cm is not None else []
     return [
-        rbac.role(p.job),
+        rbac.role(p.job, placement=bool(placement)),
         workers.headless_service(p.job),
         configmaps.progress_configmap(p.job),
         configmaps.routing_stats_configmap(p.job),
+        *placement,
         rbac.role_binding(p.job),
     ]
 
@@ -180,10 +185,11 @@ def _track(
         gang_complete=p.status.get("gangComplete") == attempt,
     )
     p.status["workers"] = {"total": count, **d.counts}
+    progress = None
     if launching:
         _no_progress_yet(p)
     else:
-        _progress(p)
+        progress = _progress(p)
         sizing.status(p.status, plan)  # measured vs predicted tokens/s
 
     left = machine.seconds_left(
@@ -279,6 +285,7 @@ def _track(
             f"{d.counts.get('running', 0)} of {count} worker pods running",
             quiet=launching and p.cond_status(C.COND_RUNNING) is None,
         )
+    replan.step(p, spec, plan, progress)  # spec.placement.replan: after the gang's own work
     return min(left, 60.0) if left is not None else None
 
 
@@ -287,7 +294,9 @@ def _delete(p: Pass, pods: list[machine.PodView]) -> None:
         p.client.delete_pod(p.job.namespace, pod.name, uid=pod.uid)
 
 
-def _progress(p: Pass) -> None:
+def _progress(p: Pass) -> dict[str, Any] | None:
+    """Read the trainer's progress into status; returns the document (decoded JSON), None while
+    there is none or it does not parse."""
     try:
         cm = p.client.get_owned_configmap(
             p.job.namespace, common.progress_configmap_name(p.job), p.job.uid
@@ -297,11 +306,12 @@ def _progress(p: Pass) -> None:
     raw = ((cm or {}).get("data") or {}).get(C.PROGRESS_KEY)
     if not raw:
         _no_progress_yet(p)
-        return
+        return None
+    obj = replan.decoded(raw)
     try:
-        doc = parse_progress(raw)
+        doc = parse_progress(obj if obj is not None else raw)
     except DocumentError:
-        return
+        return None
     p.status["progress"] = machine.progress_status(doc)
     inputs.exported(p, doc)
     # the document is the trainer's, i.e. any code in the user's image: bounded before use
@@ -321,6 +331,7 @@ def _progress(p: Pass) -> None:
         )
     else:
         p.cond(C.COND_HEALTHY, TRUE, C.R_NO_FINDINGS, "no trainer health findings")
+    return obj
 
 
 MAX_HEALTH_FINDINGS = 1000  # read from one progress document; the rest is not looked at

@@ -223,7 +223,7 @@ def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | 
     if not launching:
         _persist_plan(p)  # a re-plan (node lost): the plan before the pods
         return _track(p, spec, plan)
-    _launch_children(p, spec)
+    _launch_children(p, spec, plan)
     p.launched = True  # also when creating the pods fails: the trainer's children follow
     return _track(p, spec, plan, launching=True)
 

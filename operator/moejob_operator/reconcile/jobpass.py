@@ -46,6 +46,8 @@ class Pass:
         self.new_plan_cm: dict[str, Any] | None = None
         # this pass created the worker pods of a first launch: the trainer's other children follow
         self.launched = False
+        # spec.placement.replan: the PlacementUpdate ConfigMap a launch seeds (generation 0)
+        self.placement_cm: dict[str, Any] | None = None
 
     def cond(
         self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False
@@ -135,6 +137,8 @@ def _sane_status(status: dict[str, Any], now: dt.datetime) -> dict[str, Any]:
         ("model", dict),
         ("data", dict),
         ("output", dict),
+        ("replan", dict),
+        ("placementHistory", list),
     ):
         if key in status and not isinstance(status[key], kind):
             status.pop(key)

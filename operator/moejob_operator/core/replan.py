@@ -1,0 +1,275 @@
+"""Re-placement during a job (``spec.placement.replan``; docs/placement.md "Re-placement during a
+job"): the pure decisions. The reconcile step (``reconcile/replan.py``) reads the documents and
+writes what these functions return.
+
+:func:`decide` re-runs the planner's solver (``router_groups.solve``, the plan's strategy, seed,
+EP size and rank order) on fresh routing statistics and scores the running placement and the
+candidate with the planner's cost model (``cost.score``) on those SAME statistics, scaled to the
+job's tokens per step as the plan's ``crossGroupBytesPerStep`` is. It switches only when the
+candidate's predicted cross-group bytes per step are at least ``min_gain_percent`` below the
+running placement's: a job whose routing does not drift finds its placement (near) optimal on
+its own statistics again and stays.
+
+The solver is a heuristic: on other tokens of the same routing it can land on a layout that is
+some percent better (or worse) than the one it found before, which is not drift. So the gain that
+counts is capped by the drift: ``baseline`` is what the running placement was predicted to cost
+when it was chosen (the plan's ``crossGroupBytesPerStep`` when the plan was made from routing
+statistics, else the last switch's ``after``), and the candidate is credited with at most
+``before - baseline``: only the rise since then can be won back. Without a baseline (a plan made
+on uniform routing) the whole gain counts.
+
+The topology is the plan's own (:func:`plan_topology`): one GPU per rank, in rank order, with the
+rank's node and NVLink group from ``MoEPlan.ranks``. Cross-group and cross-node bytes need only
+those; the gang keeps its GPUs (``rank2gpu``), only the permutation changes.
+
+:func:`fresh_stats` is the one seam for the trainer's windowed statistics: a RoutingStats
+document may carry ``window``, a RoutingStats document of the steps since the previous
+checkpoint; the decision prefers it and falls back to the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats
+
+from . import cost, router_groups
+from .models import spec_from_hf_config
+from .placement import Placement
+from .topology import ClusterTopology
+
+WINDOW_KEY = "window"  # RoutingStats: the statistics since the previous checkpoint (optional)
+HISTORY_LIMIT = 20  # status.placementHistory keeps the last this many switches
+# strategies whose layout does not depend on routing statistics: nothing to re-plan
+STATIC_STRATEGIES = ("contiguous", "round_robin")
+SWITCH, STAY = "Switch", "Stay"
+
+
+@dataclass(frozen=True)
+class ReplanInputs:
+    """What a re-plan needs of the plan (``MoEPlan`` v1), read once by :func:`inputs_from_plan`."""
+
+    strategy: str
+    ep_size: int
+    seed: int
+    n_group: int
+    num_layers: int
+    num_experts: int
+    hidden_size: int
+    bytes_per_elem: int
+    tokens_per_step: int
+    topology: ClusterTopology
+    replicas: bool  # the plan placed extra copies of hot experts
+    dispatcher: str  # "dedup" | "autoep" (AutoEP's all-to-all: the same bytes for any placement)
+    baseline: int | None  # the plan's predicted cross-group bytes per step (routing statistics)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``switch``: write ``permutation`` as the next generation. ``before`` / ``after``: predicted
+    cross-group bytes per step of the running placement and of the candidate (the same as
+    ``before`` and the running permutation when nothing was solved)."""
+
+    switch: bool
+    permutation: list[list[int]]
+    before: int
+    after: int
+    message: str
+
+    @property
+    def decision(self) -> str:
+        return SWITCH if self.switch else STAY
+
+
+def plan_topology(ranks: list[dict[str, Any]]) -> ClusterTopology:
+    """``MoEPlan.ranks`` -> a topology with GPU ``g`` = rank ``g`` (its node and NVLink group).
+    NVLink bandwidth is a placeholder (1 where the group has another GPU): the decision reads
+    bytes, not seconds."""
+    nodes: dict[str, int] = {}
+    groups: dict[int, int] = {}
+    node_of, group_of = [], []
+    for r in ranks:
+        node_of.append(nodes.setdefault(str(r["node"]), len(nodes)))
+        group_of.append(groups.setdefault(int(r["group"]), len(groups)))
+    g = np.array(group_of, dtype=np.int64)
+    sizes = np.bincount(g) if len(g) else np.zeros(0, dtype=np.int64)
+    return ClusterTopology(
+        tuple(nodes),
+        tuple((str(r["node"]), i) for i, r in enumerate(ranks)),
+        np.array(node_of, dtype=np.int64),
+        g,
+        np.where(sizes[g] > 1, 1.0, 0.0) if len(g) else np.zeros(0),
+    )
+
+
+def inputs_from_plan(plan: dict[str, Any]) -> ReplanInputs:
+    """The re-plan inputs of a stored plan document (checked by the plan reader before)."""
+    pl = plan["placement"]
+    spec = spec_from_hf_config(plan["model"]["hfConfig"] or {}, "MoEPlan model.hfConfig")
+    ds = plan.get("deepspeed") or {}
+    half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
+    training = plan.get("training") or {}
+    return ReplanInputs(
+        strategy=str(pl["strategy"]),
+        ep_size=int(plan["epSize"]),
+        seed=int(training.get("seed", 0)),
+        n_group=int(spec.router_groups),
+        num_layers=int(pl["numLayers"]),
+        num_experts=int(pl["numExperts"]),
+        hidden_size=int(spec.hidden_size),
+        bytes_per_elem=2 if half else 4,
+        tokens_per_step=int(ds.get("train_batch_size", 1)) * int(training.get("seqLen", 1)),
+        topology=plan_topology(plan["ranks"]),
+        replicas=bool(pl.get("replicas")),
+        dispatcher=str(pl.get("dispatcher") or "autoep"),
+        baseline=_plan_baseline(pl.get("quality") or {}),
+    )
+
+
+def _plan_baseline(quality: dict[str, Any]) -> int | None:
+    value = quality.get("crossGroupBytesPerStep")
+    if quality.get("basis") != "routingStats" or not isinstance(value, (int, float)):
+        return None
+    return round(value)
+
+
+def fresh_stats(cm: dict[str, Any] | None) -> tuple[RoutingStats | None, str]:
+    """The statistics to re-plan from, out of the ``<job>-routing-stats`` ConfigMap, and which
+    they are (``"window"`` or ``"whole run"``); ``(None, "")`` while it holds none. Raises
+    ``DocumentError`` for a document that does not parse."""
+    text = configmap_text(cm)
+    if not text:
+        return None, ""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        obj = None
+    window = obj.get(WINDOW_KEY) if isinstance(obj, dict) else None
+    if isinstance(window, dict) and window.get("tokens"):
+        return parse_routing_stats(window), "window"
+    return parse_routing_stats(obj), "whole run"
+
+
+def _cross_group(perm: np.ndarray, inp: ReplanInputs, stats: RoutingStats, scale: float) -> float:
+    W = inp.topology.num_gpus
+    pl = Placement(inp.strategy, perm, np.arange(W), inp.ep_size)
+    got = cost.score(
+        pl,
+        inp.topology,
+        stats,
+        hidden_size=inp.hidden_size,
+        bytes_per_elem=inp.bytes_per_elem,
+    )
+    return got.cross_group_bytes_per_step * scale
+
+
+def decide(
+    inp: ReplanInputs,
+    current: list[list[int]],
+    stats: RoutingStats,
+    min_gain_percent: int,
+    baseline: float | None = None,
+) -> Decision:
+    """Re-plan on ``stats`` and compare with the running ``current`` permutation, the gain capped
+    by the rise over ``baseline`` (see the module docstring). Never raises for a job it cannot
+    re-plan: the decision is Stay, and why."""
+    cur = np.asarray(current, dtype=np.int64)
+    stay = Decision(False, [list(map(int, row)) for row in current], 0, 0, "")
+    shape = (inp.num_layers, inp.num_experts)
+    if (stats.num_layers, stats.num_experts) != shape or cur.shape != shape:
+        return _stay(
+            stay,
+            f"statistics of {stats.num_layers} x {stats.num_experts}, "
+            f"the placement is {shape[0]} layers x {shape[1]} experts",
+        )
+    if inp.strategy in STATIC_STRATEGIES:
+        return _stay(stay, f"strategy {inp.strategy} does not use routing statistics")
+    if inp.dispatcher == "autoep":
+        return _stay(stay, "dispatcher AutoEP sends the same bytes for every placement")
+    if inp.replicas:
+        return _stay(stay, "the plan has extra expert copies (placement.replicas): kept")
+    if stats.tokens == 0:
+        return _stay(stay, "the statistics record no tokens")
+    W = inp.topology.num_gpus
+    if not np.array_equal(inp.topology.gpu_order(), np.arange(W)):
+        return _stay(stay, "the plan's rank order does not follow its NVLink groups")
+    scale = inp.tokens_per_step / max(stats.tokens / max(stats.steps, 1), 1)
+    before = _cross_group(cur, inp, stats, scale)
+    try:
+        cand = router_groups.solve(
+            inp.strategy,
+            inp.topology,
+            stats,
+            ep_size=inp.ep_size,
+            num_experts=inp.num_experts,
+            num_layers=inp.num_layers,
+            n_group=inp.n_group,
+            seed=inp.seed,
+        )
+    except ValueError as exc:
+        return _stay(stay, f"the solver refused: {exc}", before)
+    if not np.array_equal(cand.rank2gpu, np.arange(W)):
+        return _stay(stay, "the solver's rank order differs from the running gang's", before)
+    after = _cross_group(cand.permutation, inp, stats, scale)
+    credited = after if baseline is None else max(after, min(before, baseline))
+    gain = 100 * (before - credited) / before if before > 0 else 0.0
+    what = (
+        f"predicted cross-group bytes per step {round(before)} -> {round(after)}"
+        + (
+            f", {gain:.1f}% less counted (the rise over {round(baseline)} predicted when the "
+            "running placement was chosen)"
+            if baseline is not None
+            else f" ({gain:.1f}% less)"
+        )
+        + f"; switch at >= {min_gain_percent}%"
+    )
+    if before <= 0 or gain < min_gain_percent or np.array_equal(cand.permutation, cur):
+        return Decision(False, stay.permutation, round(before), round(after), "stay: " + what)
+    return Decision(True, cand.permutation.tolist(), round(before), round(after), "switch: " + what)
+
+
+def _stay(stay: Decision, why: str, before: float = 0.0) -> Decision:
+    b = round(before)
+    return Decision(False, stay.permutation, b, b, f"stay: {why}")
+
+
+def due(stats_step: int, last_step: int, every_steps: int) -> bool:
+    """Whether statistics of trainer step ``stats_step`` are due for a decision, the last one
+    having been made at ``last_step``."""
+    return stats_step >= last_step + every_steps
+
+
+def record_switch(
+    history: list[dict[str, Any]], entry: dict[str, Any], limit: int = HISTORY_LIMIT
+) -> list[dict[str, Any]]:
+    """``status.placementHistory`` with ``entry`` (one generation once), the last ``limit``."""
+    kept = [h for h in history if h.get("generation") != entry.get("generation")]
+    kept.append(entry)
+    kept.sort(key=lambda h: int(h.get("generation") or 0))
+    return kept[-limit:]
+
+
+def mark_applied(history: list[dict[str, Any]], generation: int, step: int) -> list[dict[str, Any]]:
+    """The trainer reports it runs ``generation`` since ``step``: that entry's ``appliedAtStep``."""
+    return [
+        {**h, "appliedAtStep": step}
+        if h.get("generation") == generation and h.get("appliedAtStep") is None
+        else h
+        for h in history
+    ]
+
+
+def applied(progress: Any) -> tuple[int, int] | None:
+    """``(generation, appliedAtStep)`` of a TrainerProgress document's ``placement`` (the
+    decoded JSON object), None when absent or not two non-negative integers."""
+    pl = progress.get("placement") if isinstance(progress, dict) else None
+    if not isinstance(pl, dict):
+        return None
+    gen, step = pl.get("generation"), pl.get("appliedAtStep")
+    if type(gen) is not int or type(step) is not int:  # a JSON bool is no count
+        return None
+    return (gen, step) if min(gen, step) >= 0 else None

@@ -1,0 +1,164 @@
+"""The re-placement step of a tracking pass (reconcile/replan.py) against a fake client: when it
+decides, what it writes (PlacementUpdate generation + 1, Event, status), that it waits for the
+trainer to apply a generation, and that it takes its state from the ConfigMap (an operator that
+stopped after writing it records the switch; nothing is switched twice)."""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+
+import pytest
+
+from moe_contracts import placement_update
+from moe_contracts.routing import encode_configmap
+from moejob_operator import constants as C
+from moejob_operator.builders import common, configmaps
+from moejob_operator.reconcile import replan
+from moejob_operator.reconcile.jobpass import Pass
+from moejob_operator.reconcile.settings import Settings
+from moejob_operator.spec import parse_spec
+from test_core_replan import _counted, _trace, planned  # noqa: F401  (the fixture)
+
+NOW = dt.datetime(2026, 12, 3, 16, 0, 0, tzinfo=dt.UTC)
+UID = "0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11"
+BODY = {"metadata": {"name": "rp", "namespace": "ns", "uid": UID, "generation": 1}, "spec": {}}
+JOB = common.JobRef.from_body(BODY)
+SPEC = parse_spec(
+    {
+        "image": "img",
+        "model": {"preset": "tiny-mixtral"},
+        "placement": {"replan": {"everySteps": 10, "minPredictedGainPercent": 10}},
+    }
+)
+
+
+class FakeClient:
+    def __init__(self, cms):
+        self.cms = cms
+        self.writes = []
+
+    def get_owned_configmap(self, namespace, name, uid):
+        cm = self.cms.get(name)
+        return copy.deepcopy(cm) if cm is not None else None
+
+    def replace_configmap(self, namespace, obj):
+        self.writes.append(obj)
+        self.cms[obj["metadata"]["name"]] = copy.deepcopy(obj)
+
+
+def _cluster(doc, stats):
+    placement = configmaps.placement_configmap(JOB, doc["placement"]["permutation"])
+    routing = {"metadata": {"name": "rp-routing-stats"}, **encode_configmap(stats.to_json()).body}
+    routing.pop("binaryData")
+    return FakeClient({"rp-placement": placement, "rp-routing-stats": routing})
+
+
+def _progress(step, placement=None):
+    doc = {"kind": "TrainerProgress", "version": 1, "phase": "Training", "step": step}
+    doc["routingStats"] = {"step": step, "published": True}
+    if placement is not None:
+        doc["placement"] = placement
+    return doc
+
+
+def _pass(client, status=None):
+    return Pass(client, {**BODY, "status": status or {}}, NOW, Settings())
+
+
+def _generation(client):
+    text = client.cms["rp-placement"]["data"][placement_update.KEY]
+    return placement_update.loads(text)
+
+
+def test_no_drift_never_switches(planned):  # noqa: F811
+    doc, te = planned
+    client = _cluster(doc, _counted(te[:, 4096:]))
+    p = _pass(client)
+    replan.step(p, SPEC, doc, _progress(10))
+    assert client.writes == [] and not p.events
+    assert p.status["replan"]["decision"] == "Stay"
+    assert p.status["replan"]["checkedAtStep"] == 10
+    assert "placementHistory" not in p.status
+
+
+def test_drift_switches_once_and_waits_for_the_trainer(planned):  # noqa: F811
+    doc, _ = planned
+    client = _cluster(doc, _counted(_trace(11)))
+    p = _pass(client)
+    replan.step(p, SPEC, doc, _progress(9))  # not due yet
+    assert client.writes == [] and "replan" not in p.status
+    replan.step(p, SPEC, doc, _progress(10))
+    got = _generation(client)
+    assert got.generation == 1 and got.decided_at_step == 10
+    got.check(4, 8)
+    assert got.predicted.cross_group_bytes_after <= 0.9 * got.predicted.cross_group_bytes_before
+    assert [e[1] for e in p.events] == [C.R_PLACEMENT_UPDATED]
+    assert "-> " in p.events[0][2]
+    (h,) = p.status["placementHistory"]
+    assert (h["generation"], h["decidedAtStep"]) == (1, 10)
+    assert h["predictedCrossGroupBytesAfter"] < h["predictedCrossGroupBytesBefore"]
+    # later passes: the trainer has not applied generation 1: no second decision
+    status = copy.deepcopy(p.status)
+    p2 = _pass(client, status)
+    replan.step(p2, SPEC, doc, _progress(40, {"generation": 0, "appliedAtStep": 0}))
+    assert len(client.writes) == 1 and not p2.events
+    assert "waiting for the trainer" in p2.status["replan"]["message"]
+    # applied at step 45: recorded; the same drifted statistics again at 55 -> the running
+    # generation 1 was fitted to them: stay
+    p3 = _pass(client, copy.deepcopy(p2.status))
+    replan.step(p3, SPEC, doc, _progress(55, {"generation": 1, "appliedAtStep": 45}))
+    assert p3.status["placementHistory"][0]["appliedAtStep"] == 45
+    assert len(client.writes) == 1 and not p3.events
+    assert p3.status["replan"]["decision"] == "Stay"
+
+
+def test_a_written_generation_is_recorded_after_a_restart(planned):  # noqa: F811
+    """The operator stopped between the ConfigMap write and the status write: the next pass takes
+    the generation from the ConfigMap, records it with its Event, and does not switch again."""
+    doc, _ = planned
+    client = _cluster(doc, _counted(_trace(11)))
+    replan.step(_pass(client), SPEC, doc, _progress(10))
+    p = _pass(client)  # the status of before the switch
+    replan.step(p, SPEC, doc, _progress(20))
+    assert len(client.writes) == 1
+    assert [e[1] for e in p.events] == [C.R_PLACEMENT_UPDATED]
+    assert p.status["placementHistory"][0]["generation"] == 1
+
+
+def test_without_replan_or_progress_nothing_is_read():
+    class NoCalls:
+        def __getattr__(self, name):
+            raise AssertionError(f"unexpected call {name}")
+
+    plain = parse_spec({"image": "img", "model": {"preset": "tiny-mixtral"}})
+    replan.step(_pass(NoCalls()), plain, {}, _progress(100))
+    replan.step(_pass(NoCalls()), SPEC, {}, None)
+
+
+@pytest.mark.parametrize(
+    ("progress", "step"),
+    [
+        ({"step": 30}, 30),
+        ({"step": 30, "routingStats": {"step": 25, "published": True}}, 25),
+        ({"step": 30, "routingStats": {"step": 25, "published": False}}, None),
+        ({"step": True}, None),
+    ],
+)
+def test_statistics_step(progress, step):
+    assert replan._stats_step(progress) == step
+
+
+def test_decoded_progress():
+    assert replan.decoded(json.dumps({"a": 1})) == {"a": 1}
+    assert replan.decoded("[1]") is None and replan.decoded("{") is None
+
+
+def test_a_plan_it_cannot_read_is_a_status_message(planned):  # noqa: F811
+    doc, _ = planned
+    client = _cluster(doc, _counted(_trace(11)))
+    broken = {**doc, "ranks": None}
+    p = _pass(client)
+    replan.step(p, SPEC, broken, _progress(10))
+    assert client.writes == [] and "cannot be re-planned" in p.status["replan"]["message"]
