@@ -39,13 +39,11 @@ from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_st
 
 from . import cost, router_groups
 from .models import spec_from_hf_config
-from .placement import Placement
+from .placement import Placement, strategies
 from .topology import ClusterTopology
 
 WINDOW_KEY = "window"  # RoutingStats: the statistics since the previous checkpoint (optional)
 HISTORY_LIMIT = 20  # status.placementHistory keeps the last this many switches
-# strategies whose layout does not depend on routing statistics: nothing to re-plan
-STATIC_STRATEGIES = ("contiguous", "round_robin")
 SWITCH, STAY = "Switch", "Stay"
 
 
@@ -186,7 +184,8 @@ def decide(
             f"statistics of {stats.num_layers} x {stats.num_experts}, "
             f"the placement is {shape[0]} layers x {shape[1]} experts",
         )
-    if inp.strategy in STATIC_STRATEGIES:
+    row = strategies.BY_NAME.get(inp.strategy)
+    if row is None or not row.needs_stats:  # its layout does not depend on routing statistics
         return _stay(stay, f"strategy {inp.strategy} does not use routing statistics")
     if inp.dispatcher == "autoep":
         return _stay(stay, "dispatcher AutoEP sends the same bytes for every placement")
