@@ -1,0 +1,173 @@
+"""Re-placement during a job (``moe_trainer.replace`` / ``moe_trainer.replan``), CPU, gloo, fp32.
+
+(a) one rank, ZeRO-3 with Hugging Face experts (tests/replace_worker.py): re-placing every layer
+after step 2 moves fp32 masters and Adam states with their experts (read in original order, the
+same before and after), and the losses after it equal the never-re-placed run's.
+(b, c) two ranks, AutoEP EP 2 with the dedup dispatcher, through ``moe_trainer.train``: a
+PlacementUpdate (the file stand-in of the ConfigMap) is applied at the next checkpoint, the
+progress document reports it, losses and the export equal a run that never re-placed, and a
+resume from the post-switch checkpoint continues identically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_contracts import placement_update as PU
+from moe_trainer.launch import free_port
+
+pytestmark = pytest.mark.slow
+PLANS = Path(__file__).parent / "fixtures" / "plans"
+WORKER = Path(__file__).parent / "replace_worker.py"
+REL = 1e-5
+
+
+def close(a: list[float], b: list[float]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(abs(x - y) <= REL * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def one_rank_plan(tmp: Path) -> Path:
+    doc = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
+    doc["training"].update(steps=4, moeImpl="hf")
+    path = tmp / "plan.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path):
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        RANK="0",
+        LOCAL_RANK="0",
+        SWITCH="2",
+    )
+    with open(tmp_path / "log.txt", "w") as log:
+        code = subprocess.run(
+            [sys.executable, str(WORKER), str(one_rank_plan(tmp_path)), str(tmp_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=400,
+        ).returncode
+    assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    doc = json.loads((tmp_path / "rank0.json").read_text())
+    (state,) = doc["states"]
+    assert state["summary"]["layers"] == 2
+    assert set(state["summary"]["stateKeys"]) == {"exp_avg", "exp_avg_sq"}
+    assert any(n.endswith("experts.gate_up_proj.exp_avg_sq") for n in state["names"])
+    assert any(n.endswith("router.weight.exp_avg") for n in state["names"])
+    assert state["equal"], "fp32 masters / Adam states did not move with their experts"
+    assert doc["permutation"] == [[1, 3, 0, 2], [2, 0, 3, 1]]
+    assert close(doc["reference"], doc["switched"]), (doc["reference"], doc["switched"])
+    assert max(doc["weights_rel_diff"].values()) < 1e-4, doc["weights_rel_diff"]
+
+
+# ---- (b, c): two ranks, AutoEP + dedup, through the trainer ------------------------------------
+STEPS, EVERY = 6, 2
+
+
+def two_rank_plan(tmp: Path, out: Path) -> Path:
+    doc = json.loads((PLANS / "tiny_mixtral_autoep.json").read_text())
+    doc["ranks"] = [
+        {"rank": r, "node": f"node-{r}", "nodeRank": r, "localRank": 0, "gpu": None, "group": r}
+        for r in range(2)
+    ]
+    doc["placement"]["dispatcher"] = "dedup"
+    doc["training"].update(steps=STEPS, checkpointEverySteps=EVERY)
+    doc["output"] = {"path": str(out)}
+    path = tmp / f"plan-{out.name}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def train(ckpt: Path, plan: Path, **env) -> list[int]:
+    from test_trainer_autoep import run
+
+    return run(ckpt, plan=plan, **env)
+
+
+def losses(ckpt: Path) -> list[float]:
+    return json.loads((ckpt / "losses.json").read_text())["losses"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("replace")
+    # the plan's [[2, 0, 3, 1], [1, 3, 0, 2]] -> layer 0: every expert changes EP rank; layer 1:
+    # experts 3 and 2 stay on their EP rank in another slot, 0 and 1 change rank
+    new = [[3, 1, 0, 2], [3, 0, 1, 2]]
+    update = base / "placement.json"
+    update.write_text(PU.dumps(PU.PlacementUpdate(generation=1, permutation=new)))
+    out = {"new": new}
+    for name, extra in (("ref", {}), ("switched", {"MOE_TEST_PLACEMENT_FILE": str(update)})):
+        out[name] = base / name
+        plan = two_rank_plan(base, base / f"export-{name}")
+        assert train(out[name], plan, **extra) == [0, 0], name
+    # resume from the post-switch checkpoint of step 2, the update still in place (a no-op)
+    resumed = base / "resumed"
+    shutil.copytree(out["switched"] / "ds" / "step-2", resumed / "ds" / "step-2")
+    (resumed / "ds" / "latest").write_text("step-2")
+    plan = two_rank_plan(base, base / "export-resumed")
+    assert train(resumed, plan, MOE_TEST_PLACEMENT_FILE=str(update)) == [0, 0]
+    out["resumed"] = resumed
+    return out
+
+
+def test_switch_is_applied_at_the_first_checkpoint_and_reported(runs):
+    prog = json.loads((runs["switched"] / "progress.json").read_text())
+    assert prog["placement"]["generation"] == 1
+    assert prog["placement"]["appliedAtStep"] == EVERY
+    assert prog["placement"]["seconds"] >= 0 and prog["placement"]["message"] == ""
+    ref = json.loads((runs["ref"] / "progress.json").read_text())
+    assert "placement" not in ref
+    from moe_contracts.progress import parse_progress
+
+    assert parse_progress(prog).placement.generation == 1
+
+
+def test_losses_and_export_equal_the_never_replaced_run(runs):
+    a, b = losses(runs["ref"]), losses(runs["switched"])
+    assert close(a, b), (a, b)
+    from safetensors.torch import load_file
+
+    ref_dir, sw_dir = runs["ref"].parent / "export-ref", runs["switched"].parent / "export-switched"
+    ta, tb = load_file(ref_dir / "model.safetensors"), load_file(sw_dir / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        d = float((ta[k] - tb[k]).abs().max())
+        assert d <= 1e-4 * max(1.0, float(ta[k].abs().max())), (k, d)
+
+
+def test_resume_after_the_switch_uses_the_checkpoints_permutation(runs):
+    import torch
+
+    state = torch.load(runs["switched"] / "ds" / "step-2" / "trainer_state.pt", weights_only=False)
+    assert state["placement"]["generation"] == 1
+    assert state["placement"]["permutation"] == runs["new"]
+    a, b = losses(runs["switched"]), losses(runs["resumed"])
+    assert close(a, b), (a, b)
+    prog = json.loads((runs["resumed"] / "progress.json").read_text())
+    assert prog["placement"]["generation"] == 1 and prog["placement"]["appliedAtStep"] == EVERY
+
+
+def test_routing_stats_carry_the_window_since_the_previous_checkpoint(runs):
+    from moe_contracts.routing import read_routing_stats, window_stats
+
+    doc = json.loads((runs["switched"] / "routing_stats.json").read_text())
+    whole, window = read_routing_stats(doc), window_stats(doc)
+    assert window is not None and doc["window"]["fromStep"] == STEPS - EVERY
+    assert window.steps == EVERY and whole.steps == STEPS
+    assert window.tokens * STEPS == whole.tokens * EVERY
