@@ -57,10 +57,6 @@ def slot_sources(old: Permutation, new: Permutation) -> list[list[int]]:
     return out
 
 
-def is_identity(src: list[list[int]]) -> bool:
-    return all(row == list(range(len(row))) for row in src)
-
-
 @dataclass
 class _Target:
     name: str
