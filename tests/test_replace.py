@@ -35,15 +35,18 @@ def close(a: list[float], b: list[float]) -> bool:
     return all(abs(x - y) <= REL * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
 
 
-def one_rank_plan(tmp: Path) -> Path:
+def one_rank_plan(tmp: Path, bf16: bool) -> Path:
     doc = json.loads((PLANS / "tiny_mixtral_zero3_grouped.json").read_text())
     doc["training"].update(steps=4, moeImpl="hf")
+    if bf16:  # bf16 parameters the forward reads, fp32 masters: the switch refreshes both
+        doc["deepspeed"]["bf16"] = {"enabled": True}
     path = tmp / "plan.json"
     path.write_text(json.dumps(doc))
     return path
 
 
-def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path, bf16):
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
@@ -56,7 +59,7 @@ def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path):
     )
     with open(tmp_path / "log.txt", "w") as log:
         code = subprocess.run(
-            [sys.executable, str(WORKER), str(one_rank_plan(tmp_path)), str(tmp_path)],
+            [sys.executable, str(WORKER), str(one_rank_plan(tmp_path, bf16)), str(tmp_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -71,8 +74,15 @@ def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path):
     assert any(n.endswith("router.weight.exp_avg") for n in state["names"])
     assert state["equal"], "fp32 masters / Adam states did not move with their experts"
     assert doc["permutation"] == [[1, 3, 0, 2], [2, 0, 3, 1]]
-    assert close(doc["reference"], doc["switched"]), (doc["reference"], doc["switched"])
-    assert max(doc["weights_rel_diff"].values()) < 1e-4, doc["weights_rel_diff"]
+    ref, switched = doc["reference"], doc["switched"]
+    if not bf16:
+        assert close(ref, switched), (ref, switched)
+        assert max(doc["weights_rel_diff"].values()) < 1e-4, doc["weights_rel_diff"]
+        return
+    # bf16: the step right after the switch runs on the moved bf16 copies (stale ones would
+    # change its loss); later steps differ by bf16 rounding of another summation order only
+    assert close(ref[:3], switched[:3]), (ref, switched)
+    assert abs(ref[3] - switched[3]) <= 1e-3 * abs(ref[3]), (ref, switched)
 
 
 # ---- (b, c): two ranks, AutoEP + dedup, through the trainer ------------------------------------
