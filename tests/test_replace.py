@@ -40,6 +40,8 @@ def one_rank_plan(tmp: Path, bf16: bool) -> Path:
     doc["training"].update(steps=4, moeImpl="hf")
     if bf16:  # bf16 parameters the forward reads, fp32 masters: the switch refreshes both
         doc["deepspeed"]["bf16"] = {"enabled": True}
+    else:  # no persistent parameter: the forward gathers every one from its partitions
+        doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     path = tmp / "plan.json"
     path.write_text(json.dumps(doc))
     return path
@@ -97,6 +99,8 @@ def two_rank_plan(tmp: Path, out: Path) -> Path:
     ]
     doc["placement"]["dispatcher"] = "dedup"
     doc["training"].update(steps=STEPS, checkpointEverySteps=EVERY)
+    # no persistent parameter: experts and router rows are gathered from moved partitions
+    doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     doc["output"] = {"path": str(out)}
     path = tmp / f"plan-{out.name}.json"
     path.write_text(json.dumps(doc))
