@@ -47,7 +47,7 @@ def update_file(tmp_path, monkeypatch):
 
 
 def test_decide_from_the_file_stand_in(update_file):
-    r = replan.Replanner(2, 4, replicas=False, router_name="gate")
+    r = replan.Replanner(2, 4, None, router_name="gate")
     assert r.enabled and r.decide() is None and r.message == ""  # no document yet
     update_file.write_text("{not json")
     assert r.decide() is None and "not JSON" in r.message
@@ -65,7 +65,7 @@ def test_decide_from_the_file_stand_in(update_file):
 
 def test_replicas_refuse_the_update(update_file):
     update_file.write_text(PU.dumps(PU.PlacementUpdate(generation=1, permutation=NEW)))
-    r = replan.Replanner(2, 4, replicas=True, router_name="gate")
+    r = replan.Replanner(2, 4, "the plan has placement.replicas", router_name="gate")
     assert r.decide() is None and "placement.replicas" in r.message
     doc = {
         "kind": "TrainerProgress",
@@ -95,7 +95,7 @@ def test_decide_from_the_configmap(monkeypatch):
         return a
 
     monkeypatch.setattr(kubeapi, "read_configmap", read)
-    r = replan.Replanner(2, 4, replicas=False, router_name="gate")
+    r = replan.Replanner(2, 4, None, router_name="gate")
     assert r.decide() is None and r.message == ""  # no ConfigMap (404)
     assert r.decide() is None and r.message == ""  # no key yet
     assert r.decide() is None and "not read" in r.message  # API outage: logged, kept running
@@ -105,7 +105,7 @@ def test_decide_from_the_configmap(monkeypatch):
 def test_disabled_without_the_env(monkeypatch):
     monkeypatch.delenv("MOE_TEST_PLACEMENT_FILE", raising=False)
     monkeypatch.delenv("MOE_PLACEMENT_CONFIGMAP", raising=False)
-    r = replan.Replanner(2, 4, replicas=False, router_name="gate")
+    r = replan.Replanner(2, 4, None, router_name="gate")
     assert not r.enabled and r.section() is None
 
 
@@ -209,3 +209,17 @@ def test_the_window_goes_first_when_the_configmap_is_too_small():
     assert "window" not in stored and stored["load"] == doc["load"]
     big = encode_configmap(with_window, limit=10**8)
     assert big.body is not None and "window" in json.loads(configmap_text(big.body) or "")
+
+
+def test_refusal_names_copies_and_other_zero_stages():
+    from types import SimpleNamespace
+
+    def engine(stage):
+        return SimpleNamespace(zero_optimization_stage=lambda: stage)
+
+    plain = SimpleNamespace(placement=SimpleNamespace(replicas=None))
+    copies = SimpleNamespace(placement=SimpleNamespace(replicas=object()))
+    assert replan.refusal(plain, engine(3)) is None
+    assert replan.refusal(SimpleNamespace(placement=None), engine(3)) is None
+    assert "placement.replicas" in (replan.refusal(copies, engine(3)) or "")
+    assert "stage 2" in (replan.refusal(plain, engine(2)) or "")

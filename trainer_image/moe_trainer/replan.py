@@ -11,8 +11,9 @@ slot order and ``trainer_state["placement"]`` = ``{generation, permutation, appl
 resume takes the checkpoint's permutation over the plan's.
 
 A missing ConfigMap or key, an unreadable or invalid document, and a refused update (the plan has
-``placement.replicas``: the copies' layouts depend on the permutation) are logged once and
-reported in the progress document's ``placement.message``; training goes on either way.
+``placement.replicas``: the copies' layouts depend on the permutation; or the engine is not ZeRO
+stage 3) are logged once and reported in the progress document's ``placement.message``; training
+goes on either way.
 """
 
 from __future__ import annotations
@@ -51,13 +52,26 @@ def read_update_text() -> str | None:
     return None if cm is None else (cm.get("data") or {}).get(PU.KEY)
 
 
+def refusal(plan: Any, engine: Any) -> str | None:
+    """Why this job cannot re-place during the run (None: it can)."""
+    if plan.placement is not None and plan.placement.replicas is not None:
+        return (
+            "the plan has placement.replicas (expert copies), whose layouts depend on the "
+            "permutation; plan the job again to change the placement"
+        )
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+    if stage != 3:
+        return f"re-placement during a job needs ZeRO stage 3 (this job runs stage {stage})"
+    return None
+
+
 class Replanner:
-    def __init__(self, num_layers: int, num_experts: int, replicas: bool, router_name: str):
+    def __init__(self, num_layers: int, num_experts: int, refused: str | None, router_name: str):
         self.enabled = enabled()
-        self.L, self.E, self.replicas, self.router_name = (
+        self.L, self.E, self.refused, self.router_name = (
             num_layers,
             num_experts,
-            replicas,
+            refused,
             router_name,
         )
         self.generation = 0
@@ -88,12 +102,8 @@ class Replanner:
             return None
         if update.generation <= self.generation:
             return None
-        if self.replicas:
-            self._note(
-                f"PlacementUpdate generation {update.generation} refused: the plan has "
-                "placement.replicas (expert copies), which re-placement during a job does not "
-                "support; plan the job again to change the placement"
-            )
+        if self.refused:
+            self._note(f"PlacementUpdate generation {update.generation} refused: {self.refused}")
             return None
         self.message = ""
         return update.generation, [list(row) for row in update.permutation]

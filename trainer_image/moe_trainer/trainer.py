@@ -33,6 +33,7 @@ from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
 from moe_trainer.placement import check_placement
 from moe_trainer.progress import ConfigMapPublisher, Metrics, write_json_atomic
 from moe_trainer.replan import Replanner
+from moe_trainer.replan import refusal as replan_refusal
 from moe_trainer.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
 from moe_trainer.token_samples import TokenSampler
 from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
@@ -205,8 +206,8 @@ class Trainer:
         self.routing_publisher = RoutingStatsPublisher.from_env() if self.is_rank0 else None
         self._routing_written_step: int | None = None
         self.window = routing.RoutingWindow()  # the RoutingStats `window` (re-planning)
-        reps = p.placement is not None and p.placement.replicas is not None
-        self.replan = Replanner(L, E, reps, prepared.family.router)
+        refused = replan_refusal(p, self.engine)  # copies, or not ZeRO-3: updates are refused
+        self.replan = Replanner(L, E, refused, prepared.family.router)
         port = os.environ.get(contract_env.METRICS_PORT)
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
 
