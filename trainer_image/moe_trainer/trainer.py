@@ -387,6 +387,8 @@ class Trainer:
     def publish(self, doc: dict, tokens: int, force: bool = False) -> None:
         if not self.is_rank0:
             return
+        if (placement := self.replan.section()) is not None:
+            doc["placement"] = placement  # the running generation, from the first document on
         if self.ckpt_dir:
             write_json_atomic(Path(self.ckpt_dir) / contract_env.PROGRESS_KEY, doc)
         if self.publisher:
@@ -559,8 +561,6 @@ class Trainer:
                 doc["output"] = output  # the latest Hugging Face export (plan output)
             if self.routing_status() is not None:
                 doc["routingStats"] = self.routing_status()
-            if (placement := self.replan.section()) is not None:
-                doc["placement"] = placement
             if step == t.steps:
                 doc["phase"] = "Finished"
             self.publish(doc, tokens_per_step, force=step == t.steps)
