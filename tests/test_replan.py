@@ -223,3 +223,19 @@ def test_refusal_names_copies_and_other_zero_stages():
     assert replan.refusal(SimpleNamespace(placement=None), engine(3)) is None
     assert "placement.replicas" in (replan.refusal(copies, engine(3)) or "")
     assert "stage 2" in (replan.refusal(plain, engine(2)) or "")
+
+
+def test_an_unexpected_failure_on_rank_0_still_reaches_the_broadcast(update_file, monkeypatch):
+    """The other ranks wait in the broadcast: rank 0 must get there whatever reading did."""
+    from types import SimpleNamespace
+
+    sent = []
+    monkeypatch.setattr(replan.dist, "broadcast_object_list", lambda box, src: sent.append(box))
+    r = replan.Replanner(2, 4, None, router_name="gate")
+
+    def boom():
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(r, "decide", boom)
+    assert r.at_checkpoint(SimpleNamespace(is_rank0=True), 4) is False
+    assert sent == [[None]] and "surprise" in r.message

@@ -113,7 +113,12 @@ class Replanner:
         generation when there is one. True when the placement changed."""
         if not self.enabled:
             return False
-        box = [self.decide() if trainer.is_rank0 else None]
+        box: list[Any] = [None]
+        if trainer.is_rank0:
+            try:
+                box[0] = self.decide()
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast
+                self._note(f"PlacementUpdate not read (generation {self.generation} kept): {exc}")
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return False
