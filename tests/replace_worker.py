@@ -1,11 +1,12 @@
-"""One rank of the in-place re-placement checks (``moe_trainer.replace``), CPU / gloo / fp32.
+"""One rank of the in-place re-placement checks (``moe_trainer.replace``), CPU / gloo.
 
 Builds the trainer of ``argv[1]`` (a plan) twice in this process: a reference run of all its
-steps, then a run that re-places every layer to ``NEW`` (a reversed permutation of the plan's)
-after step ``SWITCH``, checking that the fp32 masters and Adam states of every slot-indexed
-tensor, read in original expert order, are the same before and after the switch. Writes
+steps, then a run that re-places every layer to ``$NEW`` (JSON; default: the plan's permutation
+reversed) after step ``$SWITCH``, checking that the fp32 masters and Adam states of every
+slot-indexed tensor, read in original expert order, are the same before and after the switch. Writes
 ``argv[2]/rank<r>.json``: ``{"reference": losses, "switched": losses, "states": [...],
-"weights_equal": bool}`` (the final fp32 masters of both runs in original order, compared).
+"weights_rel_diff": {tensor: max relative difference}, "permutation"}`` (the final fp32 masters
+and optimizer states of both runs in original order, compared).
 Env: torchrun-style RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT. Used by
 tests/test_replace.py.
 """
@@ -77,7 +78,9 @@ def main() -> None:
     ref.close()
 
     trainer = build(plan, env)
-    new = [list(reversed(row)) for row in trainer.permutation]
+    new = json.loads(os.environ.get("NEW", "null")) or [
+        list(reversed(row)) for row in trainer.permutation
+    ]
     states: list[dict] = []
 
     def on_step(step: int) -> None:

@@ -47,28 +47,35 @@ def one_rank_plan(tmp: Path, bf16: bool) -> Path:
     return path
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path, bf16):
-    env = dict(
+def run_worker(tmp: Path, plan: Path, nproc: int, **extra: str) -> list[dict]:
+    base = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
-        WORLD_SIZE="1",
-        LOCAL_WORLD_SIZE="1",
-        RANK="0",
-        LOCAL_RANK="0",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
         SWITCH="2",
+        **extra,
     )
-    with open(tmp_path / "log.txt", "w") as log:
-        code = subprocess.run(
-            [sys.executable, str(WORKER), str(one_rank_plan(tmp_path, bf16)), str(tmp_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            timeout=400,
-        ).returncode
-    assert code == 0, (tmp_path / "log.txt").read_text()[-3000:]
-    doc = json.loads((tmp_path / "rank0.json").read_text())
+    procs = []
+    for r in range(nproc):
+        with open(tmp / f"log{r}.txt", "w") as log:  # the child keeps its own copy
+            env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+            cmd = [sys.executable, str(WORKER), str(plan), str(tmp)]
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * nproc, (tmp / "log0.txt").read_text()[-3000:]
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path, bf16):
+    (doc,) = run_worker(tmp_path, one_rank_plan(tmp_path, bf16), 1)
     (state,) = doc["states"]
     assert state["summary"]["layers"] == 2
     assert set(state["summary"]["stateKeys"]) == {"exp_avg", "exp_avg_sq"}
@@ -87,8 +94,31 @@ def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path, bf16):
     assert abs(ref[3] - switched[3]) <= 1e-3 * abs(ref[3]), (ref, switched)
 
 
+def test_two_ranks_expert_parallel_switch_moves_optimizer_state(tmp_path):
+    """AutoEP EP 2: each rank's slots come from both ranks (``all_to_all_single``); fp32 masters
+    and Adam states in original order are the same before and after, on both ranks."""
+    plan = two_rank_plan(tmp_path, tmp_path / "unused")
+    doc = json.loads(plan.read_text())
+    doc.pop("output")
+    doc["training"]["steps"] = 4
+    plan.write_text(json.dumps(doc))
+    docs = run_worker(tmp_path, plan, 2, NEW=json.dumps(NEW_TWO_RANKS))
+    for d in docs:
+        (state,) = d["states"]
+        # per layer: router weight, tokens_per_expert, w1, w2, w3
+        assert state["summary"]["tensors"] == 10
+        assert any(".experts.w2.exp_avg_sq" in n for n in state["names"])
+        assert state["equal"], "fp32 masters / Adam states did not move with their experts"
+        assert d["permutation"] == NEW_TWO_RANKS
+        assert close(d["reference"], d["switched"]), (d["reference"], d["switched"])
+        assert max(d["weights_rel_diff"].values()) < 1e-4, d["weights_rel_diff"]
+
+
 # ---- (b, c): two ranks, AutoEP + dedup, through the trainer ------------------------------------
 STEPS, EVERY = 6, 2
+# the plan's [[2, 0, 3, 1], [1, 3, 0, 2]] -> layer 0: every expert changes EP rank; layer 1:
+# experts 3 and 2 stay on their EP rank in another slot, 0 and 1 change rank
+NEW_TWO_RANKS = [[3, 1, 0, 2], [3, 0, 1, 2]]
 
 
 def two_rank_plan(tmp: Path, out: Path) -> Path:
@@ -120,9 +150,7 @@ def losses(ckpt: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("replace")
-    # the plan's [[2, 0, 3, 1], [1, 3, 0, 2]] -> layer 0: every expert changes EP rank; layer 1:
-    # experts 3 and 2 stay on their EP rank in another slot, 0 and 1 change rank
-    new = [[3, 1, 0, 2], [3, 0, 1, 2]]
+    new = NEW_TWO_RANKS
     update = base / "placement.json"
     update.write_text(PU.dumps(PU.PlacementUpdate(generation=1, permutation=new)))
     out = {"new": new}
