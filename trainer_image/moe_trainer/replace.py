@@ -125,11 +125,11 @@ def _exchange(
         slots = [s - ep_rank * n_local for s in mine if src[s] // n_local == sender]
         recv_order += slots
         recv_sizes.append(len(slots))
-    send = local.index_select(0, torch.as_tensor(send_rows, device=local.device)).contiguous()
+    send = local.index_select(0, torch.as_tensor(send_rows, dtype=torch.long, device=local.device))
     recv = torch.empty_like(local)
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
     out = torch.empty_like(local)
-    out[torch.as_tensor(recv_order, device=local.device)] = recv
+    out[torch.as_tensor(recv_order, dtype=torch.long, device=local.device)] = recv
     return out
 
 
