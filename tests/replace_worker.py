@@ -60,6 +60,11 @@ def build(plan, env):
 
     trainer = Trainer(plan, env, None)
     trainer.build()
+    for layer, block in enumerate(trainer.blocks):  # a router bias that decides the top-k
+        for name, buf in block.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                g = torch.Generator().manual_seed(layer)
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.3)
     return trainer
 
 

@@ -94,19 +94,29 @@ def test_one_rank_switch_moves_optimizer_state_and_keeps_losses(tmp_path, bf16):
     assert abs(ref[3] - switched[3]) <= 1e-3 * abs(ref[3]), (ref, switched)
 
 
-def test_two_ranks_expert_parallel_switch_moves_optimizer_state(tmp_path):
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_two_ranks_expert_parallel_switch_moves_optimizer_state(tmp_path, family):
     """AutoEP EP 2: each rank's slots come from both ranks (``all_to_all_single``); fp32 masters
-    and Adam states in original order are the same before and after, on both ranks."""
-    plan = two_rank_plan(tmp_path, tmp_path / "unused")
-    doc = json.loads(plan.read_text())
-    doc.pop("output")
-    doc["training"]["steps"] = 4
+    and Adam states in original order are the same before and after, on both ranks. DeepSeek-V3:
+    shared experts stay, the router's score-correction bias (set non-zero by the worker: it
+    decides the top-k) moves with the experts."""
+    if family == "mixtral":
+        plan = two_rank_plan(tmp_path, tmp_path / "unused")
+        doc = json.loads(plan.read_text())
+        doc.pop("output")
+        doc["training"]["steps"] = 4
+    else:
+        from family_plans import plan_doc
+
+        doc = plan_doc(family, steps=4, dispatcher="dedup")
+        doc["placement"]["permutation"] = [[1, 2, 3, 0], [1, 0, 3, 2]]
+    plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(doc))
     docs = run_worker(tmp_path, plan, 2, NEW=json.dumps(NEW_TWO_RANKS))
     for d in docs:
         (state,) = d["states"]
-        # per layer: router weight, tokens_per_expert, w1, w2, w3
-        assert state["summary"]["tensors"] == 10
+        # per layer: router weight (+ DeepSeek's bias), tokens_per_expert, w1, w2, w3
+        assert state["summary"]["tensors"] == (10 if family == "mixtral" else 12)
         assert any(".experts.w2.exp_avg_sq" in n for n in state["names"])
         assert state["equal"], "fp32 masters / Adam states did not move with their experts"
         assert d["permutation"] == NEW_TWO_RANKS
