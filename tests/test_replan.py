@@ -99,7 +99,7 @@ def test_decide_from_the_configmap(monkeypatch):
     assert r.decide() is None and r.message == ""  # no ConfigMap (404)
     assert r.decide() is None and r.message == ""  # no key yet
     assert r.decide() is None and "not read" in r.message  # API outage: logged, kept running
-    assert r.decide() == (2, NEW)
+    assert r.decide() == (2, NEW) and r.message == ""  # the message is the latest read's
 
 
 def test_disabled_without_the_env(monkeypatch):

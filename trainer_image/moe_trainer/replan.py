@@ -87,7 +87,9 @@ class Replanner:
             log.warning("%s", message)
 
     def decide(self) -> tuple[int, list[list[int]]] | None:
-        """Rank 0: (generation, permutation) to apply now, else None."""
+        """Rank 0: (generation, permutation) to apply now, else None; ``message`` says what the
+        latest read found wrong (empty when nothing)."""
+        self.message = ""
         try:
             text = read_update_text()
         except (OSError, ValueError, urllib.error.URLError) as exc:
@@ -105,7 +107,6 @@ class Replanner:
         if self.refused:
             self._note(f"PlacementUpdate generation {update.generation} refused: {self.refused}")
             return None
-        self.message = ""
         return update.generation, [list(row) for row in update.permutation]
 
     def at_checkpoint(self, trainer: Any, step: int) -> bool:
