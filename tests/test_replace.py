@@ -1,11 +1,13 @@
-"""Re-placement during a job (``moe_trainer.replace`` / ``moe_trainer.replan``), CPU, gloo, fp32.
+"""Re-placement during a job (``moe_trainer.replace`` / ``moe_trainer.replan``), CPU, gloo.
 
-(a) one rank, ZeRO-3 with Hugging Face experts (tests/replace_worker.py): re-placing every layer
-after step 2 moves fp32 masters and Adam states with their experts (read in original order, the
-same before and after), and the losses after it equal the never-re-placed run's.
+(a) the routine (tests/replace_worker.py): one rank, ZeRO-3 with Hugging Face experts (fp32, and
+bf16 with fp32 masters), and two ranks with AutoEP EP 2 (Mixtral, DeepSeek-V3): re-placing every
+layer after step 2 moves fp32 masters and Adam states with their experts (read in original order,
+the same before and after), and the losses after it equal the never-re-placed run's.
 (b, c) two ranks, AutoEP EP 2 with the dedup dispatcher, through ``moe_trainer.train``: a
-PlacementUpdate (the file stand-in of the ConfigMap) is applied at the next checkpoint, the
-progress document reports it, losses and the export equal a run that never re-placed, and a
+PlacementUpdate (the file stand-in of the ConfigMap, seeded with generation 0 as the operator
+does; generation 1 written while the job runs) is applied at the next checkpoint, the progress
+document reports it, losses and the export equal a run that never re-placed, and a
 resume from the post-switch checkpoint continues identically.
 """
 
@@ -16,6 +18,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,7 +129,7 @@ def test_two_ranks_expert_parallel_switch_moves_optimizer_state(tmp_path, family
 
 
 # ---- (b, c): two ranks, AutoEP + dedup, through the trainer ------------------------------------
-STEPS, EVERY = 6, 2
+STEPS, EVERY = 8, 2
 # the plan's [[2, 0, 3, 1], [1, 3, 0, 2]] -> layer 0: every expert changes EP rank; layer 1:
 # experts 3 and 2 stay on their EP rank in another slot, 0 and 1 change rank
 NEW_TWO_RANKS = [[3, 1, 0, 2], [3, 0, 1, 2]]
@@ -157,31 +161,65 @@ def losses(ckpt: Path) -> list[float]:
     return json.loads((ckpt / "losses.json").read_text())["losses"]
 
 
+def write_when(path: Path, text: str, ready: Path, stop: threading.Event) -> threading.Thread:
+    """Write ``text`` to ``path`` (atomically) once ``ready`` exists: the update arrives while the
+    job runs."""
+
+    def wait() -> None:
+        while not stop.is_set():
+            if ready.exists():
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(text)
+                os.replace(tmp, path)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("replace")
     new = NEW_TWO_RANKS
-    update = base / "placement.json"
-    update.write_text(PU.dumps(PU.PlacementUpdate(generation=1, permutation=new)))
-    out = {"new": new}
-    for name, extra in (("ref", {}), ("switched", {"MOE_TEST_PLACEMENT_FILE": str(update)})):
-        out[name] = base / name
-        plan = two_rank_plan(base, base / f"export-{name}")
-        assert train(out[name], plan, **extra) == [0, 0], name
-    # resume from the post-switch checkpoint of step 2, the update still in place (a no-op)
+    plan_perm = json.loads((PLANS / "tiny_mixtral_autoep.json").read_text())["placement"]
+    update = base / "placement.json"  # seeded as the operator does: generation 0, the plan's
+    update.write_text(
+        PU.dumps(PU.PlacementUpdate(generation=0, permutation=plan_perm["permutation"]))
+    )
+    out: dict = {"new": new}
+    out["ref"] = base / "ref"
+    assert train(out["ref"], two_rank_plan(base, base / "export-ref")) == [0, 0]
+    # generation 1 arrives once checkpoint step-2 is being written (its read already done): the
+    # next checkpoint boundary applies it (step 4; step 6 when the writer thread was late)
+    out["switched"] = switched = base / "switched"
+    stop = threading.Event()
+    doc = PU.dumps(PU.PlacementUpdate(generation=1, permutation=new, decided_at_step=2))
+    writer = write_when(update, doc, switched / "ds" / "step-2", stop)
+    plan = two_rank_plan(base, base / "export-switched")
+    try:
+        assert train(switched, plan, MOE_TEST_PLACEMENT_FILE=str(update)) == [0, 0]
+    finally:
+        stop.set()
+        writer.join()
+    # resume from the post-switch checkpoint, the update still in place (a no-op)
+    applied = json.loads((switched / "progress.json").read_text())["placement"]["appliedAtStep"]
+    assert applied in (2 * EVERY, 3 * EVERY), applied
+    out["applied"] = applied
     resumed = base / "resumed"
-    shutil.copytree(out["switched"] / "ds" / "step-2", resumed / "ds" / "step-2")
-    (resumed / "ds" / "latest").write_text("step-2")
+    shutil.copytree(switched / "ds" / f"step-{applied}", resumed / "ds" / f"step-{applied}")
+    (resumed / "ds" / "latest").write_text(f"step-{applied}")
     plan = two_rank_plan(base, base / "export-resumed")
     assert train(resumed, plan, MOE_TEST_PLACEMENT_FILE=str(update)) == [0, 0]
     out["resumed"] = resumed
     return out
 
 
-def test_switch_is_applied_at_the_first_checkpoint_and_reported(runs):
+def test_switch_is_applied_at_the_next_checkpoint_and_reported(runs):
     prog = json.loads((runs["switched"] / "progress.json").read_text())
     assert prog["placement"]["generation"] == 1
-    assert prog["placement"]["appliedAtStep"] == EVERY
+    assert prog["placement"]["appliedAtStep"] == runs["applied"] > EVERY  # not before it came
     assert prog["placement"]["seconds"] >= 0 and prog["placement"]["message"] == ""
     ref = json.loads((runs["ref"] / "progress.json").read_text())
     assert "placement" not in ref
@@ -206,13 +244,17 @@ def test_losses_and_export_equal_the_never_replaced_run(runs):
 def test_resume_after_the_switch_uses_the_checkpoints_permutation(runs):
     import torch
 
-    state = torch.load(runs["switched"] / "ds" / "step-2" / "trainer_state.pt", weights_only=False)
-    assert state["placement"]["generation"] == 1
-    assert state["placement"]["permutation"] == runs["new"]
+    def placement(step: int) -> dict:
+        tag = runs["switched"] / "ds" / f"step-{step}" / "trainer_state.pt"
+        return torch.load(tag, weights_only=False)["placement"]
+
+    assert placement(EVERY)["generation"] == 0  # the seeded generation 0 moved nothing
+    after = placement(runs["applied"])
+    assert after["generation"] == 1 and after["permutation"] == runs["new"]
     a, b = losses(runs["switched"]), losses(runs["resumed"])
     assert close(a, b), (a, b)
     prog = json.loads((runs["resumed"] / "progress.json").read_text())
-    assert prog["placement"]["generation"] == 1 and prog["placement"]["appliedAtStep"] == EVERY
+    assert prog["placement"] == dict(prog["placement"], generation=1, appliedAtStep=runs["applied"])
 
 
 def test_routing_stats_carry_the_window_since_the_previous_checkpoint(runs):
