@@ -129,6 +129,9 @@ def test_static_strategies_and_bad_shapes_stay(planned):
     assert not replan.decide(copies, doc["placement"]["permutation"], fresh, 10).switch
 
 
+WINDOW_FIELDS = ("tokens", "steps", "load", "coactivation")
+
+
 def test_fresh_stats_prefers_the_window():
     whole = _counted(_trace(3))
     win = _counted(_trace(11)[:, :512])
@@ -136,7 +139,8 @@ def test_fresh_stats_prefers_the_window():
     cm = {"data": encode_configmap(doc).body["data"]}
     got, which = replan.fresh_stats(cm)
     assert which == "whole run" and got.tokens == whole.tokens
-    doc[replan.WINDOW_KEY] = win.to_json()
+    w = win.to_json()  # the trainer's window: the counts since its previous publish
+    doc[replan.WINDOW_KEY] = {"fromStep": 10, "toStep": 20, **{k: w[k] for k in WINDOW_FIELDS}}
     cm = {"data": {"routing_stats.json": json.dumps(doc)}}
     got, which = replan.fresh_stats(cm)
     assert which == "window" and got.tokens == 512

@@ -222,18 +222,18 @@ def test_prometheus_metrics_are_served():
             ),
             tokens=256,
         )
-        m.update(  # a second step: the per-step gauge is this step's, the counter the sum
-            doc(
-                loss=2.4,
-                moe={
-                    "allGatherSecondsPerStep": 0.02,
-                    "maxMeanLoadPerLayer": [1.5],
-                    "deadExperts": [[0, 1]],
-                    "allToAllBytesPerStepByTier": {"crossGroup": 5},
-                },
-            ),
-            tokens=256,
+        second = doc(
+            loss=2.4,
+            moe={
+                "allGatherSecondsPerStep": 0.02,
+                "maxMeanLoadPerLayer": [1.5],
+                "deadExperts": [[0, 1]],
+                "allToAllBytesPerStepByTier": {"crossGroup": 5},
+            },
         )
+        second["placement"] = {"generation": 2, "appliedAtStep": 40}  # after a re-placement
+        # a second step: the per-step gauge is this step's, the counter the sum
+        m.update(second, tokens=256)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     finally:
         m.close()
@@ -242,6 +242,7 @@ def test_prometheus_metrics_are_served():
     assert 'moe_trainer_comm_seconds_per_step{job="tiny",op="all_gather"} 0.02' in text
     assert 'moe_trainer_tokens_total{job="tiny"} 512.0' in text
     assert 'moe_trainer_dead_experts{job="tiny"} 1.0' in text
+    assert 'moe_trainer_placement_generation{job="tiny"} 2.0' in text
     assert 'moe_trainer_all_to_all_bytes_per_step{job="tiny",tier="crossGroup"} 5.0' in text
     assert 'moe_trainer_all_to_all_bytes_total{job="tiny",tier="crossGroup"} 12.0' in text
     assert 'moe_trainer_all_to_all_bytes_total{job="tiny",tier="intraGroup"} 10.0' in text

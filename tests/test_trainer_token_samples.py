@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from moe_contracts.routing import decode_configmap, parse_routing_stats, routing_stats_doc
 from moe_contracts.routing import encode_configmap as encode
+from moe_trainer.routing import RoutingWindow
 from moe_trainer.token_samples import TokenSampler, to_original_ids
 
 L, K, E = 3, 2, 8
@@ -119,6 +120,7 @@ def test_trainer_document_carries_the_step_of_each_sampled_token():
     keys, ex, steps = _all_tokens([0])
     acc = SimpleNamespace(load=torch.zeros(L, E), coact=torch.zeros(L, E, E), tokens=0, steps=6)
     fake = SimpleNamespace(acc=acc, permutation=[list(range(E))] * L, top_k=K, model_name="m")
+    fake.window = RoutingWindow()
     doc = Trainer.routing_doc(fake, merged)
     order = torch.argsort(keys)[:64]
     assert doc["tokenSamples"]["steps"] == steps[order].tolist()

@@ -41,6 +41,9 @@ FAULT_HOLD_CHECKPOINT_AT_STEP: Final = "MOE_FAULT_HOLD_CHECKPOINT_AT_STEP"
 FAULT_NAN_AT_STEP: Final = "MOE_FAULT_NAN_AT_STEP"
 # test hook: the trainer saves its logits on one fixed batch at start and end (moe_trainer.export)
 TEST_LOGITS_DIR: Final = "MOE_TEST_LOGITS_DIR"
+# test hook: a file read instead of the PlacementUpdate ConfigMap (tests only; never set by the
+# operator)
+TEST_PLACEMENT_FILE: Final = "MOE_TEST_PLACEMENT_FILE"
 
 # ---- where the documents travel -----------------------------------------------------------------
 PLAN_KEY: Final = "plan.json"  # ConfigMap <job>-plan

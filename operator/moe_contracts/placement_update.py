@@ -7,6 +7,17 @@ the trainer reads it at checkpoint boundaries; a generation above the one it run
 place (experts, router rows and their optimizer state move to the new slots), a checkpoint is
 written, and the progress document reports ``placement: {generation, appliedAtStep}``.
 
+Trainer side (``moe_trainer.replan``, ``moe_trainer.replace``; docs/placement.md "Re-placement
+during a job"): the progress ``placement`` section is
+``{generation, appliedAtStep, seconds, message}`` (``moe_contracts.progress.PlacementStatus``):
+``message`` says why the latest document was not applied (unreadable, invalid, or refused: the
+plan has ``placement.replicas``, or the engine is not ZeRO stage 3), and the trainer keeps its
+placement. The checkpoint written after a switch records generation and permutation, so a
+resumed job keeps running the generation it had (a document of a lower or equal generation is
+ignored). The worker pods' Role needs ``get`` on this ConfigMap. The RoutingStats the trainer
+publishes at every checkpoint carry an optional ``window`` (the counts since the previous
+checkpoint, ``moe_contracts.routing.window_stats``) for drift detection.
+
 ``permutation[layer][slot]`` is the original expert id in each slot (the plan's
 ``placement.permutation`` convention): EP rank ``r`` holds slots ``r * E_local .. (r + 1) *
 E_local - 1``.

@@ -46,6 +46,18 @@ class Export(Doc):
     step: Int | None = Field(default=None, ge=0)
 
 
+class PlacementStatus(Doc):
+    """The placement the trainer runs (re-placement during a job,
+    ``moe_contracts.placement_update``): ``generation`` 0 is the plan's own permutation;
+    ``applied_at_step`` the step a later generation was applied at (None for generation 0);
+    ``message`` says why an update was not applied (refused, unreadable), else empty."""
+
+    generation: Int = Field(ge=0)
+    applied_at_step: Int | None = Field(default=None, ge=0)
+    seconds: Float | None = Field(default=None, ge=0)  # how long the last switch took
+    message: Str = ""
+
+
 class TrainerProgress(Doc):
     kind: Literal["TrainerProgress"] = "TrainerProgress"
     version: Literal[1] = 1
@@ -61,6 +73,7 @@ class TrainerProgress(Doc):
     health: tuple[Health, ...] = ()
     routing_stats: dict[str, Any] | None = None  # the last RoutingStats publish attempt
     output: Export | None = None  # the latest export (spec.output), once there is one
+    placement: PlacementStatus | None = None  # the running placement generation (optional)
 
 
 def parse_progress(text: str | bytes | dict[str, Any]) -> TrainerProgress:

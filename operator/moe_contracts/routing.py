@@ -13,6 +13,14 @@ uniform sample of the window's tokens' expert sets (the same tokens, in the same
 layer) and optionally ``token_steps[num_samples]`` the 1-based training step each sampled token
 was routed at (``tokenSamples.steps``: lets the planner split the sample in time). Expert ids are
 original ids.
+
+Optional ``window`` (the trainer writes it; readers that do not know it ignore it): the counts of
+the recent window only, the steps since the previous publish (the previous checkpoint), for
+drift detection and re-planning during a job (``moe_contracts.placement_update``):
+``{"fromStep", "toStep", "tokens", "steps", "load"[L][E], "coactivation"[L][E][E]}``, the same
+invariants as the whole-run counts; the window's token samples are the ``tokenSamples`` whose
+``steps`` are above ``fromStep`` (:func:`window_stats` reads it as a RoutingStats). In the
+ConfigMap the window is dropped (whole-run counts kept) when nothing else makes the document fit.
 """
 
 from __future__ import annotations
@@ -272,6 +280,7 @@ def routing_stats_doc(
     source: str = "trainer",
     samples: list[Any] | None = None,
     sample_steps: list[int] | None = None,
+    window: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The RoutingStats v2 document the trainer writes: ``load[L, E]``, ``coact[L, E, E]`` in
     original expert ids; ``samples[L][S][k]`` (original ids) a uniform sample of the window's
@@ -297,7 +306,35 @@ def routing_stats_doc(
         doc["tokenSamples"] = {"experts": samples}
         if sample_steps is not None:
             doc["tokenSamples"]["steps"] = [int(x) for x in sample_steps]
+    if window is not None:
+        doc["window"] = window
     return doc
+
+
+def window_stats(obj: dict[str, Any]) -> RoutingStats | None:
+    """The document's ``window`` as a checked RoutingStats (its token samples: those routed after
+    ``fromStep``), None when the document has none; raises DocumentError."""
+    w = obj.get("window")
+    if w is None:
+        return None
+    if not isinstance(w, dict):
+        raise DocumentError(f"{DOCUMENT} window: expected an object")
+    head = ("kind", "numLayers", "numExperts", "topK", "source", "model")
+    sub: dict[str, Any] = {k: obj[k] for k in head if k in obj}
+    sub.update(version=2, tokens=w.get("tokens"), steps=w.get("steps"))
+    sub.update(load=w.get("load"), coactivation=w.get("coactivation"))
+    ts = obj.get("tokenSamples") or {}
+    if ts.get("steps") is not None and ts.get("experts"):
+        after = int(w.get("fromStep", 0))
+        keep = [i for i, st in enumerate(ts["steps"]) if st > after]
+        sub["tokenSamples"] = {
+            "experts": [[layer[i] for i in keep] for layer in ts["experts"]],
+            "steps": [ts["steps"][i] for i in keep],
+        }
+    try:
+        return parse_routing_stats(sub)
+    except DocumentError as exc:
+        raise DocumentError(str(exc).replace(f"{DOCUMENT} ", f"{DOCUMENT} window.", 1)) from None
 
 
 # ---- the <job>-routing-stats ConfigMap ---------------------------------------------------------
@@ -322,6 +359,9 @@ def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
     n = len(samples[0]) if samples else 0
     while True:
         enc = _encode(doc, limit)
+        if enc.body is None and not n and "window" in doc:
+            doc = {k: v for k, v in doc.items() if k != "window"}  # whole-run counts first
+            continue
         if enc.body is not None or not n:
             return Encoded(enc.body, enc.key, enc.json_bytes, enc.stored_bytes, n)
         n //= 2

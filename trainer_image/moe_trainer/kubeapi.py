@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
@@ -39,3 +40,29 @@ def api_request(
     if token:
         headers["Authorization"] = f"Bearer {token}"
     return urllib.request.Request(url, data=data, method=method, headers=headers)
+
+
+def read_configmap(
+    name: str, sa_dir: Path = SA_DIR, timeout_s: float = 10.0
+) -> dict[str, Any] | None:
+    """GET ConfigMap ``name`` of the pod's namespace (the decoded object), None when it does not
+    exist (404). Other failures raise (``urllib.error.URLError``, ``OSError``, ``ValueError``)."""
+    import json
+    import ssl
+    import urllib.error
+
+    base = service_url()
+    if base is None:
+        raise OSError("not in a pod (no KUBERNETES_SERVICE_HOST)")
+    ns = (sa_dir / "namespace").read_text().strip()
+    token = (sa_dir / "token").read_text().strip()
+    req = api_request("GET", f"{base}/api/v1/namespaces/{ns}/configmaps/{name}", None, token)
+    ctx = ssl.create_default_context(cafile=str(sa_dir / "ca.crt"))
+    try:
+        with urllib.request.urlopen(req, context=ctx, timeout=timeout_s) as resp:
+            obj: dict[str, Any] = json.loads(resp.read())
+            return obj
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        raise

@@ -57,3 +57,23 @@ def verify_placement(
             {"layer": layer, "epRank": ep_rank, "experts": [int(e) for e in want], "ok": bool(ok)}
         )
     return {"rank": rank, "ok": all(x["ok"] for x in layers), "layers": layers}
+
+
+def check_placement(blocks, permutation, originals, rank: int, ckpt_dir: str | None) -> None:
+    """MOE_VERIFY_PLACEMENT=1: verify, write ``placement_check_rank<r>.json``, fail on a
+    mismatch."""
+    import logging
+    from pathlib import Path
+
+    from moe_trainer.progress import write_json_atomic
+
+    report = verify_placement(blocks, permutation, originals, rank)
+    if ckpt_dir:
+        write_json_atomic(Path(ckpt_dir) / f"placement_check_rank{rank}.json", report)
+    if not report["ok"]:
+        raise RuntimeError(f"rank {rank} does not hold the experts the plan says: {report}")
+    logging.getLogger("moe_trainer").info(
+        "rank %d placement verified: %s",
+        rank,
+        [(x["layer"], x["experts"]) for x in report["layers"]],
+    )

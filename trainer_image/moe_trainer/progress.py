@@ -216,6 +216,12 @@ class Metrics:
             [*labels, "tier"],
             registry=self.registry,
         )
+        self.placement = Gauge(
+            "moe_trainer_placement_generation",
+            "PlacementUpdate generation the trainer runs (0: the plan's own placement)",
+            labels,
+            registry=self.registry,
+        )
         self.server, self.thread = start_http_server(port, registry=self.registry)
 
     def update(self, doc: dict[str, Any], tokens: int) -> None:
@@ -233,6 +239,8 @@ class Metrics:
         self.dead.labels(j).set(len(moe.get("deadExperts") or []))
         if moe.get("fragmentation") is not None:
             self.frag.labels(j).set(moe["fragmentation"])
+        if doc.get("placement"):
+            self.placement.labels(j).set(doc["placement"]["generation"])
         for tier, v in (moe.get("allToAllBytesPerStepByTier") or {}).items():
             self.tier_bytes.labels(j, tier).set(v)
             self.tier_bytes_total.labels(j, tier).inc(v)

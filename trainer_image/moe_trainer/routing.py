@@ -150,6 +150,52 @@ class RoutingAccumulator:
         self.tokens = int(sd["tokens"])
         self.steps = int(sd["steps"])
 
+    def relabel(self, sources: list[list[int]]) -> None:
+        """Re-placement: new slot ``s`` of layer ``l`` takes the counts of old slot
+        ``sources[l][s]``."""
+        for layer, src in enumerate(sources):
+            idx = torch.as_tensor(src, device=self.load.device)
+            self.load[layer] = self.load[layer][idx]
+            self.coact[layer] = self.coact[layer][idx][:, idx]
+
+
+class RoutingWindow:
+    """The counts since the previous RoutingStats publish (the document's ``window``), in
+    original expert ids: the whole-run totals at that publish are kept and subtracted."""
+
+    def __init__(self):
+        self.base: dict | None = None  # {"load", "coact", "tokens", "steps"} at the last publish
+
+    def doc(self, load, coact, tokens: int, steps: int) -> dict:
+        """``window`` of a document whose whole-run counts are these (original ids)."""
+        import numpy as np
+
+        b = self.base or {"load": 0, "coact": 0, "tokens": 0, "steps": 0}
+        return {
+            "fromStep": int(b["steps"]),
+            "toStep": int(steps),
+            "tokens": int(tokens - b["tokens"]),
+            "steps": int(steps - b["steps"]),
+            "load": np.rint(np.asarray(load) - b["load"]).astype(np.int64).tolist(),
+            "coactivation": np.rint(np.asarray(coact) - b["coact"]).astype(np.int64).tolist(),
+        }
+
+    def advance(self, load, coact, tokens: int, steps: int) -> None:
+        import numpy as np
+
+        self.base = {
+            "load": np.asarray(load).copy(),
+            "coact": np.asarray(coact).copy(),
+            "tokens": int(tokens),
+            "steps": int(steps),
+        }
+
+    def state_dict(self) -> dict | None:
+        return self.base
+
+    def load_state_dict(self, sd: dict | None) -> None:
+        self.base = sd
+
 
 def to_original_ids(load_slot, coact_slot, permutation):
     """Reindex slot-id counts to original expert ids: orig[perm[s]] = slot[s]."""

@@ -86,6 +86,13 @@ class TokenSampler:
             torch.cat([self.steps, steps]),
         )
 
+    def relabel(self, new_slot_of: list[list[int]]) -> None:
+        """Re-placement: a held slot id ``x`` of layer ``l`` becomes ``new_slot_of[l][x]``."""
+        self._settle(wait=True)
+        for layer, row in enumerate(new_slot_of):
+            m = torch.as_tensor(row, dtype=torch.int16)
+            self.experts[:, layer] = m[self.experts[:, layer].long()]
+
     def _keep(self, keys, experts, steps) -> None:
         if len(keys) > self.capacity:
             # the bottom-capacity set, in no particular order (merge sorts): a selection, not a

@@ -30,7 +30,10 @@ from moe_trainer import data as data_mod
 from moe_trainer.commtime import CommTimer
 from moe_trainer.distenv import DistEnv
 from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
+from moe_trainer.placement import check_placement
 from moe_trainer.progress import ConfigMapPublisher, Metrics, write_json_atomic
+from moe_trainer.replan import Replanner
+from moe_trainer.replan import refusal as replan_refusal
 from moe_trainer.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
 from moe_trainer.token_samples import TokenSampler
 from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
@@ -175,7 +178,7 @@ class Trainer:
                 self.dispatcher,
             )
         if originals is not None:
-            self.verify_placement(originals)
+            check_placement(self.blocks, self.permutation, originals, self.env.rank, self.ckpt_dir)
         L, E = len(self.blocks), self.num_experts
         self.acc = routing.RoutingAccumulator(L, E, self.env.device)
         self.samples = TokenSampler(
@@ -202,6 +205,9 @@ class Trainer:
         self.publisher = ConfigMapPublisher.from_env() if self.is_rank0 else None
         self.routing_publisher = RoutingStatsPublisher.from_env() if self.is_rank0 else None
         self._routing_written_step: int | None = None
+        self.window = routing.RoutingWindow()  # the RoutingStats `window` (re-planning)
+        refused = replan_refusal(p, self.engine)  # copies, or not ZeRO-3: updates are refused
+        self.replan = Replanner(L, E, refused, prepared.family.router)
         port = os.environ.get(contract_env.METRICS_PORT)
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
 
@@ -248,24 +254,6 @@ class Trainer:
             )
         return "dedup"
 
-    def verify_placement(self, originals) -> None:
-        from moe_trainer.placement import verify_placement
-
-        report = verify_placement(self.blocks, self.permutation, originals, self.env.rank)
-        if self.ckpt_dir:
-            write_json_atomic(
-                Path(self.ckpt_dir) / f"placement_check_rank{self.env.rank}.json", report
-            )
-        if not report["ok"]:
-            raise RuntimeError(
-                f"rank {self.env.rank} does not hold the experts the plan says: {report}"
-            )
-        log.info(
-            "rank %d placement verified: %s",
-            self.env.rank,
-            [(x["layer"], x["experts"]) for x in report["layers"]],
-        )
-
     def resume(self) -> None:
         step = ckpt.latest_step(self.ckpt_dir)
         if step is None:
@@ -276,6 +264,8 @@ class Trainer:
         self.samples.load_state_dict(state.get("samples"))
         self.health.load_state_dict(state["health"])
         self.losses = list(state["losses"])
+        self.window.load_state_dict(state.get("routingWindow"))
+        self.replan.load_state_dict(self, state.get("placement"))  # the checkpoint's slot order
         self.last_ckpt = {
             "step": step,
             "path": str(ckpt.ds_dir(self.ckpt_dir) / ckpt.tag_for(step)),
@@ -350,6 +340,7 @@ class Trainer:
             self.model_name,
             samples=samples,
             sample_steps=None if merged is None else merged["steps"].tolist(),
+            window=self.window.doc(load, coact, self.acc.tokens, self.acc.steps),
         )
 
     def write_routing(self, merged: dict | None = None) -> None:
@@ -369,6 +360,7 @@ class Trainer:
             write_json_atomic(path, doc)
         if self.routing_publisher:
             self.routing_publisher.publish(doc, self.acc.steps, path)
+        self.window.advance(doc["load"], doc["coactivation"], self.acc.tokens, self.acc.steps)
 
     def routing_status(self) -> RoutingStatsStatus | None:
         """The progress document's `routingStats` section (None without a ConfigMap to publish
@@ -379,20 +371,24 @@ class Trainer:
         if not self.ckpt_dir:
             return
         merged = self.samples.merge(self.env.device)
+        self.write_routing(merged)  # first: the state keeps the window that starts here
         state = {
             "step": step,
             "routing": self.acc.state_dict(),
             "health": self.health.state_dict(),
             "losses": list(self.losses),
             "samples": self.samples.state_dict(merged),
+            "placement": self.replan.state_dict(self.permutation),
+            "routingWindow": self.window.state_dict(),
         }
         path = ckpt.save(self.engine, self.ckpt_dir, step, self.env.rank, state)
         self.last_ckpt = {"step": step, "path": str(path)}
-        self.write_routing(merged)
 
     def publish(self, doc: dict, tokens: int, force: bool = False) -> None:
         if not self.is_rank0:
             return
+        if (placement := self.replan.section()) is not None:
+            doc["placement"] = placement  # the running generation, from the first document on
         if self.ckpt_dir:
             write_json_atomic(Path(self.ckpt_dir) / contract_env.PROGRESS_KEY, doc)
         if self.publisher:
@@ -556,6 +552,7 @@ class Trainer:
                         Path(self.ckpt_dir) / contract_env.PROGRESS_KEY,
                         dict(doc, phase="Checkpointing"),
                     )
+                self.replan.at_checkpoint(self, step)  # a newer PlacementUpdate: re-place first
                 self.save(step)
                 doc["checkpoint"] = self.last_ckpt
             if step == t.steps:

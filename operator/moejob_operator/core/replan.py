@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats
+from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats, window_stats
 
 from . import cost, router_groups
 from .models import spec_from_hf_config
@@ -146,9 +146,10 @@ def fresh_stats(cm: dict[str, Any] | None) -> tuple[RoutingStats | None, str]:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         obj = None
-    window = obj.get(WINDOW_KEY) if isinstance(obj, dict) else None
-    if isinstance(window, dict) and window.get("tokens"):
-        return parse_routing_stats(window), "window"
+    if isinstance(obj, dict) and isinstance(obj.get(WINDOW_KEY), dict):
+        window = window_stats(obj)  # the counts since the trainer's previous publish
+        if window is not None and window.tokens:
+            return window, "window"
     return parse_routing_stats(obj), "whole run"
 
 
