@@ -1,5 +1,5 @@
 """bf16 -> fp32 gradient casts on the GPU: which way of writing the one-rank hand-off's copy runs at
-memory bandwidth (``moe_trainer.perf.install_single_rank_grads``; docs/performance.md).
+memory bandwidth (``moe_trainer.model.perf.install_single_rank_grads``; docs/performance.md).
 
     python3 benchmarks/cast_bench.py --out $OUT        (CUDA only)
 

@@ -10,12 +10,12 @@ topology ``2 nodes x 2 GPUs, group size 2``). For every routing file (RoutingSta
 ``tokenExperts``: the experts real-text tokens chose) and every placement (contiguous, balanced,
 topology_aware, solved by ``core.placement`` on the same file), each rank feeds its share of the
 recorded tokens (token t on rank t % 4) through one AutoEP layer per MoE layer, forward and
-backward, once with DeepSpeed AutoEP's own all-to-all and once with ``moe_trainer.dedup_ep``.
-The router is replaced by the recorded choices; the placement reaches AutoEP by renaming experts
-to slots and reaches dedup through its expert -> rank table, so no weights move (outputs are not
-the trained model's; bytes do not depend on weights). Bytes per tier are counted in the
-collectives (``moe_trainer.commtime.CommTimer`` with the plan's tiers) and set beside
-``core.dispatch.dispatch_bytes`` for the same tokens.
+backward, once with DeepSpeed AutoEP's own all-to-all and once with
+``moe_trainer.dispatch.dedup_ep``. The router is replaced by the recorded choices; the placement
+reaches AutoEP by renaming experts to slots and reaches dedup through its expert -> rank table, so
+no weights move (outputs are not the trained model's; bytes do not depend on weights). Bytes per
+tier are counted in the collectives (``moe_trainer.telemetry.commtime.CommTimer`` with the plan's
+tiers) and set beside ``core.dispatch.dispatch_bytes`` for the same tokens.
 
 ``--netns`` runs the same four processes as two "nodes" in Linux network namespaces joined by a
 veth pair shaped with ``tc ... tbf rate 200mbit`` (loopback inside a node): an *emulation* of a
@@ -86,8 +86,8 @@ def worker() -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from moe_contracts.routing import read_routing_stats
-    from moe_trainer import dedup_ep
-    from moe_trainer.commtime import CommTimer
+    from moe_trainer.dispatch import dedup_ep
+    from moe_trainer.telemetry.commtime import CommTimer
 
     job = json.loads(os.environ["DISPATCH_JOB"])
     deepspeed.init_distributed(dist_backend="gloo")

@@ -77,7 +77,7 @@ def main() -> None:
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from moe_trainer import dedup_ep
+    from moe_trainer.dispatch import dedup_ep
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = MixtralConfig(

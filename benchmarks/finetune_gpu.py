@@ -69,7 +69,7 @@ MAKE_CHECKPOINT = """
 import sys, time, torch
 sys.path[:0] = sys.argv[3:5]
 from moejob_operator.core.models import preset_hf_config
-from moe_trainer import models
+from moe_trainer.model import models
 cfg = preset_hf_config(sys.argv[1])
 t0 = time.perf_counter()
 m = models.build_model(cfg, seed=1234, dtype=torch.bfloat16, device="cuda")

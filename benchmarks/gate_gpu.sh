@@ -3,7 +3,7 @@
 # build included):
 #   1. derive the GPU's numeric tolerances from the spread of correct runs over SEEDS seeds
 #      (benchmarks/smoke_tolerances.py: writes benchmarks/results/smoke_tolerances_cuda-bf16.json
-#      and the cuda-bf16 table of trainer_image/moe_trainer/smoke_tolerances.json);
+#      and the cuda-bf16 table of trainer_image/moe_trainer/gate/tolerances.json);
 #   2. time the smoke run with those tolerances against the 120 s budget (benchmarks/smoke_bench.py:
 #      writes benchmarks/results/smoke_gpu.json; exit 1 when it fails or is over budget).
 #   benchmarks/gate_gpu.sh [SEEDS]                      (default 3)

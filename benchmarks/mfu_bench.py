@@ -208,7 +208,8 @@ def trainer_worker(
 
     env_single(free_port())
     from moe_contracts.plan import parse_plan
-    from moe_trainer import distenv, perf
+    from moe_trainer import distenv
+    from moe_trainer.model import perf
     from moe_trainer.trainer import Trainer
 
     lean: list[str] = []  # what the trainer installed around DeepSpeed's ZeRO-3 optimizer
@@ -320,7 +321,7 @@ def plain_worker(size: str, variant: str, warmup: int, steps: int, profile: bool
     import torch
     import torch.nn.functional as F
 
-    from moe_trainer import models, perf
+    from moe_trainer.model import models, perf
     from moejob_operator.core import models as core_models
 
     preset, seq, micro = SIZES[size]

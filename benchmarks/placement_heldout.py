@@ -6,7 +6,7 @@
         ${R}_top8_fit_steps.json:${R}_top8_test_steps.json \
         ${R}_top2_fit_steps.json:${R}_top2_test_steps.json ${R}_top4_fit.json:${R}_top4_test.json
 
-Each pair is two disjoint windows of one training run (``moe_trainer.record_routing --test-out``).
+Each pair is two disjoint windows of one training run (``benchmarks/record_routing.py --test-out``).
 Every solver places on the *fit* window; placements are scored on the *test* window's token
 samples (exact cost model: a token is sent once per remote NVLink group / node holding any of
 its experts). "in sample" is the placement scored on the fit window (exactly, from its token

@@ -3,7 +3,7 @@
 Writes a Mixtral-style checkpoint (fp32, ~5.2 GB, shards of at most 1 GiB, the per-expert
 tensor names ``save_pretrained`` uses) tensor by tensor, then starts 2 gloo ranks that each
 build the model the way the trainer does for a plan with ``model.path``
-(``moe_trainer.model_setup.prepare``: ZeRO-3 ``zero.Init`` without initialisation, the
+(``moe_trainer.model.model_setup.prepare``: ZeRO-3 ``zero.Init`` without initialisation, the
 checkpoint streamed into the partitions with a non-identity placement) and record
 
 * ``rssBeforeBytes``: resident memory after the imports and the process group (the baseline),
@@ -59,8 +59,9 @@ def write_checkpoint(out: Path) -> dict:
     """The checkpoint, one tensor in memory at a time (seeded values)."""
     import torch
 
-    from moe_trainer import families, models
-    from moe_trainer.export import _disk_tensors, _ShardWriter, hf_tensor_names
+    from moe_trainer import families
+    from moe_trainer.model import models
+    from moe_trainer.model.export import _disk_tensors, _ShardWriter, hf_tensor_names
 
     fam = families.get("mixtral")
     out.mkdir(parents=True)
@@ -123,7 +124,8 @@ def rss_now() -> int:
 def rank_worker(plan_path: str, out_dir: str) -> None:
     """One rank: build + stream (the trainer's code), then report memory."""
     from moe_contracts.plan import load_plan
-    from moe_trainer import distenv, model_setup
+    from moe_trainer import distenv
+    from moe_trainer.model import model_setup
     from moe_trainer.trainer import deepspeed_config
 
     plan = load_plan(plan_path)

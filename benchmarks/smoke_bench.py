@@ -1,9 +1,9 @@
 """How long the upgrade gate's smoke run takes: `moe-smoke` on the planner's smoke plans, timed.
 
 Renders the SmokePlans exactly as the operator does (`moejob_operator.core.smoke_plans`), runs the
-real `python -m moe_trainer.smoke` `--runs` times and writes each verdict's duration, the per-check
-seconds (summed over cases), the machine (CPUs, load average before and after, GPU) and the
-budget (CPU 180 s, GPU 120 s, docs/gate.md) to `<out>/smoke_<cpu|gpu>.json`.
+real `python -m moe_trainer.gate.main` `--runs` times and writes each verdict's duration, the
+per-check seconds (summed over cases), the machine (CPUs, load average before and after, GPU) and
+the budget (CPU 180 s, GPU 120 s, docs/gate.md) to `<out>/smoke_<cpu|gpu>.json`.
 
     # CPU (2 gloo ranks); one GPU (FusedAdam JIT included)
     python benchmarks/smoke_bench.py --cpu --runs 2 --out benchmarks/results
@@ -62,7 +62,7 @@ def one_run(device: str, plans_file: Path, work: Path, timeout: float) -> dict:
         [
             sys.executable,
             "-m",
-            "moe_trainer.smoke",
+            "moe_trainer.gate.main",
             f"--{device}",
             "--plans",
             str(plans_file),

@@ -9,8 +9,8 @@ the uninterrupted one (``resume_rank<r>.json``). The tolerance of a quantity is
     max(FLOOR[dtype][class], FACTOR x the largest deviation over seeds, cases, ranks and steps)
 
 written, with the measured spread, to ``benchmarks/results/smoke_tolerances_<table>.json`` and,
-as the table the smoke test reads, into ``trainer_image/moe_trainer/smoke_tolerances.json``
-(``moe_trainer.smoke_compare``; docs/gate.md shows the values).
+as the table the smoke test reads, into ``trainer_image/moe_trainer/gate/tolerances.json``
+(``moe_trainer.gate.compare``; docs/gate.md shows the values).
 
     python benchmarks/smoke_tolerances.py --cpu --seeds 5                  # table cpu-fp32
     python benchmarks/smoke_tolerances.py --gpu --seeds 5                  # cuda-bf16 (cc >= 8.0)
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "trainer_image")]
 
-from moe_trainer.smoke_compare import TOLERANCES_FILE
+from moe_trainer.gate.compare import TOLERANCES_FILE
 from moejob_operator.core.dsconfig import GpuCaps
 from moejob_operator.core.smoke_plans import smoke_plans
 
@@ -128,7 +128,7 @@ def one_seed(device: str, plans: dict, work: Path, tol_file: Path) -> dict:
         [
             sys.executable,
             "-m",
-            "moe_trainer.smoke",
+            "moe_trainer.gate.main",
             f"--{device}",
             "--plans",
             str(plans_file),

@@ -161,7 +161,7 @@ def build_model(variant: str, d: dict, device, dtype):
     elif variant in ("hf", "autoep"):
         model.set_experts_implementation("grouped_mm" if device.type == "cuda" else "eager")
     elif variant.startswith("grouped"):
-        from moe_trainer.grouped_moe import swap_moe_blocks
+        from moe_trainer.model.grouped_moe import swap_moe_blocks
 
         assert (
             swap_moe_blocks(model, fused_act=False if variant == "grouped_eager" else None)
@@ -281,7 +281,7 @@ def layer_worker(args) -> dict:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     from moe_trainer.fast.ops import combine, dispatch, plan_dispatch
-    from moe_trainer.grouped_moe import GroupedMoeBlock
+    from moe_trainer.model.grouped_moe import GroupedMoeBlock
 
     d = TINY if args.tiny else FULL
     cfg = mixtral_config(d)
@@ -376,7 +376,7 @@ def check_worker(args) -> dict:
 
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from moe_trainer.grouped_moe import GroupedMoeBlock
+    from moe_trainer.model.grouped_moe import GroupedMoeBlock
 
     d = TINY if args.tiny else FULL
     cfg = mixtral_config(d)

@@ -44,7 +44,7 @@ def run_case(case: dict) -> dict:
     from deepspeed.module_inject.auto_ep_config import parse_autoep_config
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from moe_trainer import dedup_ep
+    from moe_trainer.dispatch import dedup_ep
 
     rank, P = dist.get_rank(), dist.get_world_size()
     E, K, H = case["experts"], case["topk"], 32
@@ -117,7 +117,7 @@ def run_case(case: dict) -> dict:
     g_all = torch.randn(P, 1, T, H, generator=torch.Generator().manual_seed(case["seed"] + 3))
     (out * g_all[rank]).sum().backward()
     moved = dedup_ep.counters.take()
-    from moe_trainer import dedup_replicas
+    from moe_trainer.dispatch import dedup_replicas
 
     synced = dedup_replicas.sync_counters.take()
     with torch.no_grad():

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moe_trainer import families, models
+from moe_trainer import families
+from moe_trainer.model import models
 
 WORLD = 2
 

@@ -24,6 +24,11 @@ DEV = ("moe_localkube", "operator_harness", "fake_nvml")
 CLUSTER = ("kubernetes", "kopf")
 # The rooms of the operator above the reconcile pass (they may import it, never the reverse).
 ABOVE_RECONCILE = ("controller", "handlers", "run", "cli", "childwatch", "workqueue")
+# The trainer's sub-packages sit below its run and its entry points (which import them, never
+# the reverse) and below the upgrade gate's smoke run (gate/).
+TRAINER_ABOVE = tuple(
+    f"moe_trainer.{m}" for m in ("gate", "train", "trainer", "launch", "export_cli", "prepare_data")
+)
 # Modules that talk to the API server with the kubernetes client (everything else may at most
 # catch its ApiException): the reconcile pass's one client seam, the gate's Job/verdict store,
 # the child watches and the Lease.
@@ -100,6 +105,10 @@ RULES = [
     ("moejob_operator", OPERATOR, (*HEAVY, *DEV)),
     ("moe_contracts", OPERATOR, (*CLUSTER, *HEAVY, *DEV, "moejob_operator")),
     ("moe_trainer", TRAINER, ("kopf", "moejob_operator", *DEV)),
+    ("moe_trainer/model", TRAINER, TRAINER_ABOVE),
+    ("moe_trainer/dispatch", TRAINER, TRAINER_ABOVE),
+    ("moe_trainer/telemetry", TRAINER, TRAINER_ABOVE),
+    ("moe_trainer/inputs", TRAINER, TRAINER_ABOVE),
 ]
 
 

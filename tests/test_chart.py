@@ -239,7 +239,7 @@ def _exported_names() -> set[str]:
     finally:
         metrics.forget_job("ns", "j")
     # the trainer's names, from its source (constructing Metrics would open a port)
-    src = (ROOT / "trainer_image" / "moe_trainer" / "progress.py").read_text()
+    src = (ROOT / "trainer_image" / "moe_trainer" / "telemetry" / "progress.py").read_text()
     trainer = set(re.findall(r'(?:Gauge|Counter)\(\s*"(moe_trainer_\w+)"', src))
     assert len(trainer) >= 8
     counters = set(re.findall(r'Counter\(\s*"(moe_trainer_\w+)"', src))

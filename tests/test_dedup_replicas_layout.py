@@ -1,13 +1,13 @@
-"""Replicated experts' tables (`moe_trainer.dedup_replicas`, #33), without processes: the plan's
-copies in original ids become router-id layouts, a bad layout is refused naming the entry, and
-every rank's virtual ids, local copy order and weight-sync splits agree with each other."""
+"""Replicated experts' tables (`moe_trainer.dispatch.dedup_replicas`, #33), without processes: the
+plan's copies in original ids become router-id layouts, a bad layout is refused naming the entry,
+and every rank's virtual ids, local copy order and weight-sync splits agree with each other."""
 
 import pytest
 import torch
 
 from moe_contracts.plan import LayerReplicas
-from moe_trainer import dedup_ep
-from moe_trainer.dedup_replicas import copies_of, plan_layouts, sync_bytes
+from moe_trainer.dispatch import dedup_ep
+from moe_trainer.dispatch.dedup_replicas import copies_of, plan_layouts, sync_bytes
 
 E, P = 8, 4
 BASE = dedup_ep.contiguous_layout(E, P, [0, 0, 1, 1], [0, 0, 1, 1])
@@ -111,8 +111,8 @@ def test_the_trainer_refuses_copies_its_dispatcher_cannot_serve(tmp_path, caplog
 def test_the_smoke_check_predicts_with_the_serve_table_of_the_installed_layers():
     from types import SimpleNamespace
 
-    from moe_trainer.dedup_replicas import serve_table
-    from moe_trainer.smoke_dispatch import predict
+    from moe_trainer.dispatch.dedup_replicas import serve_table
+    from moe_trainer.gate.dispatch import predict
 
     (lay,) = plan_layouts(BASE, [layer(PERM, {7: [3], 0: [0, 1]})], [PERM])
     single = dedup_ep.Plan(BASE, 0, None, None, None, torch.device("cpu"))

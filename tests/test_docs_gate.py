@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from moe_contracts.gate import CHECKS
-from moe_trainer.smoke_compare import TOLERANCES_FILE
+from moe_trainer.gate.compare import TOLERANCES_FILE
 from moejob_operator.core import smoke_plans
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ def test_every_reason_has_a_row():
     reasons |= set(model_report.REASONS)  # a refused model directory
     gate_src = (ROOT / "operator" / "moejob_operator" / "reconcile" / "gate.py").read_text()
     reasons |= set(re.findall(r'^R_\w+ = "(\w+)"', gate_src, re.MULTILINE))
-    health_src = (ROOT / "trainer_image" / "moe_trainer" / "health.py").read_text()
+    health_src = (ROOT / "trainer_image" / "moe_trainer" / "telemetry" / "health.py").read_text()
     findings = set(re.findall(r'Finding\(\s*"(\w+)"', health_src))
     assert len(reasons) >= 30 and len(findings) >= 4
     missing = (reasons | findings) - documented()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moe_trainer import families as trainer_families
-from moe_trainer import models
+from moe_trainer.model import models
 
 core_families = pytest.importorskip("moejob_operator.core.families")
 core_models = pytest.importorskip("moejob_operator.core.models")

@@ -29,7 +29,7 @@ import pytest
 from moe_contracts import gate as contract_gate
 from moe_contracts.gate import parse_gate_verdict, parse_smoke_golden
 from moe_localkube.testing import unique_name
-from moe_trainer import smoke
+from moe_trainer.gate import main as smoke
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans

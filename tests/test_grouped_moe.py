@@ -11,7 +11,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from moe_trainer.fast.ops import plan_dispatch, swiglu
-from moe_trainer.grouped_moe import GroupedMoeBlock, swap_moe_blocks
+from moe_trainer.model.grouped_moe import GroupedMoeBlock, swap_moe_blocks
 
 H, F, E, K = 32, 48, 4, 2
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_trainer import export, families, models, pretrained
-from moe_trainer.hf_checkpoint import CheckpointError, weight_map
+from moe_trainer import families
+from moe_trainer.model import export, models, pretrained
+from moe_trainer.model.hf_checkpoint import CheckpointError, weight_map
 
 NAMES = families.NAMES
 

@@ -1,6 +1,7 @@
-"""The planner's speed choices (core/perf.py), the trainer's performance options (moe_trainer.perf):
-fused LM head + cross-entropy against the reference, plan validation, what the planner picks on
-one H200 / two H200s / CPU, and `moe-train` with every option on against the stock path."""
+"""The planner's speed choices (core/perf.py), the trainer's performance options
+(moe_trainer.model.perf): fused LM head + cross-entropy against the reference, plan validation, what
+the planner picks on one H200 / two H200s / CPU, and `moe-train` with every option on against the
+stock path."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_contracts.plan import PerfSpec, PlanError, parse_perf
-from moe_trainer import perf
+from moe_trainer.model import perf
 from moejob_operator.core import models as core_models
 from moejob_operator.core.errors import DocumentError  # noqa: F401  (import check: core stays importable)
 from moejob_operator.core.plan import PlanRequest, build_plan
@@ -43,7 +44,7 @@ def test_fused_linear_cross_entropy_matches_reference(chunk):
 
 
 def test_fused_loss_head_keeps_state_dict_and_plain_logits():
-    from moe_trainer.models import TINY_HF_CONFIGS, build_model
+    from moe_trainer.model.models import TINY_HF_CONFIGS, build_model
 
     model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
     keys = list(model.state_dict())
@@ -88,7 +89,7 @@ def test_parse_perf_rejects_bad_documents():
 
 
 def test_zero_leaf_modules_must_exist():
-    from moe_trainer.models import TINY_HF_CONFIGS, build_model
+    from moe_trainer.model.models import TINY_HF_CONFIGS, build_model
 
     model = build_model(TINY_HF_CONFIGS["tiny-mixtral"], seed=3)
     assert perf.set_zero_leaves(model, ["MixtralDecoderLayer"]) == 2

@@ -209,8 +209,8 @@ def test_the_trainer_takes_the_planners_copies_as_they_are(capsys, tmp_path):
     """The plan moectl writes with copies is what the trainer's dispatcher builds its layers from:
     every layer passes the trainer's own checks and serves each (source rank, expert) from the
     rank the plan says (original ids through the permutation to the router's slot ids)."""
-    from moe_trainer.dedup_ep import contiguous_layout
-    from moe_trainer.dedup_replicas import check_replicas, plan_layouts
+    from moe_trainer.dispatch.dedup_ep import contiguous_layout
+    from moe_trainer.dispatch.dedup_replicas import check_replicas, plan_layouts
 
     _files(tmp_path)
     code, _out, err = _plan(

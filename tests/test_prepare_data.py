@@ -12,8 +12,8 @@ import pytest
 from finetune_fixtures import chats, make_tokenizer, sentences, write_jsonl, write_parquet
 from moe_contracts.data import parse_data_report, parse_manifest
 from moe_trainer import prepare_data as P
-from moe_trainer.data import IGNORE_INDEX
-from moe_trainer.prepared import PreparedSource
+from moe_trainer.inputs.data import IGNORE_INDEX
+from moe_trainer.inputs.prepared import PreparedSource
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_tokenized_kind_reads_a_prepared_directory(tmp_path):
     memory-mapped like prepared data, .npy arrays are read as before."""
     from types import SimpleNamespace
 
-    from moe_trainer.data import BatchSource, make_batch_source
+    from moe_trainer.inputs.data import BatchSource, make_batch_source
 
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in sentences(20)])
     code, rep = run(tmp_path, data)
@@ -211,7 +211,7 @@ def test_masked_loss_counts_only_the_targets_that_count():
     import torch
     import torch.nn.functional as F
 
-    from moe_trainer.data import lm_loss
+    from moe_trainer.inputs.data import lm_loss
 
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 11)

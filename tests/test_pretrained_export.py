@@ -27,8 +27,9 @@ import torch
 
 from family_plans import plan_doc, write_plan
 from moe_contracts.progress import parse_progress
-from moe_trainer import families, models
+from moe_trainer import families
 from moe_trainer.launch import launch
+from moe_trainer.model import models
 
 pytestmark = pytest.mark.slow
 

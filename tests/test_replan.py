@@ -20,9 +20,10 @@ from moe_contracts.routing import (
     routing_stats_doc,
     window_stats,
 )
-from moe_trainer import kubeapi, replace, replan, routing
-from moe_trainer.token_samples import TokenSampler
-from moe_trainer.token_samples import to_original_ids as samples_to_original
+from moe_trainer import kubeapi, replace, replan
+from moe_trainer.telemetry import routing
+from moe_trainer.telemetry.token_samples import TokenSampler
+from moe_trainer.telemetry.token_samples import to_original_ids as samples_to_original
 
 OLD = [[2, 0, 3, 1], [1, 3, 0, 2]]
 NEW = [[3, 1, 0, 2], [3, 0, 1, 2]]

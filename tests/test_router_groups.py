@@ -63,7 +63,7 @@ def test_keeps_groups_detects_a_split():
 def test_group_keeping_permutation_keeps_a_deepseek_v3_model_and_a_split_changes_it():
     import torch
 
-    from moe_trainer import models
+    from moe_trainer.model import models
 
     cfg = dict(
         models.TINY_HF_CONFIGS["tiny-deepseek-v3"],

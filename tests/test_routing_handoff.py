@@ -257,8 +257,8 @@ def test_gzip_and_json_patches_with_the_worker_scoped_token(
     from moe_contracts.env import ROUTING_STATS_GZ_KEY as GZ_KEY
     from moe_contracts.env import ROUTING_STATS_KEY as KEY
     from moe_contracts.routing import configmap_text
-    from moe_trainer import progress
-    from moe_trainer.routing_publish import RoutingStatsPublisher
+    from moe_trainer.telemetry import progress
+    from moe_trainer.telemetry.routing_publish import RoutingStatsPublisher
     from test_trainer_routing_publish import stats_doc
 
     name = "a-routing-stats"

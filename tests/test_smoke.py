@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from moe_contracts import gate as contract_gate
-from moe_trainer import smoke
+from moe_trainer.gate import main as smoke
 from moejob_operator.core import gate as G
 from moejob_operator.core.smoke_plans import CPU_CASES, smoke_plans
 
@@ -46,7 +46,7 @@ def run_smoke(tmp_path, plans_file, *args, fault=None, fault_step=1, timeout=400
         [
             sys.executable,
             "-m",
-            "moe_trainer.smoke",
+            "moe_trainer.gate.main",
             "--cpu",
             "--plans",
             str(plans_file),
@@ -281,7 +281,7 @@ def test_gpu_required_but_absent_fails_imports(tmp_path):
         [
             sys.executable,
             "-m",
-            "moe_trainer.smoke",
+            "moe_trainer.gate.main",
             "--gpu",
             "--plans",
             str(plans),

@@ -14,7 +14,7 @@ def parse(*argv):
 
 def test_local_command_uses_the_installed_moe_smoke():
     cmd = smoke_command(parse("--cpu", "--expect-deepspeed", "0.19.8"), "/tmp/p.json")
-    assert cmd[0].endswith("moe-smoke") or cmd[1:3] == ["-m", "moe_trainer.smoke"]
+    assert cmd[0].endswith("moe-smoke") or cmd[1:3] == ["-m", "moe_trainer.gate.main"]
     assert cmd[-7:] == [
         "--cpu",
         "--expect-deepspeed",

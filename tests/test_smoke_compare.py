@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_trainer import smoke_compare as C
-from moe_trainer import smoke_dispatch as D
+from moe_trainer.gate import compare as C
+from moe_trainer.gate import dispatch as D
 
 NAMES = ("model.layers.0.mlp.experts.w1", "model.layers.0.mlp.router.gate.weight")
 
@@ -105,7 +105,7 @@ def test_the_reference_takes_every_ranks_expert_rows_back_exactly():
     """hf_pieces inverts hf_view: the engine's tensors of two EP ranks written into a reference
     reproduce it exactly (router renamed, gate/up halves, down rows), so each step is compared
     from the engine's own weights."""
-    from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
+    from moe_trainer.gate.reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
 
     E, F_, H = 4, 3, 5
     pre = "model.layers.0.mlp.experts"

@@ -160,7 +160,7 @@ def test_routing_stats_progress_and_heatmap(runs):
 def test_other_families_train_under_autoep(tmp_path, preset, family):
     """Qwen3-MoE and DeepSeek-V3 (shared experts, sigmoid group routing) under ZeRO-3 + AutoEP, 3
     steps."""
-    from moe_trainer.models import TINY_HF_CONFIGS
+    from moe_trainer.model.models import TINY_HF_CONFIGS
 
     doc = json.loads(PLAN.read_text())
     doc["model"] = {

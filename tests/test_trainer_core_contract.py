@@ -10,7 +10,7 @@ import pytest
 
 from moe_contracts import routing as contract_routing
 from moe_contracts.plan import parse_plan
-from moe_trainer import routing
+from moe_trainer.telemetry import routing
 
 core_plan = pytest.importorskip("moejob_operator.core.plan")
 core_models = pytest.importorskip("moejob_operator.core.models")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from moe_contracts.plan import DataSpec
-from moe_trainer import corpus, data
+from moe_trainer.inputs import corpus, data
 
 
 def test_byte_tokenizer_roundtrip():

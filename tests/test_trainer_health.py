@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from moe_trainer.health import SIGNIFICANCE, HealthMonitor, significantly_low
+from moe_trainer.telemetry.health import SIGNIFICANCE, HealthMonitor, significantly_low
 
 ARGS = dict(
     dead_steps=20,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_trainer import models
+from moe_trainer.model import models
 
 
 @pytest.mark.parametrize("preset", sorted(models.TINY_HF_CONFIGS))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from moe_contracts.progress import parse_progress, progress_doc
-from moe_trainer import progress
+from moe_trainer.telemetry import progress
 from moe_trainer.trainer import lr_lambda
 
 
@@ -89,8 +89,8 @@ def test_lr_warmup_then_cosine():
 def test_comm_timer_counts_sync_and_async(monkeypatch):
     import deepspeed.comm as dscomm
 
-    from moe_trainer import commtime
-    from moe_trainer.commtime import CommTimer
+    from moe_trainer.telemetry import commtime
+    from moe_trainer.telemetry.commtime import CommTimer
 
     clock = [100.0]  # the calls "take" fixed times: what is counted does not depend on the load
     monkeypatch.setattr(
@@ -136,7 +136,7 @@ def test_comm_timer_counts_bytes_sent_to_other_ranks(monkeypatch):
     import deepspeed.comm as dscomm
     import torch
 
-    from moe_trainer.commtime import CommTimer
+    from moe_trainer.telemetry.commtime import CommTimer
 
     monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
     monkeypatch.setattr(dscomm, "get_rank", lambda group=None: 1)
@@ -169,7 +169,7 @@ def test_comm_timer_splits_bytes_by_the_receivers_tier(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from moe_trainer.commtime import CommTimer
+    from moe_trainer.telemetry.commtime import CommTimer
 
     monkeypatch.setattr(dscomm, "all_to_all_single", lambda *a, **kw: None)
     monkeypatch.setattr(dscomm, "get_rank", lambda group=None: 1)

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 import pytest
 
 from moe_contracts.progress import progress_doc
-from moe_trainer import progress
+from moe_trainer.telemetry import progress
 
 pytestmark = pytest.mark.cluster
 

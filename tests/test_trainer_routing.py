@@ -6,7 +6,7 @@ import torch
 
 from moe_contracts.errors import DocumentError
 from moe_contracts.routing import parse_routing_stats, routing_stats_doc
-from moe_trainer import routing
+from moe_trainer.telemetry import routing
 
 
 class FakeProbe:

@@ -16,8 +16,8 @@ from moe_contracts.routing import (
     routing_stats_doc,
 )
 from moe_contracts.routing import encode_configmap as encode
-from moe_trainer import progress, routing_publish
-from moe_trainer.routing_publish import RoutingStatsPublisher
+from moe_trainer.telemetry import progress, routing_publish
+from moe_trainer.telemetry.routing_publish import RoutingStatsPublisher
 
 
 def decode(cm):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import json
 
-from moe_trainer.data import DataError
+from moe_trainer.inputs.data import DataError
 from moe_trainer.train import EXIT_CONFIG, EXIT_RETRYABLE, classify, write_termination
 from moejob_operator import constants as C
 from moejob_operator.reconcile import machine

@@ -11,8 +11,8 @@ import torch.multiprocessing as mp
 
 from moe_contracts.routing import decode_configmap, parse_routing_stats, routing_stats_doc
 from moe_contracts.routing import encode_configmap as encode
-from moe_trainer.routing import RoutingWindow
-from moe_trainer.token_samples import TokenSampler, to_original_ids
+from moe_trainer.telemetry.routing import RoutingWindow
+from moe_trainer.telemetry.token_samples import TokenSampler, to_original_ids
 
 L, K, E = 3, 2, 8
 

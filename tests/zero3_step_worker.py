@@ -19,7 +19,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from moe_trainer import perf
+from moe_trainer.model import perf
 
 mode = sys.argv[1]
 accumulation = int(sys.argv[2]) if len(sys.argv) > 2 else 1

@@ -11,7 +11,7 @@ Two dispatchers (``placement.dispatcher``):
 - ``autoep``: DeepSpeed 0.19.8 AutoEP's all-to-all (``AutoEPMoELayer._forward``): one row of
   ``H`` bytes per (token, expert) whose expert is on another EP rank, there and back; plus its
   per-layer count exchange (an all-to-all of ``E`` int32 counts, ``E / P`` to each peer).
-- ``dedup``: the trainer's two-stage dispatcher (``moe_trainer.dedup_ep``): EP ranks form G
+- ``dedup``: the trainer's two-stage dispatcher (``moe_trainer.dispatch.dedup_ep``): EP ranks form G
   groups of R (the NVLink groups of the EP group; unequal groups run flat, R = 1). A token on EP
   rank ``s`` (index ``i`` in its group) sends one row to rank ``i`` of every other group it needs
   (stage A), and from there (or from ``s`` for its own group) one row to every other rank of that

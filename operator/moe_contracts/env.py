@@ -39,7 +39,8 @@ FAULT_EXIT_AT_STEP: Final = "MOE_FAULT_EXIT_AT_STEP"
 FAULT_EXIT_CODE: Final = "MOE_FAULT_EXIT_CODE"
 FAULT_HOLD_CHECKPOINT_AT_STEP: Final = "MOE_FAULT_HOLD_CHECKPOINT_AT_STEP"
 FAULT_NAN_AT_STEP: Final = "MOE_FAULT_NAN_AT_STEP"
-# test hook: the trainer saves its logits on one fixed batch at start and end (moe_trainer.export)
+# test hook: the trainer saves its logits on one fixed batch at start and end
+# (moe_trainer.model.export)
 TEST_LOGITS_DIR: Final = "MOE_TEST_LOGITS_DIR"
 # test hook: a file read instead of the PlacementUpdate ConfigMap (tests only; never set by the
 # operator)

@@ -95,7 +95,9 @@ def smoke_command(
             opts = ["--gpu"] + [o for o in opts if o != "--gpu"]
         return [*runtime, args.image, *opts, "--plans", IMAGE_PLANS]
     exe = shutil.which("moe-smoke")
-    return ([exe] if exe else [python, "-m", "moe_trainer.smoke"]) + opts + ["--plans", plans_file]
+    return (
+        ([exe] if exe else [python, "-m", "moe_trainer.gate.main"]) + opts + ["--plans", plans_file]
+    )
 
 
 def format_verdict(doc: dict[str, Any]) -> str:

@@ -199,7 +199,7 @@ PATCHES = {
     "zero-expert-grads": ("deepspeed.module_inject.auto_ep_layer", _zero_expert_grads),
     "edp-reduction": ("deepspeed.runtime.zero.stage3", _edp_reduction),
     "no-clipping": ("deepspeed.runtime.zero.stage3", _no_clipping),
-    "no-dedup": ("moe_trainer.dedup_ep", _no_dedup),
+    "no-dedup": ("moe_trainer.dispatch.dedup_ep", _no_dedup),
     "resume-weights-only": (ENGINE, _resume_weights_only),
     "deepseek-routing": ("deepspeed.module_inject.auto_ep_presets.registry", _deepseek_routing),
 }

@@ -7,7 +7,7 @@ the EP groups), and DeepSpeed's own ``zero_to_fp32`` refuses AutoEP checkpoints,
 restores it the way the trainer resumes: one process per rank of the plan (started here, on this
 machine: ``--cpu`` runs them on the CPU over gloo, otherwise on the plan's GPUs), the model built
 partitioned and empty, ``load_checkpoint``, then the same export as the end of training
-(``moe_trainer.export``: tensor by tensor, original expert order, the family's checkpoint
+(``moe_trainer.model.export``: tensor by tensor, original expert order, the family's checkpoint
 layout, atomic). ``moectl export`` runs this program.
 
 Exit codes: 0 written; 78 bad plan, no checkpoint, unusable output path; 1 anything else.
@@ -24,7 +24,7 @@ from pathlib import Path
 from moe_contracts import env as E
 from moe_contracts.plan import PlanError, load_plan
 
-log = logging.getLogger("moe_trainer.export")
+log = logging.getLogger("moe_trainer.model.export")
 EXIT_OK, EXIT_CONFIG, EXIT_UNEXPECTED = 0, 78, 1
 PLAN_FILE = "plan.json"
 
@@ -47,9 +47,9 @@ def rank_main(args: argparse.Namespace) -> int:
     """One rank: restore the checkpoint, export."""
     from moe_trainer import checkpoint as ckpt
     from moe_trainer import distenv
-    from moe_trainer.export import ExportError, export_model
-    from moe_trainer.model_setup import hf_config_of
-    from moe_trainer.models import ModelError
+    from moe_trainer.model.export import ExportError, export_model
+    from moe_trainer.model.model_setup import hf_config_of
+    from moe_trainer.model.models import ModelError
     from moe_trainer.trainer import Trainer
 
     plan = load_plan(_plan_path(args))

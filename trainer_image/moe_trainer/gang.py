@@ -2,7 +2,7 @@
 
 One implementation for every place that runs several ranks on one machine: the worker pod's
 node launcher (``moe_trainer.launch.node_main``), the local multi-rank runs of tests and
-benchmarks (``launch.launch``) and the smoke test (``moe_trainer.smoke``).
+benchmarks (``launch.launch``) and the smoke test (``moe_trainer.gate.main``).
 
 Why not ``torchrun`` / ``torch.distributed.elastic``: its agent reports any failed worker as
 ``ChildFailedError`` and exits 1, so the trainer's exit codes (65 non-finite loss, 75 retryable,

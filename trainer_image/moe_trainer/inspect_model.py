@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.output:
         Path(args.output).write_text(text)
     if args.configmap:
-        from moe_trainer.progress import ConfigMapPublisher
+        from moe_trainer.telemetry.progress import ConfigMapPublisher
 
         pub = ConfigMapPublisher(args.configmap)
         if not pub.send({"data": {args.key: text}}):

@@ -1,6 +1,6 @@
 """The Kubernetes API from inside a pod with nothing but urllib: the trainer image carries no
 Kubernetes client. Both of its API writers use this: the progress / routing-statistics
-ConfigMap patches (:mod:`moe_trainer.progress`) and topology discovery's ConfigMap publish
+ConfigMap patches (:mod:`moe_trainer.telemetry.progress`) and topology discovery's ConfigMap publish
 (:mod:`moe_trainer.discovery.publish`).
 
 The pod's service-account token, CA bundle and namespace (:data:`SA_DIR`) and the

@@ -45,7 +45,7 @@ from moe_contracts.data import (
 )
 from moe_contracts.errors import DocumentError
 from moe_contracts.progress import now_iso
-from moe_trainer.data import ByteTokenizer
+from moe_trainer.inputs.data import ByteTokenizer
 from moe_trainer.inspect_model import TOKENIZER_FILES
 
 log = logging.getLogger("moe_trainer.prepare")
@@ -304,7 +304,7 @@ class Run:
         self.args = args
         self.publisher = None
         if args.configmap:
-            from moe_trainer.progress import ConfigMapPublisher
+            from moe_trainer.telemetry.progress import ConfigMapPublisher
 
             self.publisher = ConfigMapPublisher(args.configmap)
         self.report: dict[str, Any] = {

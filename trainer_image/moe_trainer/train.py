@@ -63,7 +63,7 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 def classify(exc: BaseException, ckpt_dir: str | None) -> tuple[str, int]:
     """(cause, exit code) of a failure the trainer caught (docs/contracts.md "TrainerExit")."""
-    from moe_trainer.data import DataError
+    from moe_trainer.inputs.data import DataError
 
     if isinstance(exc, OSError) and exc.errno in _NOT_WRITABLE + _FULL:
         where = str(exc.filename or "")
@@ -129,8 +129,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return _failed("BadConfig", EXIT_CONFIG, f"bad plan: {exc}")
 
     from moe_trainer import distenv
-    from moe_trainer.data import DataError
-    from moe_trainer.models import ModelError
+    from moe_trainer.inputs.data import DataError
+    from moe_trainer.model.models import ModelError
     from moe_trainer.trainer import NonFiniteLoss, Trainer
 
     ckpt_dir = (
@@ -160,7 +160,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             log.error("bad model/data/config: %s", exc)
             return _failed("BadConfig", EXIT_CONFIG, str(exc))
         trainer.resume()
-        from moe_trainer.export import save_plan, write_test_logits
+        from moe_trainer.model.export import save_plan, write_test_logits
 
         if env.rank == 0:
             save_plan(plan, ckpt_dir)  # what moe-export needs to restore this checkpoint

@@ -24,19 +24,22 @@ from moe_contracts.dispatch import TIERS
 from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import progress_doc
 from moe_contracts.routing import routing_stats_doc
-from moe_trainer import capabilities, dedup_replicas, export, model_setup, models, perf, routing
+from moe_trainer import capabilities
 from moe_trainer import checkpoint as ckpt
-from moe_trainer import data as data_mod
-from moe_trainer.commtime import CommTimer
+from moe_trainer.dispatch import dedup_replicas
 from moe_trainer.distenv import DistEnv
-from moe_trainer.health import HealthMonitor, fragmentation, memory_peaks
-from moe_trainer.placement import check_placement
-from moe_trainer.progress import ConfigMapPublisher, Metrics, write_json_atomic
+from moe_trainer.inputs import data as data_mod
+from moe_trainer.model import export, model_setup, models, perf
+from moe_trainer.model.placement import check_placement
 from moe_trainer.replan import Replanner
 from moe_trainer.replan import refusal as replan_refusal
-from moe_trainer.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
-from moe_trainer.token_samples import TokenSampler
-from moe_trainer.token_samples import to_original_ids as samples_to_original_ids
+from moe_trainer.telemetry import routing
+from moe_trainer.telemetry.commtime import CommTimer
+from moe_trainer.telemetry.health import HealthMonitor, fragmentation, memory_peaks
+from moe_trainer.telemetry.progress import ConfigMapPublisher, Metrics, write_json_atomic
+from moe_trainer.telemetry.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
+from moe_trainer.telemetry.token_samples import TokenSampler
+from moe_trainer.telemetry.token_samples import to_original_ids as samples_to_original_ids
 
 log = logging.getLogger("moe_trainer")
 
@@ -235,7 +238,7 @@ class Trainer:
         ):
             dedup_replicas.refuse_copies(reps)  # AutoEP's own all-to-all cannot serve copies
             return "autoep"
-        from moe_trainer import dedup_ep
+        from moe_trainer.dispatch import dedup_ep
 
         P = p.ep_size
         base = (self.env.rank // P) * P
@@ -582,7 +585,7 @@ class Trainer:
             return
         write_json_atomic(Path(self.ckpt_dir) / "losses.json", {"losses": self.losses})
         try:
-            from moe_trainer.heatmap import save_heatmap
+            from moe_trainer.telemetry.heatmap import save_heatmap
 
             save_heatmap(self.routing_doc(), Path(self.ckpt_dir) / "expert_load.png")
         except Exception as exc:  # noqa: BLE001 - a missing plot never fails a finished run

@@ -31,7 +31,7 @@ def text_data(directory: Path) -> dict[str, Any]:
     standard-library docstrings) written to ``directory/corpus.txt`` as a hostPath. Random tokens
     route without structure, so no placement could save anything on them; real text gives the
     router the skew a placement can use."""
-    from moe_trainer.corpus import iter_texts
+    from moe_trainer.inputs.corpus import iter_texts
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "corpus.txt").write_text("\n\n".join(iter_texts(TEXT_BYTES)))

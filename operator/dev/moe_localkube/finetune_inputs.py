@@ -96,7 +96,7 @@ def make_model(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moe_trainer.models import build_hf_config
+    from moe_trainer.model.models import build_hf_config
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(build_hf_config(tiny_model_config(preset)))

@@ -86,7 +86,7 @@ def job_manifest(name: str, args: argparse.Namespace, ckpt: Path, stats_from: st
 
 def write_jsonl(directory: Path, max_bytes: int = 8_000_000) -> Path:
     """A JSONL data set of real text (``{"text": ...}`` per document) from the trainer's corpus."""
-    from moe_trainer.corpus import iter_texts
+    from moe_trainer.inputs.corpus import iter_texts
 
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "corpus.jsonl"

@@ -224,7 +224,7 @@ def _persistent_elements(model: MoEModelSpec, threshold: int, ep: int = 1) -> in
 
 
 def fused_loss_bytes(model: MoEModelSpec, tokens: int, chunk: int, p: int) -> int:
-    """Peak of the chunked LM head + cross-entropy (moe_trainer.perf): one chunk's fp32 logits
+    """Peak of the chunked LM head + cross-entropy (moe_trainer.model.perf): one chunk's fp32 logits
     (softmax in place) and their 16-bit copy, the fp32 weight-gradient accumulator and its
     16-bit copy, and the saved input gradient [tokens, h]."""
     c = min(chunk, tokens)
@@ -232,7 +232,7 @@ def fused_loss_bytes(model: MoEModelSpec, tokens: int, chunk: int, p: int) -> in
     return c * v * (4 + p + p) + v * h * (4 + p + p) + tokens * h * p
 
 
-# Rows the trainer reads at a time while loading (moe_trainer.pretrained.CHUNK_ELEMENTS), at
+# Rows the trainer reads at a time while loading (moe_trainer.model.pretrained.CHUNK_ELEMENTS), at
 # fp32 (the widest checkpoint dtype it converts from).
 LOAD_CHUNK_BYTES = (64 << 20) * 4
 
@@ -295,12 +295,12 @@ def estimate_memory(
     ``fused_loss_chunk``: tokens per chunk of the fused LM head + cross-entropy
     (``training.performance.fusedLoss``); None = logits materialised (``tokens x V x (p + 8)``).
     ``grad_handoff``: the trainer's one-rank gradient hand-off (``fusedOptimizer`` on one rank,
-    ZeRO-3; ``moe_trainer.perf.install_single_rank_grads``): each 16-bit gradient is copied into
-    its ZeRO-3 partition as soon as it is produced and freed, so at most the largest one exists at a
-    time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates it),
-    and the unused reduce bucket is freed; at any world size with ZeRO-3 the optimizer step then
-    takes its fp32 gradients as slices of fp32 partitions (no copy) where gradients accumulate in
-    fp32. ``compiled_layers``: ``training.performance.compileLayers``. ``pretrained``: the
+    ZeRO-3; ``moe_trainer.model.perf.install_single_rank_grads``): each 16-bit gradient is copied
+    into its ZeRO-3 partition as soon as it is produced and freed, so at most the largest one exists
+    at a time instead of all of them (DeepSpeed's path keeps them in its bucket and concatenates
+    it), and the unused reduce bucket is freed; at any world size with ZeRO-3 the optimizer step
+    then takes its fp32 gradients as slices of fp32 partitions (no copy) where gradients accumulate
+    in fp32. ``compiled_layers``: ``training.performance.compileLayers``. ``pretrained``: the
     weights are loaded from ``model.path`` (:func:`loading_bytes`; ``largest_shard_bytes`` the
     checkpoint's largest file when known). ``expert_copies``: the most extra expert copies one EP
     rank holds over all layers (``placement.replicas``); each is counted as a real expert

@@ -24,7 +24,7 @@ Rules (docs/planning.md, measured in docs/performance.md):
   with an event it blocks the host on when more than two are in flight. With ``fusedOptimizer``
   on a bf16 GPU also ``data_types.grad_accum_dtype: fp32``: the trainer's hand-off casts each
   16-bit gradient once into its fp32 partition and the optimizer steps on slices of the
-  partitions (``moe_trainer.perf.install_flat_sub_group_grads``), instead of DeepSpeed's
+  partitions (``moe_trainer.model.perf.install_flat_sub_group_grads``), instead of DeepSpeed's
   concatenate-then-convert copy of every sub-group each step; +2 B per parameter.
 
 Measured and not chosen: DeepSpeed's bf16 master weights (``bf16.bf16_master_weights_and_grads``

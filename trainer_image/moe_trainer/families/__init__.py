@@ -18,7 +18,7 @@ plan's ``model.family``):
   both ways) and prefixes of hub layouts read but not written (``load_prefixes``);
 * whether DeepSpeed 0.19.8's AutoEP has a preset for it (``autoep_preset``) or its experts train
   as ordinary ZeRO-3 parameters inside the trainer's own grouped MoE block
-  (``grouped_block``: ``moe_trainer.grouped_moe`` reproduces its block exactly);
+  (``grouped_block``: ``moe_trainer.model.grouped_moe`` reproduces its block exactly);
 * its tiny test model (``tiny_config``), the one every test of the family builds.
 
 Adding a family = one module here + one in ``core/families/`` + tests (docs/architecture.md

@@ -1,7 +1,7 @@
 """OLMoE: ``model.layers.<i>.mlp`` = ``OlmoeSparseMoeBlock`` (router ``gate``, experts
 ``experts``); one projection per expert on disk. DeepSpeed 0.19.8's AutoEP has no preset for it:
-the trainer's grouped block (``moe_trainer.grouped_moe``, ``training.moeImpl: grouped``) or the HF
-block runs it, experts being ordinary ZeRO-3 parameters (no expert parallelism)."""
+the trainer's grouped block (``moe_trainer.model.grouped_moe``, ``training.moeImpl: grouped``) or
+the HF block runs it, experts being ordinary ZeRO-3 parameters (no expert parallelism)."""
 
 from . import TINY, Family
 

@@ -1,1 +1,1 @@
-"""Fast MoE primitives (token dispatch, grouped GEMMs) used by `moe_trainer.grouped_moe`."""
+"""Fast MoE primitives (token dispatch, grouped GEMMs) used by `moe_trainer.model.grouped_moe`."""

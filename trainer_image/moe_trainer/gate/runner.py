@@ -1,9 +1,9 @@
 """One rank of `moe-smoke`: run a phase's checks in order, record each result as it lands.
 
 Phase ``train``: ``imports`` (versions, the process group), then per case the phase-1 checks of
-:mod:`moe_trainer.smoke_checks`; phase ``resume`` (new processes): per case ``resume``, then
+:mod:`moe_trainer.gate.checks`; phase ``resume`` (new processes): per case ``resume``, then
 ``fused_adam``. The first failure stops the phase. The results go to a JSON file per rank and
-phase, rewritten after every check, so the parent (`moe_trainer.smoke`) reads them even when the
+phase, rewritten after every check, so the parent (`moe_trainer.gate.main`) reads them even when the
 rank dies later.
 """
 
@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from moe_contracts.gate import CASE_CHECKS
-from moe_trainer.smoke_checks import CaseRun, CheckFailed, fused_adam
+from moe_trainer.gate.checks import CaseRun, CheckFailed, fused_adam
 
 
 class Recorder:

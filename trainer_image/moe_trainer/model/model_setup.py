@@ -7,7 +7,7 @@ Two ways, one result:
 * ``model.hfConfig`` only: every rank builds the whole model from the config (seeded, on the
   device it trains on) and permutes each layer's experts and router rows in place;
 * ``model.path``: the model is built ZeRO-3 partitioned and empty, and the checkpoint is streamed
-  into the partitions with the permutation applied on the way (``moe_trainer.pretrained``).
+  into the partitions with the permutation applied on the way (``moe_trainer.model.pretrained``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 from torch import nn
 
 from moe_contracts.plan import MoEPlan
-from moe_trainer import families, models
+from moe_trainer import families
+from moe_trainer.model import models
 
 
 @dataclass
@@ -70,7 +71,7 @@ def prepare(
     """Build the plan's model and place its experts (before ``deepspeed.initialize``).
     ``restoring``: a DeepSpeed checkpoint will overwrite every weight, so a ``model.path`` model
     is built partitioned and left empty (nothing read from the directory)."""
-    from moe_trainer import pretrained
+    from moe_trainer.model import pretrained
 
     t = plan.training
     fam = families.for_plan(plan.model.family, plan.model.hf_config)

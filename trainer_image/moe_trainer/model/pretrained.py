@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_trainer import families, models
-from moe_trainer.hf_checkpoint import (
+from moe_trainer import families
+from moe_trainer.model import models
+from moe_trainer.model.hf_checkpoint import (
     CheckpointError,
     ShardReader,
     Source,
@@ -44,7 +45,7 @@ from moe_trainer.hf_checkpoint import (
     weight_map,
 )
 
-log = logging.getLogger("moe_trainer.pretrained")
+log = logging.getLogger("moe_trainer.model.pretrained")
 
 # Rows are read in blocks of at most this many elements (64 Mi elements = 128 MiB in bf16),
 # except that one row (one expert, one embedding row) is always read whole.
@@ -207,7 +208,7 @@ def original_experts(model: nn.Module, path: str | Path) -> list[dict[str, torch
     every expert into memory)."""
     fam = families.of_model(model)
     reader = ShardReader(path, weight_map(path))
-    from moe_trainer.hf_checkpoint import moe_names
+    from moe_trainer.model.hf_checkpoint import moe_names
 
     names = moe_names(model, fam)
     tensors = [(n, None) for b in names.values() for n in (b.gate_up, b.down)]

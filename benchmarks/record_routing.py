@@ -2,7 +2,7 @@
 the real-text corpus and keep the RoutingStats v2 document of the last `--window` steps, with up
 to `--samples` sampled token expert sets.
 
-    python -m moe_trainer.record_routing --experts 64 --top-k 8 --layers 4 --steps 300 \
+    python benchmarks/record_routing.py --experts 64 --top-k 8 --layers 4 --steps 300 \
         --balance per_layer_aux --out benchmarks/results/routing_stats_real_text.json
 
 With `--test-out` two disjoint windows are kept: `--out` gets the steps (S-2W, S-W] (fit on it),
@@ -17,13 +17,21 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "trainer_image")]
+# the rank processes it starts (python -m moe_trainer.train) import from the same tree
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (*sys.path[:2], os.environ.get("PYTHONPATH")) if p
+)
+
 from moe_contracts.routing import parse_routing_stats, routing_stats_doc
 from moe_trainer.launch import launch
-from moe_trainer.routing import max_mean_per_layer
+from moe_trainer.telemetry.routing import max_mean_per_layer
 
 
 def plan_doc(a) -> dict:

@@ -197,15 +197,18 @@ def apply_moe_impl(model: nn.Module, impl: str) -> None:
         return
     if impl == "grouped":
         try:
-            from moe_trainer import grouped_moe  # part 2 of issue 5, owned by another engineer
+            from moe_trainer.model import (
+                grouped_moe,  # part 2 of issue 5, owned by another engineer
+            )
         except ImportError as exc:
             raise ModelError(
-                f"training.moeImpl: 'grouped' needs moe_trainer.grouped_moe ({exc})"
+                f"training.moeImpl: 'grouped' needs moe_trainer.model.grouped_moe ({exc})"
             ) from exc
         factory = getattr(grouped_moe, "from_hf_block", None)
         if factory is None:
             raise ModelError(
-                "training.moeImpl: moe_trainer.grouped_moe has no from_hf_block(block, config)"
+                "training.moeImpl: moe_trainer.model.grouped_moe has no from_hf_block(block, "
+                "config)"
             )
         swap_moe_blocks(model, factory)
         return

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_trainer.dedup_ep import ByteCounters, DispatchError, Layout, Plan
+from moe_trainer.dispatch.dedup_ep import ByteCounters, DispatchError, Layout, Plan
 
 sync_counters = ByteCounters()  # weight bytes of copies (forward) and their gradients (backward)
 

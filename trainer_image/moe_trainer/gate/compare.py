@@ -1,7 +1,7 @@
 """What the smoke checks compare, and how close is close enough.
 
 Tolerances are per device and dtype (``cpu-fp32``, ``cuda-bf16``, ``cuda-fp16``) and come from
-``smoke_tolerances.json`` beside this module, written by ``benchmarks/smoke_tolerances.py``: the
+``tolerances.json`` beside this module, written by ``benchmarks/smoke_tolerances.py``: the
 largest deviation a *correct* run showed from the plain-PyTorch reference, over several seeds and
 every compared step, times a safety factor, never below a floor (both recorded in the file, with
 the measured spreads in ``benchmarks/results/smoke_tolerances_<device>.json``). A table the
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from moe_trainer.smoke_reference import GROUPS, group_of
+from moe_trainer.gate.reference import GROUPS, group_of
 
-TOLERANCES_FILE = Path(__file__).with_name("smoke_tolerances.json")
+TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
 # A token whose k-th and (k+1)-th router logits are closer than ``tieMargin`` (a tolerance of the
 # table: 16-bit activations round far more coarsely than fp32) of the largest |logit| is a near-tie:
 # arithmetic noise (another reduction order, 16-bit rounding) may route it to the other expert,

@@ -2,8 +2,8 @@
 every shard is memory-mapped, a batch copies only its rows.
 
 Sample ``i`` of the run is row ``order[i % rows]`` with ``order`` a seeded permutation redrawn
-each epoch, exactly as :class:`moe_trainer.data.BatchSource` picks windows, so resumed runs and
-data-parallel ranks read what they would have read from the token stream. Chat data carries a
+each epoch, exactly as :class:`moe_trainer.inputs.data.BatchSource` picks windows, so resumed runs
+and data-parallel ranks read what they would have read from the token stream. Chat data carries a
 loss mask: target positions outside the assistant's turns become the ignore index.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from moe_contracts.data import MANIFEST_FILE, parse_manifest
 from moe_contracts.errors import DocumentError
-from moe_trainer.data import IGNORE_INDEX, DataError
+from moe_trainer.inputs.data import IGNORE_INDEX, DataError
 
 
 class PreparedSource:

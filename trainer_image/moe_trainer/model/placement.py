@@ -65,7 +65,7 @@ def check_placement(blocks, permutation, originals, rank: int, ckpt_dir: str | N
     import logging
     from pathlib import Path
 
-    from moe_trainer.progress import write_json_atomic
+    from moe_trainer.telemetry.progress import write_json_atomic
 
     report = verify_placement(blocks, permutation, originals, rank)
     if ckpt_dir:

@@ -1,11 +1,11 @@
 """The smoke run's ``numerics`` check: every optimizer step of the plan against plain PyTorch.
 
 Each step runs the trainer's own ``train_step`` under ZeRO-3 and, alongside, the same step of
-:class:`~moe_trainer.smoke_reference.ReferenceRun` (one process, every rank's micro-batches, the
+:class:`~moe_trainer.gate.reference.ReferenceRun` (one process, every rank's micro-batches, the
 optimizer kept across steps). After each step, on this rank's view, it compares the losses, the
 global gradient norm ZeRO-3 clips with, the learning rate, the optimizer's step count and, per
 parameter group, the gradients (before clipping), the updates of the fp32 master weights and
-both Adam moments, and the share of zero gradient entries per expert (:mod:`.smoke_compare`;
+both Adam moments, and the share of zero gradient entries per expert (:mod:`.compare`;
 tolerances per device and dtype). It stops at the first step that differs, naming the step, the
 group and the quantity. Comparing the moments as well as the updates matters: Adam's first
 update is about sign(g), blind to a gradient scaled by a constant (clipping switched off, a wrong
@@ -25,17 +25,17 @@ import math
 import torch
 import torch.distributed as dist
 
-from moe_trainer import smoke_compare as C
-from moe_trainer import smoke_dispatch as D
-from moe_trainer import smoke_state as S
-from moe_trainer.dedup_replicas import serve_table
-from moe_trainer.smoke_reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
+from moe_trainer.dispatch.dedup_replicas import serve_table
+from moe_trainer.gate import compare as C
+from moe_trainer.gate import dispatch as D
+from moe_trainer.gate import state as S
+from moe_trainer.gate.reference import ExpertSlice, ReferenceRun, hf_pieces, hf_view
 
 GOLDEN_DIGITS = 5
 
 
 def _reference(run) -> ReferenceRun:
-    from moe_trainer import models
+    from moe_trainer.model import models
     from moe_trainer.trainer import lr_lambda
 
     tr, t = run.trainer, run.plan.training
@@ -59,7 +59,7 @@ def _reference(run) -> ReferenceRun:
 def _expert_slices(engine) -> tuple[dict[str, ExpertSlice], dict[str, tuple[int, int]]]:
     """(AutoEP expert module -> the HF rows it holds, every expert module -> (MoE layer index,
     slot of its local expert 0))."""
-    from moe_trainer import models
+    from moe_trainer.model import models
 
     slices, layers = {}, {}
     for i, layer in enumerate(models.find_moe_layers(engine.module)):
@@ -87,7 +87,7 @@ def _sync_reference(ref: ReferenceRun, weights, experts, world: int) -> None:
 def _dedup_counters():
     import sys
 
-    mod = sys.modules.get("moe_trainer.dedup_ep")
+    mod = sys.modules.get("moe_trainer.dispatch.dedup_ep")
     return mod.counters if mod is not None else None
 
 

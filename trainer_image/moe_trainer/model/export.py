@@ -41,10 +41,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_contracts import env as E
-from moe_trainer import families, models
+from moe_trainer import families
 from moe_trainer.inspect_model import TOKENIZER_FILES  # export copies what inspection reports
+from moe_trainer.model import models
 
-log = logging.getLogger("moe_trainer.export")
+log = logging.getLogger("moe_trainer.model.export")
 
 SHARD_BYTES = 2 << 30
 MANIFEST, MANIFEST_KIND = "export.json", "MoEExport"
@@ -98,7 +99,7 @@ class _ModelView:
     def _autoep_experts(self, block: nn.Module, names: tuple[str, ...]) -> torch.Tensor:
         """[E, ...] of AutoEP experts ``names`` (w1/w3 concatenated on dim 1), slot order, on
         global rank 0 (None elsewhere)."""
-        from moe_trainer.dedup_ep import ep_global_ranks
+        from moe_trainer.dispatch.dedup_ep import ep_global_ranks
 
         local = torch.cat([_gathered(getattr(block.experts, n)) for n in names], dim=1)
         ranks = ep_global_ranks(block.ep_group)
@@ -385,7 +386,7 @@ class Exporter:
     object of the latest export (rank 0)."""
 
     def __init__(self, plan, permutation):
-        from moe_trainer.model_setup import hf_config_of
+        from moe_trainer.model.model_setup import hf_config_of
 
         self.output, self.permutation = plan.output, permutation
         self.hf_config = hf_config_of(plan) if plan.output is not None else {}
@@ -420,7 +421,7 @@ def save_plan(plan, ckpt_dir: str | None) -> None:
     """The plan beside the checkpoints (``<ckpt>/plan.json``): ``moe-export`` restores from it."""
     if not ckpt_dir:
         return
-    from moe_trainer.progress import write_json_atomic
+    from moe_trainer.telemetry.progress import write_json_atomic
 
     try:
         write_json_atomic(Path(ckpt_dir) / "plan.json", plan.raw)

@@ -91,8 +91,8 @@ class Layout:
     group_ranks: tuple[tuple[int, ...], ...]
     tier_group: tuple[int, ...]
     tier_node: tuple[int, ...]
-    # replicated experts (`moe_trainer.dedup_replicas`), by router id: holders[E] (home first),
-    # serve[P][E]; None: one copy per expert
+    # replicated experts (`moe_trainer.dispatch.dedup_replicas`), by router id: holders[E] (home
+    # first), serve[P][E]; None: one copy per expert
     holders: tuple[tuple[int, ...], ...] | None = None
     serve: tuple[tuple[int, ...], ...] | None = None
 
@@ -123,7 +123,7 @@ class Layout:
         if len(self.tier_group) != P or len(self.tier_node) != P:
             raise DispatchError(f"tier_group/tier_node need {P} entries")
         if self.holders is not None or self.serve is not None:
-            from moe_trainer.dedup_replicas import check_replicas
+            from moe_trainer.dispatch.dedup_replicas import check_replicas
 
             check_replicas(self, P)
         return self
@@ -183,7 +183,7 @@ class Plan:
         self.r2local = torch.tensor(self.local_of, dtype=torch.long, device=device)
         self.replicas = None  # `dedup_replicas.Replicas` when the layout has copies
         if layout.serve is not None:
-            from moe_trainer.dedup_replicas import Replicas
+            from moe_trainer.dispatch.dedup_replicas import Replicas
 
             self.replicas = Replicas.of(self, device)
             if self.replicas is not None:  # ids travel as virtual ids: homes, then copies
@@ -557,7 +557,7 @@ def install(blocks, layouts: list[Layout]) -> list:
         block.dedup_plan = Plan(
             layout, block.ep_rank, block.ep_group, rail, group, block.router.gate.weight.device
         )
-        from moe_trainer.dedup_replicas import install_experts
+        from moe_trainer.dispatch.dedup_replicas import install_experts
 
         install_experts(block)  # copies' experts, or back to AutoEP's when the layer has none
     return blocks

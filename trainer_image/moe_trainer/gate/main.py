@@ -8,11 +8,11 @@ exactly as for a job (`moejob_operator.core.smoke_plans`), mounted at /etc/moe-s
 The cases cover every model family the planner supports, gradient accumulation, activation
 checkpointing, the per-layer balancing loss and (on CPU) EP < world.
 
-Two phases of rank processes (torchrun-style env, no launcher; `moe_trainer.smoke_runner`):
+Two phases of rank processes (torchrun-style env, no launcher; `moe_trainer.gate.runner`):
   train   imports, then per case: capabilities, initialize, partition, permutation, numerics,
           dispatch, checkpoint
   resume  new processes, per case: load the checkpoint and continue; then fused_adam
-(`moe_trainer.smoke_checks` describes each check). The run stops at the first failure.
+(`moe_trainer.gate.checks` describes each check). The run stops at the first failure.
 
 Verdict (docs/contracts.md, `SmokeVerdict` v3): JSON on stdout (and `--output`), compacted into
 `/dev/termination-log` when that file exists (the kubelet creates it), so the operator reads the
@@ -80,7 +80,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import logging
     import warnings
 
-    from moe_trainer.smoke_runner import Recorder, run_phase
+    from moe_trainer.gate.runner import Recorder, run_phase
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(
@@ -116,7 +116,7 @@ def run_ranks(
         [
             sys.executable,
             "-m",
-            "moe_trainer.smoke",
+            "moe_trainer.gate.main",
             "--worker",
             phase,
             "--workdir",

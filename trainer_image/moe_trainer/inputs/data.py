@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_trainer.corpus import DOC_SEPARATOR, build_corpus
+from moe_trainer.inputs.corpus import DOC_SEPARATOR, build_corpus
 
 IGNORE_INDEX = -100  # a target that does not count in the loss (cross_entropy's default)
 
@@ -153,7 +153,7 @@ def make_batch_source(
     if kind == "prepared" or (
         kind == "tokens" and (Path(data_spec.path) / "manifest.json").is_file()
     ):
-        from moe_trainer.prepared import PreparedSource
+        from moe_trainer.inputs.prepared import PreparedSource
 
         return PreparedSource(data_spec.path, seq_len, micro_batch, seed, vocab_size)
     if kind == "tokens":

@@ -12,14 +12,14 @@ is what a job with such a plan runs. Phase 1 (``train``) runs, per case:
   permutation  each EP rank holds the experts the plan put there; the sharded, permuted model
                computes what the plain, unpermuted model computes
   numerics     every optimizer step of the plan (``training.steps``) vs the plain-PyTorch
-               reference run alongside (`smoke_reference`, compared by `smoke_compare`)
+               reference run alongside (`reference`, compared by `compare`)
   dispatch     the bytes those steps' all-to-alls sent, per tier, equal the plan's byte model
-               for the tokens they routed (`smoke_dispatch`)
+               for the tokens they routed (`dispatch`)
   checkpoint   Trainer.save(); one more step, whose weights, Adam moments, step count, learning
                rate and loss are kept for phase 2
 
 Phase 2 (``resume``), in new processes: a fresh Trainer loads the checkpoint, its weights equal the
-save, and after the same step its state equals the uninterrupted run's. (`smoke_runner` runs the
+save, and after the same step its state equals the uninterrupted run's. (`runner` runs the
 phases; `fused_adam` follows the cases there.)
 """
 
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from moe_trainer import smoke_compare as C
-from moe_trainer import smoke_dispatch as D
-from moe_trainer import smoke_state as S
+from moe_trainer.gate import compare as C
+from moe_trainer.gate import dispatch as D
+from moe_trainer.gate import state as S
 
 # A learnable stream: the loss of a tiny model falls within a few steps (uniform random tokens
 # would sit at ln(vocab) and prove nothing).
@@ -68,7 +68,7 @@ class CaseRun:
     def build(self) -> None:
         import numpy as np
 
-        from moe_trainer.data import BatchSource, ByteTokenizer
+        from moe_trainer.inputs.data import BatchSource, ByteTokenizer
         from moe_trainer.trainer import Trainer
 
         self.trainer = tr = Trainer(self.plan, self.env, str(self.dir / "ckpt"))
@@ -199,8 +199,8 @@ class CaseRun:
         return msg
 
     def permutation(self) -> str:
-        from moe_trainer import models
-        from moe_trainer.placement import verify_placement
+        from moe_trainer.model import models
+        from moe_trainer.model.placement import verify_placement
 
         # the plain model as the plan describes it, before the permutation
         ref = self.trainer.initial_model().to(self.env.device).eval()
@@ -240,7 +240,7 @@ class CaseRun:
         )
 
     def numerics(self) -> str:
-        from moe_trainer.smoke_numerics import run_steps
+        from moe_trainer.gate.numerics import run_steps
 
         msg, self.losses, self.bytes, self.golden = run_steps(self, CheckFailed)
         return msg

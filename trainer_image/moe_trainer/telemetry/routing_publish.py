@@ -23,9 +23,9 @@ from typing import Any, TypedDict
 
 from moe_contracts import env as E
 from moe_contracts.routing import LIMIT_BYTES, encode_configmap
-from moe_trainer.progress import ConfigMapPublisher
+from moe_trainer.telemetry.progress import ConfigMapPublisher
 
-log = logging.getLogger("moe_trainer.routing_publish")
+log = logging.getLogger("moe_trainer.telemetry.routing_publish")
 
 ENV = E.ROUTING_STATS_CONFIGMAP
 

@@ -26,7 +26,7 @@ from typing import Any
 from moe_contracts import env as E
 from moe_trainer.kubeapi import SA_DIR, api_request, service_url
 
-log = logging.getLogger("moe_trainer.progress")
+log = logging.getLogger("moe_trainer.telemetry.progress")
 
 
 def write_json_atomic(path: str | os.PathLike[str], doc: dict[str, Any]) -> None:
@@ -53,7 +53,7 @@ class ConfigMapPublisher:
 
     ``send`` merge-patches any body (``{"data": {...}, "binaryData": {...}}``) into the ConfigMap;
     ``publish`` sends a progress document, at most every ``interval_s`` unless forced. The routing
-    statistics use ``send`` with their own ConfigMap (``moe_trainer.routing_publish``)."""
+    statistics use ``send`` with their own ConfigMap (``moe_trainer.telemetry.routing_publish``)."""
 
     def __init__(
         self, name: str, sa_dir: Path = SA_DIR, interval_s: float = 5.0, timeout_s: float = 5.0

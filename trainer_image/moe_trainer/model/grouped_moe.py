@@ -176,7 +176,7 @@ class GroupedMoeBlock(nn.Module):
 def from_hf_block(
     block: nn.Module, config=None, impl: str = "auto", fused_act: bool | None = None
 ) -> GroupedMoeBlock:
-    """Factory for `moe_trainer.models.swap_moe_blocks(model, factory)`: `(block, config) ->
+    """Factory for `moe_trainer.model.models.swap_moe_blocks(model, factory)`: `(block, config) ->
     block`."""
     return GroupedMoeBlock.from_hf(block, impl=impl, fused_act=fused_act)
 

@@ -1,6 +1,7 @@
 """Hugging Face safetensors checkpoints, read one tensor (or a few rows of one) at a time.
 
-What the loader (``moe_trainer.pretrained``) and the export (``moe_trainer.export``) share:
+What the loader (``moe_trainer.model.pretrained``) and the export (``moe_trainer.model.export``)
+share:
 
 * :class:`ShardReader`: ``safe_open`` handles, at most one shard open at a time (a shard's
   memory map is released before the next one is opened), rows of a tensor read through
@@ -25,9 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from moe_trainer import families, models
+from moe_trainer import families
+from moe_trainer.model import models
 
-log = logging.getLogger("moe_trainer.hf_checkpoint")
+log = logging.getLogger("moe_trainer.model.hf_checkpoint")
 
 INDEX = "model.safetensors.index.json"
 

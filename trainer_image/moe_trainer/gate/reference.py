@@ -142,7 +142,8 @@ class ReferenceRun:
         make_optimizer,
         make_scheduler,
     ):
-        from moe_trainer import models, routing
+        from moe_trainer.model import models
+        from moe_trainer.telemetry import routing
 
         self.model = model.train()
         self.num_experts, self.balance_mode, self.balance_coef = (
@@ -159,7 +160,7 @@ class ReferenceRun:
     def step(self, batches: list[list[torch.Tensor]]) -> StepRecord:
         """One optimizer step on ``batches[R][M]`` (every rank's micro-batches of the step, each
         ``[micro, seq + 1]``)."""
-        from moe_trainer import routing
+        from moe_trainer.telemetry import routing
 
         params, n = self.params, sum(len(b) for b in batches)
         lr = float(self.opt.param_groups[0]["lr"])
