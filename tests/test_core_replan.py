@@ -162,3 +162,14 @@ def test_due_history_and_applied():
     assert replan.applied({"placement": {"generation": 2, "appliedAtStep": 40}}) == (2, 40)
     for bad in ({}, {"placement": None}, {"placement": {"generation": True, "appliedAtStep": 1}}):
         assert replan.applied(bad) is None
+
+
+def test_no_decision_without_a_checkpoint_boundary_before_the_last_step():
+    # checkpoints every 4 steps of 32: statistics of step 24 can still be applied at step 28
+    assert replan.boundary_left(24, 4, 32)
+    assert replan.boundary_left(25, 4, 32)
+    # statistics of step 28: the next boundary is the last step (32): nothing would use it
+    assert not replan.boundary_left(28, 4, 32)
+    assert not replan.boundary_left(32, 4, 32)
+    # a checkpoint interval longer than the run: the only boundary is the end
+    assert not replan.boundary_left(0, 50, 20)

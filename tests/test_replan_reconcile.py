@@ -30,6 +30,7 @@ SPEC = parse_spec(
         "image": "img",
         "model": {"preset": "tiny-mixtral"},
         "placement": {"replan": {"everySteps": 10, "minPredictedGainPercent": 10}},
+        "training": {"steps": 1000},  # checkpoints every 50 (default): boundaries ahead
     }
 )
 
@@ -162,3 +163,23 @@ def test_a_plan_it_cannot_read_is_a_status_message(planned):  # noqa: F811
     p = _pass(client)
     replan.step(p, SPEC, broken, _progress(10))
     assert client.writes == [] and "cannot be re-planned" in p.status["replan"]["message"]
+
+
+def test_no_decision_when_the_next_checkpoint_is_the_last_step(planned):  # noqa: F811
+    """Statistics whose next checkpoint boundary is the run's last step: a switch would move
+    experts for no step that uses them, so the operator does not decide (nothing written)."""
+    doc, _ = planned
+    short = parse_spec(
+        {
+            "image": "img",
+            "model": {"preset": "tiny-mixtral"},
+            "placement": {"replan": {"everySteps": 10, "minPredictedGainPercent": 1}},
+            "training": {"steps": 100},  # checkpoints every 50: the boundary after 60 is 100
+        }
+    )
+    client = _cluster(doc, _counted(_trace(11)))  # drifted: switches when a boundary is left
+    p = _pass(client, {})
+    replan.step(p, short, doc, _progress(60))
+    assert not client.writes and not p.events and "replan" not in p.status
+    replan.step(p, short, doc, _progress(40))  # the boundary at 50 is before the last step
+    assert len(client.writes) == 1 and _generation(client).generation == 1

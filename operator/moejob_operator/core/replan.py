@@ -243,6 +243,14 @@ def due(stats_step: int, last_step: int, every_steps: int) -> bool:
     return stats_step >= last_step + every_steps
 
 
+def boundary_left(stats_step: int, checkpoint_every: int, total_steps: int) -> bool:
+    """Whether a checkpoint boundary (where the trainer applies a new placement) comes after
+    ``stats_step`` and before the run's last step: a switch applied at the last step or later
+    moves experts for no step that would use them."""
+    next_boundary = (stats_step // checkpoint_every + 1) * checkpoint_every
+    return next_boundary < total_steps
+
+
 def record_switch(
     history: list[dict[str, Any]], entry: dict[str, Any], limit: int = HISTORY_LIMIT
 ) -> list[dict[str, Any]]:

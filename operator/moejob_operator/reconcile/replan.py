@@ -72,6 +72,8 @@ def step(p: Pass, spec: JobSpec, plan: dict[str, Any], progress: dict[str, Any] 
     since = max(current.decided_at_step, checked if isinstance(checked, int) else 0)
     if stats_step is None or not core.due(stats_step, since, rp.every_steps):
         return
+    if not core.boundary_left(stats_step, spec.checkpoint.every_steps, spec.training.steps):
+        return  # the trainer would apply it at its last step, where it buys nothing
     routing = _owned(p, common.routing_stats_configmap_name(p.job))
     try:
         stats, which = core.fresh_stats(routing)
