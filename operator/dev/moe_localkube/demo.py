@@ -181,7 +181,7 @@ def _demo(
     from moe_localkube import binaries, procs
     from moe_localkube.controlplane import ControlPlane
     from moe_localkube.nodeagent import NodeAgent, NodeSpec
-    from moe_localkube.testing import Kube, operator_command
+    from moe_localkube.testing import Kube, crd_established, operator_command
 
     doc = yaml.safe_load(manifest.read_text())
     name = doc["metadata"]["name"]
@@ -227,7 +227,7 @@ def _demo(
         # --validate=false: kubectl validates against the server's OpenAPI, and a 1.20 server
         # does not know x-kubernetes-validations (it drops the CEL rules; see docs/crd.md)
         k("apply", "--validate=false", "-f", str(ROOT / "crds" / "moetrainingjob.yaml"))
-        k("wait", "--for=condition=Established", f"crd/{C.PLURAL}.{C.GROUP}", "--timeout=60s")
+        crd_established(kube, f"{C.PLURAL}.{C.GROUP}")
         _say("starting the node agent: nodes node-a and node-b (fake NVSwitch H100 x8 topology)")
         agent = NodeAgent(
             cp.api_client(),

@@ -50,6 +50,18 @@ def wait_for(
         time.sleep(interval)
 
 
+def crd_established(kube: Kube, name: str, timeout: float = 60.0) -> None:
+    """Wait for CRD ``name``'s ``Established`` condition. (``kubectl wait --for=condition=...``
+    fails instead of waiting while a just-created CRD has no ``status.conditions`` yet.)"""
+
+    def established() -> bool:
+        cur = kube.apiext.read_custom_resource_definition(name)
+        conditions = cur.status.conditions if cur.status is not None else None
+        return any(c.type == "Established" and c.status == "True" for c in conditions or ())
+
+    wait_for(established, timeout=timeout, message=f"CRD {name} Established")
+
+
 @dataclass
 class Kube:
     """API clients for one identity (the admin, in the ``kube`` fixture)."""
