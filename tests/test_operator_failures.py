@@ -30,7 +30,7 @@ def _job(name, tmp_path, *, steps, backoff, fault_step, code=75):
         "tiny-cpu.yaml",
         metadata={"name": name, "annotations": {AT_STEP: str(fault_step), CODE: str(code)}},
         checkpoint={"everySteps": 2, "volume": {"hostPath": {"path": str(tmp_path)}}},
-        runPolicy={"backoffLimit": backoff, "activeDeadlineSeconds": 600},
+        runPolicy={"backoffLimit": backoff},
     )
     job["spec"]["training"].update(steps=steps, seqLen=32)
     return job
