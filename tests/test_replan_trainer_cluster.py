@@ -54,7 +54,7 @@ def _job(name: str, tmp_path, data: dict, *, replan: bool) -> dict:
         nodes={"count": 2, "gpusPerNode": 1},
         placement=placement,
         checkpoint={"everySteps": EVERY, "volume": {"hostPath": {"path": str(tmp_path)}}},
-        runPolicy={"backoffLimit": 0, "activeDeadlineSeconds": 2400},
+        runPolicy={"backoffLimit": 0},
         gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
     )
     # a router that learns quickly: its routing on text moves away from the launch's uniform
@@ -225,6 +225,13 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
         },
         "predictedCrossGroupBytesPerStep": {"before": before, "after": after},
         "predictedAfterVsBefore": round(after / before, 4),
+        # predictions are in the counters' measure (core.replan): the counted bytes per step after
+        # the switch over the prediction (A: the candidate's, B: the running placement's), on
+        # later steps' tokens than the window the prediction was made on
+        "countedPerStepOverPredicted": {
+            "rp-a": round(counted["rp-a"] / (STEPS - at) / after, 4),
+            "rp-b": round(counted["rp-b"] / (STEPS - at) / before, 4),
+        },
         "decidedAtStep": h["decidedAtStep"],
         "appliedAtStep": applied,
         "switchSeconds": prog_a["placement"]["seconds"],

@@ -65,6 +65,18 @@ def _charge(
     out["crossNode"] += float((node[a] != node[b]).sum()) * nbytes
 
 
+def dedup_row_bytes(
+    hidden_bytes: int, top_k: int, *, backward: bool = True, forward_passes: int = 1
+) -> int:
+    """Bytes one send of the de-duplicating dispatcher (a stage-A or stage-B row, per token and
+    receiver) moves in a training step: the dispatched row (``hidden_bytes`` + ``top_k`` int32
+    ids + ``top_k`` fp32 weights) and the combined row (``hidden_bytes``) per forward pass, and
+    their gradients back (``hidden_bytes`` each way + ``top_k`` fp32 weight gradients)."""
+    H, K = hidden_bytes, top_k
+    fwd = 2 * H + K * (ID_BYTES + WEIGHT_BYTES)
+    return fwd * forward_passes + ((2 * H + K * WEIGHT_BYTES) if backward else 0)
+
+
 def tier_bytes(
     expert2rank: np.ndarray,
     token_experts: np.ndarray,
@@ -96,9 +108,7 @@ def tier_bytes(
     f = forward_passes
     # bytes per send: AutoEP rows (dispatch + combine), dedup rows (dispatch side + combine side)
     a_row = 2 * H * f + (2 * H if backward else 0)
-    d_row = (2 * H + K * (ID_BYTES + WEIGHT_BYTES)) * f + (
-        (2 * H + K * WEIGHT_BYTES) if backward else 0
-    )
+    d_row = dedup_row_bytes(H, K, backward=backward, forward_passes=f)
     out = {d: dict.fromkeys(TIERS, 0.0) for d in DISPATCHERS}
     src = np.asarray(src, dtype=np.int64)
     base = (src // P) * P
