@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import plan_fixtures
 from moejob_operator import admission
 from moejob_operator import constants as C
 from moejob_operator.builders import common, configmaps, rbac, workers
@@ -18,17 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 UPDATE = os.environ.get("MOE_UPDATE_GOLDEN") == "1"
 JOB = common.JobRef(namespace="team-a", name="tiny-cpu", uid="0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11")
-PLAN = {
-    "kind": "MoEPlan",
-    "version": 1,
-    "job": {"namespace": "team-a", "name": "tiny-cpu"},
-    "worldSize": 2,
-    "epSize": 2,
-    "ranks": [
-        {"rank": 0, "node": "node-a", "nodeRank": 0, "localRank": 0, "gpu": 0},
-        {"rank": 1, "node": "node-b", "nodeRank": 1, "localRank": 0, "gpu": 0},
-    ],
-}
+PLAN = plan_fixtures.plan()  # the plan ConfigMap's content: checked complete by the contract
 
 
 # the examples' checkpoint hostPath is under /tmp; the pods mount /tmp and reach it by subPath

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import plan_fixtures
 from moe_localkube import binaries
 from moejob_operator import metrics
 from moejob_operator.cli import build_parser
@@ -224,7 +225,7 @@ def _exported_names() -> set[str]:
     metrics.observe_plan(
         "ns",
         "j",
-        {"placement": {"quality": {"crossGroupBytesPerStep": 1, "crossNodeBytesPerStep": 1}}},
+        plan_fixtures.plan(quality={"crossGroupBytesPerStep": 1, "crossNodeBytesPerStep": 1}),
     )
     with pytest.raises(RuntimeError, match="x"), metrics.reconcile_timer():
         raise RuntimeError("x")

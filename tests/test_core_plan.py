@@ -141,7 +141,7 @@ def test_a_fallback_plan_says_the_layout_it_has():
     pl = fell.document["placement"]
     assert (pl["strategy"], pl["fellBackTo"]) == ("topology_aware", "contiguous")
     assert parse_plan(fell.document)  # the reader accepts the field
-    s = planning.summary(fell.document)
+    s = planning.summary(parse_plan(fell.document))
     assert (s["strategy"], s["requestedStrategy"]) == ("contiguous", "topology_aware")
     assert planning.describe(s).startswith(
         "contiguous placement (topology_aware asked, no routing statistics) on "
@@ -152,7 +152,7 @@ def test_a_fallback_plan_says_the_layout_it_has():
     stats = routing.synthetic_trace(4, 8, 2, 2048, seed=1).without_tokens()
     used = _tiny_plan(ep_size=4, routing_stats=stats)
     assert "fellBackTo" not in used.document["placement"]
-    s = planning.summary(used.document)
+    s = planning.summary(parse_plan(used.document))
     assert s["strategy"] == "topology_aware" and "requestedStrategy" not in s
     assert planning.describe(s).startswith("topology_aware placement on ")
 

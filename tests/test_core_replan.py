@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from moe_contracts.plan import parse_plan
 from moe_contracts.routing import RoutingStats, encode_configmap
 from moejob_operator.core import models, plan, replan, routing, topology
 
@@ -54,7 +55,7 @@ def planned():
 
 def test_plan_topology_is_the_plans_ranks(planned):
     doc, _ = planned
-    topo = replan.plan_topology(doc["ranks"])
+    topo = replan.plan_topology(parse_plan(doc).ranks)
     assert topo.num_gpus == doc["worldSize"] == 4
     assert topo.group_of.tolist() == [0, 0, 1, 1]
     assert np.array_equal(topo.gpu_order(), np.arange(4))
@@ -64,9 +65,11 @@ def test_no_drift_stays(planned):
     """The same routing, other tokens of the same run: the running placement is already the
     solver's answer, within noise; the threshold keeps it."""
     doc, te = planned
-    inp = replan.inputs_from_plan(doc)
+    inp = replan.inputs_from_plan(parse_plan(doc))
     current = doc["placement"]["permutation"]
-    assert inp.baseline == doc["placement"]["quality"]["crossGroupBytesPerStep"]
+    assert (
+        inp.baseline == doc["placement"]["quality"]["dispatch"]["dedup"]["crossGroupBytesPerStep"]
+    )
     for fresh in (_counted(te[:, 4096:]), _counted(te[:, :4096]), _counted(te)):
         d = replan.decide(inp, current, fresh, 10, inp.baseline)
         assert not d.switch, d.message
@@ -83,7 +86,7 @@ def test_drift_switches(planned):
     """The routing drifted (other co-activation clusters): the re-plan predicts at least the
     threshold fewer cross-group bytes on the same fresh statistics, and says so."""
     doc, _ = planned
-    inp = replan.inputs_from_plan(doc)
+    inp = replan.inputs_from_plan(parse_plan(doc))
     current = doc["placement"]["permutation"]
     fresh = _counted(_trace(11))
     d = replan.decide(inp, current, fresh, 10, inp.baseline)
@@ -103,10 +106,35 @@ def test_drift_switches(planned):
     assert replan.decide(inp, current, fresh, int(rise) + 1).switch  # no baseline: all counts
 
 
+def test_predictions_are_in_the_trainer_counters_measure(planned):
+    """What status shows is what the trainers count: the de-duplicating dispatcher's cross-group
+    bytes forward and backward with its id/weight columns (the plan's ``quality.dispatch``, whose
+    byte model the smoke test checks against the counters), not the cost model's forward
+    activations. On token samples it is exact; the cost model's sends times ``per_send`` give
+    the same figure when the NVLink groups are equal (one send per token and remote group)."""
+    doc, te = planned
+    inp = replan.inputs_from_plan(parse_plan(doc))
+    quality = doc["placement"]["quality"]
+    current = doc["placement"]["permutation"]
+    d = replan.decide(inp, current, _counted(te[:, :4096]), 10)
+    assert d.before == quality["dispatch"]["dedup"]["crossGroupBytesPerStep"]
+    hidden = inp.hidden_size * inp.bytes_per_elem
+    assert inp.per_send == (4 * hidden + 12 * inp.top_k) / (2 * hidden) > 2
+    assert abs(quality["crossGroupBytesPerStep"] * inp.per_send - d.before) <= inp.per_send
+    pairwise = replan.decide(inp, current, _counted(te[:, :4096]).without_tokens(), 10)
+    assert abs(pairwise.before - d.before) < 0.05 * d.before  # pair counts estimate the same
+    # a plan without the exact figure: the cost model's, converted
+    old = json.loads(json.dumps(doc))
+    del old["placement"]["quality"]["dispatch"]
+    assert replan.inputs_from_plan(parse_plan(old)).baseline == round(
+        quality["crossGroupBytesPerStep"] * inp.per_send
+    )
+
+
 def test_pairwise_statistics_decide_too(planned):
     """Statistics without token samples: scored from pair counts, as the planner does."""
     doc, _ = planned
-    inp = replan.inputs_from_plan(doc)
+    inp = replan.inputs_from_plan(parse_plan(doc))
     fresh = _counted(_trace(11)).without_tokens()
     d = replan.decide(inp, doc["placement"]["permutation"], fresh, 10, inp.baseline)
     assert d.switch and d.after <= 0.9 * d.before
@@ -114,7 +142,7 @@ def test_pairwise_statistics_decide_too(planned):
 
 def test_static_strategies_and_bad_shapes_stay(planned):
     doc, _ = planned
-    inp = replan.inputs_from_plan(doc)
+    inp = replan.inputs_from_plan(parse_plan(doc))
     fresh = _counted(_trace(11))
     static = replan.ReplanInputs(**{**inp.__dict__, "strategy": "contiguous"})
     d = replan.decide(static, doc["placement"]["permutation"], fresh, 10)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_trainer.launch import free_port
+from moe_trainer.launch import local_world_envs
 
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "dedup_worker.py"
@@ -69,15 +69,7 @@ def run_world(nproc: int, out: Path, cases: list[dict] | None = None) -> list[li
         dict({"deadRanks": [], "tokens": 10, "seed": 7 + i}, **c)
         for i, c in enumerate(CASES[nproc] if cases is None else cases)
     ]
-    env = dict(
-        os.environ,
-        CASES=json.dumps(cases),
-        OUT=str(out),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-    )
+    envs = local_world_envs(nproc, dict(os.environ, CASES=json.dumps(cases), OUT=str(out)))
     procs = []
     for r in range(nproc):
         with open(out / f"log{r}.txt", "w") as log:  # the child keeps its own copy
@@ -86,7 +78,7 @@ def run_world(nproc: int, out: Path, cases: list[dict] | None = None) -> list[li
                     [sys.executable, str(WORKER)],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                    env=envs[r],
                 )
             )
     try:

@@ -281,7 +281,7 @@ def test_a_failed_trainer_child_leaves_the_launch_unrecorded_and_the_next_pass_c
 def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
     order = []
 
-    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, **_):
         order.append(f"pass {name}")
         defer(lambda: order.append(f"rest {name}"))
         return
@@ -301,7 +301,7 @@ def test_a_pending_remainder_runs_before_the_jobs_next_pass_and_only_once():
 def test_a_failed_remainder_is_retried_as_a_pass(monkeypatch):
     retried = []
 
-    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, **_):
         def rest():
             raise ApiException(status=403, reason="Forbidden")
 
@@ -319,7 +319,7 @@ def test_a_deleted_jobs_state_goes_with_it():
     """Locks, pending remainder, pod cache, queue entry and error count of a deleted job are
     dropped: a long-running operator does not grow with every job it ever saw."""
 
-    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, backoff=None):
+    def fake_reconcile(client, namespace, name, *, settings, body=None, defer=None, **_):
         defer(lambda: None)
         return 600.0
 

@@ -7,6 +7,7 @@ import datetime as dt
 import pytest
 from kubernetes.client.rest import ApiException
 
+import plan_fixtures
 from moejob_operator import constants as C
 from moejob_operator.core import gate as G
 from moejob_operator.reconcile import gate
@@ -150,7 +151,7 @@ def test_a_repushed_tag_stops_the_gang_and_gates_the_digest_the_pods_ran():
             "conditions": [cond],
         },
     }
-    plan = {"ranks": [{"rank": 0, "node": "node-a", "nodeRank": 0}]}
+    plan = plan_fixtures.plan(nodes=("node-a",))
     client = GangClient([pod])
     p = J.Pass(client, job, NOW, Settings())
     assert J._track(p, s, plan) == 1.0

@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import plan_fixtures
 from moejob_operator import metrics
 
 
@@ -76,19 +77,17 @@ def test_plan_quality_from_status_and_from_the_full_plan():
     metrics.observe_plan(
         "ns",
         "a",
-        {
-            "worldSize": 4,
-            "epSize": 4,
-            "placement": {
-                "quality": {
-                    "crossGroupBytesPerStep": 1000,
-                    "crossNodeBytesPerStep": 10,
-                    "maxMeanLoad": 1.5,
-                    "crossGroupVsContiguous": 0.5,
-                }
+        plan_fixtures.plan(
+            nodes=("n0", "n1"),
+            gpus_per_node=2,
+            quality={
+                "crossGroupBytesPerStep": 1000,
+                "crossNodeBytesPerStep": 10,
+                "maxMeanLoad": 1.5,
+                "crossGroupVsContiguous": 0.5,
             },
-            "memory": {"estimatedPeakBytes": 7, "fits": False},
-        },
+            memory={"estimatedPeakBytes": 7, "fits": False},
+        ),
     )
     assert value("moe_operator_plan_cross_node_bytes_per_step", namespace="ns", job="a") == 10
     assert value("moe_operator_plan_world_size", namespace="ns", job="a") == 4

@@ -327,15 +327,9 @@ def _zero3_steps(
     accum_dtype: str = "bf16",
 ) -> dict:
     """Run tests/zero3_step_worker.py on ``nproc`` ranks (gloo); rank 0's report."""
-    from moe_trainer.launch import free_port
+    from moe_trainer.launch import local_world_envs
 
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-    )
+    envs = local_world_envs(nproc)
     procs = [
         subprocess.Popen(
             [
@@ -346,7 +340,7 @@ def _zero3_steps(
                 str(clipping),
                 accum_dtype,
             ],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            env=envs[r],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import plan_fixtures
 from moe_contracts import env as E
 from moejob_operator import constants as C
 from moejob_operator.builders.common import JobRef
@@ -119,7 +120,9 @@ def test_a_crashed_inspection_is_retried_then_refused():
 
 def test_recheck_refuses_a_changed_directory():
     client, status, spec = FakeClient(), {}, parse_spec(SPEC)
-    plan = {"model": {"contentHash": "sha256:" + "a" * 64}}
+    plan = plan_fixtures.plan(
+        model={"family": "mixtral", "path": "/model", "contentHash": "sha256:" + "a" * 64}
+    )
     with pytest.raises(NotYet):
         inspect.recheck(client, JOB, spec, plan, status)
     assert ("Pod", "ft-inspect-launch") in client.objects

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_contracts.plan import parse_plan
 from moejob_operator import admission
 from moejob_operator import constants as C
 from moejob_operator.builders.common import JobRef
@@ -52,20 +53,20 @@ def _plan(spec):
     reports = {n: load_topology("nvswitch-h100-8").model_copy(update={"node": n}) for n in "ab"}
     job = JobRef("ns", "j", "uid")
     req = planning.plan_request(job, spec, ["a", "b"], reports, None, 0)
-    return plan_sized(req, sizing.auto_fields(spec)).document
+    return parse_plan(plan_sized(req, sizing.auto_fields(spec)).document, complete=True)
 
 
 def test_sized_spec_carries_the_plan_and_the_hashes_stay_the_written_specs():
     spec = parse_spec(AUTO)
     plan = _plan(spec)
     sized = sizing.sized_spec(spec, plan)
-    ch = plan["sizing"]["chosen"]
+    ch = plan.sizing["chosen"]
     assert (sized.nodes.count, sized.nodes.gpus_per_node, sized.training.micro_batch) == (
         ch["nodeCount"],
         ch["gpusPerNode"],
         ch["microBatch"],
     )
-    assert sized.nodes.world_size == plan["worldSize"]
+    assert sized.nodes.world_size == plan.world_size
     assert spec.immutable_hash() == parse_spec(AUTO).immutable_hash()
     assert sizing.sized_spec(parse_spec(BASE), plan) == parse_spec(BASE)
 
@@ -75,10 +76,10 @@ def test_status_compares_measured_with_predicted():
     status: dict = {}
     sizing.status(status, plan)
     s = status["sizing"]
-    assert s["predictedTokensPerSecond"] == round(plan["sizing"]["predictedTokensPerSecond"])
+    assert s["predictedTokensPerSecond"] == round(plan.sizing["predictedTokensPerSecond"])
     assert "measuredVsPredicted" not in s
     status["progress"] = {"tokensPerSecond": s["predictedTokensPerSecond"] * 1.1}
     sizing.status(status, plan)
     assert status["sizing"]["measuredVsPredicted"] == "1.100"
-    sizing.status(status, {k: v for k, v in plan.items() if k != "sizing"})
+    sizing.status(status, parse_plan({k: v for k, v in plan.raw.items() if k != "sizing"}))
     assert "sizing" not in status

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from moe_contracts import placement_update as PU
-from moe_trainer.launch import free_port
+from moe_trainer.launch import local_world_envs
 
 pytestmark = pytest.mark.slow
 PLANS = Path(__file__).parent / "fixtures" / "plans"
@@ -52,21 +52,12 @@ def one_rank_plan(tmp: Path, bf16: bool) -> Path:
 
 
 def run_worker(tmp: Path, plan: Path, nproc: int, **extra: str) -> list[dict]:
-    base = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        SWITCH="2",
-        **extra,
-    )
+    envs = local_world_envs(nproc, dict(os.environ, SWITCH="2", **extra))
     procs = []
     for r in range(nproc):
         with open(tmp / f"log{r}.txt", "w") as log:  # the child keeps its own copy
-            env = dict(base, RANK=str(r), LOCAL_RANK=str(r))
             cmd = [sys.executable, str(WORKER), str(plan), str(tmp)]
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=envs[r]))
     try:
         codes = [p.wait(timeout=400) for p in procs]
     finally:

@@ -11,7 +11,9 @@ import json
 
 import pytest
 
+import plan_fixtures
 from moe_contracts import placement_update
+from moe_contracts.plan import parse_plan
 from moe_contracts.routing import encode_configmap
 from moejob_operator import constants as C
 from moejob_operator.builders import common, configmaps
@@ -77,7 +79,7 @@ def test_no_drift_never_switches(planned):  # noqa: F811
     doc, te = planned
     client = _cluster(doc, _counted(te[:, 4096:]))
     p = _pass(client)
-    replan.step(p, SPEC, doc, _progress(10))
+    replan.step(p, SPEC, parse_plan(doc), _progress(10))
     assert client.writes == [] and not p.events
     assert p.status["replan"]["decision"] == "Stay"
     assert p.status["replan"]["checkedAtStep"] == 10
@@ -88,9 +90,9 @@ def test_drift_switches_once_and_waits_for_the_trainer(planned):  # noqa: F811
     doc, _ = planned
     client = _cluster(doc, _counted(_trace(11)))
     p = _pass(client)
-    replan.step(p, SPEC, doc, _progress(9))  # not due yet
+    replan.step(p, SPEC, parse_plan(doc), _progress(9))  # not due yet
     assert client.writes == [] and "replan" not in p.status
-    replan.step(p, SPEC, doc, _progress(10))
+    replan.step(p, SPEC, parse_plan(doc), _progress(10))
     got = _generation(client)
     assert got.generation == 1 and got.decided_at_step == 10
     got.check(4, 8)
@@ -103,13 +105,13 @@ def test_drift_switches_once_and_waits_for_the_trainer(planned):  # noqa: F811
     # later passes: the trainer has not applied generation 1: no second decision
     status = copy.deepcopy(p.status)
     p2 = _pass(client, status)
-    replan.step(p2, SPEC, doc, _progress(40, {"generation": 0, "appliedAtStep": 0}))
+    replan.step(p2, SPEC, parse_plan(doc), _progress(40, {"generation": 0, "appliedAtStep": 0}))
     assert len(client.writes) == 1 and not p2.events
     assert "waiting for the trainer" in p2.status["replan"]["message"]
     # applied at step 45: recorded; the same drifted statistics again at 55 -> the running
     # generation 1 was fitted to them: stay
     p3 = _pass(client, copy.deepcopy(p2.status))
-    replan.step(p3, SPEC, doc, _progress(55, {"generation": 1, "appliedAtStep": 45}))
+    replan.step(p3, SPEC, parse_plan(doc), _progress(55, {"generation": 1, "appliedAtStep": 45}))
     assert p3.status["placementHistory"][0]["appliedAtStep"] == 45
     assert len(client.writes) == 1 and not p3.events
     assert p3.status["replan"]["decision"] == "Stay"
@@ -120,9 +122,9 @@ def test_a_written_generation_is_recorded_after_a_restart(planned):  # noqa: F81
     the generation from the ConfigMap, records it with its Event, and does not switch again."""
     doc, _ = planned
     client = _cluster(doc, _counted(_trace(11)))
-    replan.step(_pass(client), SPEC, doc, _progress(10))
+    replan.step(_pass(client), SPEC, parse_plan(doc), _progress(10))
     p = _pass(client)  # the status of before the switch
-    replan.step(p, SPEC, doc, _progress(20))
+    replan.step(p, SPEC, parse_plan(doc), _progress(20))
     assert len(client.writes) == 1
     assert [e[1] for e in p.events] == [C.R_PLACEMENT_UPDATED]
     assert p.status["placementHistory"][0]["generation"] == 1
@@ -134,8 +136,8 @@ def test_without_replan_or_progress_nothing_is_read():
             raise AssertionError(f"unexpected call {name}")
 
     plain = parse_spec({"image": "img", "model": {"preset": "tiny-mixtral"}})
-    replan.step(_pass(NoCalls()), plain, {}, _progress(100))
-    replan.step(_pass(NoCalls()), SPEC, {}, None)
+    replan.step(_pass(NoCalls()), plain, plan_fixtures.plan(), _progress(100))
+    replan.step(_pass(NoCalls()), SPEC, plan_fixtures.plan(), None)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +161,9 @@ def test_decoded_progress():
 def test_a_plan_it_cannot_read_is_a_status_message(planned):  # noqa: F811
     doc, _ = planned
     client = _cluster(doc, _counted(_trace(11)))
-    broken = {**doc, "ranks": None}
+    # ranks without their NVLink groups (a plan of an older planner): nothing to score with
+    ranks = [{k: v for k, v in r.items() if k != "group"} for r in doc["ranks"]]
+    broken = parse_plan({**doc, "ranks": ranks})
     p = _pass(client)
     replan.step(p, SPEC, broken, _progress(10))
     assert client.writes == [] and "cannot be re-planned" in p.status["replan"]["message"]
@@ -179,7 +183,9 @@ def test_no_decision_when_the_next_checkpoint_is_the_last_step(planned):  # noqa
     )
     client = _cluster(doc, _counted(_trace(11)))  # drifted: switches when a boundary is left
     p = _pass(client, {})
-    replan.step(p, short, doc, _progress(60))
+    replan.step(p, short, parse_plan(doc), _progress(60))
     assert not client.writes and not p.events and "replan" not in p.status
-    replan.step(p, short, doc, _progress(40))  # the boundary at 50 is before the last step
+    replan.step(
+        p, short, parse_plan(doc), _progress(40)
+    )  # the boundary at 50 is before the last step
     assert len(client.writes) == 1 and _generation(client).generation == 1

@@ -58,8 +58,8 @@ def _h200_plan_and_pods():
     }
     stats = routing.synthetic_trace(4, 8, 2, 4096, num_clusters=2, seed=3).to_json()
     plan = planning.make_plan(_Stats(stats), job, spec, reports)
-    pods = workers.worker_pods(job, spec, planning.rank2node(plan), attempt=0, spec_hash="h")
-    return spec, plan, pods
+    pods = workers.worker_pods(job, spec, plan.node_names, attempt=0, spec_hash="h")
+    return spec, plan.raw, pods
 
 
 def _pod_env(pod) -> dict[str, str]:

@@ -13,6 +13,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import plan_fixtures
 from moe_contracts.errors import DocumentError
 from moe_contracts.progress import HEALTH_TYPES
 from moe_contracts.routing import decode_configmap
@@ -155,12 +156,7 @@ def test_a_pod_with_the_workers_labels_but_not_the_jobs_owner_reference_counts_f
         "spec": {},
         "status": {"attempt": 0, "gangComplete": 0, "launchedSpecHash": "h"},
     }
-    plan = {
-        "ranks": [
-            {"rank": 0, "node": "node-a", "nodeRank": 0},
-            {"rank": 1, "node": "node-b", "nodeRank": 1},
-        ]
-    }
+    plan = plan_fixtures.plan(nodes=("node-a", "node-b"))
     client = PodsClient(pods)
     p = J.Pass(client, job, NOW, Settings())
     J._track(p, spec, plan)

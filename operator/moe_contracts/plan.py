@@ -103,6 +103,12 @@ class Placement(Doc):
     permutation: tuple[tuple[Int, ...], ...]  # permutation[layer][slot] = original expert
     dispatcher: Literal["autoep", "dedup"] = "autoep"
     replicas: tuple[LayerReplicas, ...] | None = None  # per layer; None: one copy per expert
+    # what the planner reports (the trainer does not read these): the strategy it fell back to
+    # (a statistics strategy without statistics), the statistics' source, and the figures table
+    # (``quality``: cross-group bytes, loads, ``dispatch`` bytes by tier; docs/contracts.md)
+    fell_back_to: Str | None = None
+    routing_stats_from: dict[str, Any] | None = None
+    quality: dict[str, Any] | None = None
 
     @property
     def experts_per_rank(self) -> int:
@@ -254,11 +260,23 @@ class MoEPlan(Doc):
     memory: Memory | None = None
     training: TrainingSpec = TrainingSpec()
     output: OutputSpec | None = None
+    # the planner's records for the operator (the trainer does not read them): the GPU the plan
+    # was made for (keys the upgrade gate's verdicts) and the Auto sizing decision
+    hardware: dict[str, Any] | None = None
+    sizing: dict[str, Any] | None = None
     _raw: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
     def raw(self) -> dict[str, Any]:
         return self._raw
+
+    @property
+    def node_names(self) -> list[str]:
+        """The plan's nodes by node rank (``node_names[node_rank]``)."""
+        out: dict[int, str] = {}
+        for r in sorted(self.ranks, key=lambda r: r.node_rank):
+            out.setdefault(r.node_rank, r.node)
+        return [out[i] for i in sorted(out)]
 
     @property
     def job_namespace(self) -> str:
@@ -489,8 +507,8 @@ def load_plan(path: str | os.PathLike[str], *, complete: bool = False) -> MoEPla
     return parse_plan(doc, complete=complete)
 
 
-def plan_json(doc: dict[str, Any]) -> str:
+def plan_json(doc: dict[str, Any], *, sort_keys: bool = False) -> str:
     """The serialised document, checked complete first: what goes into the ``<job>-plan`` ConfigMap
-    and what ``moectl plan -o`` writes."""
+    (``sort_keys``: the same plan is the same bytes) and what ``moectl plan -o`` writes."""
     parse_plan(doc, complete=True)
-    return json.dumps(doc, indent=1, sort_keys=False) + "\n"
+    return json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n"

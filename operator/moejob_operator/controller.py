@@ -31,6 +31,7 @@ from .reconcile import gate as gate_reconcile
 from .reconcile.client import Client
 from .reconcile.deferred import YieldingQueue
 from .reconcile.job import reconcile as reconcile_job
+from .reconcile.planning import PlanMemo
 from .reconcile.settings import Settings
 from .workqueue import RESYNC_SECONDS, Key, Requeue
 
@@ -53,6 +54,7 @@ class Reconcile(Protocol):
         body: dict[str, Any] | None = ...,
         defer: Callable[[Callable[[], None]], None] | None = ...,
         backoff: Callable[[], float] | None = ...,
+        plan_memo: PlanMemo | None = ...,
     ) -> float | None: ...
 
 
@@ -102,6 +104,7 @@ class Controller:
         self._client = client
         self._client_guard = threading.Lock()
         self._reconcile = reconcile
+        self.plan_memo = PlanMemo()  # plans by input, shared by every job's passes
         self.requeue = Requeue(
             self.run_pass,
             threads=self.config.requeue_threads,
@@ -245,6 +248,7 @@ class Controller:
                 body=body,
                 defer=lambda f: self._defer(key, f),
                 backoff=backoff,
+                plan_memo=self.plan_memo,
             )
 
         return self._serialised(key, once, errored)

@@ -41,6 +41,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from moe_contracts.plan import MoEPlan
+
 from . import constants as C
 
 PREFIX = "moe_operator"
@@ -221,17 +223,17 @@ def forget_job(namespace: str, name: str) -> None:
     JOBS.forget(namespace, name)
 
 
-def observe_plan(namespace: str, name: str, plan: dict[str, Any]) -> None:
-    """Record a full MoEPlan document's placement quality and memory estimate."""
-    placement = plan.get("placement") or {}
-    memory = plan.get("memory") or {}
+def observe_plan(namespace: str, name: str, plan: MoEPlan) -> None:
+    """Record a MoEPlan's placement quality and memory estimate."""
+    quality = (plan.placement.quality if plan.placement is not None else None) or {}
+    memory = plan.memory
     values = _numbers(
         {
-            **(placement.get("quality") or {}),
-            "worldSize": plan.get("worldSize"),
-            "epSize": plan.get("epSize"),
-            "estimatedPeakBytesPerGpu": memory.get("estimatedPeakBytes"),
-            "fits": memory.get("fits"),
+            **quality,
+            "worldSize": plan.world_size,
+            "epSize": plan.ep_size,
+            "estimatedPeakBytesPerGpu": memory.estimated_peak_bytes if memory else None,
+            "fits": memory.fits if memory else None,
         }
     )
     JOBS.update_plan(namespace, name, values)

@@ -9,9 +9,12 @@ trainer only reads.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from moe_contracts import placement_update
+from moe_contracts.plan import MoEPlan
+from moe_contracts.plan import plan_json as checked_plan_json
 
 from .. import constants as C
 from .common import (
@@ -24,13 +27,14 @@ from .common import (
 )
 
 
-def plan_json(plan: dict[str, Any]) -> str:
-    """Canonical serialisation: sorted keys, so the same plan is the same bytes."""
-    return json.dumps(plan, sort_keys=True, indent=1) + "\n"
+def plan_json(plan: MoEPlan) -> str:
+    """The plan as the workers read it: checked complete by the contract's one writer, sorted keys
+    (the same plan is the same bytes)."""
+    return checked_plan_json(plan.raw, sort_keys=True)
 
 
 def plan_configmap(
-    job: JobRef, plan: dict[str, Any], spec_hash: str, launched_spec: dict[str, Any] | None = None
+    job: JobRef, plan: MoEPlan, spec_hash: str, launched_spec: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """``launched_spec``: the immutable spec the plan was made from (``spec.json``), what the job
     keeps running with when someone edits an immutable field after launch."""
@@ -65,10 +69,11 @@ def routing_stats_configmap(job: JobRef) -> dict[str, Any]:
     }
 
 
-def placement_configmap(job: JobRef, permutation: list[list[int]]) -> dict[str, Any]:
+def placement_configmap(job: JobRef, permutation: Sequence[Sequence[int]]) -> dict[str, Any]:
     """``<job>-placement`` (``spec.placement.replan``): the PlacementUpdate the trainer reads at
     its checkpoints, seeded with generation 0 = the plan's own permutation."""
-    update = placement_update.PlacementUpdate(generation=0, permutation=permutation, reason="plan")
+    rows = [list(row) for row in permutation]
+    update = placement_update.PlacementUpdate(generation=0, permutation=rows, reason="plan")
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

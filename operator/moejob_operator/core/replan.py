@@ -3,12 +3,19 @@ job"): the pure decisions. The reconcile step (``reconcile/replan.py``) reads th
 writes what these functions return.
 
 :func:`decide` re-runs the planner's solver (``router_groups.solve``, the plan's strategy, seed,
-EP size and rank order) on fresh routing statistics and scores the running placement and the
-candidate with the planner's cost model (``cost.score``) on those SAME statistics, scaled to the
-job's tokens per step as the plan's ``crossGroupBytesPerStep`` is. It switches only when the
-candidate's predicted cross-group bytes per step are at least ``min_gain_percent`` below the
-running placement's: a job whose routing does not drift finds its placement (near) optimal on
-its own statistics again and stays.
+EP size and rank order) on fresh routing statistics and predicts the cross-group bytes per step
+of the running placement and of the candidate on those SAME statistics, scaled to the job's
+tokens per step. It switches only when the candidate's prediction is at least
+``min_gain_percent`` below the running placement's: a job whose routing does not drift finds its
+placement (near) optimal on its own statistics again and stays.
+
+The predictions are in the measure of the trainer's byte counters (``moe.allToAllBytes*`` in
+progress): the de-duplicating dispatcher's bytes forward AND backward with its id and weight
+columns (:mod:`moe_contracts.dispatch`), exact on the statistics' token samples
+(``core.dispatch``, the plan's ``quality.dispatch``); without samples, the cost model's sends
+(``cost.score``, forward dispatch + combine activations: the solver's objective) times the bytes
+a dispatcher row moves per send over the cost model's (``dedup_row_bytes / (2 x hidden bytes)``).
+So a status figure can be read against what the trainers count.
 
 The solver is a heuristic: on other tokens of the same routing it can land on a layout that is
 some percent better (or worse) than the one it found before, which is not drift. So the gain that
@@ -30,14 +37,17 @@ checkpoint; the decision prefers it and falls back to the whole run.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from moe_contracts.dispatch import dedup_row_bytes
+from moe_contracts.plan import MoEPlan, RankSpec
 from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats, window_stats
 
-from . import cost, router_groups
+from . import cost, dispatch, router_groups
 from .models import spec_from_hf_config
 from .placement import Placement, strategies
 from .topology import ClusterTopology
@@ -57,6 +67,7 @@ class ReplanInputs:
     n_group: int
     num_layers: int
     num_experts: int
+    top_k: int
     hidden_size: int
     bytes_per_elem: int
     tokens_per_step: int
@@ -64,6 +75,16 @@ class ReplanInputs:
     replicas: bool  # the plan placed extra copies of hot experts
     dispatcher: str  # "dedup" | "autoep" (AutoEP's all-to-all: the same bytes for any placement)
     baseline: int | None  # the plan's predicted cross-group bytes per step (routing statistics)
+
+    @property
+    def per_send(self) -> float:
+        return per_send(self.hidden_size * self.bytes_per_elem, self.top_k)
+
+
+def per_send(hidden_bytes: int, top_k: int) -> float:
+    """Counted bytes per cost-model byte: what one dispatcher send moves in a step (forward +
+    backward, id/weight columns) over the cost model's dispatch + combine activations."""
+    return dedup_row_bytes(hidden_bytes, top_k) / (2 * hidden_bytes)
 
 
 @dataclass(frozen=True)
@@ -83,56 +104,77 @@ class Decision:
         return SWITCH if self.switch else STAY
 
 
-def plan_topology(ranks: list[dict[str, Any]]) -> ClusterTopology:
+def plan_topology(ranks: Sequence[RankSpec]) -> ClusterTopology:
     """``MoEPlan.ranks`` -> a topology with GPU ``g`` = rank ``g`` (its node and NVLink group).
     NVLink bandwidth is a placeholder (1 where the group has another GPU): the decision reads
-    bytes, not seconds."""
+    bytes, not seconds. Raises ValueError for ranks without an NVLink group."""
     nodes: dict[str, int] = {}
     groups: dict[int, int] = {}
     node_of, group_of = [], []
     for r in ranks:
-        node_of.append(nodes.setdefault(str(r["node"]), len(nodes)))
-        group_of.append(groups.setdefault(int(r["group"]), len(groups)))
+        if r.group is None:
+            raise ValueError(f"ranks[{r.rank}].group: the plan records no NVLink group")
+        node_of.append(nodes.setdefault(r.node, len(nodes)))
+        group_of.append(groups.setdefault(r.group, len(groups)))
     g = np.array(group_of, dtype=np.int64)
     sizes = np.bincount(g) if len(g) else np.zeros(0, dtype=np.int64)
     return ClusterTopology(
         tuple(nodes),
-        tuple((str(r["node"]), i) for i, r in enumerate(ranks)),
+        tuple((r.node, i) for i, r in enumerate(ranks)),
         np.array(node_of, dtype=np.int64),
         g,
         np.where(sizes[g] > 1, 1.0, 0.0) if len(g) else np.zeros(0),
     )
 
 
-def inputs_from_plan(plan: dict[str, Any]) -> ReplanInputs:
-    """The re-plan inputs of a stored plan document (checked by the plan reader before)."""
-    pl = plan["placement"]
-    spec = spec_from_hf_config(plan["model"]["hfConfig"] or {}, "MoEPlan model.hfConfig")
-    ds = plan.get("deepspeed") or {}
+def inputs_from_plan(plan: MoEPlan) -> ReplanInputs:
+    """The re-plan inputs of a parsed plan. Raises ValueError (or DocumentError for its model
+    config) for a plan without what a re-plan needs."""
+    pl = plan.placement
+    if pl is None:
+        raise ValueError("placement: the plan has none")
+    if plan.model.hf_config is None:
+        raise ValueError("model.hfConfig: the plan has none")
+    spec = spec_from_hf_config(plan.model.hf_config, "MoEPlan model.hfConfig")
+    ds = plan.deepspeed
     half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
-    training = plan.get("training") or {}
+    bytes_per_elem = 2 if half else 4
+    batch = ds.get("train_batch_size")
     return ReplanInputs(
-        strategy=str(pl["strategy"]),
-        ep_size=int(plan["epSize"]),
-        seed=int(training.get("seed", 0)),
+        strategy=pl.strategy,
+        ep_size=plan.ep_size,
+        seed=plan.training.seed,
         n_group=int(spec.router_groups),
-        num_layers=int(pl["numLayers"]),
-        num_experts=int(pl["numExperts"]),
+        num_layers=pl.num_layers,
+        num_experts=pl.num_experts,
+        top_k=int(spec.top_k),
         hidden_size=int(spec.hidden_size),
-        bytes_per_elem=2 if half else 4,
-        tokens_per_step=int(ds.get("train_batch_size", 1)) * int(training.get("seqLen", 1)),
-        topology=plan_topology(plan["ranks"]),
-        replicas=bool(pl.get("replicas")),
-        dispatcher=str(pl.get("dispatcher") or "autoep"),
-        baseline=_plan_baseline(pl.get("quality") or {}),
+        bytes_per_elem=bytes_per_elem,
+        tokens_per_step=(batch if isinstance(batch, int) else 1) * plan.training.seq_len,
+        topology=plan_topology(plan.ranks),
+        replicas=bool(pl.replicas),
+        dispatcher=pl.dispatcher,
+        baseline=_plan_baseline(
+            pl.quality or {},
+            pl.dispatcher,
+            per_send(spec.hidden_size * bytes_per_elem, spec.top_k),
+        ),
     )
 
 
-def _plan_baseline(quality: dict[str, Any]) -> int | None:
-    value = quality.get("crossGroupBytesPerStep")
-    if quality.get("basis") != "routingStats" or not isinstance(value, (int, float)):
+def _plan_baseline(quality: dict[str, Any], dispatcher: str, factor: float) -> int | None:
+    """The plan's predicted cross-group bytes per step in the counters' measure: its exact
+    ``quality.dispatch`` figure when it has one, else the cost model's times ``factor``; None
+    for a plan made without routing statistics (nothing predicted from the run's routing)."""
+    if quality.get("basis") != "routingStats":
         return None
-    return round(value)
+    exact = ((quality.get("dispatch") or {}).get(dispatcher) or {}).get("crossGroupBytesPerStep")
+    if isinstance(exact, (int, float)) and not isinstance(exact, bool):
+        return round(exact)
+    value = quality.get("crossGroupBytesPerStep")
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return round(value * factor)
 
 
 def fresh_stats(cm: dict[str, Any] | None) -> tuple[RoutingStats | None, str]:
@@ -154,16 +196,25 @@ def fresh_stats(cm: dict[str, Any] | None) -> tuple[RoutingStats | None, str]:
 
 
 def _cross_group(perm: np.ndarray, inp: ReplanInputs, stats: RoutingStats, scale: float) -> float:
+    """Predicted cross-group bytes per step of ``perm`` in the trainer counters' measure (see
+    the module docstring); ``scale``: the job's tokens per step over the statistics'."""
     W = inp.topology.num_gpus
     pl = Placement(inp.strategy, perm, np.arange(W), inp.ep_size)
-    got = cost.score(
+    te = stats.token_experts
+    if te is not None and te.shape[1] > 0:
+        got = dispatch.dispatch_bytes(
+            pl, inp.topology, te, hidden_size=inp.hidden_size, bytes_per_elem=inp.bytes_per_elem
+        )
+        samples = int(te.shape[1])
+        return float(got[inp.dispatcher]["crossGroup"]) * inp.tokens_per_step / samples
+    score = cost.score(
         pl,
         inp.topology,
         stats,
         hidden_size=inp.hidden_size,
         bytes_per_elem=inp.bytes_per_elem,
     )
-    return got.cross_group_bytes_per_step * scale
+    return score.cross_group_bytes_per_step * scale * inp.per_send
 
 
 def decide(

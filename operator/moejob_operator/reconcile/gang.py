@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from moe_contracts.errors import DocumentError
+from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import HEALTH_TYPES, parse_progress
 
 from .. import admission, metrics
@@ -17,7 +18,7 @@ from .. import constants as C
 from ..builders import common, configmaps, rbac, workers
 from ..spec import JobSpec, field_hashes
 from ..status import FALSE, TRUE, UNKNOWN, now_iso, parse_time
-from . import gate, inputs, machine, planning, podgroups, replan, sizing
+from . import gate, inputs, machine, podgroups, replan, sizing
 from .client import ChildConflict, NotReady, Rejected
 from .jobpass import Pass, _conflict, _crashpoint, _finished, _status_int
 from .specplan import _plan_written
@@ -49,7 +50,7 @@ def _worker_pods(p: Pass) -> list[dict[str, Any]]:
 
 
 # ---- launch + track -----------------------------------------------------------------------
-def _launch_children(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> None:
+def _launch_children(p: Pass, spec: JobSpec, plan: MoEPlan) -> None:
     """What the worker pods need to exist and start, before them and at once (one round trip):
     pod admission looks the ServiceAccount up, the kubelet mounts the plan. Everything else
     follows the pods (_complete_launch), but its names are claimed here, in the same round trip:
@@ -57,7 +58,8 @@ def _launch_children(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> None:
     with its Service, or their Role would let them write its ConfigMaps)."""
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
     if spec.placement.replan is not None:
-        p.placement_cm = configmaps.placement_configmap(p.job, plan["placement"]["permutation"])
+        assert plan.placement is not None, "the planner writes a placement (plan_json checks it)"
+        p.placement_cm = configmaps.placement_configmap(p.job, plan.placement.permutation)
     created = p.client.create_all(
         [*plan_cm, rbac.service_account(p.job)], claim=_trainer_children(p)
     )
@@ -150,15 +152,13 @@ def _regate(p: Pass, spec: JobSpec, pods: list[machine.PodView], digest: str) ->
     return 1.0
 
 
-def _track(
-    p: Pass, spec: JobSpec, plan: dict[str, Any], *, launching: bool = False
-) -> float | None:
+def _track(p: Pass, spec: JobSpec, plan: MoEPlan, *, launching: bool = False) -> float | None:
     """``launching``: this pass has just created the job's other children (first launch). The
     plan's nodes were read a moment ago and no worker pod can exist yet, except after an operator
     crash mid-launch, where creating them again answers "already exists": the node and pod
     listings and the (just seeded, empty) progress read are skipped, three round trips fewer on
     the path from apply to worker pods."""
-    rank2node = planning.rank2node(plan)
+    rank2node = plan.node_names
     count = len(rank2node)  # spec.nodes.count, or what the sizing chose for Auto
     lost = [] if launching else _lost_nodes(p, rank2node)
     if lost:

@@ -25,6 +25,8 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from moe_contracts.plan import MoEPlan
+
 from .. import constants as C
 from .. import metrics
 from ..builders import smoke as B
@@ -67,12 +69,12 @@ def _previous(job: dict[str, Any]) -> dict[str, Any]:
     return get_condition(conditions, C.COND_UPGRADE_VERIFIED) or {}
 
 
-def identity_of(job: dict[str, Any], spec: JobSpec, plan: dict[str, Any] | None) -> G.Identity:
+def identity_of(job: dict[str, Any], spec: JobSpec, plan: MoEPlan | None) -> G.Identity:
     """The job's gate identity: image, declared DeepSpeed, device, and for GPUs the hardware of
     its plan; pinned to the digest its pods ran when that differed from a verdict's
     (``status.gateDigest``, set by :func:`digest_changed`)."""
     identity = G.identity_for(
-        spec.image, spec.deepspeed_version, spec.device, (plan or {}).get("hardware")
+        spec.image, spec.deepspeed_version, spec.device, plan.hardware if plan else None
     )
     pin = (job.get("status") or {}).get("gateDigest")
     return G.pinned(identity, pin) if pin and not identity.digest else identity
@@ -84,7 +86,7 @@ def check(
     spec: JobSpec,
     now: dt.datetime | None = None,
     config: G.GateConfig | G.GateError | None = None,
-    plan: dict[str, Any] | None = None,
+    plan: MoEPlan | None = None,
 ) -> Verified:
     """The gate stage: :class:`Verified`, else raises :class:`NotYet` / :class:`Refused`.
     ``config``: the operator's gate settings (:class:`~.settings.Settings`, read at start-up),
@@ -142,12 +144,12 @@ def check(
         ) from None
 
 
-def _smoke_plans(identity: G.Identity, plan: dict[str, Any] | None) -> dict[str, Any]:
+def _smoke_plans(identity: G.Identity, plan: MoEPlan | None) -> dict[str, Any]:
     """The SmokePlans for ``identity``: CPU, or the identity's GPU (bf16 from compute capability
     8.0)."""
     if identity.device == "CPU":
         return SP.smoke_plans("cpu")
-    mem = int(((plan or {}).get("memory") or {}).get("gpuMemoryBytes") or 0)
+    mem = plan.memory.gpu_memory_bytes if plan is not None and plan.memory is not None else 0
     return SP.smoke_plans(
         "cuda", GpuCaps(identity.gpu_model or "gpu", mem, identity.compute_capability or "8.0")
     )
@@ -166,12 +168,10 @@ def _resolve_tag(
     prev: dict[str, Any],
     now: dt.datetime,
     config: G.GateConfig,
-    plan: dict[str, Any],
+    plan: MoEPlan,
 ) -> Verified:
     """Before launch: the build the tag means on every node of the gang (probe pods), gated."""
-    nodes = list(
-        dict.fromkeys(r["node"] for r in sorted(plan["ranks"], key=lambda r: r["nodeRank"]))
-    )
+    nodes = plan.node_names
     r = GD.resolve(spec.image, verified.digest, probes.node_digests(store.client, job, spec, nodes))
     if r.kind == "pending":
         raise NotYet(R_RESOLVING_IMAGE, r.message, 1.0)
@@ -212,7 +212,7 @@ def _decide_and_act(
     prev: dict[str, Any],
     now: dt.datetime,
     config: G.GateConfig,
-    plan: dict[str, Any] | None = None,
+    plan: MoEPlan | None = None,
 ) -> Verified:
     plans = _smoke_plans(identity, plan)
     golden_key = GG.golden_key(plans, identity)
@@ -244,7 +244,7 @@ def _decide_and_act(
         attempt = int(d.job_name.rsplit("-", 1)[1])
         golden = store.latest_golden(golden_key, exclude=identity.key)
         store.create_plans(identity, attempt, config, plans, golden)
-        node = ((plan or {}).get("ranks") or [{}])[0].get("node")
+        node = plan.ranks[0].node if plan is not None and plan.ranks else None
         created = store.create_job(
             B.smoke_job(
                 identity,

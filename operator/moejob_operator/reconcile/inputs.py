@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_contracts.plan import MoEPlan
 from moe_contracts.progress import TrainerProgress
 
 from .. import constants as C
@@ -42,7 +43,7 @@ def prepared(p: Any, spec: JobSpec, model: inspect.Inspected | None) -> planning
     )
 
 
-def recheck(p: Any, spec: JobSpec, plan: dict[str, Any]) -> None:
+def recheck(p: Any, spec: JobSpec, plan: MoEPlan) -> None:
     """Right before the first launch: the model directory still is the one planned for."""
     msg = inspect.recheck(p.client, p.job, spec, plan, p.status)
     if msg is not None:

@@ -20,6 +20,7 @@ from typing import Any
 from moe_contracts import env as E
 from moe_contracts.errors import DocumentError
 from moe_contracts.model import ModelReport, parse_model_report
+from moe_contracts.plan import MoEPlan
 
 from .. import constants as C
 from ..builders import prepare as B
@@ -188,11 +189,11 @@ def ensure_model(
 
 
 def recheck(
-    client: Client, job: JobRef, spec: JobSpec, plan: dict[str, Any], status: dict[str, Any]
+    client: Client, job: JobRef, spec: JobSpec, plan: MoEPlan, status: dict[str, Any]
 ) -> str | None:
     """Before the first launch: the directory must still hash to the plan's contentHash.
     Returns a message when this call found it unchanged (None: nothing to check)."""
-    planned = (plan.get("model") or {}).get("contentHash")
+    planned = plan.model.content_hash
     if spec.model.path is None or not planned:
         return None
     state = status.setdefault("model", {})

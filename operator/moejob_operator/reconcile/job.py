@@ -24,11 +24,13 @@ from typing import Any
 import urllib3
 from kubernetes.client.exceptions import ApiException
 
+from moe_contracts.plan import MoEPlan
+
 from .. import constants as C
 from .. import metrics
 from ..spec import JobSpec
 from ..status import FALSE, TRUE, UNKNOWN
-from . import gate, inputs, machine, sizing, topology
+from . import gate, inputs, machine, planning, sizing, topology
 from .client import ChildConflict, Client, NotReady, Rejected, exceeded_quota, server_message
 from .gang import (
     _complete_launch,
@@ -56,10 +58,12 @@ def reconcile(
     body: dict[str, Any] | None = None,
     defer: Callable[[Callable[[], None]], None] | None = None,
     backoff: Callable[[], float] | None = None,
+    plan_memo: planning.PlanMemo | None = None,
 ) -> float | None:
     """Run one pass; returns seconds until the next wanted pass, or None. ``body``: the job as a
     watch event just delivered it (a new job's first pass), instead of reading it. ``settings``:
-    the operator's (admission policy, gate settings), read once when it started.
+    the operator's (admission policy, gate settings), read once when it started. ``plan_memo``:
+    the Controller's plans by input, shared by its passes (None: every plan is computed).
 
     ``defer``: when this pass has launched the workers, it ends there and hands the rest (the
     children only the running trainer uses, then the status write: :func:`_complete_launch`) to
@@ -78,7 +82,7 @@ def reconcile(
         if body is None or body["metadata"].get("deletionTimestamp"):
             metrics.forget_job(namespace, name)
             return None
-        p = Pass(client, body, now or dt.datetime.now(dt.UTC), settings)
+        p = Pass(client, body, now or dt.datetime.now(dt.UTC), settings, plan_memo)
         done = False
         try:
             try:
@@ -201,7 +205,7 @@ def _settle(p: Pass, stage: Stage, exc: NotYet | Refused) -> float | None:
     return _finished(p)
 
 
-def _gate_launch_track(p: Pass, spec: JobSpec, plan: dict[str, Any]) -> float | None:
+def _gate_launch_track(p: Pass, spec: JobSpec, plan: MoEPlan) -> float | None:
     verified = gate.check(p.client, p.body, spec, config=p.settings.gate, plan=plan)
     p.cond(C.COND_UPGRADE_VERIFIED, TRUE, verified.reason, verified.message)
     if verified.digest:

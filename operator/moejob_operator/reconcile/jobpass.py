@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import admission
 from .. import constants as C
@@ -17,6 +17,9 @@ from ..status import FALSE, TRUE, event_type_for, now_iso, parse_time, phase_of,
 from . import machine
 from .client import ChildConflict, Client
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from .planning import PlanMemo
 
 log = logging.getLogger("moejob_operator")
 
@@ -31,9 +34,17 @@ def _crashpoint(p: Pass, point: str) -> None:
 class Pass:
     """The status being built during one pass; flushed once at the end."""
 
-    def __init__(self, client: Client, body: dict[str, Any], now: dt.datetime, settings: Settings):
+    def __init__(
+        self,
+        client: Client,
+        body: dict[str, Any],
+        now: dt.datetime,
+        settings: Settings,
+        plan_memo: PlanMemo | None = None,
+    ):
         self.client, self.body, self.now = client, body, now
         self.settings = settings
+        self.plan_memo = plan_memo  # the Controller's plans by input (None: plan every time)
         self.job = common.JobRef.from_body(body)
         self.generation = body["metadata"].get("generation", 0)
         raw = body.get("status")

@@ -1,5 +1,7 @@
 """The plan stage: from the parsed spec and the nodes' TopologyReports to a MoEPlan v1 document,
-through ``core.plan.build_plan``. It returns the document or raises (:mod:`.outcome`)
+through ``core.plan.build_plan``. It returns the parsed plan (``moe_contracts.plan.MoEPlan``: the
+operator holds the contract's type from here on; ``.raw`` is the document the ConfigMap gets) or
+raises (:mod:`.outcome`)
 :class:`~.outcome.Refused` (``InvalidSpec`` naming the spec field a person has to change;
 ``InsufficientMemory``, ``PlanTooLarge``, ``PlanFailed``, ``RoutingStatsUnavailable``: the job
 cannot run as asked) or :class:`~.outcome.NotYet` (too few nodes discovered, routing statistics
@@ -17,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from moe_contracts.plan import MoEPlan, parse_plan
+from moe_contracts.plan import plan_json as checked_plan_json
 from moe_contracts.progress import parse_progress
 from moe_contracts.routing import RoutingStats, decode_configmap
 from moe_contracts.topology import TopologyReport
@@ -24,7 +28,6 @@ from moe_contracts.topology import TopologyReport
 from .. import admission
 from .. import constants as C
 from ..builders.common import JobRef
-from ..builders.configmaps import plan_json
 from ..core.errors import DocumentError, DoesNotFit, FieldError
 from ..core.models import ResolvedModel, preset_hf_config, preset_names, spec_from_hf_config
 from ..core.placement import strategies
@@ -250,11 +253,35 @@ def stats_source(spec: JobSpec, stats: RoutingStats | None) -> dict[str, Any] | 
     }
 
 
-# Plans are pure functions of (spec, nodes, reports, routing stats): jobs with the same inputs
-# (sweeps, retries, many small jobs at once) share one computation. Only ``job`` differs.
-_MEMO: OrderedDict[str, dict[str, Any]] = OrderedDict()
-_MEMO_SIZE = 64
-_memo_lock = threading.Lock()
+class PlanMemo:
+    """Plans are pure functions of (spec, nodes, reports, routing stats, inputs): jobs with the
+    same inputs (sweeps, retries, many small jobs at once) share one computation; only ``job``
+    differs. The last ``size`` plan documents by input hash, thread-safe. The Controller owns one
+    (runtime state lives there) and every pass plans through it."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._docs: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """A copy of the document stored under ``key`` (None: none)."""
+        with self._lock:
+            hit = self._docs.get(key)
+            if hit is None:
+                return None
+            self._docs.move_to_end(key)
+        return copy.deepcopy(hit)
+
+    def put(self, key: str, doc: dict[str, Any]) -> None:
+        with self._lock:
+            self._docs[key] = copy.deepcopy(doc)
+            while len(self._docs) > self.size:
+                self._docs.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._docs)
 
 
 def _memo_key(
@@ -320,13 +347,19 @@ def make_plan(
     reports: dict[str, TopologyReport],
     cpu_memory_bytes: int = 0,
     inputs: Inputs | None = None,
-) -> dict[str, Any]:
-    """The plan stage: the MoEPlan v1 document for ``spec`` on the first ``nodes.count``
-    discovered nodes. Raises :class:`NotYet` or :class:`Refused` (module docstring)."""
+    memo: PlanMemo | None = None,
+) -> MoEPlan:
+    """The plan stage: the MoEPlan v1 for ``spec`` on the first ``nodes.count`` discovered
+    nodes, checked complete by the contract. Raises :class:`NotYet` or :class:`Refused` (module
+    docstring). ``memo``: reuse (and keep) plans of the same inputs (the Controller's)."""
     try:
-        return _plan_document(client, job, spec, reports, cpu_memory_bytes, inputs or Inputs())
+        doc = _plan_document(client, job, spec, reports, cpu_memory_bytes, inputs or Inputs(), memo)
     except SpecError as exc:
         raise Refused.invalid_spec(exc) from None
+    try:
+        return parse_plan(doc, complete=True)
+    except DocumentError as exc:  # the planner wrote a plan its own contract refuses: a bug
+        raise Refused(C.R_PLAN_FAILED, f"the planner's plan does not parse: {exc}") from None
 
 
 def plan_data(spec: JobSpec, inputs: Inputs) -> dict[str, Any]:
@@ -360,6 +393,7 @@ def _plan_document(
     reports: dict[str, TopologyReport],
     cpu_memory_bytes: int,
     inputs: Inputs,
+    memo: PlanMemo | None,
 ) -> dict[str, Any]:
     count = spec.nodes.count
     # count Auto: every discovered candidate is the sizing's to choose from
@@ -381,18 +415,13 @@ def _plan_document(
         ).hexdigest()
     )
     key = _memo_key(spec, nodes, reports, f"{stats_digest}|{inputs.key()}", cpu_memory_bytes)
-    with _memo_lock:
-        hit = _MEMO.get(key)
-        if hit is not None:
-            _MEMO.move_to_end(key)
+    hit = memo.get(key) if memo is not None else None
     if hit is not None:
-        doc = {**copy.deepcopy(hit), "job": {"namespace": job.namespace, "name": job.name}}
+        doc = {**hit, "job": {"namespace": job.namespace, "name": job.name}}
     else:
         doc = _make_plan(job, spec, nodes, reports, stats, cpu_memory_bytes, inputs)
-        with _memo_lock:
-            _MEMO[key] = copy.deepcopy(doc)
-            while len(_MEMO) > _MEMO_SIZE:
-                _MEMO.popitem(last=False)
+        if memo is not None:
+            memo.put(key, doc)
     source = stats_source(spec, stats)
     if source is not None and isinstance(doc.get("placement"), dict):
         doc["placement"]["routingStatsFrom"] = source
@@ -478,7 +507,7 @@ def _make_plan(
             "spec.deepspeedOverrides",
             f"a value has the wrong type for the DeepSpeed config ({type(exc).__name__}: {exc})",
         ) from None
-    size = len(plan_json(plan.document))
+    size = len(checked_plan_json(plan.document, sort_keys=True))
     if size > MAX_PLAN_BYTES:
         raise Refused(
             C.R_PLAN_TOO_LARGE,
@@ -488,41 +517,33 @@ def _make_plan(
     return plan.document
 
 
-def rank2node(plan: dict[str, Any]) -> list[str]:
-    """``rank2node[node_rank]`` from the plan's rank table."""
-    out: dict[int, str] = {}
-    for r in plan["ranks"]:
-        out.setdefault(int(r["nodeRank"]), r["node"])
-    return [out[i] for i in range(len(out))]
-
-
-def summary(plan: dict[str, Any]) -> dict[str, Any]:
+def summary(plan: MoEPlan) -> dict[str, Any]:
     """``status.plan``: what a person wants to see about the plan (integers and strings)."""
-    pl = plan.get("placement") or {}
-    q = pl.get("quality") or {}
-    mem = plan.get("memory") or {}
+    pl, mem = plan.placement, plan.memory
+    q = (pl.quality if pl is not None else None) or {}
     # strategy: the layout the plan has (a strategy that needed routing statistics and had none
     # fell back to contiguous: requestedStrategy then says what the spec asked for)
+    fell_back = pl.fell_back_to if pl is not None else None
     out = {
-        "worldSize": plan.get("worldSize"),
-        "epSize": plan.get("epSize"),
-        "nodes": rank2node(plan),
-        "strategy": pl.get("fellBackTo") or pl.get("strategy"),
-        "requestedStrategy": pl.get("strategy") if pl.get("fellBackTo") else None,
-        "device": plan.get("device"),
-        "estimatedPeakBytesPerGpu": mem.get("estimatedPeakBytes"),
-        "gpuMemoryBytes": mem.get("gpuMemoryBytes"),
-        "fits": mem.get("fits"),
+        "worldSize": plan.world_size,
+        "epSize": plan.ep_size,
+        "nodes": plan.node_names,
+        "strategy": fell_back or (pl.strategy if pl is not None else None),
+        "requestedStrategy": pl.strategy if pl is not None and fell_back else None,
+        "device": plan.device,
+        "estimatedPeakBytesPerGpu": mem.estimated_peak_bytes if mem is not None else None,
+        "gpuMemoryBytes": mem.gpu_memory_bytes if mem is not None else None,
+        "fits": mem.fits if mem is not None else None,
     }
     if "crossGroupVsContiguous" in q:
         out["crossGroupVsContiguous"] = f"{float(q['crossGroupVsContiguous']):.3f}"
     if "maxMeanLoad" in q:
         out["maxMeanLoad"] = f"{float(q['maxMeanLoad']):.3f}"
-    src = (plan.get("placement") or {}).get("routingStatsFrom")
+    src = pl.routing_stats_from if pl is not None else None
     if src:
         out["routingStatsFrom"] = src.get("job") or src.get("configMap")
-    if isinstance(plan.get("sizing"), dict):
-        out["sized"] = sizing.describe(plan["sizing"])
+    if plan.sizing is not None:
+        out["sized"] = sizing.describe(plan.sizing)
     return {k: v for k, v in out.items() if v is not None}
 
 

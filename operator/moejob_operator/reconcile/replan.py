@@ -24,6 +24,7 @@ from typing import Any
 
 from moe_contracts import placement_update
 from moe_contracts.errors import MAX_DOCUMENT_BYTES, DocumentError
+from moe_contracts.plan import MoEPlan
 
 from .. import constants as C
 from ..builders import common
@@ -36,7 +37,7 @@ from .jobpass import Pass
 log = logging.getLogger("moejob_operator")
 
 
-def step(p: Pass, spec: JobSpec, plan: dict[str, Any], progress: dict[str, Any] | None) -> None:
+def step(p: Pass, spec: JobSpec, plan: MoEPlan, progress: dict[str, Any] | None) -> None:
     """The re-placement step of a tracking pass; ``progress``: the trainer's decoded (and
     checked) TrainerProgress document, None while there is none."""
     rp = spec.placement.replan

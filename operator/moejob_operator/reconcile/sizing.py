@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_contracts.plan import MoEPlan
+
 from ..core.sizing import AutoFields
 from ..spec import AUTO, JobSpec, SpecError
 
@@ -43,13 +45,13 @@ def check(spec: JobSpec) -> None:
         )
 
 
-def sized_spec(spec: JobSpec, plan: dict[str, Any]) -> JobSpec:
+def sized_spec(spec: JobSpec, plan: MoEPlan) -> JobSpec:
     """``spec`` with the plan's node count, GPUs per node and micro-batch where it says Auto."""
     if not spec.auto_fields:
         return spec
-    nodes = len({r["node"] for r in plan["ranks"]})
-    gpus = int(plan["worldSize"]) // max(nodes, 1)
-    micro = int(plan["training"]["microBatch"])
+    nodes = len({r.node for r in plan.ranks})
+    gpus = plan.world_size // max(nodes, 1)
+    micro = plan.training.micro_batch
     return spec.model_copy(
         update={
             "nodes": spec.nodes.model_copy(update={"count": nodes, "gpus_per_node": gpus}),
@@ -58,10 +60,10 @@ def sized_spec(spec: JobSpec, plan: dict[str, Any]) -> JobSpec:
     )
 
 
-def status(current: dict[str, Any], plan: dict[str, Any]) -> None:
+def status(current: dict[str, Any], plan: MoEPlan) -> None:
     """Set ``current["sizing"]`` from the plan's sizing record and ``current["progress"]``."""
-    rec = plan.get("sizing")
-    if not isinstance(rec, dict):
+    rec = plan.sizing
+    if rec is None:
         current.pop("sizing", None)
         return
     chosen = rec.get("chosen") or {}

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_contracts.errors import DocumentError
+from moe_contracts.plan import MoEPlan, parse_plan
+
 from .. import admission
 from .. import constants as C
 from ..builders import common, configmaps
@@ -98,8 +101,10 @@ def _accept_spec(p: Pass) -> JobSpec | None:
 
 
 # ---- discover + plan ----------------------------------------------------------------------
-def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
-    """The job's plan from its ConfigMap (None: none, or one of an edited spec, deleted here)."""
+def _stored_plan(p: Pass, spec: JobSpec) -> MoEPlan | None:
+    """The job's plan from its ConfigMap (None: none, or one of an edited spec or one that no
+    longer parses before the launch, deleted here; after the launch an unreadable plan fails
+    the job: its workers run it)."""
     name = common.plan_configmap_name(p.job)
     # A job that never recorded a plan has none unless an operator crashed between creating it
     # and writing status: skip the read (writing the new one answers "already exists" then).
@@ -108,7 +113,15 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
     if cm is None:
         return None
     if _spec_hash_of(cm) == spec.immutable_hash() or _is_launched(p.status):
-        plan: dict[str, Any] = json.loads(cm["data"][C.PLAN_KEY])
+        try:
+            plan = parse_plan(json.loads((cm.get("data") or {}).get(C.PLAN_KEY) or "null"))
+        except (ValueError, DocumentError) as exc:
+            if _is_launched(p.status):
+                raise Refused(
+                    C.R_PLAN_FAILED, f"plan ConfigMap {name} no longer parses: {exc}"
+                ) from None
+            p.client.delete_configmap(p.job.namespace, name)  # plan again
+            return None
         summary = planning.summary(plan)
         p.status["plan"] = summary
         # level-based: the plan's existence is the truth, whatever the status says
@@ -127,9 +140,7 @@ def _stored_plan(p: Pass, spec: JobSpec) -> dict[str, Any] | None:
     return None
 
 
-def _new_plan(
-    p: Pass, spec: JobSpec, reports: dict[str, Any], found: planning.Inputs
-) -> dict[str, Any]:
+def _new_plan(p: Pass, spec: JobSpec, reports: dict[str, Any], found: planning.Inputs) -> MoEPlan:
     """The plan stage (raises NotYet / Refused); the ConfigMap is written later in this pass."""
     cpu_memory = 0
     if spec.device == "CPU":
@@ -139,7 +150,7 @@ def _new_plan(
             spec, p.client.list_nodes(), list(reports)[:count]
         )
     plan = planning.make_plan(
-        p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory, inputs=found
+        p.client, p.job, spec, reports, cpu_memory_bytes=cpu_memory, inputs=found, memo=p.plan_memo
     )
     # Written later in this pass: with the launch batch (one round trip fewer on the way to the
     # workers), else before the pass returns (_persist_plan).
