@@ -165,7 +165,7 @@ def main() -> None:
     if args.rank_worker:
         rank_worker(*args.rank_worker)
         return
-    from moe_trainer.launch import free_port
+    from moe_trainer.launch import local_world_envs
 
     own_work = args.work is None
     work = Path(args.work or tempfile.mkdtemp(prefix="pretrained_load_"))
@@ -176,19 +176,10 @@ def main() -> None:
         info["writeSeconds"] = round(time.perf_counter() - t0, 1)
         plan = work / "plan.json"
         plan.write_text(json.dumps(plan_doc(ckpt)))
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_WORLD_SIZE=str(WORLD),
-            PYTHONPATH=os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_image")]),
-        )
+        path = os.pathsep.join([str(ROOT / "operator"), str(ROOT / "trainer_image")])
+        envs = local_world_envs(WORLD, dict(os.environ, PYTHONPATH=path))
         cmd = [sys.executable, __file__, "--rank-worker", str(plan), str(work)]
-        procs = [
-            subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-            for r in range(WORLD)
-        ]
+        procs = [subprocess.Popen(cmd, env=envs[r]) for r in range(WORLD)]
         codes = [p.wait(timeout=1800) for p in procs]
         if codes != [0] * WORLD:
             raise SystemExit(f"rank workers failed: {codes}")

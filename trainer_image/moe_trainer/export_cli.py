@@ -57,7 +57,7 @@ def rank_main(args: argparse.Namespace) -> int:
     if step is None or not (ckpt.ds_dir(args.checkpoint) / ckpt.tag_for(step)).is_dir():
         log.error("no checkpoint %s in %s", step, ckpt.ds_dir(args.checkpoint))
         return EXIT_CONFIG
-    force_cpu = args.cpu or plan.raw.get("device") == "cpu"
+    force_cpu = args.cpu or plan.device == "cpu"
     env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)
     distenv.set_cpu_threads(env)
     distenv.init_distributed(env)

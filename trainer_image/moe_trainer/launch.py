@@ -79,6 +79,18 @@ def rank_env(
 
 
 # ---- local runs --------------------------------------------------------------------------------
+def local_world_envs(nproc: int, base: Mapping[str, str] | None = None) -> list[dict[str, str]]:
+    """The environments of ``nproc`` ranks of one world on this machine: ``base`` (default: this
+    process's environment) with one rendezvous (``127.0.0.1`` and a free port) and each rank's
+    torchrun-style variables; ``[r]`` is rank ``r``'s."""
+    env = dict(os.environ if base is None else base)
+    env.update({E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(free_port())})
+    env.pop(E.NPROC_PER_NODE, None)
+    return [
+        rank_env(env, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)
+    ]
+
+
 def launch(
     nproc: int,
     trainer_args: list[str],
@@ -89,12 +101,7 @@ def launch(
     """Run ``nproc`` ranks of moe_trainer.train on this machine to completion; returns their exit
     codes by rank (128+N: killed by signal N). One failed rank stops the others. ``log_prefix``:
     each rank's output goes to ``<log_prefix>.rank<R>.log`` instead of this process's stdout."""
-    base = dict(os.environ if env is None else env)
-    base.update({E.MASTER_ADDR: "127.0.0.1", E.MASTER_PORT: str(free_port())})
-    base.pop(E.NPROC_PER_NODE, None)
-    envs = [
-        rank_env(base, rank=r, local_rank=r, local_world=nproc, world=nproc) for r in range(nproc)
-    ]
+    envs = local_world_envs(nproc, env)
     logs = [f"{log_prefix}.rank{r}.log" for r in range(nproc)] if log_prefix else None
     res = gang.Gang(
         [[*TRAINER, *trainer_args]] * nproc, envs, log_paths=logs, timeout=timeout
@@ -242,7 +249,7 @@ def node_main(argv: Sequence[str] | None = None) -> int:
         for r in ranks
     ]
     labels = [f"rank{r.rank}" for r in ranks]
-    cpu = "--cpu" in argv or plan.raw.get("device") == "cpu"  # as moe_trainer.train decides
+    cpu = "--cpu" in argv or plan.device == "cpu"  # as moe_trainer.train decides
     log.info(
         "node rank %d: starting %s",
         node_rank,

@@ -137,7 +137,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         args.checkpoint_dir or os.environ.get(E.CHECKPOINT_DIR) or plan.training.checkpoint_dir
     )
     try:
-        force_cpu = args.cpu or plan.raw.get("device") == "cpu"
+        force_cpu = args.cpu or plan.device == "cpu"
         env = distenv.read_env(plan.world_size, [r.gpu for r in plan.ranks], force_cpu=force_cpu)
     except distenv.RendezvousError as exc:
         log.error("rendezvous: %s", exc)

@@ -148,7 +148,7 @@ class CaseRun:
             f"{'AutoEP' if self.plan.autoep_enabled else 'no EP'} "
             f"(EP size {self.plan.ep_size} of world {self.env.world_size}, grad accum "
             f"{ds.get('gradient_accumulation_steps')}, activation checkpointing "
-            f"{'on' if self.plan.raw['training'].get('activationCheckpointing') else 'off'}): "
+            f"{'on' if self.plan.training.activation_checkpointing else 'off'}): "
             f"{len(blocks)} x {kinds[0]}, dispatcher {self.trainer.dispatcher}"
         )
 

@@ -195,7 +195,7 @@ def run_steps(run, failed):
         )
     ref = _reference(run)
     tape = D.TokenLog(tr)
-    forwards = 2 if p.raw["training"].get("activationCheckpointing") else 1
+    forwards = 2 if p.training.activation_checkpointing else 1
     half = any((p.deepspeed.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
     row_bytes = engine.module.config.hidden_size * (2 if half else 4)
     experts, layers = _expert_slices(engine)
