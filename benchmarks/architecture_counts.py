@@ -18,7 +18,10 @@ measured is what was committed, not the working tree), and there:
 - spellings: the product files (any file in the three packages) that spell a placement
   strategy's value (``STRATEGY_PATTERN``) or the ``UpgradeVerified`` condition's name, and the
   CRD copies (``crds/``, ``charts/``) that spell them; a new strategy or condition is written in
-  at least those files.
+  at least those files;
+- the plan held untyped: lines of the operator outside ``core/`` that carry the plan as a dict
+  (``PLAN_DICT_PATTERN``: a ``plan: dict[str, Any]`` annotation, ``plan.get(``, ``plan["``) and
+  lines of the trainer that read ``plan.raw`` (the document, not the contract's type).
 
 The first default revision is the parent of the first issue-36 commit (aa3f41d, the
 moe_localkube.images split; 997c18e, the core/plan.py split, came right after it). Writes
@@ -41,6 +44,8 @@ DEV = ("operator/dev",)
 LIMIT = 600
 STRATEGY_PATTERN = r"topology_aware|TopologyAware|brute_force|BruteForce|round_robin|RoundRobin"
 CONDITION_PATTERN = r"UpgradeVerified"
+PLAN_DICT_PATTERN = r"plan: dict\[str, Any\]|\bplan\.get\(|\bplan\[\""
+OPERATOR_OUTSIDE_CORE = "operator/moejob_operator"
 SCHEMA = ("crds", "charts")
 DUPLICATES = "duplicates"
 _FIRST_LINE = re.compile(
@@ -125,6 +130,15 @@ def spelled(tree: Path, folders: tuple[str, ...], pattern: str) -> list[str]:
     return sorted(r.stdout.split())
 
 
+def matching_lines(tree: Path, folder: str, pattern: str, exclude: str | None = None) -> list[str]:
+    """``file:line: text`` of every .py line under ``folder`` matching ``pattern``."""
+    args = ["grep", "-rnE", "--include=*.py", "--exclude-dir=__pycache__"]
+    if exclude:
+        args.append(f"--exclude-dir={exclude}")
+    r = subprocess.run([*args, pattern, folder], cwd=tree, capture_output=True, text=True)
+    return sorted(line.strip() for line in r.stdout.splitlines())
+
+
 def measure(rev: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp)
@@ -147,6 +161,12 @@ def measure(rev: str) -> dict:
                 "trainer_image": duplicates(tree / "trainer_image"),
             },
             "spelled": places,
+            "untyped_plan": {
+                "operator": matching_lines(
+                    tree, OPERATOR_OUTSIDE_CORE, PLAN_DICT_PATTERN, exclude="core"
+                ),
+                "trainer": matching_lines(tree, PRODUCT[2], r"\bplan\.raw\b"),
+            },
         }
 
 
@@ -186,6 +206,11 @@ def markdown(doc: dict) -> str:
     for name in ("strategy", "condition"):
         row(f"{name}: product files", lambda r, n=name: len(r["spelled"][n]["product"]))
         row(f"{name}: CRD files", lambda r, n=name: len(r["spelled"][n]["schema"]))
+    for side in ("operator", "trainer"):
+        row(
+            f"plan held untyped: {side} lines",
+            lambda r, s=side: len(r["untyped_plan"][s]) if "untyped_plan" in r else "-",
+        )
     for r in revs:
         out += ["", f"## `{r['rev']}` ({r['commit']}): {r['subject']}", ""]
         for side in ("product", "dev"):
@@ -219,6 +244,7 @@ def main() -> None:
         "dev": list(DEV),
         "strategy_pattern": STRATEGY_PATTERN,
         "condition_pattern": CONDITION_PATTERN,
+        "plan_dict_pattern": PLAN_DICT_PATTERN,
         "schema_folders": list(SCHEMA),
         "duplicates_path": subprocess.run(
             ["sh", "-c", f"command -v {DUPLICATES}"], capture_output=True, text=True
