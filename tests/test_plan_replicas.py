@@ -110,10 +110,15 @@ def _plan(capsys, tmp_path, *extra):
     return code, out, err
 
 
+# tokens per step where tiny-mixtral's copies pay for their weights (8 x 1024 tokens: a hot
+# expert keeps more than 1.5 x F = 192 of its group's tokens at home per micro step and layer)
+PAYS = ("--seq-len", "1024")
+
+
 def test_auto_writes_replicas_their_figures_and_memory(capsys, tmp_path):
     cfg, stats = _files(tmp_path)
     code, out, err = _plan(
-        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50"
+        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50", *PAYS
     )
     assert code == 0, err
     assert "replicas   auto: " in out and "expertCopies" in out
@@ -130,15 +135,50 @@ def test_auto_writes_replicas_their_figures_and_memory(capsys, tmp_path):
     src = np.arange(te.shape[1]) % 4
     hidden = cfg["hidden_size"] * 4  # fp32 on CPU
     got = tier_bytes(serve, te, src, [0, 0, 1, 1], [0, 0, 1, 1], 4, hidden_bytes=hidden)
-    scale = 8 * 64 / te.shape[1]
+    scale = 8 * 1024 / te.shape[1]
     cross = q["crossGroupBytesPerStep"]
     assert cross["withCopies"] == round(got["dedup"]["crossGroup"] * scale)
     assert cross["withCopies"] < cross["withoutCopies"]
+    # the copies' weights: one expert's w1 + w2 + w3 there and back per micro step, per copy
+    # outside its home's group (ranks 0-1 and 2-3 are the groups)
+    expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
+    micro = doc["deepspeed"]["gradient_accumulation_steps"]
+    away = sum(1 for layer in rep for h in layer["holders"] for r in h[1:] if r // 2 != h[0] // 2)
+    assert q["syncBytesPerStep"]["crossGroupBytesPerStep"] == 2 * expert * micro * away > 0
+    net = q["netCrossGroupBytesPerStep"]
+    assert (
+        net["withCopies"] == cross["withCopies"] + q["syncBytesPerStep"]["crossGroupBytesPerStep"]
+    )
+    assert net["withCopies"] < net["withoutCopies"] == cross["withoutCopies"]
     assert (
         doc["placement"]["quality"]["dispatch"]["dedup"]["crossGroupBytesPerStep"]
         == (cross["withCopies"])
     )
     assert doc["memory"]["breakdown"]["expertCopiesBytes"] > 0
+
+
+def test_auto_declines_copies_whose_weights_cost_more_than_they_save(capsys, tmp_path):
+    """At 8 x 64 tokens per step no copy keeps enough tokens at home to pay for moving its
+    expert's weights: Auto places none and says why, with the figures; an explicit count is kept
+    as asked, with the same figures."""
+    _files(tmp_path)
+    code, out, err = _plan(
+        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50"
+    )
+    assert code == 0, err
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    q = doc["placement"]["quality"]["replicas"]
+    assert "replicas" not in doc["placement"] and not q["chosen"]
+    assert "would cost more than the token bytes they save" in q["reason"]
+    assert "would cost more" in out
+    net, token = q["netCrossGroupBytesPerStep"], q["crossGroupBytesPerStep"]
+    assert token["withCopies"] < token["withoutCopies"] <= net["withCopies"]
+    assert "expertCopiesBytes" not in doc["memory"]["breakdown"]
+    code, _out, err = _plan(capsys, tmp_path, "--replicas", "2")
+    assert code == 0, err
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    q = doc["placement"]["quality"]["replicas"]
+    assert q["chosen"] and "replicas" in doc["placement"] and "netCrossGroupBytesPerStep" in q
 
 
 def test_absent_replicas_change_nothing(capsys, tmp_path):
@@ -210,11 +250,11 @@ def test_the_trainer_takes_the_planners_copies_as_they_are(capsys, tmp_path):
     every layer passes the trainer's own checks and serves each (source rank, expert) from the
     rank the plan says (original ids through the permutation to the router's slot ids)."""
     from moe_trainer.dispatch.dedup_ep import contiguous_layout
-    from moe_trainer.dispatch.dedup_replicas import check_replicas, plan_layouts
+    from moe_trainer.dispatch.dedup_replicas import check_replicas, plan_layouts, sync_bytes
 
     _files(tmp_path)
     code, _out, err = _plan(
-        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50"
+        capsys, tmp_path, "--replicas", "auto", "--max-expert-memory-overhead", "50", *PAYS
     )
     assert code == 0, err
     pl = load_plan(tmp_path / "plan.json", complete=True).placement
@@ -230,3 +270,14 @@ def test_the_trainer_takes_the_planners_copies_as_they_are(capsys, tmp_path):
                 assert lay.serve[p][slot] == pl.replicas[layer].serve[p][e]
         copies += sum(len(h) - 1 for h in lay.holders)
     assert copies > 0
+    # the plan's weight-sync figure is what the trainer's sync counters add up (one EP group)
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    expert = 3 * cfg["hidden_size"] * cfg["intermediate_size"] * 4
+    micro = doc["deepspeed"]["gradient_accumulation_steps"]
+    trainer = {
+        t: micro * sum(sync_bytes(lay, expert)[t] for lay in layouts)
+        for t in ("intraGroup", "crossGroup", "crossNode")
+    }
+    planned = doc["placement"]["quality"]["replicas"]["syncBytesPerStep"]
+    assert {t: planned[f"{t}BytesPerStep"] for t in trainer} == trainer

@@ -99,6 +99,8 @@ def build_plan(request: PlanRequest) -> Plan:
         dispatcher,
         hidden_bytes=req.model.spec.hidden_size * _elem_bytes(caps, ds.config),
         tokens_per_step=req.tokens_per_step,
+        expert_bytes=req.model.spec.expert_params() * _elem_bytes(caps, ds.config),
+        micro_steps=int(ds.config.get("gradient_accumulation_steps") or 1),
     )
     if replicas.quality is not None:
         scored.quality["replicas"] = replicas.quality

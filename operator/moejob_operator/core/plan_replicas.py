@@ -9,6 +9,13 @@ group; otherwise none, with the reason in ``quality.replicas.reason``. An intege
 copies per layer, refused (``FieldError("replicas")``) when one of those conditions fails or N is
 above the memory budget. Bytes and load are exact on the token samples (the byte model of
 ``moe_contracts.dispatch``), scaled to the job's tokens per step like ``quality.dispatch``.
+
+A copy is not free: every micro step and layer it receives its expert's weights from the home and
+sends their gradients back (``moe_trainer.dispatch.dedup_replicas.sync_bytes``), ``2 x
+expert_bytes`` per copy, once per EP group. ``quality.replicas.syncBytesPerStep`` holds that by
+tier and ``netCrossGroupBytesPerStep`` the token bytes plus the sync's cross-group bytes. ``"auto"``
+keeps copies only when they cut the net cross-group bytes (the token bytes they save exceed the
+weights they move); an explicit N is kept as asked, with the same figures.
 """
 
 from __future__ import annotations
@@ -62,8 +69,12 @@ def plan_replicas(
     *,
     hidden_bytes: int,
     tokens_per_step: int,
+    expert_bytes: int = 0,
+    micro_steps: int = 1,
 ) -> Replicas:
-    """The replicas for ``mode`` (module docstring) on placement ``pl``."""
+    """The replicas for ``mode`` (module docstring) on placement ``pl``; ``expert_bytes``: one
+    expert's weights (w1 + w2 + w3) as the copies receive them, ``micro_steps``: micro steps per
+    optimizer step (each syncs the copies once per layer)."""
     bad_word = isinstance(mode, str) and mode not in ("auto", "none")
     if bad_word or (isinstance(mode, int) and mode < 0):
         raise FieldError("replicas", f"{mode!r} is not 'auto', 'none' or a number of copies")
@@ -99,6 +110,28 @@ def plan_replicas(
         total=mode if isinstance(mode, int) else None,
     )
     quality, per_rank, dedup = _figures(layers, pl, topo, te, hidden_bytes, tokens_per_step)
+    sync = _sync_per_step(layers, pl, topo, expert_bytes, micro_steps)
+    token = quality["crossGroupBytesPerStep"]
+    net = token["withCopies"] + sync["crossGroupBytesPerStep"]
+    quality["syncBytesPerStep"] = sync
+    quality["netCrossGroupBytesPerStep"] = {
+        "withCopies": net,
+        "withoutCopies": token["withoutCopies"],
+    }
+    if mode == "auto" and quality["extraCopies"] and net >= token["withoutCopies"]:
+        saved = token["withoutCopies"] - token["withCopies"]
+        return Replicas(
+            quality={
+                "mode": str(mode),
+                "chosen": False,
+                "reason": (
+                    f"the copies' weights ({sync['crossGroupBytesPerStep']} cross-group bytes per "
+                    f"step, there and back) would cost more than the token bytes they save "
+                    f"({saved})"
+                ),
+                **quality,
+            }
+        )
     extra = quality["extraCopies"]
     budget = "" if isinstance(mode, int) else f" within maxExpertMemoryOverhead {overhead_percent}%"
     quality = {
@@ -112,6 +145,34 @@ def plan_replicas(
     if not extra:
         return Replicas(quality=quality)
     return Replicas(layers, quality, per_rank, dedup)
+
+
+def _sync_per_step(
+    layers: list[rep.LayerCopies],
+    pl: placement_mod.Placement,
+    topo: ClusterTopology,
+    expert_bytes: int,
+    micro_steps: int,
+) -> dict[str, int]:
+    """Bytes per optimizer step the copies' weights move (home -> copy forward, gradients back),
+    by tier, over every EP group of the world (``dedup_replicas.sync_bytes``, per micro step and
+    layer)."""
+    P = pl.ep_size
+    out = {f"{t}BytesPerStep": 0 for t in ("intraGroup", "crossGroup", "crossNode")}
+    for b in range(0, pl.world_size, P):
+        gpus = pl.rank2gpu[b : b + P]
+        group, node = topo.group_of[gpus], topo.node_of[gpus]
+        for c in layers:
+            for h in c.holders:
+                for r in h[1:]:
+                    moved = 2 * expert_bytes * micro_steps
+                    if group[r] == group[h[0]]:
+                        out["intraGroupBytesPerStep"] += moved
+                    else:
+                        out["crossGroupBytesPerStep"] += moved
+                        if node[r] != node[h[0]]:
+                            out["crossNodeBytesPerStep"] += moved
+    return out
 
 
 def _figures(
