@@ -17,11 +17,23 @@ no weights move (outputs are not the trained model's; bytes do not depend on wei
 tier are counted in the collectives (``moe_trainer.telemetry.commtime.CommTimer`` with the plan's
 tiers) and set beside ``core.dispatch.dispatch_bytes`` for the same tokens.
 
+A fifth variant, "dedup + topology_aware + copies", adds replicated experts to the topology_aware
+placement: ``core.placement.replicas.solve`` (the function the planner uses) places extra copies
+of hot experts on the FIT token samples at ``--overhead`` percent of expert memory (default 25:
+``floor(overhead x experts per rank)`` copies per rank and layer, 1 with 16 experts on EP 4), and
+the dedup ``Layout`` gets its ``holders`` / ``serve`` tables (``moe_trainer.dispatch.
+dedup_replicas``: copies receive the home's weights in the forward and send their gradients back
+in the backward). Its dispatch bytes are counted as the other rows' and predicted by
+``moe_contracts.dispatch.tier_bytes`` with the serve table; the copies' weight + gradient bytes
+are counted in ``dedup_replicas.sync_counters`` and predicted by ``dedup_replicas.sync_bytes``;
+both are reported separately and in total.
+
 ``--netns`` runs the same four processes as two "nodes" in Linux network namespaces joined by a
 veth pair shaped with ``tc ... tbf rate 200mbit`` (loopback inside a node): an *emulation* of a
 slow inter-node link on one machine, not a cluster. It reports step time per variant beside the
 cost model's prediction (the measured unshaped step time + predicted cross-node bytes over the
-link rate). Needs root; creates and deletes its own namespaces.
+link rate; for the copies variant the cross-node bytes include the copies' sync bytes). Needs
+root; creates and deletes its own namespaces.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "operator"), str(ROOT / "trainer_image")]
 
 STRATEGIES = ("contiguous", "balanced", "topology_aware")
+COPIES = "topology_aware + copies"  # topology_aware with replicated experts (dedup only)
 RATE_MBIT = 200
 
 
@@ -72,6 +85,48 @@ def placements(stats):
     }
 
 
+def copies(fit, pl, overhead: int):
+    """``core.placement.replicas`` on FIT's token samples for the home placement ``pl`` (as the
+    planner): one ``LayerCopies`` per layer, ``copy_slots(E / P, overhead)`` copies per rank."""
+    import numpy as np
+
+    from moejob_operator.core.placement import replicas
+
+    topo = topology()
+    P = pl.ep_size
+    te = fit.token_experts
+    return replicas.solve(
+        pl.permutation,
+        topo.group_of[pl.rank2gpu[:P]],
+        te,
+        np.arange(te.shape[1]) % P,
+        slots=replicas.copy_slots(fit.num_experts // P, overhead),
+    )
+
+
+def copy_layouts(pl, layers, group_of: list[int], node_of: list[int]):
+    """The dedup ``Layout`` of every layer with the copies' ``holders`` / ``serve`` (router id =
+    original expert id, as the bench feeds the dedup dispatcher)."""
+    from moe_trainer.dispatch import dedup_ep
+
+    out = []
+    for layer, c in enumerate(layers):
+        slot = pl.expert2slot(layer)
+        n = len(slot) // pl.ep_size
+        out.append(
+            dedup_ep.Layout(
+                tuple(int(s) // n for s in slot),
+                tuple(int(s) % n for s in slot),
+                tuple(tuple(g) for g in _groups(group_of)),
+                tuple(group_of),
+                tuple(node_of),
+                holders=tuple(tuple(int(h) for h in hs) for hs in c.holders),
+                serve=tuple(tuple(int(r) for r in row) for row in c.serve),
+            )
+        )
+    return out
+
+
 # ---------------------------------------------------------------- worker (one rank)
 
 
@@ -86,7 +141,7 @@ def worker() -> None:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from moe_contracts.routing import read_routing_stats
-    from moe_trainer.dispatch import dedup_ep
+    from moe_trainer.dispatch import dedup_ep, dedup_replicas
     from moe_trainer.telemetry.commtime import CommTimer
 
     job = json.loads(os.environ["DISPATCH_JOB"])
@@ -121,19 +176,29 @@ def worker() -> None:
         ae.replace_moe_layers(ae.ep_parser(), ep_size=W, ep_rank=rank)
         base_layer = model.model.layers[0].mlp
         base_layer.ep_group = dist.new_group(list(range(W)))
-        for strategy, pl in placements(fit).items():
+        variants = placements(fit)
+        variants[COPIES] = variants["topology_aware"]
+        for strategy, pl in variants.items():
             group_of = topo.group_of[pl.rank2gpu].tolist()
             node_of = topo.node_of[pl.rank2gpu].tolist()
             timer = CommTimer().set_tiers(group_of, node_of).install()
             row = {"stats": _label(fit_path, path), "strategy": strategy}
-            for dispatcher in ("autoep", "dedup"):
+            with_copies = None
+            if strategy == COPIES:
+                with_copies = copy_layouts(pl, copies(fit, pl, job["overhead"]), group_of, node_of)
+            for dispatcher in ("dedup",) if with_copies else ("autoep", "dedup"):
                 layers = []
                 for layer in range(L):
                     blk = copy.copy(base_layer)  # shares parameters and the group; own class/attrs
                     blk._modules = dict(base_layer._modules)
                     slot = pl.expert2slot(layer)
                     ids = te[layer, rank::W]
-                    if dispatcher == "dedup":
+                    if with_copies:
+                        # own experts module (same parameters): it carries this layer's copies
+                        blk._modules["experts"] = copy.copy(base_layer.experts)
+                        dedup_ep.install([blk], [with_copies[layer]])
+                        chosen = torch.as_tensor(ids)
+                    elif dispatcher == "dedup":
                         n = E // W
                         lay = dedup_ep.Layout(
                             tuple(int(s) // n for s in slot),
@@ -149,6 +214,7 @@ def worker() -> None:
                     layers.append((blk, chosen))
                 timer.take()
                 dedup_ep.counters.take()
+                dedup_replicas.sync_counters.take()
                 t0 = time.perf_counter()
                 for _ in range(job["repeat"]):
                     x = torch.randn(1, layers[0][1].shape[0], H, requires_grad=True)
@@ -166,6 +232,9 @@ def worker() -> None:
                     "seconds": secs,
                     "dedupCounters": {
                         k: v / job["repeat"] for k, v in dedup_ep.counters.take().items()
+                    },
+                    "syncCounters": {
+                        k: v / job["repeat"] for k, v in dedup_replicas.sync_counters.take().items()
                     },
                 }
             timer.uninstall()
@@ -271,8 +340,13 @@ def netns_down() -> None:
 
 
 def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
+    import numpy as np
+
+    from moe_contracts.dispatch import tier_bytes
     from moe_contracts.routing import read_routing_stats
+    from moe_trainer.dispatch.dedup_replicas import sync_bytes
     from moejob_operator.core import dispatch
+    from moejob_operator.core.placement import replicas
 
     topo = topology()
     rows = []
@@ -280,10 +354,42 @@ def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
         fit_path, path = next(split(p) for p in stats_paths if _label(*split(p)) == res["stats"])
         stats = read_routing_stats(path)
         te = stats.token_experts[:, : job["tokens"]] if job["tokens"] else stats.token_experts
-        pl = placements(read_routing_stats(fit_path))[res["strategy"]]
+        fit = read_routing_stats(fit_path)
+        strategy = res["strategy"]
+        pl = placements(fit)["topology_aware" if strategy == COPIES else strategy]
         pred = dispatch.dispatch_bytes(pl, topo, te, hidden_size=job["hidden"], bytes_per_elem=4)
-        for d in ("autoep", "dedup"):
+        extra = {}
+        if strategy == COPIES:
+            layers = copies(fit, pl, job["overhead"])
+            group_of = topo.group_of[pl.rank2gpu].tolist()
+            node_of = topo.node_of[pl.rank2gpu].tolist()
+            pred = tier_bytes(
+                replicas.serve_table(layers),
+                te,
+                np.arange(te.shape[1]) % pl.world_size,
+                group_of,
+                node_of,
+                pl.ep_size,
+                hidden_bytes=job["hidden"] * 4,
+            )
+            row_bytes = 3 * job["hidden"] * job["ffn"] * 4  # one expert's w1 + w2 + w3, fp32
+            sync_pred = dict.fromkeys(dispatch.TIERS, 0)
+            for lay in copy_layouts(pl, layers, group_of, node_of):
+                for t, v in sync_bytes(lay, row_bytes).items():
+                    sync_pred[t] += v
+            sync = {t: sum(r[i]["dedup"]["syncCounters"][t] for r in ranks) for t in dispatch.TIERS}
+            extra = {
+                "overheadPercent": job["overhead"],
+                "copiesPerRankPerLayer": replicas.copy_slots(fit.num_experts // 4, job["overhead"]),
+                "extraCopies": sum(c.extra_copies for c in layers),
+                "syncMeasured": sync,
+                "syncPredicted": sync_pred,
+            }
+        for d in ("dedup",) if strategy == COPIES else ("autoep", "dedup"):
             measured = {t: sum(r[i][d]["tierBytes"][t] for r in ranks) for t in dispatch.TIERS}
+            if extra:
+                extra["totalMeasured"] = {t: measured[t] + sync[t] for t in dispatch.TIERS}
+                extra["totalPredicted"] = {t: pred[d][t] + sync_pred[t] for t in dispatch.TIERS}
             rows.append(
                 {
                     "stats": res["stats"],
@@ -296,6 +402,7 @@ def summarize(stats_paths, ranks: list[list[dict]], job: dict) -> list[dict]:
                     "measured": measured,
                     "predicted": pred[d],
                     "seconds": max(r[i][d]["seconds"] for r in ranks),
+                    **extra,
                 }
             )
     return rows
@@ -321,16 +428,37 @@ def table(rows: list[dict], title: str, timed: dict | None = None) -> str:
             ),
             "|---|---|---|---|---|---|---|",
         ]
-        variants = [base] + [r for r in rs if r["dispatcher"] == "dedup"]
-        for r in variants:
+        variants = []
+        for r in [base] + [r for r in rs if r["dispatcher"] == "dedup"]:
             name = "AutoEP (contiguous)" if r is base else f"dedup + {r['strategy']}"
-            m, p = r["measured"]["crossGroup"], r["predicted"]["crossGroup"]
+            if r["strategy"] != COPIES:
+                variants.append((name, r["measured"], r["predicted"]))
+                continue
+            name += f" ({r['overheadPercent']}% overhead)"
+            variants += [
+                (f"{name}: dispatch", r["measured"], r["predicted"]),
+                (f"{name}: copy weight + gradient sync", r["syncMeasured"], r["syncPredicted"]),
+                (f"{name}: total", r["totalMeasured"], r["totalPredicted"]),
+            ]
+        for name, measured, predicted in variants:
+            m, p = measured["crossGroup"], predicted["crossGroup"]
             out.append(
                 f"| {name} | {m:,.0f} | {p:,.0f} | {m / p if p else 1:.4f} | "
                 f"{m / base['measured']['crossGroup']:.3f} | "
                 f"{m / dc['measured']['crossGroup']:.3f} | "
-                f"{r['measured']['intraGroup']:,.0f} |"
+                f"{measured['intraGroup']:,.0f} |"
             )
+        for r in rs:
+            if r["strategy"] == COPIES:
+                out += [
+                    "",
+                    (
+                        f"Copies: {r['copiesPerRankPerLayer']} per rank and layer "
+                        f"({r['extraCopies']} in all), placed by core.placement.replicas on the "
+                        "fit tokens; sync = the copies' weights (forward) and gradients "
+                        "(backward), counted in dedup_replicas.sync_counters."
+                    ),
+                ]
         others = [r for r in rs if r["dispatcher"] == "autoep" and r is not base]
         out.append("")
         out.append(
@@ -365,6 +493,12 @@ def main() -> None:
     )
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument(
+        "--overhead",
+        type=int,
+        default=25,
+        help="expert memory overhead (percent) of the copies variant's replicated experts",
+    )
+    ap.add_argument(
         "--netns", action="store_true", help="emulate two nodes with a shaped veth (root)"
     )
     ap.add_argument("--out", required=True, help="path prefix: writes PREFIX.json and PREFIX.md")
@@ -375,6 +509,7 @@ def main() -> None:
         "ffn": a.ffn,
         "tokens": a.tokens,
         "repeat": a.repeat,
+        "overhead": a.overhead,
     }
     import tempfile
 
@@ -400,7 +535,7 @@ def main() -> None:
         rows = []
         for free, shaped in zip(runs["unshaped"], runs["shaped"], strict=True):
             # the veth carries each direction separately: the busier direction bounds the time
-            cross = shaped["predicted"]["crossNode"] / 2
+            cross = shaped.get("totalPredicted", shaped["predicted"])["crossNode"] / 2
             rows.append(
                 {
                     **shaped,
@@ -450,10 +585,12 @@ def time_table(rows: list[dict]) -> str:
             name = (
                 "AutoEP (contiguous)" if r["dispatcher"] == "autoep" else f"dedup + {r['strategy']}"
             )
+            if r["strategy"] == COPIES:  # cross-node bytes: dispatch + the copies' sync
+                name += f" ({r['overheadPercent']}% overhead, incl. copy sync bytes)"
             out.append(
                 f"| {name} | {r['seconds']:.3f} | {r['secondsPredicted']:.3f} | "
                 f"{r['secondsUnshaped']:.3f} | "
-                f"{r['measured']['crossNode']:,.0f} |"
+                f"{r.get('totalMeasured', r['measured'])['crossNode']:,.0f} |"
             )
         out.append("")
     return "\n".join(out)
