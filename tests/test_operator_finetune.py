@@ -106,6 +106,7 @@ def assert_refused(kube, ns, name, body, reason, field, text, wait_for):
     failed = condition(body, C.COND_FAILED)
     assert failed.get("status") == "True" and failed["reason"] == reason, (name, failed)
     assert failed["message"].startswith(f"{field}: ") and text in failed["message"], (name, failed)
+    assert failed.get("field") == field, (name, failed)  # the CRD keeps it (not pruned)
     assert body["status"]["phase"] == "Failed"
     events = wait_for(
         lambda: [

@@ -126,6 +126,16 @@ def test_an_invalid_spec_fails_the_job_naming_the_field(job):
     assert failed["reason"] == C.R_INVALID_SPEC
     assert failed["message"].startswith("spec.training.globalBatch")
     assert cond(c, C.COND_SPEC_ACCEPTED)["status"] == "False" and len(c.events) == 1
+    # the field a person has to change, on the conditions as a field of its own (Refused.field)
+    assert failed["field"] == cond(c, C.COND_SPEC_ACCEPTED)["field"] == "spec.training.globalBatch"
+
+
+def test_a_refusal_without_a_field_to_blame_names_none(job):
+    job["spec"]["model"] = {"preset": "deepseek-v3"}  # does not fit: no single field is to blame
+    job["spec"].pop("placement", None)
+    c = Client()
+    J.reconcile(c, "ns", "j", settings=SETTINGS, body=job)
+    assert "field" not in cond(c, C.COND_FAILED) and "field" not in cond(c, C.COND_PLANNED)
 
 
 def test_discovery_not_yet_sets_its_condition_and_the_delay(job, monkeypatch):

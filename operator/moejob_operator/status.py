@@ -60,9 +60,11 @@ def set_condition(
     *,
     generation: int,
     now: str,
+    field: str | None = None,
 ) -> tuple[list[dict[str, Any]], Transition | None]:
     """Return a new condition list with ``ctype`` set, and the transition if the status flipped
     or the reason changed (both worth an Event). Order of the list is kept; new types go last.
+    ``field``: the spec field a person has to change (a refusal's), kept on the condition.
     """
     if status not in (TRUE, FALSE, UNKNOWN):
         raise ValueError(f"condition status {status!r} is not True/False/Unknown")
@@ -83,6 +85,8 @@ def set_condition(
         if found is None or found.get("status") != status
         else found.get("lastTransitionTime", now),
     }
+    if field:
+        new["field"] = field
     if found is None:
         out.append(new)
     else:

@@ -189,7 +189,9 @@ def _resolve_tag(
         store.revoke(tag, store.read(target), now, config)
         probes.delete_probes(store.client, job)
         raise Refused(
-            exc.reason, f"{r.message}; {exc.message}; the cached pass of {spec.image} is revoked"
+            exc.reason,
+            f"{r.message}; {exc.message}; the cached pass of {spec.image} is revoked",
+            exc.field,
         ) from None
     except NotYet as exc:
         raise NotYet(exc.reason, f"{r.message}: {exc.message}", exc.delay) from None

@@ -200,8 +200,15 @@ def _settle(p: Pass, stage: Stage, exc: NotYet | Refused) -> float | None:
             p.cond(C.COND_PLANNED, FALSE, exc.reason, exc.message)
         return exc.delay
     # before launch the Failed Event carries the message; the stage's condition flips quietly
-    p.cond(stage.condition, FALSE, exc.reason, exc.message, quiet=not stage.refusal_event)
-    p.fail(exc.reason, exc.message)
+    p.cond(
+        stage.condition,
+        FALSE,
+        exc.reason,
+        exc.message,
+        quiet=not stage.refusal_event,
+        field=exc.field,
+    )
+    p.fail(exc.reason, exc.message, exc.field)
     return _finished(p)
 
 

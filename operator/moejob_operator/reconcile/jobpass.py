@@ -61,7 +61,14 @@ class Pass:
         self.placement_cm: dict[str, Any] | None = None
 
     def cond(
-        self, ctype: str, status: str, reason: str, message: str, *, quiet: bool = False
+        self,
+        ctype: str,
+        status: str,
+        reason: str,
+        message: str,
+        *,
+        quiet: bool = False,
+        field: str | None = None,
     ) -> None:
         conds, transition = set_condition(
             self.status.get("conditions"),
@@ -71,6 +78,7 @@ class Pass:
             message,
             generation=self.generation,
             now=now_iso(self.now),
+            field=field,
         )
         self.status["conditions"] = conds
         if transition is not None and not quiet:
@@ -103,8 +111,9 @@ class Pass:
     def finished(self) -> bool:
         return self.cond_status(C.COND_SUCCEEDED) == TRUE or self.cond_status(C.COND_FAILED) == TRUE
 
-    def fail(self, reason: str, message: str) -> None:
-        self.cond(C.COND_FAILED, TRUE, reason, message)
+    def fail(self, reason: str, message: str, field: str | None = None) -> None:
+        """Failed=True (``field``: the spec field to change, when one is to blame)."""
+        self.cond(C.COND_FAILED, TRUE, reason, message, field=field)
         # the Failed event says it all: the companion conditions flip quietly
         self.cond(C.COND_SUCCEEDED, FALSE, reason, message, quiet=True)
         if self.cond_status(C.COND_RUNNING) is not None:

@@ -76,7 +76,7 @@ def _accept_spec(p: Pass) -> JobSpec | None:
     except Refused as exc:
         if not launched:
             raise
-        p.cond(C.COND_SPEC_ACCEPTED, FALSE, exc.reason, exc.message)
+        p.cond(C.COND_SPEC_ACCEPTED, FALSE, exc.reason, exc.message, field=exc.field)
         return _launched_spec(p, raw)
     if launched:
         changed = _changed_since_launch(p, spec)
