@@ -141,6 +141,8 @@ def test_defaults_fill_in():
             "cannot be overridden",
         ),
         ({"data": {"kind": "Text"}}, "spec.data.volume", "Text"),
+        ({"data": {"order": "Sequential"}}, "spec.data.order", "Synthetic"),
+        ({"data": {"order": "sequential"}}, "spec.data.order", "'sequential'"),
         ({"resources": {"limits": {"memory": "lots"}}}, "spec.resources.limits.memory", "quantity"),
         ({"runPolicy": {"backoffLimit": 1000}}, "spec.runPolicy.backoffLimit", "1000"),
         ({"surprise": 1}, "spec.surprise", "unknown field"),
@@ -190,3 +192,22 @@ def test_replan_defaults_and_leaves_the_hash_of_jobs_without_it():
     )
     assert parse_spec(MINIMAL).placement.replan is None
     assert "replan" not in parse_spec(MINIMAL).immutable_view()["placement"]
+
+
+def test_data_order_reaches_the_plan_only_when_sequential():
+    """``spec.data.order`` -> the plan's ``training.data.order`` (absent unless Sequential, so a
+    plan of a job without the field is the same bytes as before it existed)."""
+    from moejob_operator.reconcile.planning import Inputs, plan_data
+
+    vol = {"hostPath": {"path": "/srv/data"}}
+    text = parse_spec({**MINIMAL, "data": {"kind": "Text", "volume": vol}})
+    assert plan_data(text, Inputs()) == {"kind": "text", "path": "/data"}
+    assert text.data.order is None and "order" not in text.immutable_view()["data"]
+    seq = parse_spec({**MINIMAL, "data": {"kind": "Text", "volume": vol, "order": "Sequential"}})
+    assert plan_data(seq, Inputs())["order"] == "sequential"
+    prepared = Inputs(data={"kind": "prepared", "path": "/cache/k"})
+    assert plan_data(seq, prepared) == {
+        "kind": "prepared",
+        "path": "/cache/k",
+        "order": "sequential",
+    }

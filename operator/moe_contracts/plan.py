@@ -148,6 +148,8 @@ class DataSpec(Doc):
     kind: Literal["text", "tokens", "synthetic", "corpus", "prepared"] = "synthetic"
     path: Str | None = None
     tokenizer: Str | None = None  # local HF tokenizer path; None = byte-level
+    # shuffled: a seeded permutation per epoch; sequential: in file order (spec.data.order)
+    order: Literal["shuffled", "sequential"] = "shuffled"
 
 
 class PerfSpec(Doc):

@@ -54,9 +54,6 @@ _MIN_LR = Decimal("1e-12")  # smaller rounds to nothing in a float32 optimizer (
 class SpecError(FieldError):
     """The MoETrainingJob spec is invalid; ``field`` is its path (``spec.nodes.count``)."""
 
-    def __init__(self, field: str, message: str):
-        super().__init__(field, message)
-
 
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
@@ -171,11 +168,14 @@ class Data(_Model):
     format: Literal["Text", "Chat"] | None = None
     field: str | None = Field(default=None, min_length=1, max_length=256)
     cache: DataCache | None = None
+    order: Literal["Shuffled", "Sequential"] | None = None  # None reads as Shuffled
 
     @model_validator(mode="after")
     def _text_needs_volume(self) -> Data:
         if self.kind != "Synthetic" and self.volume is None:
             raise ValueError(f"volume: required when kind is {self.kind!r}")
+        if self.kind == "Synthetic" and self.order is not None:
+            raise ValueError("order: only with data from files, not 'Synthetic'")
         if self.kind not in PREPARED_KINDS:
             for name, value in (("format", self.format == "Chat"), ("field", self.field)):
                 if value:

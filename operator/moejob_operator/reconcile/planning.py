@@ -363,15 +363,20 @@ def make_plan(
 
 
 def plan_data(spec: JobSpec, inputs: Inputs) -> dict[str, Any]:
-    """The plan's ``training.data``: prepared shards, text or token files, or synthetic."""
-    if inputs.data is not None:
-        return dict(inputs.data)
+    """The plan's ``training.data``: prepared shards, text or token files, or synthetic, and the
+    order to read them in (written only when not the default, shuffled)."""
     d = spec.data
-    if d.kind == "Tokenized":
-        return {"kind": "tokens", "path": d.path}
-    out: dict[str, Any] = {"kind": d.kind.lower(), "path": d.path}
-    if d.kind == "Text" and inputs.tokenizer:
-        out["tokenizer"] = inputs.tokenizer
+    out: dict[str, Any]
+    if inputs.data is not None:
+        out = dict(inputs.data)
+    elif d.kind == "Tokenized":
+        out = {"kind": "tokens", "path": d.path}
+    else:
+        out = {"kind": d.kind.lower(), "path": d.path}
+        if d.kind == "Text" and inputs.tokenizer:
+            out["tokenizer"] = inputs.tokenizer
+    if d.order == "Sequential":
+        out["order"] = "sequential"
     return out
 
 

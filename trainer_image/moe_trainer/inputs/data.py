@@ -2,9 +2,11 @@
 
 A batch is a pure function of (seed, sample index): sample `i` of the run is window
 `order[i % n_windows]` of the token stream, where `order` is a seeded permutation redrawn each
-epoch. The global sample index of (step, micro step, data-parallel rank, row) is fixed, so each
-rank reads a disjoint shard and a resumed run reads exactly what the straight run would have
-read: the data position is the step, nothing else needs saving.
+epoch (:class:`WindowOrder`), or with the plan's ``training.data.order: sequential`` the windows in
+stream order (files in path order, documents in file order: a curriculum, or data whose domain
+changes during the run). The global sample index of (step, micro step, data-parallel rank, row)
+is fixed, so each rank reads a disjoint shard and a resumed run reads exactly what the straight
+run would have read: the data position is the step, nothing else needs saving.
 """
 
 from __future__ import annotations
@@ -88,6 +90,28 @@ def tokens_from_npy(path: str | os.PathLike) -> np.ndarray:
     return np.concatenate(arrays).astype(np.int32)
 
 
+class WindowOrder:
+    """Sample index -> window index: a seeded permutation of the ``n`` windows redrawn each
+    epoch, or (``sequential``) the windows in order, epoch after epoch."""
+
+    def __init__(self, seed: int, n: int, sequential: bool = False):
+        self.seed, self.n, self.sequential = seed, n, sequential
+        self._epoch: tuple[int, np.ndarray] | None = None
+
+    def __call__(self, sample: int) -> int:
+        epoch, i = divmod(sample, self.n)
+        if self.sequential:
+            return i
+        if self._epoch is None or self._epoch[0] != epoch:
+            self._epoch = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
+        return int(self._epoch[1][i])
+
+
+def is_sequential(data_spec) -> bool:
+    """The plan's ``training.data.order`` (absent: shuffled)."""
+    return getattr(data_spec, "order", "shuffled") == "sequential"
+
+
 @dataclass
 class BatchSource:
     """Deterministic [micro_batch, seq_len + 1] windows of a token stream (or synthetic tokens)."""
@@ -97,8 +121,10 @@ class BatchSource:
     micro_batch: int
     seed: int
     vocab_size: int
+    sequential: bool = False  # windows in stream order (WindowOrder), not a seeded shuffle
 
     def __post_init__(self):
+        self.n_windows = 1
         if self.tokens is not None:
             self.n_windows = (len(self.tokens) - 1) // self.seq_len
             if self.n_windows < 1:
@@ -111,7 +137,7 @@ class BatchSource:
                     f"training.data: token id {int(self.tokens.max())} >= model vocab_size "
                     f"{self.vocab_size}"
                 )
-        self._orders: dict[int, np.ndarray] = {}
+        self.order = WindowOrder(self.seed, self.n_windows, self.sequential)
 
     masked = False  # every target counts (prepared chat data has a loss mask: prepared.py)
 
@@ -126,12 +152,7 @@ class BatchSource:
         if self.tokens is None:
             rng = np.random.default_rng([self.seed, sample])
             return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64)
-        epoch, i = divmod(sample, self.n_windows)
-        order = self._orders.get(epoch)
-        if order is None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._orders = {epoch: order}
-        start = int(order[i]) * self.seq_len
+        start = self.order(sample) * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def batch(
@@ -146,8 +167,9 @@ class BatchSource:
 def make_batch_source(
     data_spec, seq_len: int, micro_batch: int, seed: int, vocab_size: int
 ) -> BatchSource:
-    """From the plan's `training.data`: kind text | tokens | corpus | synthetic | prepared."""
-    kind = data_spec.kind
+    """From the plan's `training.data`: kind text | tokens | corpus | synthetic | prepared, read
+    in its ``order``."""
+    kind, seq = data_spec.kind, is_sequential(data_spec)
     if kind == "synthetic":
         return BatchSource(None, seq_len, micro_batch, seed, vocab_size)
     if kind == "prepared" or (
@@ -155,12 +177,14 @@ def make_batch_source(
     ):
         from moe_trainer.inputs.prepared import PreparedSource
 
-        return PreparedSource(data_spec.path, seq_len, micro_batch, seed, vocab_size)
+        return PreparedSource(data_spec.path, seq_len, micro_batch, seed, vocab_size, seq)
     if kind == "tokens":
-        return BatchSource(tokens_from_npy(data_spec.path), seq_len, micro_batch, seed, vocab_size)
-    tok = make_tokenizer(data_spec.tokenizer)
-    path = data_spec.path if kind == "text" else build_corpus(cache_dir=data_spec.path)
-    return BatchSource(tokens_from_text(path, tok), seq_len, micro_batch, seed, vocab_size)
+        tokens = tokens_from_npy(data_spec.path)
+    else:
+        tok = make_tokenizer(data_spec.tokenizer)
+        path = data_spec.path if kind == "text" else build_corpus(cache_dir=data_spec.path)
+        tokens = tokens_from_text(path, tok)
+    return BatchSource(tokens, seq_len, micro_batch, seed, vocab_size, seq)
 
 
 def lm_loss(logits, targets, masked: bool):

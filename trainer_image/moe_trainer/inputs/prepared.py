@@ -16,14 +16,20 @@ import numpy as np
 
 from moe_contracts.data import MANIFEST_FILE, parse_manifest
 from moe_contracts.errors import DocumentError
-from moe_trainer.inputs.data import IGNORE_INDEX, DataError
+from moe_trainer.inputs.data import IGNORE_INDEX, DataError, WindowOrder
 
 
 class PreparedSource:
     """[micro_batch, seq_len + 1] rows of a prepared directory."""
 
     def __init__(
-        self, path: str | Path, seq_len: int, micro_batch: int, seed: int, vocab_size: int
+        self,
+        path: str | Path,
+        seq_len: int,
+        micro_batch: int,
+        seed: int,
+        vocab_size: int,
+        sequential: bool = False,
     ):
         self.path = Path(path)
         try:
@@ -63,15 +69,10 @@ class PreparedSource:
         self.starts = np.cumsum([0] + [s.rows for s in m.shards])
         self.n_windows = int(self.starts[-1])
         self.masked = any(x is not None for x in self.masks)
-        self._orders: dict[int, np.ndarray] = {}
+        self.order = WindowOrder(seed, self.n_windows, sequential)
 
     def _row(self, sample: int) -> tuple[np.ndarray, np.ndarray | None]:
-        epoch, i = divmod(sample, self.n_windows)
-        order = self._orders.get(epoch)
-        if order is None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-            self._orders = {epoch: order}
-        row = int(order[i])
+        row = self.order(sample)
         shard = int(np.searchsorted(self.starts, row, side="right")) - 1
         local = row - int(self.starts[shard])
         mask = self.masks[shard]
