@@ -11,6 +11,7 @@ import pytest
 from moe_contracts.plan import parse_plan
 from moe_contracts.routing import RoutingStats, encode_configmap
 from moejob_operator.core import models, plan, replan, routing, topology
+from moejob_operator.core.placement import LOAD_TOLERANCE
 
 
 def _reports(fixture, *names):
@@ -201,3 +202,83 @@ def test_no_decision_without_a_checkpoint_boundary_before_the_last_step():
     assert not replan.boundary_left(32, 4, 32)
     # a checkpoint interval longer than the run: the only boundary is the end
     assert not replan.boundary_left(0, 50, 20)
+
+
+def _plan_limit(stats, inp) -> np.ndarray:
+    """[L]: the plan's load limit (``LOAD_TOLERANCE`` over the flat EPLB packing's heaviest rank,
+    at least the mean) as a share of each layer's assignments."""
+    from moejob_operator.core.placement.packing import _lpt
+
+    out = []
+    for load in stats.load.astype(float):
+        flat = _lpt(load, np.full(inp.ep_size, len(load) // inp.ep_size))
+        top = np.bincount(flat, weights=load, minlength=inp.ep_size).max()
+        out.append((1 + LOAD_TOLERANCE) * max(top, load.sum() / inp.ep_size) / load.sum())
+    return np.array(out)
+
+
+def _rank_load(inp, perm, stats) -> np.ndarray:
+    """[L]: the heaviest EP rank's share of each layer's assignments under ``perm``."""
+    from moejob_operator.core.placement import Placement
+
+    pl = Placement(inp.strategy, np.asarray(perm), np.arange(inp.topology.num_gpus), inp.ep_size)
+    return np.array(
+        [
+            np.bincount(
+                pl.expert2rank(layer), weights=stats.load[layer], minlength=inp.ep_size
+            ).max()
+            for layer in range(stats.num_layers)
+        ]
+    ) / stats.load.sum(axis=1)
+
+
+@pytest.fixture(scope="module")
+def planned_apart():
+    """EP 2 over two single-GPU nodes (one rank per NVLink group: balancing a layer moves
+    experts between groups), planned from a clustered run's tokens."""
+    p = plan.build_plan(
+        plan.PlanRequest(
+            "tiny",
+            "default",
+            models.resolve_model("tiny-mixtral"),
+            _reports("single-h200", "node-a", "node-b"),
+            global_batch=8,
+            seq_len=64,
+            ep_size=2,
+            routing_stats=_counted(_trace(3)[:, :4096]),
+            strategy="topology_aware",
+        )
+    )
+    return p.document
+
+
+@pytest.mark.parametrize("which", ["pairs", "apart"])
+def test_a_re_placement_never_sends_more_nor_balances_worse_than_staying(
+    planned, planned_apart, which
+):
+    """Drifted routing with hot experts that leave the running layout imbalanced. Where a rank
+    is its own NVLink group, a candidate held to the plan's load tolerance has to spread the hot
+    experts over the groups and sends more than staying: the job would never re-place. The
+    decision's candidate may be as imbalanced per layer as the running layout already is (no
+    more), and takes the solver's layout only in the layers where it sends less: it predicts
+    no more than staying, whatever it decides, no layer balances worse, and it re-places."""
+    doc = planned[0] if which == "pairs" else planned_apart
+    inp = replan.inputs_from_plan(parse_plan(doc))
+    current = doc["placement"]["permutation"]
+    switched = 0
+    for seed in range(4):
+        st = routing.synthetic_trace(
+            4, 8, 2, 4096, zipf_s=2.0, num_clusters=2, cluster_affinity=0.9, seed=seed
+        )
+        fresh = _counted(st.token_experts)
+        d = replan.decide(inp, current, fresh, 1)
+        assert d.after <= d.before, d.message
+        if not d.switch:
+            continue
+        switched += 1
+        assert d.after < d.before
+        before, after = _rank_load(inp, current, fresh), _rank_load(inp, d.permutation, fresh)
+        # no layer's heaviest rank above the running layout's, or above the plan's tolerance
+        # over the flat EPLB packing where the running one is lighter than that
+        assert (after <= np.maximum(before, _plan_limit(fresh, inp)) + 1e-9).all(), (before, after)
+    assert switched >= 3  # drift this strong re-places

@@ -17,6 +17,13 @@ columns (:mod:`moe_contracts.dispatch`), exact on the statistics' token samples
 a dispatcher row moves per send over the cost model's (``dedup_row_bytes / (2 x hidden bytes)``).
 So a status figure can be read against what the trainers count.
 
+The candidate may not balance a layer worse than staying: the solver's load tolerance is, per
+layer, the plan's or the running layout's own excess on the fresh statistics, whichever is larger
+(routing that drifted hot experts together leaves the running layout imbalanced; a candidate held
+to the plan's tolerance would then have to spread them and send more than staying). And it takes
+the solver's layout only in the layers where that sends less than the running one: a switch never
+predicts more bytes in any layer.
+
 The solver is a heuristic: on other tokens of the same routing it can land on a layout that is
 some percent better (or worse) than the one it found before, which is not drift. So the gain that
 counts is capped by the drift: ``baseline`` is what the running placement was predicted to cost
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +56,7 @@ from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_st
 
 from . import cost, dispatch, router_groups
 from .models import spec_from_hf_config
-from .placement import Placement, strategies
+from .placement import LOAD_TOLERANCE, Placement, strategies, tolerance_to_keep
 from .topology import ClusterTopology
 
 WINDOW_KEY = "window"  # RoutingStats: the statistics since the previous checkpoint (optional)
@@ -217,6 +224,31 @@ def _cross_group(perm: np.ndarray, inp: ReplanInputs, stats: RoutingStats, scale
     return score.cross_group_bytes_per_step * scale * inp.per_send
 
 
+def _layer_cross_group(
+    perm: np.ndarray, inp: ReplanInputs, stats: RoutingStats, scale: float
+) -> np.ndarray:
+    """:func:`_cross_group` of each layer alone: ``[L]`` (the bytes add up over layers)."""
+    te = stats.token_experts
+    return np.array(
+        [
+            _cross_group(
+                perm[layer : layer + 1],
+                inp,
+                replace(
+                    stats,
+                    num_layers=1,
+                    load=stats.load[layer : layer + 1],
+                    coact=stats.coact[layer : layer + 1],
+                    token_experts=None if te is None else te[layer : layer + 1],
+                    planted_clusters=None,
+                ),
+                scale,
+            )
+            for layer in range(stats.num_layers)
+        ]
+    )
+
+
 def decide(
     inp: ReplanInputs,
     current: list[list[int]],
@@ -249,7 +281,12 @@ def decide(
     if not np.array_equal(inp.topology.gpu_order(), np.arange(W)):
         return _stay(stay, "the plan's rank order does not follow its NVLink groups")
     scale = inp.tokens_per_step / max(stats.tokens / max(stats.steps, 1), 1)
-    before = _cross_group(cur, inp, stats, scale)
+    running = Placement(inp.strategy, cur, np.arange(W), inp.ep_size)
+    tol = [
+        max(LOAD_TOLERANCE, tolerance_to_keep(stats.load[layer].astype(float), e2r, inp.ep_size))
+        for layer, e2r in enumerate(map(running.expert2rank, range(inp.num_layers)))
+    ]
+    before_l = _layer_cross_group(cur, inp, stats, scale)
     try:
         cand = router_groups.solve(
             inp.strategy,
@@ -260,12 +297,17 @@ def decide(
             num_layers=inp.num_layers,
             n_group=inp.n_group,
             seed=inp.seed,
+            tol=tol,
         )
     except ValueError as exc:
-        return _stay(stay, f"the solver refused: {exc}", before)
+        return _stay(stay, f"the solver refused: {exc}", float(before_l.sum()))
     if not np.array_equal(cand.rank2gpu, np.arange(W)):
-        return _stay(stay, "the solver's rank order differs from the running gang's", before)
-    after = _cross_group(cand.permutation, inp, stats, scale)
+        why = "the solver's rank order differs from the running gang's"
+        return _stay(stay, why, float(before_l.sum()))
+    cand_l = _layer_cross_group(cand.permutation, inp, stats, scale)
+    take = cand_l < before_l  # per layer: the solver's layout only where it sends less
+    perm = np.where(take[:, None], cand.permutation, cur)
+    before, after = float(before_l.sum()), float(np.where(take, cand_l, before_l).sum())
     credited = after if baseline is None else max(after, min(before, baseline))
     gain = 100 * (before - credited) / before if before > 0 else 0.0
     what = (
@@ -278,9 +320,9 @@ def decide(
         )
         + f"; switch at >= {min_gain_percent}%"
     )
-    if before <= 0 or gain < min_gain_percent or np.array_equal(cand.permutation, cur):
+    if before <= 0 or gain < min_gain_percent or not take.any():
         return Decision(False, stay.permutation, round(before), round(after), "stay: " + what)
-    return Decision(True, cand.permutation.tolist(), round(before), round(after), "switch: " + what)
+    return Decision(True, perm.tolist(), round(before), round(after), "switch: " + what)
 
 
 def _stay(stay: Decision, why: str, before: float = 0.0) -> Decision:

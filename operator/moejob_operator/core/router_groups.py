@@ -19,11 +19,13 @@ NVLink group, so a token reaches at most ``topk_group`` groups of ranks: at most
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from moe_contracts.routing import RoutingStats
 
-from .placement import Placement
+from .placement import LOAD_TOLERANCE, Placement
 from .placement import solve as solve_experts
 from .topology import ClusterTopology
 
@@ -70,6 +72,7 @@ def solve(
     num_layers: int,
     n_group: int = 1,
     seed: int = 0,
+    tol: float | Sequence[float] = LOAD_TOLERANCE,
 ) -> Placement:
     """``core.placement.solve`` with router groups kept whole (``n_group`` > 1)."""
     if n_group <= 1:
@@ -81,6 +84,7 @@ def solve(
             num_experts=num_experts,
             num_layers=num_layers,
             seed=seed,
+            tol=tol,
         )
     E, P = num_experts, ep_size
     if E % n_group:
@@ -89,7 +93,14 @@ def solve(
     if n % gs == 0 and n_group % P == 0:  # whole groups per rank: solve on groups
         coarse = None if stats is None else coarse_stats(stats, n_group)
         pl = solve_experts(
-            strategy, topo, coarse, ep_size=P, num_experts=n_group, num_layers=num_layers, seed=seed
+            strategy,
+            topo,
+            coarse,
+            ep_size=P,
+            num_experts=n_group,
+            num_layers=num_layers,
+            seed=seed,
+            tol=tol,
         )
         perm = (pl.permutation[:, :, None] * gs + np.arange(gs)).reshape(num_layers, E)
         notes = (*pl.notes, f"router groups ({n_group} of {gs} experts) placed whole")

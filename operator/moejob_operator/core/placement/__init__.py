@@ -20,6 +20,8 @@ runs a row of the table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from moe_contracts.routing import RoutingStats
@@ -29,7 +31,7 @@ from .exact import BRUTE_FORCE_LIMIT, brute_force_count
 from .heldout import HELDOUT_OPTIMISM, heldout_estimate, heldout_optimism
 from .layout import LOAD_TOLERANCE, Placement
 from .packing import _levels, _permutation_from_ranks
-from .refine import MAX_STARTS, MULTI_START_WORK
+from .refine import MAX_STARTS, MULTI_START_WORK, tolerance_to_keep
 from .strategies import CONTIGUOUS, FITTED, NAMES, LayerInputs, Strategy, lookup
 
 STRATEGIES = NAMES  # the plan's strategy names (``strategies.REGISTRY``)
@@ -49,6 +51,7 @@ __all__ = [
     "heldout_optimism",
     "lookup",
     "solve",
+    "tolerance_to_keep",
 ]
 
 
@@ -61,11 +64,12 @@ def solve(
     num_experts: int,
     num_layers: int,
     seed: int = 0,
-    tol: float = LOAD_TOLERANCE,
+    tol: float | Sequence[float] = LOAD_TOLERANCE,
 ) -> Placement:
     """Place ``num_experts`` experts of each of ``num_layers`` layers on ``ep_size`` EP ranks
     over all GPUs of ``topo`` (world size = ``topo.num_gpus``) with the row of
-    ``strategies.REGISTRY`` named ``strategy``."""
+    ``strategies.REGISTRY`` named ``strategy``. ``tol``: the load tolerance, one for every layer
+    or one per layer."""
     W, E, L, P = topo.num_gpus, num_experts, num_layers, ep_size
     row = lookup(strategy)
     if P < 1 or E % P or W % P:
@@ -83,10 +87,11 @@ def solve(
     rank2gpu = np.arange(W) if row.keeps_gpu_order else topo.gpu_order()
     rank_node, rank_group = _levels(topo, rank2gpu[:P])
     starts = max(1, min(MAX_STARTS, MULTI_START_WORK // (L * E)))
+    tols = np.broadcast_to(np.asarray(tol, dtype=float), (L,))
     perm = np.empty((L, E), dtype=np.int64)
     for layer in range(L):
         inputs = LayerInputs(
-            stats, layer, L, E, P, rank_node, rank_group, E // P, tol, seed, starts
+            stats, layer, L, E, P, rank_node, rank_group, E // P, float(tols[layer]), seed, starts
         )
         perm[layer] = _permutation_from_ranks(row.solve_layer(inputs), P)
     return Placement(strategy, perm, rank2gpu, P, notes, fell_back=fell_back).validate(topo)

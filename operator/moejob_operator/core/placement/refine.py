@@ -26,6 +26,17 @@ MIN_REFINE_TOKENS = 2048
 REFINE_TRIES = 256  # candidate swaps (best first) checked for a packing under the limit
 
 
+def tolerance_to_keep(load: np.ndarray, expert2rank: np.ndarray, ep_size: int) -> float:
+    """The smallest load tolerance under which ``_topology_aware_layer`` may keep the layout
+    ``expert2rank[E]`` for ``load[E]``: its heaviest rank over the limit's base (the flat EPLB
+    packing's heaviest rank, at least the mean), minus 1; 0 when it is under the base."""
+    n = len(load) // ep_size
+    flat = _lpt(load, np.full(ep_size, n))
+    base = max(np.bincount(flat, weights=load, minlength=ep_size).max(), load.sum() / ep_size)
+    heaviest = np.bincount(expert2rank, weights=load, minlength=ep_size).max()
+    return max(0.0, float(heaviest / base - 1)) if base > 0 else 0.0
+
+
 def _topology_aware_layer(
     load: np.ndarray,
     coact: np.ndarray,
