@@ -4,6 +4,9 @@ bounded, and without one every plan is computed."""
 
 from __future__ import annotations
 
+from moe_contracts import plan as contract
+from moejob_operator import constants as C
+from moejob_operator.builders import configmaps
 from moejob_operator.builders.common import JobRef
 from moejob_operator.controller import Controller
 from moejob_operator.core.topology import load_topology
@@ -55,3 +58,25 @@ def test_the_memo_is_bounded_and_owned_by_the_controller():
     assert memo.get("c") is None and memo.get("b") is not None
     # runtime state lives in the Controller: two controllers share nothing
     assert Controller().plan_memo is not Controller().plan_memo
+
+
+def test_a_new_plan_is_serialised_once(monkeypatch):
+    """make_plan's size check and the plan ConfigMap share the plan's one serialisation
+    (MoEPlan.sorted_json), byte for byte what the contract's plan_json writes."""
+    dumps: list[bool] = []
+    real = contract._dumps
+
+    def counted(doc, *, sort_keys):
+        dumps.append(sort_keys)
+        return real(doc, sort_keys=sort_keys)
+
+    monkeypatch.setattr(contract, "_dumps", counted)
+    spec = parse_spec(SPEC)
+    plan = planning.make_plan(None, JobRef("ns", "one", "u1"), spec, _reports())
+    cm = configmaps.plan_configmap(JobRef("ns", "one", "u1"), plan, spec.immutable_hash())
+    assert dumps == [True]  # the size check serialised it; the ConfigMap reused the text
+    assert plan.sorted_json() is plan.sorted_json() is cm["data"][C.PLAN_KEY]
+    monkeypatch.setattr(contract, "_dumps", real)
+    assert cm["data"][C.PLAN_KEY] == contract.plan_json(plan.raw, sort_keys=True)
+    # the memo is no field: a plan that has serialised equals one that has not
+    assert plan == contract.parse_plan(plan.raw, complete=True)

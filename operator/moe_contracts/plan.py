@@ -9,6 +9,7 @@ exit code 78.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -288,6 +289,19 @@ class MoEPlan(Doc):
     def job_name(self) -> str:
         return self.job.name
 
+    def sorted_json(self) -> str:
+        """The serialised document, checked complete first, sorted keys: what goes into the
+        ``<job>-plan`` ConfigMap, byte for byte what :func:`plan_json` with ``sort_keys`` writes.
+        Serialised once per plan (memoised: a plan is immutable, ``raw`` is not to be edited
+        after this is called)."""
+        return self._sorted_json_text
+
+    @functools.cached_property
+    def _sorted_json_text(self) -> str:
+        # a cached_property: not a pydantic private attribute, so equality and copies ignore it
+        _check_complete(self._raw, self)
+        return _dumps(self._raw, sort_keys=True)
+
     @property
     def autoep_enabled(self) -> bool:
         return bool(self._ep_cfg().get("enabled", False))
@@ -513,4 +527,8 @@ def plan_json(doc: dict[str, Any], *, sort_keys: bool = False) -> str:
     """The serialised document, checked complete first: what goes into the ``<job>-plan`` ConfigMap
     (``sort_keys``: the same plan is the same bytes) and what ``moectl plan -o`` writes."""
     parse_plan(doc, complete=True)
+    return _dumps(doc, sort_keys=sort_keys)
+
+
+def _dumps(doc: dict[str, Any], *, sort_keys: bool) -> str:
     return json.dumps(doc, indent=1, sort_keys=sort_keys) + "\n"

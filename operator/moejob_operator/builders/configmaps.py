@@ -14,7 +14,6 @@ from typing import Any
 
 from moe_contracts import placement_update
 from moe_contracts.plan import MoEPlan
-from moe_contracts.plan import plan_json as checked_plan_json
 
 from .. import constants as C
 from .common import (
@@ -28,9 +27,9 @@ from .common import (
 
 
 def plan_json(plan: MoEPlan) -> str:
-    """The plan as the workers read it: checked complete by the contract's one writer, sorted keys
-    (the same plan is the same bytes)."""
-    return checked_plan_json(plan.raw, sort_keys=True)
+    """The plan as the workers read it: checked complete by the contract, sorted keys (the same
+    plan is the same bytes); the plan's own memoised text (the size check serialised it)."""
+    return plan.sorted_json()
 
 
 def plan_configmap(

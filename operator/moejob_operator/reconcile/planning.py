@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from moe_contracts.plan import MoEPlan, parse_plan
-from moe_contracts.plan import plan_json as checked_plan_json
 from moe_contracts.progress import parse_progress
 from moe_contracts.routing import RoutingStats, decode_configmap
 from moe_contracts.topology import TopologyReport
@@ -357,9 +356,18 @@ def make_plan(
     except SpecError as exc:
         raise Refused.invalid_spec(exc) from None
     try:
-        return parse_plan(doc, complete=True)
+        plan = parse_plan(doc, complete=True)
+        # the ConfigMap's text, serialised once here (memoised on the plan) for the size check
+        size = len(plan.sorted_json())
     except DocumentError as exc:  # the planner wrote a plan its own contract refuses: a bug
         raise Refused(C.R_PLAN_FAILED, f"the planner's plan does not parse: {exc}") from None
+    if size > MAX_PLAN_BYTES:
+        raise Refused(
+            C.R_PLAN_TOO_LARGE,
+            f"the plan is {size} bytes; a ConfigMap holds at most "
+            f"{MAX_PLAN_BYTES} (fewer nodes, experts or layers)",
+        )
+    return plan
 
 
 def plan_data(spec: JobSpec, inputs: Inputs) -> dict[str, Any]:
@@ -512,13 +520,6 @@ def _make_plan(
             "spec.deepspeedOverrides",
             f"a value has the wrong type for the DeepSpeed config ({type(exc).__name__}: {exc})",
         ) from None
-    size = len(checked_plan_json(plan.document, sort_keys=True))
-    if size > MAX_PLAN_BYTES:
-        raise Refused(
-            C.R_PLAN_TOO_LARGE,
-            f"the plan is {size} bytes; a ConfigMap holds at most "
-            f"{MAX_PLAN_BYTES} (fewer nodes, experts or layers)",
-        )
     return plan.document
 
 
