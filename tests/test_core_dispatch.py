@@ -4,6 +4,7 @@ brute-force walk of what each dispatcher sends."""
 import numpy as np
 import pytest
 
+from moe_contracts.dispatch import copy_sync_bytes
 from moejob_operator.core import dispatch, placement
 from moejob_operator.core.routing import synthetic_trace
 from moejob_operator.core.topology import ClusterTopology
@@ -92,3 +93,14 @@ def test_dispatch_groups_fall_back_to_flat_for_unequal_groups():
     assert dispatch.dispatch_groups(np.array([5, 5, 7, 7])) == [[0, 1], [2, 3]]
     assert dispatch.dispatch_groups(np.array([1, 2, 1, 2])) == [[0, 2], [1, 3]]
     assert dispatch.dispatch_groups(np.array([0, 0, 0, 1])) == [[0], [1], [2], [3]]
+
+
+def test_copy_sync_bytes_charges_weights_there_and_gradients_back_to_the_pair_tier():
+    """One copy costs 2 x its bytes (weights home -> holder, gradients back), to the tier
+    between the two ranks; crossNode is the part of crossGroup that leaves the node."""
+    group, node = np.array([0, 0, 1, 2]), [0, 0, 0, 1]  # ranks 0,1 share a group; 3 is remote
+    zero = {"intraGroup": 0, "crossGroup": 0, "crossNode": 0}
+    assert copy_sync_bytes(1, 0, group, node, 10) == {**zero, "intraGroup": 20}
+    assert copy_sync_bytes(2, 0, group, node, 10) == {**zero, "crossGroup": 20}
+    assert copy_sync_bytes(3, 0, group, node, 10) == {**zero, "crossGroup": 20, "crossNode": 20}
+    assert copy_sync_bytes(0, 3, group, node, 7) == {**zero, "crossGroup": 14, "crossNode": 14}

@@ -65,6 +65,30 @@ def _charge(
     out["crossNode"] += float((node[a] != node[b]).sum()) * nbytes
 
 
+def copy_sync_bytes(
+    holder: int,
+    home: int,
+    group: Sequence[int] | np.ndarray,
+    node: Sequence[int] | np.ndarray,
+    nbytes: int,
+) -> dict[str, int]:
+    """What one copy of an expert on EP rank ``holder`` costs in one forward + backward, by tier
+    (every tier keyed, 0 where nothing goes): its weights ``home -> holder`` and their gradients
+    back, ``2 * nbytes`` (``nbytes``: the expert's weight bytes), charged to the tier between the
+    two ranks (``group[r]``, ``node[r]``: EP rank ``r``'s NVLink group and node; ``crossNode`` is
+    the part of ``crossGroup`` that leaves the node). The one rule behind the planner's
+    ``quality.replicas.syncBytesPerStep`` and the trainer's weight-sync counters."""
+    out = dict.fromkeys(TIERS, 0)
+    moved = 2 * nbytes
+    if group[holder] == group[home]:
+        out["intraGroup"] = moved
+    else:
+        out["crossGroup"] = moved
+        if node[holder] != node[home]:
+            out["crossNode"] = moved
+    return out
+
+
 def dedup_row_bytes(
     hidden_bytes: int, top_k: int, *, backward: bool = True, forward_passes: int = 1
 ) -> int:

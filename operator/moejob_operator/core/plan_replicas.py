@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_contracts.dispatch import dispatch_groups, tier_bytes
+from moe_contracts.dispatch import TIERS, copy_sync_bytes, dispatch_groups, tier_bytes
 from moe_contracts.routing import RoutingStats
 
 from . import placement as placement_mod
@@ -156,22 +156,19 @@ def _sync_per_step(
 ) -> dict[str, int]:
     """Bytes per optimizer step the copies' weights move (home -> copy forward, gradients back),
     by tier, over every EP group of the world (``dedup_replicas.sync_bytes``, per micro step and
-    layer)."""
+    layer: ``moe_contracts.dispatch.copy_sync_bytes``)."""
     P = pl.ep_size
-    out = {f"{t}BytesPerStep": 0 for t in ("intraGroup", "crossGroup", "crossNode")}
+    out = {f"{t}BytesPerStep": 0 for t in TIERS}
     for b in range(0, pl.world_size, P):
         gpus = pl.rank2gpu[b : b + P]
         group, node = topo.group_of[gpus], topo.node_of[gpus]
         for c in layers:
             for h in c.holders:
                 for r in h[1:]:
-                    moved = 2 * expert_bytes * micro_steps
-                    if group[r] == group[h[0]]:
-                        out["intraGroupBytesPerStep"] += moved
-                    else:
-                        out["crossGroupBytesPerStep"] += moved
-                        if node[r] != node[h[0]]:
-                            out["crossNodeBytesPerStep"] += moved
+                    for t, n in copy_sync_bytes(
+                        r, h[0], group, node, expert_bytes * micro_steps
+                    ).items():
+                        out[f"{t}BytesPerStep"] += n
     return out
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_contracts.dispatch import copy_sync_bytes
 from moe_trainer.dispatch.dedup_ep import ByteCounters, DispatchError, Layout, Plan
 
 sync_counters = ByteCounters()  # weight bytes of copies (forward) and their gradients (backward)
@@ -117,15 +118,14 @@ def copies_of(layout: Layout) -> list[tuple[int, int, int]]:
 
 def sync_bytes(layout: Layout, row_bytes: int) -> dict[str, int]:
     """Weight bytes one forward + backward of the layer moves for its copies, summed over the EP
-    group, by tier (``row_bytes``: one expert's w1 + w2 + w3)."""
+    group, by tier (``row_bytes``: one expert's w1 + w2 + w3; the rule is the contract's
+    ``copy_sync_bytes``, the planner's too)."""
     out = dict.fromkeys(ByteCounters.TIERS, 0)
     for h, home, _e in copies_of(layout):
-        if layout.tier_group[h] == layout.tier_group[home]:
-            out["intraGroup"] += 2 * row_bytes
-        else:
-            out["crossGroup"] += 2 * row_bytes
-            if layout.tier_node[h] != layout.tier_node[home]:
-                out["crossNode"] += 2 * row_bytes
+        for t, n in copy_sync_bytes(
+            h, home, layout.tier_group, layout.tier_node, row_bytes
+        ).items():
+            out[t] += n
     return out
 
 
