@@ -147,7 +147,7 @@ def inputs_from_plan(plan: MoEPlan) -> ReplanInputs:
     half = any((ds.get(k) or {}).get("enabled") for k in ("bf16", "fp16"))
     bytes_per_elem = 2 if half else 4
     batch = ds.get("train_batch_size")
-    return ReplanInputs(
+    inputs = ReplanInputs(
         strategy=pl.strategy,
         ep_size=plan.ep_size,
         seed=plan.training.seed,
@@ -161,11 +161,11 @@ def inputs_from_plan(plan: MoEPlan) -> ReplanInputs:
         topology=plan_topology(plan.ranks),
         replicas=bool(pl.replicas),
         dispatcher=pl.dispatcher,
-        baseline=_plan_baseline(
-            pl.quality or {},
-            pl.dispatcher,
-            per_send(spec.hidden_size * bytes_per_elem, spec.top_k),
-        ),
+        baseline=None,
+    )
+    # the baseline in the counters' measure: the inputs' own per_send factor, not a second one
+    return replace(
+        inputs, baseline=_plan_baseline(pl.quality or {}, pl.dispatcher, inputs.per_send)
     )
 
 
