@@ -21,19 +21,17 @@ With ``MOE_REPLAN_RESULTS=<path>`` the measured figures are written there
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from moe_contracts import placement_update
 from moe_localkube import demo_loop
 from moejob_operator import constants as C
 from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
+from replan_cluster_util import ProgressLog, close, finished, placement_of, progress_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -41,7 +39,6 @@ operator_proc = module_operator("operator-replan-trainer")
 STEPS, EVERY = 32, 4
 MIN_GAIN = 5
 LR = "1e-2"
-REL = 1e-5  # tests/test_replace.py: losses after a switch vs a never-switched run (fp32)
 
 
 def _job(name: str, tmp_path, data: dict, *, replan: bool) -> dict:
@@ -63,71 +60,6 @@ def _job(name: str, tmp_path, data: dict, *, replan: bool) -> dict:
     job["spec"]["training"].update(steps=STEPS, learningRate=LR)
     job["spec"]["data"] = data
     return job
-
-
-class ProgressLog:
-    """Every progress document rank 0 writes into ``<checkpoint dir>/progress.json`` (rewritten
-    each step, and held as phase Checkpointing through a checkpoint's switch and write), kept
-    by step: the counters at the switch's step come from here."""
-
-    def __init__(self, dirs: dict[str, Path], checks=None):
-        self.dirs = dirs
-        self.by_step: dict[str, dict[int, dict]] = {k: {} for k in dirs}
-        self.checks_of = checks  # () -> job A's status.replan, polled less often
-        self.checks: list[dict] = []  # every distinct status.replan seen
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ProgressLog:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            if self.checks_of is not None and n % 10 == 0:
-                with contextlib.suppress(Exception):
-                    got = self.checks_of()
-                    if got and got not in self.checks:
-                        self.checks.append(got)
-            for job, d in self.dirs.items():
-                try:
-                    doc = json.loads((d / "progress.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                since = (doc.get("moe") or {}).get("allToAllBytesSinceStart")
-                if isinstance(doc.get("step"), int) and since:
-                    self.by_step[job].setdefault(doc["step"], doc)
-            time.sleep(0.05)
-
-    def cross_group(self, job: str, step: int) -> int:
-        return self.by_step[job][step]["moe"]["allToAllBytesSinceStart"]["byTier"]["crossGroup"]
-
-
-def _placement(kube, namespace, name):
-    cm = kube.core.read_namespaced_config_map(f"{name}-placement", namespace)
-    return placement_update.loads(cm.data[placement_update.KEY])
-
-
-def _progress(kube, namespace, name) -> dict:
-    cm = kube.core.read_namespaced_config_map(f"{name}-progress", namespace)
-    return json.loads(cm.data[C.PROGRESS_KEY])
-
-
-def _finished(kube, namespace, name):
-    st = get_job(kube, namespace, name).get("status") or {}
-    return st.get("phase") in ("Succeeded", "Failed") and st
-
-
-def _close(a: list[float], b: list[float]) -> bool:
-    if len(a) != len(b):
-        return False
-    return all(abs(x - y) <= REL * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
 
 
 def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
@@ -152,7 +84,7 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     with ProgressLog(dirs, replan_status) as plog:
         for name in made:
             st = wait_for(
-                lambda name=name: _finished(kube, namespace, name),
+                lambda name=name: finished(kube, namespace, name),
                 timeout=2400,
                 interval=2,
                 message=f"{name} finished",
@@ -164,10 +96,10 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     plan = json.loads(kube.core.read_namespaced_config_map("rp-a-plan", namespace).data[C.PLAN_KEY])
     assert plan["placement"]["dispatcher"] == "dedup" and plan["epSize"] == 2
     assert "routingStatsFrom" not in plan["placement"]  # launched on no statistics
-    gen = _placement(kube, namespace, "rp-a")
+    gen = placement_of(kube, namespace, "rp-a")
     assert gen.generation == 1, diagnose("rp-a")
     assert gen.permutation != plan["placement"]["permutation"]
-    prog_a = _progress(kube, namespace, "rp-a")
+    prog_a = progress_of(kube, namespace, "rp-a")
     applied = prog_a["placement"]["appliedAtStep"]
     assert prog_a["placement"]["generation"] == 1 and prog_a["placement"]["message"] == ""
     assert prog_a["step"] == STEPS
@@ -191,10 +123,10 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     st_b = get_job(kube, namespace, "rp-b")["status"]
     assert not st_b.get("placementHistory") and not st_b.get("replan"), st_b
     assert C.R_PLACEMENT_UPDATED not in [e.reason for e in events_for(kube, namespace, "rp-b")]
-    prog_b = _progress(kube, namespace, "rp-b")
+    prog_b = progress_of(kube, namespace, "rp-b")
     assert (prog_b.get("placement") or {}).get("generation", 0) == 0, prog_b.get("placement")
     try:
-        assert _placement(kube, namespace, "rp-b").generation == 0
+        assert placement_of(kube, namespace, "rp-b").generation == 0
     except Exception as exc:  # noqa: BLE001 - no ConfigMap at all: nothing to re-place either
         assert getattr(exc, "status", None) == 404, exc
 
@@ -203,7 +135,7 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     la, lb = losses["rp-a"], losses["rp-b"]
     assert len(la) == len(lb) == STEPS
     assert la[:applied] == lb[:applied]  # the same placement, tokens and arithmetic before it
-    assert _close(la, lb), (la, lb)
+    assert close(la, lb), (la, lb)
     max_rel = max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(la, lb, strict=True))
 
     # ---- 3. the bytes the trainers counted over the same steps after the switch ------------

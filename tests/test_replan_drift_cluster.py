@@ -1,0 +1,355 @@
+"""Re-placement when the data changes domain during a job (issue 33), end to end: the real
+operator, API server and node agent, and REAL multi-rank CPU trainers (DeepSpeed ZeRO-3 on gloo,
+the de-duplicating dispatcher, 2 node ranks = 2 NVLink groups, EP 2).
+
+The user's story: a model was trained on prose; the next run continues on a mix whose second half
+is another domain (here: arithmetic). Data order ``Sequential`` (``spec.data.order``) puts the
+domain change at a known step, ``SWITCH``.
+
+The model is a ``save_pretrained`` tiny-mixtral given as ``spec.model.path`` whose routing depends
+on the domain, as a pretrained MoE's does and a randomly initialised one's does not
+(``benchmarks/domain_drift.py``: a domain switch leaves the random-init tiny model's routing
+nothing to win). :func:`planted_model` writes it: each byte token's embedding carries one of 8
+orthonormal directions, by domain (arithmetic symbols or not) and one of 4 classes, and every MoE
+router maps the prose directions to the expert pairs (0, 1), (2, 3), (4, 5), (6, 7) and the
+arithmetic ones to (1, 2), (3, 4), (5, 6), (7, 0), the classes balanced by the texts' byte counts.
+A layout fitted on prose keeps the prose pairs in one group, and so at most half the arithmetic's
+pairs; a layout fitted on the arithmetic keeps all of those. The rest of the model is the
+preset's random init; training moves the routing little over these steps.
+
+- ``dr-ref`` runs the first ``SWITCH`` steps on the prose alone and records its routing.
+- Three jobs then start from ``dr-ref``'s routing statistics (``routingStatsFrom``), so their
+  launch placement fits the prose, on the same seed (the same weights, tokens and routing as
+  ``dr-ref`` up to ``SWITCH``):
+
+  - ``dr-a``: prose, then arithmetic, with ``placement.replan``;
+  - ``dr-b``: the same without ``replan``;
+  - ``dr-steady``: prose, then more prose, with ``replan``.
+
+What must hold: ``dr-a`` re-places exactly once, at a checkpoint after the domain changed, with
+a predicted saving; the trainers counted fewer cross-group bytes in ``dr-a`` than in ``dr-b`` over
+the same steps after the switch; ``dr-a``'s losses equal ``dr-b``'s (a function-preserving
+switch); ``dr-steady`` checks its placement and never re-places.
+
+With ``MOE_REPLAN_DRIFT_RESULTS=<path>`` the measured figures are written there
+(``benchmarks/results/replan_drift.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejob_operator import constants as C
+from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
+from replan_cluster_util import ProgressLog, close, finished, placement_of, progress_of
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+operator_proc = module_operator("operator-replan-drift")
+STEPS, SWITCH, EVERY = 40, 16, 4
+MIN_GAIN = 5
+SEQ_LEN, GLOBAL_BATCH = 64, 4  # examples/tiny-cpu.yaml
+DOMAIN_TOKENS = SWITCH * GLOBAL_BATCH * SEQ_LEN  # byte tokens of the first file, EOS included
+# the second file outlasts the run (no wrap back to the first within STEPS)
+SECOND_TOKENS = (STEPS - SWITCH + 1) * GLOBAL_BATCH * SEQ_LEN
+JOBS = ("dr-a", "dr-b", "dr-steady")
+
+
+def _prose(n_docs_bytes: int) -> str:
+    """ASCII English prose (the trainer's corpus: standard-library docstrings)."""
+    from moe_trainer.inputs.corpus import DOC_SEPARATOR, iter_texts
+
+    text = " ".join(iter_texts(n_docs_bytes)).replace(DOC_SEPARATOR, " ")
+    return text.encode("ascii", "ignore").decode()
+
+
+def _arithmetic(n: int) -> str:
+    rng = np.random.default_rng(0)
+    lines = []
+    while sum(map(len, lines)) < n:
+        a, b = (int(x) for x in rng.integers(0, 10_000, 2))
+        lines.append(f"{a} * {b} = {a * b}; {a} + {b} = {a + b}\n")
+    return "".join(lines)
+
+
+def domain_data(root: Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """``spec.data`` of each job and the drift's two texts: files read in path order, the first
+    exactly ``DOMAIN_TOKENS`` byte tokens with the EOS the tokenizer puts after a file, so the
+    domain changes at step ``SWITCH``; the second long enough for the rest of the run."""
+    n, m = DOMAIN_TOKENS - 1, SECOND_TOKENS - 1
+    prose = _prose(4 * (n + m))
+    assert len(prose) >= n + m, len(prose)
+    files = {
+        "ref": {"1-prose.txt": prose[:n]},
+        "drift": {"1-prose.txt": prose[:n], "2-arithmetic.txt": _arithmetic(m)[:m]},
+        "steady": {"1-prose.txt": prose[:n], "2-more-prose.txt": prose[n : n + m]},
+    }
+    out = {}
+    for name, contents in files.items():
+        d = root / name
+        d.mkdir(parents=True)
+        for f, text in contents.items():
+            (d / f).write_text(text)
+        out[name] = {
+            "kind": "Text",
+            "path": "/data",
+            "order": "Sequential",
+            "volume": {"hostPath": {"path": str(d)}},
+        }
+    return out, {
+        "prose": files["drift"]["1-prose.txt"],
+        "arithmetic": files["drift"]["2-arithmetic.txt"],
+    }
+
+
+ARITHMETIC_SYMBOLS = frozenset(b"0123456789*+=;")
+ROUTER_SCALE = 8.0  # router logits of the planted pairs (the other experts' are about 0)
+
+
+def _classes(text: str, symbols) -> dict[int, int]:
+    """Byte -> class 0..3 for the bytes of ``symbols``: heaviest first into the lightest class
+    (by their counts in ``text``), so that each class routes about a quarter of the tokens."""
+    counts = np.bincount(np.frombuffer(text.encode(), dtype=np.uint8), minlength=1 + max(symbols))
+    load = [0] * 4
+    out = {}
+    for t in sorted(symbols, key=lambda t: (-counts[t], t)):
+        k = int(np.argmin(load))
+        out[t] = k
+        load[k] += int(counts[t])
+    return out
+
+
+def planted_model(where: Path, prose: str, arithmetic: str) -> Path:
+    """``save_pretrained`` of tiny-mixtral (seed 0) with domain-dependent routing (module
+    docstring), readable by the pods."""
+    import torch
+
+    from moe_trainer.model.models import build_model
+    from moejob_operator.core import models
+
+    model = build_model(dict(models.resolve_model("tiny-mixtral").hf_config), seed=0)
+    cfg = model.config
+    H, E = cfg.hidden_size, cfg.num_local_experts
+    assert E == 8 and cfg.num_experts_per_tok == 2
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(H, 8, generator=gen))
+    direction = q.T  # [8, H]: prose class k = 0..3, arithmetic class 4 + k
+    router = torch.zeros(E, H)
+    for k in range(4):
+        router[[2 * k, 2 * k + 1]] += direction[k]  # prose: (0, 1), (2, 3), (4, 5), (6, 7)
+        router[[2 * k + 1, (2 * k + 2) % E]] += direction[4 + k]  # (1, 2), (3, 4), (5, 6), (7, 0)
+    others = set(range(cfg.vocab_size)) - ARITHMETIC_SYMBOLS
+    cls = _classes(prose, others)
+    cls.update({t: 4 + k for t, k in _classes(arithmetic, ARITHMETIC_SYMBOLS).items()})
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        for t in range(cfg.vocab_size):
+            emb[t] = direction[cls[t]] + 0.1 * emb[t]
+        for layer in model.model.layers:
+            w = layer.mlp.gate.weight
+            w.copy_(ROUTER_SCALE * router + 0.01 * torch.randn(w.shape, generator=gen))
+    model.save_pretrained(where)
+    for f in where.iterdir():
+        f.chmod(0o644)
+    return where
+
+
+def _job(
+    name: str, ckpt: Path, model: Path, data: dict, steps: int, *, replan: bool, stats: bool
+) -> dict:
+    placement: dict = {"strategy": "TopologyAware", "dispatcher": "Dedup", "expertParallelSize": 2}
+    if replan:
+        placement["replan"] = {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN}
+    if stats:
+        placement["routingStatsFrom"] = {"jobName": "dr-ref"}
+    job = example(
+        "tiny-cpu.yaml",
+        metadata={"name": name},
+        nodes={"count": 2, "gpusPerNode": 1},
+        placement=placement,
+        checkpoint={"everySteps": EVERY, "volume": {"hostPath": {"path": str(ckpt)}}},
+        runPolicy={"backoffLimit": 0},
+        gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
+        data=data,
+        model={"path": "/model", "volume": {"hostPath": {"path": str(model)}}},
+    )
+    job["spec"]["training"].update(steps=steps)
+    assert job["spec"]["training"]["seqLen"] == SEQ_LEN
+    assert job["spec"]["training"]["globalBatch"] == GLOBAL_BATCH
+    return job
+
+
+def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(
+    kube, namespace, operator_proc, wait_for, tmp_path
+):
+    seed_topology(kube, namespace)
+    data, texts = domain_data(tmp_path / "data")
+    model = planted_model(tmp_path / "model", texts["prose"], texts["arithmetic"])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def diagnose(name: str) -> str:
+        st = get_job(kube, namespace, name).get("status") or {}
+        return f"{name}: {json.dumps(st, indent=1)[-4000:]}\n{operator_proc.logs()[-4000:]}"
+
+    def wait_finished(name: str) -> dict:
+        st = wait_for(
+            lambda: finished(kube, namespace, name),
+            timeout=2400,
+            interval=2,
+            message=f"{name} finished",
+        )
+        assert st["phase"] == "Succeeded", diagnose(name)
+        return st
+
+    apply_job(
+        kube, namespace, _job("dr-ref", ckpt, model, data["ref"], SWITCH, replan=False, stats=False)
+    )
+    wait_finished("dr-ref")
+    t0 = time.monotonic()
+    kinds = {"dr-a": ("drift", True), "dr-b": ("drift", False), "dr-steady": ("steady", True)}
+    made = {
+        name: apply_job(
+            kube, namespace, _job(name, ckpt, model, data[d], STEPS, replan=replan, stats=True)
+        )
+        for name, (d, replan) in kinds.items()
+    }
+    dirs = {n: ckpt / f"{n}-{m['metadata']['uid'][:8]}" for n, m in made.items()}
+
+    def replan_status():
+        return (get_job(kube, namespace, "dr-a").get("status") or {}).get("replan")
+
+    with ProgressLog(dirs, replan_status) as plog:
+        for name in made:
+            wait_finished(name)
+    seconds = time.monotonic() - t0
+
+    # ---- every job launched on the prose's placement -------------------------------------
+    plans = {
+        n: json.loads(kube.core.read_namespaced_config_map(f"{n}-plan", namespace).data[C.PLAN_KEY])
+        for n in JOBS
+    }
+    for n, plan in plans.items():
+        assert plan["placement"]["routingStatsFrom"]["job"] == "dr-ref", n
+        assert plan["training"]["data"]["order"] == "sequential", n
+        assert plan["placement"]["permutation"] == plans["dr-a"]["placement"]["permutation"], n
+
+    # ---- dr-a re-placed exactly once, after the domain changed -----------------------------
+    gen = placement_of(kube, namespace, "dr-a")
+    assert gen.generation == 1, diagnose("dr-a")
+    prog_a = progress_of(kube, namespace, "dr-a")
+    applied = prog_a["placement"]["appliedAtStep"]
+    assert prog_a["placement"]["generation"] == 1 and prog_a["step"] == STEPS
+
+    def history_applied():
+        st = get_job(kube, namespace, "dr-a").get("status") or {}
+        h = st.get("placementHistory") or []
+        return h and h[0].get("appliedAtStep") is not None and st
+
+    st = wait_for(history_applied, timeout=120, message="placementHistory appliedAtStep")
+    (h,) = st["placementHistory"]
+    assert h["appliedAtStep"] == applied and h["decidedAtStep"] == gen.decided_at_step
+    # decided on statistics of steps after the change (the window since the last checkpoint)
+    assert h["decidedAtStep"] > SWITCH, (h, plog.checks)
+    assert applied > h["decidedAtStep"] and applied % EVERY == 0 and applied < STEPS, h
+    before, after = h["predictedCrossGroupBytesBefore"], h["predictedCrossGroupBytesAfter"]
+    assert after < before, h
+    reasons = [e.reason for e in events_for(kube, namespace, "dr-a")]
+    assert reasons.count(C.R_PLACEMENT_UPDATED) == 1, reasons
+    # every check on the prose stayed
+    prose_checks = [c for c in plog.checks if c["checkedAtStep"] <= SWITCH]
+    assert prose_checks and all(c["decision"] == "Stay" for c in prose_checks), plog.checks
+
+    # ---- dr-steady checked and never re-placed; dr-b never checked -------------------------
+    st_s = get_job(kube, namespace, "dr-steady")["status"]
+    assert not st_s.get("placementHistory"), st_s
+    assert (st_s.get("replan") or {}).get("decision") == "Stay", st_s.get("replan")
+    assert st_s["replan"]["checkedAtStep"] > SWITCH, st_s["replan"]
+    assert C.R_PLACEMENT_UPDATED not in [e.reason for e in events_for(kube, namespace, "dr-steady")]
+    assert progress_of(kube, namespace, "dr-steady")["placement"].get("generation", 0) == 0
+    st_b = get_job(kube, namespace, "dr-b")["status"]
+    assert not st_b.get("placementHistory") and not st_b.get("replan"), st_b
+
+    # ---- the losses: a function-preserving switch ------------------------------------------
+    losses = {n: json.loads((d / "losses.json").read_text())["losses"] for n, d in dirs.items()}
+    la, lb = losses["dr-a"], losses["dr-b"]
+    assert len(la) == len(lb) == STEPS
+    assert la[:applied] == lb[:applied]  # the same placement, tokens and arithmetic before it
+    assert close(la, lb), (la, lb)
+    max_rel = max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(la, lb, strict=True))
+    # the same prose up to the switch (the last window of step SWITCH takes its label token from
+    # the next file: windows are seqLen + 1 tokens long), another domain after it
+    ls = losses["dr-steady"]
+    assert la[: SWITCH - 1] == ls[: SWITCH - 1] and la[SWITCH] != ls[SWITCH]
+
+    # ---- the bytes the trainers counted over the same steps after the switch ---------------
+    end = {n: progress_of(kube, namespace, n)["moe"]["allToAllBytesSinceStart"] for n in JOBS}
+    common = set(plog.by_step["dr-a"]) & set(plog.by_step["dr-b"])
+    at = max((s for s in common if s <= applied), default=None)
+    assert at is not None and at > SWITCH, (sorted(plog.by_step["dr-a"]), applied)
+    assert plog.cross_group("dr-a", at) == plog.cross_group("dr-b", at) > 0
+    counted = {
+        n: end[n]["byTier"]["crossGroup"] - plog.cross_group(n, at) for n in ("dr-a", "dr-b")
+    }
+    figures = {
+        "switchStep": SWITCH,
+        "countedCrossGroupBytesAfterSwitch": counted,
+        "countedFromStep": at,
+        "countedSteps": STEPS - at,
+        "countedAVsB": round(counted["dr-a"] / counted["dr-b"], 4),
+        "predictedCrossGroupBytesPerStep": {"before": before, "after": after},
+        "predictedAfterVsBefore": round(after / before, 4),
+        "countedPerStepOverPredicted": {
+            "dr-a": round(counted["dr-a"] / (STEPS - at) / after, 4),
+            "dr-b": round(counted["dr-b"] / (STEPS - at) / before, 4),
+        },
+        "decidedAtStep": h["decidedAtStep"],
+        "appliedAtStep": applied,
+        "switchSeconds": prog_a["placement"]["seconds"],
+        "lossMaxRelDiff": max_rel,
+        "losses": losses,
+        "replanChecksDrift": plog.checks,
+        "replanLastSteady": st_s["replan"],
+        "wallSeconds": round(seconds, 1),
+    }
+    print(json.dumps(figures, indent=1))
+    _write_results(figures)
+    assert counted["dr-a"] < counted["dr-b"], figures
+
+
+def _write_results(figures: dict) -> None:
+    dst = os.environ.get("MOE_REPLAN_DRIFT_RESULTS")
+    if not dst:
+        return
+    doc = {
+        "command": f"MOE_REPLAN_DRIFT_RESULTS={dst} python -m pytest -m cluster "
+        "tests/test_replan_drift_cluster.py",
+        "cpus": os.cpu_count(),
+        "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "setup": {
+            "model": "tiny-mixtral (8 experts, top-2, 4 layers) with planted domain-dependent "
+            "routing (planted_model), CPU, gloo",
+            "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
+            "data": f"Text, order Sequential: {DOMAIN_TOKENS} byte tokens of prose ({SWITCH} "
+            "steps), then "
+            "arithmetic (dr-a, dr-b) or more prose (dr-steady)",
+            "shape": f"seqLen {SEQ_LEN} x globalBatch {GLOBAL_BATCH}, learning rate 1e-3",
+            "steps": STEPS,
+            "checkpointEverySteps": EVERY,
+            "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},
+            "jobs": {
+                "dr-ref": f"the prose alone, {SWITCH} steps: routingStatsFrom of the others",
+                "dr-a": "prose then arithmetic, replan",
+                "dr-b": "prose then arithmetic, no replan",
+                "dr-steady": "prose then more prose, replan",
+            },
+        },
+        **figures,
+    }
+    Path(dst).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
