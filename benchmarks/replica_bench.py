@@ -21,7 +21,17 @@ as a ratio to dedup + contiguous (``counting_bound``: a token stays home only if
 there, so a group keeps at most the load of its most-loaded experts / K tokens). "joint sets"
 (25 % only): both groups' expert sets chosen together by a local search, as any home layout with
 those copies could hold them (``joint_sets``), to see what the fixed home layout costs.
-Threads pinned to 1.
+"exact optimum" (top-2 only, at 12, 25 and 50 %; ``exact_sets_optimum``): with 2 groups the dedup
+dispatcher's cross-group bytes are d_row x the stage-A rows, and a token sends one row iff one of
+its experts is not held in its own group, so the fewest rows *any* placement with
+``2 x (16 + copies per rank)`` distinct experts per group (every expert held somewhere, no load
+limit) can send on a window is T minus the optimum of a per-layer integer programme (which
+experts each group holds; which of its tokens' expert sets stay whole), solved exactly with HiGHS
+through ``scipy.optimize.milp`` (300 s per layer and window; the bound is the solver's dual bound,
+valid even if the limit stops it, and "proven" says it met the best layout found). It holds for
+every placement, even one fitted on those very tokens, so a held-out ratio above a target proves
+the target out of reach on that recording. Top-4/8 are left out: there the relaxation is too weak
+to bound anything within minutes. Threads pinned to 1.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from moe_contracts.dispatch import tier_bytes
 from moe_contracts.routing import read_routing_stats
@@ -50,6 +62,9 @@ HIDDEN_BYTES = 2048  # bytes of one hidden row (ratios do not depend on it)
 TARGETS = {2: ("dedup", 0.45), 4: ("dedup", 0.60), 8: ("autoep", 0.15)}  # at <= 25 % overhead
 LOAD_TARGET = 1.05
 JOINT_AT = 25  # overhead of the joint-sets reference (joint_sets)
+EXACT_AT = (12, 25, 50)  # overheads of the exact optimum (exact_sets_optimum), top-2 only
+EXACT_TOP_K = 2  # for top-4/8 the MILP's relaxation is too weak to prove anything in minutes
+EXACT_TIME_LIMIT = 300.0  # s per layer and window
 
 
 def topology() -> ClusterTopology:
@@ -96,6 +111,96 @@ def counting_bound(te: np.ndarray, P: int, group_size: int, per_group: int) -> i
             load = np.sort(np.bincount(mine.ravel(), minlength=int(te.max()) + 1))[::-1]
             rows += len(mine) - min(len(mine), int(load[:per_group].sum()) // K)
     return rows
+
+
+def exact_sets_optimum(
+    te: np.ndarray,
+    P: int,
+    group_size: int,
+    per_group: int,
+    time_limit: float,
+    num_experts: int | None = None,
+) -> dict:
+    """Fewest stage-A rows *any* placement holding at most ``per_group`` distinct experts per
+    NVLink group (and every expert somewhere) can send for ``te[L, T, K]``, tokens on EP rank
+    t % P, exactly 2 groups (``ValueError`` otherwise). With 2 groups a token sends one row iff one
+    of its experts is not in its own group, so per layer the fewest rows are ``T`` minus the
+    optimum of
+
+        max  sum_g sum_c w[g, c] z[g, c]   (c: distinct expert sets of group g's tokens, w: count)
+        s.t. z[g, c] <= x[g, e] for e in c;  sum_e x[g, e] <= per_group;  x[0, e] + x[1, e] >= 1;
+             x binary, 0 <= z <= 1
+
+    solved with HiGHS (``scipy.optimize.milp``, at most ``time_limit`` s per layer). ``lowerRows``
+    is ``T`` minus the solver's dual bound (rounded up: the objective is integral), valid even when
+    the time limit stops the search; ``bestRows`` is the best layout found; ``proven``: the two
+    meet on every layer. Useful for top-2: for top-4/8 the LP relaxation is too weak to say anything
+    within minutes (on a top-4 layer the dual bound stayed far below the best layout found)."""
+    L, T, K = te.shape
+    if P % group_size or P // group_size != 2:
+        raise ValueError(f"exact_sets_optimum needs exactly 2 groups, got {P} ranks / {group_size}")
+    E = int(num_experts if num_experts is not None else te.max() + 1)
+    src_group = (np.arange(T) % P) // group_size
+    lower = best = 0
+    proven = True
+    t0 = time.perf_counter()
+    for layer in range(L):
+        classes = [
+            np.unique(np.sort(te[layer][src_group == g], axis=1), axis=0, return_counts=True)
+            for g in (0, 1)
+        ]
+        nz = sum(len(w) for _, w in classes)
+        n = 2 * E + nz
+        cost = np.zeros(n)
+        rows, cols, vals = [], [], []
+        r = off = 0
+        for g, (sets, w) in enumerate(classes):
+            m = len(w)
+            cost[2 * E + off : 2 * E + off + m] = -w
+            ri = r + np.arange(m * K)  # z[g, c] - x[g, e] <= 0, one row per (c, e)
+            rows += [ri, ri]
+            cols += [2 * E + off + np.repeat(np.arange(m), K), g * E + sets.ravel()]
+            vals += [np.ones(m * K), -np.ones(m * K)]
+            r += m * K
+            off += m
+        lb = [np.full(r, -np.inf)]
+        ub = [np.zeros(r)]
+        for g in (0, 1):  # at most per_group experts in group g
+            rows.append(np.full(E, r))
+            cols.append(g * E + np.arange(E))
+            vals.append(np.ones(E))
+            lb.append([-np.inf])
+            ub.append([per_group])
+            r += 1
+        rows += [r + np.arange(E)] * 2  # every expert has a holder
+        cols += [np.arange(E), E + np.arange(E)]
+        vals += [np.ones(E)] * 2
+        lb.append(np.ones(E))
+        ub.append(np.full(E, np.inf))
+        r += E
+        A = sp.csr_matrix(
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(r, n)
+        )
+        res = milp(
+            cost,
+            constraints=LinearConstraint(A, np.concatenate(lb), np.concatenate(ub)),
+            integrality=np.r_[np.ones(2 * E), np.zeros(nz)],
+            bounds=Bounds(0, 1),
+            options={"time_limit": time_limit, "mip_rel_gap": 0},
+        )
+        if res.mip_dual_bound is None or res.fun is None:
+            raise RuntimeError(f"layer {layer}: HiGHS gave no bound ({res.message})")
+        low = int(np.ceil(T + res.mip_dual_bound - 1e-6 * max(1.0, abs(res.mip_dual_bound))))
+        found = round(T + res.fun)
+        lower += low
+        best += found
+        proven = proven and found == low
+    return {
+        "lowerRows": lower,
+        "bestRows": best,
+        "proven": proven,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def joint_sets(fit_te: np.ndarray, test_te: np.ndarray, layers, P: int, base_rows: dict) -> dict:
@@ -196,6 +301,26 @@ def run_pair(fit_path: str, test_path: str) -> dict:
             rows.append(row)
             if home == HOMES[1] and pct == JOINT_AT:
                 joint = joint_sets(fit.token_experts, test.token_experts, layers, P, base_rows)
+    exact = []
+    if fit.top_k == EXACT_TOP_K:
+        for pct in EXACT_AT:
+            per_group = 2 * (n + replicas.copy_slots(n, pct))
+            entry: dict = {"overheadPercent": pct, "expertsPerGroup": per_group}
+            for w, te in windows.items():
+                opt = exact_sets_optimum(
+                    te, P, 2, per_group, EXACT_TIME_LIMIT, num_experts=fit.num_experts
+                )
+                entry[w] = {
+                    "vsDedupContiguous": round(opt["lowerRows"] / base_rows[w], 4),
+                    "bestFoundVsDedupContiguous": round(opt["bestRows"] / base_rows[w], 4),
+                    "lowerRows": opt["lowerRows"],
+                    "bestRows": opt["bestRows"],
+                    "dedupContiguousRows": int(base_rows[w]),
+                    "proven": opt["proven"],
+                    "seconds": opt["seconds"],
+                }
+            entry["proven"] = all(entry[w]["proven"] for w in windows)
+            exact.append(entry)
     return {
         "fit": Path(fit_path).name,
         "test": Path(test_path).name,
@@ -207,12 +332,15 @@ def run_pair(fit_path: str, test_path: str) -> dict:
         "baseline": base,
         "rows": rows,
         "jointSetsReference": {"overheadPercent": JOINT_AT, "vsDedupContiguous": joint},
-        "targets": _targets(fit.top_k, rows),
+        "exactOptimum": exact,
+        "targets": _targets(fit.top_k, rows, exact),
     }
 
 
-def _targets(top_k: int, rows: list[dict]) -> dict:
-    """The issue's targets at <= 25 % overhead (topology_aware home), held out."""
+def _targets(top_k: int, rows: list[dict], exact: list[dict]) -> dict:
+    """The issue's targets at <= 25 % overhead (topology_aware home), held out; with the exact
+    optimum of any placement at the largest such overhead (fewer experts per group only raise it)
+    where it was computed."""
     if top_k not in TARGETS:
         return {}
     against, limit = TARGETS[top_k]
@@ -222,7 +350,7 @@ def _targets(top_k: int, rows: list[dict]) -> dict:
         key=lambda r: r["heldOut"][key],
     )
     got = best["heldOut"]
-    return {
+    out = {
         "against": key,
         "target": limit,
         "heldOut": got[key],
@@ -231,6 +359,17 @@ def _targets(top_k: int, rows: list[dict]) -> dict:
         "loadMaxOverMean": got["loadMaxOverMean"],
         "loadMet": got["loadMaxOverMean"] <= LOAD_TARGET,
     }
+    at = [e for e in exact if e["overheadPercent"] <= 25]
+    if at and against == "dedup":
+        e = max(at, key=lambda e: e["overheadPercent"])
+        out["exactOptimum"] = {
+            "overheadPercent": e["overheadPercent"],
+            "expertsPerGroup": e["expertsPerGroup"],
+            "heldOut": e["heldOut"]["vsDedupContiguous"],
+            "proven": e["heldOut"]["proven"],
+            "reachable": e["heldOut"]["vsDedupContiguous"] <= limit,
+        }
+    return out
 
 
 def markdown(result: dict) -> str:
@@ -274,17 +413,49 @@ def markdown(result: dict) -> str:
                 f"{j['vsDedupContiguous']['heldOut']:.3f} held out."
             ),
         ]
-        t = pair["targets"]
-        if t:
+        for e in pair.get("exactOptimum", []):
+            i, h = e["inSample"], e["heldOut"]
+            state = (
+                "proven optimal"
+                if e["proven"]
+                else (
+                    "time limit hit: a lower bound; best found "
+                    f"{i['bestFoundVsDedupContiguous']:.4f} / {h['bestFoundVsDedupContiguous']:.4f}"
+                )
+            )
             lines += [
                 "",
                 (
-                    f"Target ({t['against']} <= {t['target']} held out at <= 25 % overhead): "
-                    f"{t['heldOut']:.3f} at {t['overheadPercent']}% -> "
-                    f"{'met' if t['met'] else 'not met'}; load {t['loadMaxOverMean']:.3f} "
-                    f"({'met' if t['loadMet'] else 'not met'} <= {LOAD_TARGET})."
+                    f"Exact optimum of any placement with {e['expertsPerGroup']} experts per group "
+                    f"(no load limit, HiGHS MILP) at {e['overheadPercent']}%: vs dedup+contiguous "
+                    f"{i['vsDedupContiguous']:.4f} in sample ({i['lowerRows']} of "
+                    f"{i['dedupContiguousRows']} rows), {h['vsDedupContiguous']:.4f} held out "
+                    f"({h['lowerRows']} of {h['dedupContiguousRows']} rows); {state}, "
+                    f"{i['seconds'] + h['seconds']:.0f} s."
                 ),
             ]
+        t = pair["targets"]
+        if t:
+            line = (
+                f"Target ({t['against']} <= {t['target']} held out at <= 25 % overhead): "
+                f"{t['heldOut']:.3f} at {t['overheadPercent']}% -> "
+                f"{'met' if t['met'] else 'not met'}; load {t['loadMaxOverMean']:.3f} "
+                f"({'met' if t['loadMet'] else 'not met'} <= {LOAD_TARGET})."
+            )
+            x = t.get("exactOptimum")
+            if x:
+                line += (
+                    f" Exact optimum of any placement with {x['expertsPerGroup']} experts per "
+                    f"group on the held-out tokens: {x['heldOut']:.4f} -> "
+                    + (
+                        "the target is below it: no placement reaches it."
+                        if not x["reachable"]
+                        else "some placement reaches the target."
+                        if x["proven"]
+                        else "a lower bound only (time limit hit): the target is not ruled out."
+                    )
+                )
+            lines += ["", line]
     return "\n".join(lines) + "\n"
 
 
