@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -80,3 +81,78 @@ def close(a: list[float], b: list[float]) -> bool:
     if len(a) != len(b):
         return False
     return all(abs(x - y) <= REL * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def applied_switch(kube, namespace, wait_for, name: str) -> dict:
+    """Job ``name``'s one ``status.placementHistory`` entry, once it records ``appliedAtStep``."""
+
+    def history_applied():
+        st = get_job(kube, namespace, name).get("status") or {}
+        h = st.get("placementHistory") or []
+        return h and h[0].get("appliedAtStep") is not None and st
+
+    st = wait_for(history_applied, timeout=120, message="placementHistory appliedAtStep")
+    (h,) = st["placementHistory"]
+    return h
+
+
+def losses_of(dirs: dict[str, Path]) -> dict[str, list[float]]:
+    """Each job's per-step losses, as its rank 0 wrote them into its checkpoint directory."""
+    return {n: json.loads((d / "losses.json").read_text())["losses"] for n, d in dirs.items()}
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
+def counted_after_switch(
+    plog: ProgressLog, end: dict[str, dict], switched: str, stayed: str, applied: int
+) -> tuple[int, dict[str, int]]:
+    """``(at, counted)``: the last step at or before ``applied`` both jobs' progress was seen at,
+    and each job's cross-group bytes counted after it (``end``: each job's last
+    ``allToAllBytesSinceStart``). Up to the switch both ran the same placement on the same
+    tokens: the same bytes."""
+    common = set(plog.by_step[switched]) & set(plog.by_step[stayed])
+    at = max((s for s in common if s <= applied), default=None)
+    assert at is not None, (sorted(plog.by_step[switched]), sorted(plog.by_step[stayed]), applied)
+    assert plog.cross_group(switched, at) == plog.cross_group(stayed, at) > 0
+    counted = {
+        n: end[n]["byTier"]["crossGroup"] - plog.cross_group(n, at) for n in (switched, stayed)
+    }
+    return at, counted
+
+
+def switch_figures(
+    counted: dict[str, int], at: int, steps: int, before: float, after: float, a: str, b: str
+) -> dict:
+    """The bytes figures of a switched job ``a`` against ``b`` that stayed, after step ``at``:
+    counted (and their ratio), predicted (before / after), and counted per step over the
+    prediction (``a``: the candidate's, ``b``: the running placement's; counted on later steps'
+    tokens than the window the prediction was made on)."""
+    return {
+        "countedCrossGroupBytesAfterSwitch": counted,
+        "countedFromStep": at,
+        "countedSteps": steps - at,
+        "countedAVsB": round(counted[a] / counted[b], 4) if counted[b] else None,
+        "predictedCrossGroupBytesPerStep": {"before": before, "after": after},
+        "predictedAfterVsBefore": round(after / before, 4),
+        "countedPerStepOverPredicted": {
+            a: round(counted[a] / (steps - at) / after, 4),
+            b: round(counted[b] / (steps - at) / before, 4),
+        },
+    }
+
+
+def write_results(env_var: str, test_file: str, setup: dict, figures: dict) -> None:
+    """With ``$env_var`` set: the measured figures, the command and the setup, into that file."""
+    dst = os.environ.get(env_var)
+    if not dst:
+        return
+    doc = {
+        "command": f"{env_var}={dst} python -m pytest -m cluster {test_file}",
+        "cpus": os.cpu_count(),
+        "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "setup": setup,
+        **figures,
+    }
+    Path(dst).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")

@@ -38,7 +38,6 @@ With ``MOE_REPLAN_DRIFT_RESULTS=<path>`` the measured figures are written there
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -47,7 +46,19 @@ import pytest
 
 from moejob_operator import constants as C
 from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
-from replan_cluster_util import ProgressLog, close, finished, placement_of, progress_of
+from replan_cluster_util import (
+    ProgressLog,
+    applied_switch,
+    close,
+    counted_after_switch,
+    finished,
+    losses_of,
+    max_rel_diff,
+    placement_of,
+    progress_of,
+    switch_figures,
+    write_results,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -247,13 +258,7 @@ def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(
     applied = prog_a["placement"]["appliedAtStep"]
     assert prog_a["placement"]["generation"] == 1 and prog_a["step"] == STEPS
 
-    def history_applied():
-        st = get_job(kube, namespace, "dr-a").get("status") or {}
-        h = st.get("placementHistory") or []
-        return h and h[0].get("appliedAtStep") is not None and st
-
-    st = wait_for(history_applied, timeout=120, message="placementHistory appliedAtStep")
-    (h,) = st["placementHistory"]
+    h = applied_switch(kube, namespace, wait_for, "dr-a")
     assert h["appliedAtStep"] == applied and h["decidedAtStep"] == gen.decided_at_step
     # decided on statistics of steps after the change (the window since the last checkpoint)
     assert h["decidedAtStep"] > SWITCH, (h, plog.checks)
@@ -277,12 +282,12 @@ def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(
     assert not st_b.get("placementHistory") and not st_b.get("replan"), st_b
 
     # ---- the losses: a function-preserving switch ------------------------------------------
-    losses = {n: json.loads((d / "losses.json").read_text())["losses"] for n, d in dirs.items()}
+    losses = losses_of(dirs)
     la, lb = losses["dr-a"], losses["dr-b"]
     assert len(la) == len(lb) == STEPS
     assert la[:applied] == lb[:applied]  # the same placement, tokens and arithmetic before it
     assert close(la, lb), (la, lb)
-    max_rel = max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(la, lb, strict=True))
+    max_rel = max_rel_diff(la, lb)
     # the same prose up to the switch (the last window of step SWITCH takes its label token from
     # the next file: windows are seqLen + 1 tokens long), another domain after it
     ls = losses["dr-steady"]
@@ -290,25 +295,11 @@ def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(
 
     # ---- the bytes the trainers counted over the same steps after the switch ---------------
     end = {n: progress_of(kube, namespace, n)["moe"]["allToAllBytesSinceStart"] for n in JOBS}
-    common = set(plog.by_step["dr-a"]) & set(plog.by_step["dr-b"])
-    at = max((s for s in common if s <= applied), default=None)
-    assert at is not None and at > SWITCH, (sorted(plog.by_step["dr-a"]), applied)
-    assert plog.cross_group("dr-a", at) == plog.cross_group("dr-b", at) > 0
-    counted = {
-        n: end[n]["byTier"]["crossGroup"] - plog.cross_group(n, at) for n in ("dr-a", "dr-b")
-    }
+    at, counted = counted_after_switch(plog, end, "dr-a", "dr-b", applied)
+    assert at > SWITCH, (sorted(plog.by_step["dr-a"]), applied)
     figures = {
         "switchStep": SWITCH,
-        "countedCrossGroupBytesAfterSwitch": counted,
-        "countedFromStep": at,
-        "countedSteps": STEPS - at,
-        "countedAVsB": round(counted["dr-a"] / counted["dr-b"], 4),
-        "predictedCrossGroupBytesPerStep": {"before": before, "after": after},
-        "predictedAfterVsBefore": round(after / before, 4),
-        "countedPerStepOverPredicted": {
-            "dr-a": round(counted["dr-a"] / (STEPS - at) / after, 4),
-            "dr-b": round(counted["dr-b"] / (STEPS - at) / before, 4),
-        },
+        **switch_figures(counted, at, STEPS, before, after, "dr-a", "dr-b"),
         "decidedAtStep": h["decidedAtStep"],
         "appliedAtStep": applied,
         "switchSeconds": prog_a["placement"]["seconds"],
@@ -324,32 +315,22 @@ def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(
 
 
 def _write_results(figures: dict) -> None:
-    dst = os.environ.get("MOE_REPLAN_DRIFT_RESULTS")
-    if not dst:
-        return
-    doc = {
-        "command": f"MOE_REPLAN_DRIFT_RESULTS={dst} python -m pytest -m cluster "
-        "tests/test_replan_drift_cluster.py",
-        "cpus": os.cpu_count(),
-        "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "setup": {
-            "model": "tiny-mixtral (8 experts, top-2, 4 layers) with planted domain-dependent "
-            "routing (planted_model), CPU, gloo",
-            "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
-            "data": f"Text, order Sequential: {DOMAIN_TOKENS} byte tokens of prose ({SWITCH} "
-            "steps), then "
-            "arithmetic (dr-a, dr-b) or more prose (dr-steady)",
-            "shape": f"seqLen {SEQ_LEN} x globalBatch {GLOBAL_BATCH}, learning rate 1e-3",
-            "steps": STEPS,
-            "checkpointEverySteps": EVERY,
-            "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},
-            "jobs": {
-                "dr-ref": f"the prose alone, {SWITCH} steps: routingStatsFrom of the others",
-                "dr-a": "prose then arithmetic, replan",
-                "dr-b": "prose then arithmetic, no replan",
-                "dr-steady": "prose then more prose, replan",
-            },
+    setup = {
+        "model": "tiny-mixtral (8 experts, top-2, 4 layers) with planted domain-dependent "
+        "routing (planted_model), CPU, gloo",
+        "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
+        "data": f"Text, order Sequential: {DOMAIN_TOKENS} byte tokens of prose ({SWITCH} "
+        "steps), then "
+        "arithmetic (dr-a, dr-b) or more prose (dr-steady)",
+        "shape": f"seqLen {SEQ_LEN} x globalBatch {GLOBAL_BATCH}, learning rate 1e-3",
+        "steps": STEPS,
+        "checkpointEverySteps": EVERY,
+        "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},
+        "jobs": {
+            "dr-ref": f"the prose alone, {SWITCH} steps: routingStatsFrom of the others",
+            "dr-a": "prose then arithmetic, replan",
+            "dr-b": "prose then arithmetic, no replan",
+            "dr-steady": "prose then more prose, replan",
         },
-        **figures,
     }
-    Path(dst).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_results("MOE_REPLAN_DRIFT_RESULTS", "tests/test_replan_drift_cluster.py", setup, figures)

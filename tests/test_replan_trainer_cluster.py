@@ -22,16 +22,26 @@ With ``MOE_REPLAN_RESULTS=<path>`` the measured figures are written there
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 
 import pytest
 
 from moe_localkube import demo_loop
 from moejob_operator import constants as C
 from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
-from replan_cluster_util import ProgressLog, close, finished, placement_of, progress_of
+from replan_cluster_util import (
+    ProgressLog,
+    applied_switch,
+    close,
+    counted_after_switch,
+    finished,
+    losses_of,
+    max_rel_diff,
+    placement_of,
+    progress_of,
+    switch_figures,
+    write_results,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -104,13 +114,7 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     assert prog_a["placement"]["generation"] == 1 and prog_a["placement"]["message"] == ""
     assert prog_a["step"] == STEPS
 
-    def history_applied():
-        st = get_job(kube, namespace, "rp-a").get("status") or {}
-        h = st.get("placementHistory") or []
-        return h and h[0].get("appliedAtStep") is not None and st
-
-    st = wait_for(history_applied, timeout=120, message="placementHistory appliedAtStep")
-    (h,) = st["placementHistory"]
+    h = applied_switch(kube, namespace, wait_for, "rp-a")
     assert h["generation"] == 1 and h["decidedAtStep"] == gen.decided_at_step
     assert h["appliedAtStep"] == applied
     assert applied > h["decidedAtStep"] and applied % EVERY == 0 and applied < STEPS, h
@@ -131,38 +135,21 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
         assert getattr(exc, "status", None) == 404, exc
 
     # ---- 2. the losses: a function preserving switch ---------------------------------------
-    losses = {n: json.loads((d / "losses.json").read_text())["losses"] for n, d in dirs.items()}
+    losses = losses_of(dirs)
     la, lb = losses["rp-a"], losses["rp-b"]
     assert len(la) == len(lb) == STEPS
     assert la[:applied] == lb[:applied]  # the same placement, tokens and arithmetic before it
     assert close(la, lb), (la, lb)
-    max_rel = max(abs(x - y) / max(abs(x), abs(y)) for x, y in zip(la, lb, strict=True))
+    max_rel = max_rel_diff(la, lb)
 
     # ---- 3. the bytes the trainers counted over the same steps after the switch ------------
     end = {n: p["moe"]["allToAllBytesSinceStart"] for n, p in (("rp-a", prog_a), ("rp-b", prog_b))}
     assert end["rp-a"]["steps"] == end["rp-b"]["steps"] == STEPS
-    common = set(plog.by_step["rp-a"]) & set(plog.by_step["rp-b"])
-    at = max((s for s in common if s <= applied), default=None)
-    assert at is not None, (sorted(plog.by_step["rp-a"]), sorted(plog.by_step["rp-b"]))
-    # up to the switch both ran the same placement on the same tokens: the same bytes
-    assert plog.cross_group("rp-a", at) == plog.cross_group("rp-b", at) > 0
-    counted = {n: end[n]["byTier"]["crossGroup"] - plog.cross_group(n, at) for n in end}
+    at, counted = counted_after_switch(plog, end, "rp-a", "rp-b", applied)
     figures = {
-        "countedCrossGroupBytesAfterSwitch": counted,
-        "countedFromStep": at,
-        "countedSteps": STEPS - at,
-        "countedAVsB": round(counted["rp-a"] / counted["rp-b"], 4) if counted["rp-b"] else None,
+        **switch_figures(counted, at, STEPS, before, after, "rp-a", "rp-b"),
         "countedCrossGroupBytesPerStepAfterSwitch": {
             n: round(c / (STEPS - at)) for n, c in counted.items()
-        },
-        "predictedCrossGroupBytesPerStep": {"before": before, "after": after},
-        "predictedAfterVsBefore": round(after / before, 4),
-        # predictions are in the counters' measure (core.replan): the counted bytes per step after
-        # the switch over the prediction (A: the candidate's, B: the running placement's), on
-        # later steps' tokens than the window the prediction was made on
-        "countedPerStepOverPredicted": {
-            "rp-a": round(counted["rp-a"] / (STEPS - at) / after, 4),
-            "rp-b": round(counted["rp-b"] / (STEPS - at) / before, 4),
         },
         "decidedAtStep": h["decidedAtStep"],
         "appliedAtStep": applied,
@@ -179,24 +166,14 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
 
 
 def _write_results(figures: dict) -> None:
-    dst = os.environ.get("MOE_REPLAN_RESULTS")
-    if not dst:
-        return
-    doc = {
-        "command": f"MOE_REPLAN_RESULTS={dst} python -m pytest -m cluster "
-        "tests/test_replan_trainer_cluster.py",
-        "cpus": os.cpu_count(),
-        "measuredAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "setup": {
-            "model": "tiny-mixtral (8 experts, top-2, 4 layers), CPU, gloo",
-            "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
-            "data": "Text (the demo's corpus, moe_localkube.demo_loop.text_data)",
-            "learningRate": LR,
-            "steps": STEPS,
-            "checkpointEverySteps": EVERY,
-            "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},
-            "jobs": {"rp-a": "replan, no routingStatsFrom", "rp-b": "the same without replan"},
-        },
-        **figures,
+    setup = {
+        "model": "tiny-mixtral (8 experts, top-2, 4 layers), CPU, gloo",
+        "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
+        "data": "Text (the demo's corpus, moe_localkube.demo_loop.text_data)",
+        "learningRate": LR,
+        "steps": STEPS,
+        "checkpointEverySteps": EVERY,
+        "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},
+        "jobs": {"rp-a": "replan, no routingStatsFrom", "rp-b": "the same without replan"},
     }
-    Path(dst).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    write_results("MOE_REPLAN_RESULTS", "tests/test_replan_trainer_cluster.py", setup, figures)
