@@ -2,10 +2,15 @@
 and REAL multi-rank CPU trainers (DeepSpeed ZeRO-3 + AutoEP on gloo, the de-duplicating
 dispatcher, 2 node ranks = 2 NVLink groups, EP 2).
 
-Two jobs on the same text (the demo's corpus: random tokens route without structure) and seed,
-applied together: job A with ``placement.replan`` and no ``routingStatsFrom`` (its launch plan is
-made on no statistics: the first re-plan replaces that guess with the run's own routing), job B
-the same without ``replan``. What a user would notice:
+The user's story: a team fine-tunes its pretrained MoE with no earlier run's routing statistics.
+The launch plan is made on none (the contiguous layout); the job's own routing is known after
+its first checkpoints, and the operator re-places to fit it. The model is tests/planted_routing.py's
+(a pretrained MoE's routers have learned structure; a random init's route without it, and a
+re-fit there wins nothing but noise), trained on its arithmetic text, whose expert pairs the
+contiguous layout splits in half of the cases.
+
+Two jobs on the same data and seed, applied together: job A with ``placement.replan`` and no
+``routingStatsFrom``, job B the same without ``replan``. What a user would notice:
 
 - A switches exactly once: ``<job>-placement`` generation 1, one ``PlacementUpdated`` Event,
   ``status.placementHistory`` with the decision's step, the checkpoint step the trainer applied it
@@ -23,12 +28,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
-from moe_localkube import demo_loop
 from moejob_operator import constants as C
 from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
+from planted_routing import arithmetic_text, planted_model, prose_text
 from replan_cluster_util import (
     ProgressLog,
     applied_switch,
@@ -43,22 +49,17 @@ from replan_cluster_util import (
     write_results,
 )
 
-# Quarantined (issue 33, closing note of 2026-12-07): the re-plan decision's per-layer take
-# records an in-sample "after" that later 4-step windows exceed, so a second switch can follow
-# the first (generation 2); seen in 2 of 3 fresh-clone CI runs. Runs, and reports XPASS/XFAIL,
-# until the decision is fixed; then drop this mark.
-FLAKY = pytest.mark.xfail(
-    reason="re-plan decision can switch twice on 4-step window noise (issue 33)", strict=False
-)
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, FLAKY]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 operator_proc = module_operator("operator-replan-trainer")
 STEPS, EVERY = 32, 4
-MIN_GAIN = 5
-LR = "1e-2"
+# on a recording of this test the first checks predicted 17.1 %, 32.8 % and 18.8 % held out, the
+# largest check after the switch 8.9 % (the model's deeper layers keep learning the arithmetic)
+MIN_GAIN = 15
+SEQ_LEN, GLOBAL_BATCH = 64, 4  # examples/tiny-cpu.yaml
 
 
-def _job(name: str, tmp_path, data: dict, *, replan: bool) -> dict:
+def _job(name: str, tmp_path, model: Path, data: dict, *, replan: bool) -> dict:
     placement = {"strategy": "TopologyAware", "dispatcher": "Dedup", "expertParallelSize": 2}
     if replan:
         placement["replan"] = {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN}
@@ -70,23 +71,34 @@ def _job(name: str, tmp_path, data: dict, *, replan: bool) -> dict:
         checkpoint={"everySteps": EVERY, "volume": {"hostPath": {"path": str(tmp_path)}}},
         runPolicy={"backoffLimit": 0},
         gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
+        data=data,
+        model={"path": "/model", "volume": {"hostPath": {"path": str(model)}}},
     )
-    # a router that learns quickly: its routing on text moves away from the launch's uniform
-    # guess within the first checkpoint interval (at 1e-3 the predicted gain stayed near 1%
-    # until step 24 of 32, leaving one interval after the switch)
-    job["spec"]["training"].update(steps=STEPS, learningRate=LR)
-    job["spec"]["data"] = data
+    job["spec"]["training"].update(steps=STEPS)
+    assert job["spec"]["training"]["seqLen"] == SEQ_LEN
+    assert job["spec"]["training"]["globalBatch"] == GLOBAL_BATCH
     return job
+
+
+def _data(root: Path) -> tuple[dict, Path]:
+    """``spec.data`` (the arithmetic text, enough for the run) and the planted model."""
+    n = STEPS * GLOBAL_BATCH * (SEQ_LEN + 1)
+    arithmetic = arithmetic_text(n)
+    d = root / "data"
+    d.mkdir(parents=True)
+    (d / "arithmetic.txt").write_text(arithmetic)
+    model = planted_model(root / "model", prose_text(4 * n), arithmetic)
+    return {"kind": "Text", "path": "/data", "volume": {"hostPath": {"path": str(d)}}}, model
 
 
 def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     kube, namespace, operator_proc, wait_for, tmp_path
 ):
     seed_topology(kube, namespace)
-    data = demo_loop.text_data(tmp_path / "data")  # real text: random tokens route uniformly
+    data, model = _data(tmp_path)
     t0 = time.monotonic()
     made = {
-        name: apply_job(kube, namespace, _job(name, tmp_path, data, replan=replan))
+        name: apply_job(kube, namespace, _job(name, tmp_path, model, data, replan=replan))
         for name, replan in (("rp-a", True), ("rp-b", False))
     }
     dirs = {n: tmp_path / f"{n}-{m['metadata']['uid'][:8]}" for n, m in made.items()}
@@ -174,10 +186,11 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
 
 def _write_results(figures: dict) -> None:
     setup = {
-        "model": "tiny-mixtral (8 experts, top-2, 4 layers), CPU, gloo",
+        "model": "tiny-mixtral (8 experts, top-2, 4 layers) with planted domain-dependent "
+        "routing (tests/planted_routing.py), CPU, gloo",
         "nodes": "2 node ranks x 1 rank (2 NVLink groups), EP 2, dispatcher dedup",
-        "data": "Text (the demo's corpus, moe_localkube.demo_loop.text_data)",
-        "learningRate": LR,
+        "data": "Text: arithmetic (tests/planted_routing.py arithmetic_text)",
+        "shape": f"seqLen {SEQ_LEN} x globalBatch {GLOBAL_BATCH}, learning rate 1e-3",
         "steps": STEPS,
         "checkpointEverySteps": EVERY,
         "replan": {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN},

@@ -24,6 +24,14 @@ to the plan's tolerance would then have to spread them and send more than stayin
 the solver's layout only in the layers where that sends less than the running one: a switch never
 predicts more bytes in any layer.
 
+The saving predicted is held out: with a token sample of two halves of ``MIN_FOLD_TOKENS`` or
+more (:func:`folds`: odd and even steps), the solver also fits each half and the saving is the
+mean of what each fit saves over the running layout on the OTHER half, per layer; a layer is
+taken only where that is positive. On the tokens it was fitted on, a heuristic's layout looks
+better than it is, and on a short window that gap alone can clear the threshold; the ``after``
+recorded is also the next decision's baseline (below), which an in-sample figure would set too
+low.
+
 The solver is a heuristic: on other tokens of the same routing it can land on a layout that is
 some percent better (or worse) than the one it found before, which is not drift. So the gain that
 counts is capped by the drift: ``baseline`` is what the running placement was predicted to cost
@@ -54,12 +62,13 @@ from moe_contracts.dispatch import dedup_row_bytes
 from moe_contracts.plan import MoEPlan, RankSpec
 from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats, window_stats
 
-from . import cost, dispatch, router_groups
+from . import cost, dispatch, router_groups, routing
 from .models import spec_from_hf_config
 from .placement import LOAD_TOLERANCE, Placement, strategies, tolerance_to_keep
 from .topology import ClusterTopology
 
 WINDOW_KEY = "window"  # RoutingStats: the statistics since the previous checkpoint (optional)
+MIN_FOLD_TOKENS = 64  # fewer sampled tokens in a half: the saving is estimated in sample
 HISTORY_LIMIT = 20  # status.placementHistory keeps the last this many switches
 SWITCH, STAY = "Switch", "Stay"
 
@@ -249,6 +258,96 @@ def _layer_cross_group(
     )
 
 
+def _solve(inp: ReplanInputs, stats: RoutingStats, tol: list[float]) -> Placement:
+    """The plan's solver on ``stats``. Raises ValueError (why, for the status) when it refuses
+    or lands on a rank order other than the running gang's."""
+    try:
+        cand = router_groups.solve(
+            inp.strategy,
+            inp.topology,
+            stats,
+            ep_size=inp.ep_size,
+            num_experts=inp.num_experts,
+            num_layers=inp.num_layers,
+            n_group=inp.n_group,
+            seed=inp.seed,
+            tol=tol,
+        )
+    except ValueError as exc:
+        raise ValueError(f"the solver refused: {exc}") from exc
+    if not np.array_equal(cand.rank2gpu, np.arange(inp.topology.num_gpus)):
+        raise ValueError("the solver's rank order differs from the running gang's")
+    return cand
+
+
+def _subset(stats: RoutingStats, idx: np.ndarray) -> RoutingStats:
+    """The statistics of the sampled tokens ``idx`` alone (counts recomputed from them)."""
+    te = stats.token_experts
+    assert te is not None
+    sub = te[:, idx]
+    load, coact = routing.count_routing(sub, stats.num_experts)
+    ts = None if stats.token_steps is None else stats.token_steps[idx]
+    steps = len(np.unique(ts)) if ts is not None else max(1, stats.steps // 2)
+    return RoutingStats(
+        stats.num_layers,
+        stats.num_experts,
+        stats.top_k,
+        len(idx),
+        load,
+        coact,
+        steps=steps,
+        source=stats.source,
+        model=stats.model,
+        token_experts=sub,
+        token_steps=ts,
+    )
+
+
+def folds(stats: RoutingStats) -> tuple[RoutingStats, RoutingStats, str] | None:
+    """Two halves of the statistics' token sample to fit on one and score on the other: odd and
+    even training steps when the sample records two steps or more (tokens of one step share
+    their sequences), else the sample's two halves (the trainer's sample is uniform in any
+    prefix). None without a sample, or with a half under ``MIN_FOLD_TOKENS``."""
+    te = stats.token_experts
+    if te is None:
+        return None
+    T = te.shape[1]
+    ts = stats.token_steps
+    if ts is not None and len(np.unique(ts)) >= 2:
+        first = ts % 2 == 1
+        how = "odd and even steps"
+    else:
+        first = np.arange(T) < T // 2
+        how = "the sample's halves"
+    a, b = np.nonzero(first)[0], np.nonzero(~first)[0]
+    if min(len(a), len(b)) < MIN_FOLD_TOKENS:
+        return None
+    return _subset(stats, a), _subset(stats, b), how
+
+
+def _held_out_saving(
+    inp: ReplanInputs, cur: np.ndarray, stats: RoutingStats, tol: list[float], scale: float
+) -> tuple[np.ndarray, str] | None:
+    """Per layer, the bytes per step a re-fit saves over ``cur`` on tokens it was not fitted on
+    (two-fold: fit on one half of the sample, score on the other, both ways, the mean), and the
+    basis for the status; None without two usable halves (:func:`folds`). On the tokens it was
+    fitted on a heuristic's layout looks better than it is, and a noisy short window makes that
+    look like drift."""
+    split = folds(stats)
+    if split is None:
+        return None
+    a, b, how = split
+    saved = []
+    for fit, score in ((a, b), (b, a)):
+        cand = _solve(inp, fit, tol)
+        saved.append(
+            _layer_cross_group(cur, inp, score, scale)
+            - _layer_cross_group(cand.permutation, inp, score, scale)
+        )
+    basis = f"saving held out: fitted and scored on {how}, {a.tokens} + {b.tokens} tokens"
+    return np.mean(saved, axis=0), basis
+
+
 def decide(
     inp: ReplanInputs,
     current: list[list[int]],
@@ -288,30 +387,23 @@ def decide(
     ]
     before_l = _layer_cross_group(cur, inp, stats, scale)
     try:
-        cand = router_groups.solve(
-            inp.strategy,
-            inp.topology,
-            stats,
-            ep_size=inp.ep_size,
-            num_experts=inp.num_experts,
-            num_layers=inp.num_layers,
-            n_group=inp.n_group,
-            seed=inp.seed,
-            tol=tol,
-        )
+        cand = _solve(inp, stats, tol)
+        held = _held_out_saving(inp, cur, stats, tol, scale)
     except ValueError as exc:
-        return _stay(stay, f"the solver refused: {exc}", float(before_l.sum()))
-    if not np.array_equal(cand.rank2gpu, np.arange(W)):
-        why = "the solver's rank order differs from the running gang's"
-        return _stay(stay, why, float(before_l.sum()))
+        return _stay(stay, str(exc), float(before_l.sum()))
     cand_l = _layer_cross_group(cand.permutation, inp, stats, scale)
-    take = cand_l < before_l  # per layer: the solver's layout only where it sends less
+    # per layer: the solver's layout only where it sends less on the window AND a re-fit saved
+    # bytes on tokens it was not fitted on; the saving predicted is the held-out one
+    saving = before_l - cand_l if held is None else held[0]
+    take = (cand_l < before_l) & (saving > 0)
     perm = np.where(take[:, None], cand.permutation, cur)
-    before, after = float(before_l.sum()), float(np.where(take, cand_l, before_l).sum())
+    before = float(before_l.sum())
+    after = before - float(saving[take].sum())
     credited = after if baseline is None else max(after, min(before, baseline))
     gain = 100 * (before - credited) / before if before > 0 else 0.0
+    basis = "in sample" if held is None else held[1]
     what = (
-        f"predicted cross-group bytes per step {round(before)} -> {round(after)}"
+        f"predicted cross-group bytes per step {round(before)} -> {round(after)} ({basis})"
         + (
             f", {gain:.1f}% less counted (the rise over {round(baseline)} predicted when the "
             "running placement was chosen)"
