@@ -71,7 +71,7 @@ EOF
     env "${env_update[@]}" NODE_RANK=0 NNODES=1 NPROC_PER_NODE="$gpus" WORLD_SIZE="$gpus" \
         MASTER_ADDR=127.0.0.1 MASTER_PORT=29519 \
         python3 -m moe_trainer.train --plan "$work/plan.json" --checkpoint-dir "$ck" \
-        > "$out/train-$run.log" 2>&1 || echo "moe-train ($run) exited $?" >> "$out/train-$run.log"
+        > "$out/train-$run.txt" 2>&1 || echo "moe-train ($run) exited $?" >> "$out/train-$run.txt"
     echo $(( SECONDS - t0 )) > "$work/wall-$run"
     cp "$ck/losses.json" "$work/losses-$run.json" 2>/dev/null || true
     cp "$ck/progress.json" "$work/progress-$run.json" 2>/dev/null || true
@@ -108,6 +108,13 @@ if la and lb and len(la["losses"]) == len(lb["losses"]) == int(steps):
         movingAverageMaxRelDiff=float(rel.max()),
         maxAbsStepDiff=float(np.abs(a - b).max()),
         maxRelStepDiffAfterSwitch=float((np.abs(a - b) / np.abs(b))[applied or 0 :].max()),
+        # the same placement, seed and data: on a GPU the runs differ before the switch too
+        # (non-deterministic kernels); this is the floor the figures after it compare against
+        maxRelStepDiffBeforeSwitch=float((np.abs(a - b) / np.abs(b))[: applied or 0].max(initial=0)),
+        meanRelStepDiff={
+            "beforeSwitch": float((np.abs(a - b) / np.abs(b))[: applied or 0].mean()),
+            "afterSwitch": float((np.abs(a - b) / np.abs(b))[applied or 0 :].mean()),
+        },
         lastTenMean={"switch": float(a[-10:].mean()), "stay": float(b[-10:].mean())},
         losses={"switch": la["losses"], "stay": lb["losses"]},
         tolerance=0.03,
