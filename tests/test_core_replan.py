@@ -297,6 +297,10 @@ def test_folds_split_by_step_else_by_halves():
     )
     assert how == "odd and even steps" and a.steps == b.steps == 2
     assert set(a.token_steps.tolist()) == {1, 3} and set(b.token_steps.tolist()) == {2, 4}
+    a, b, _ = replan.folds(  # steps of one parity only (a sparse sample): still alternate
+        RoutingStats(2, 8, 2, 400, st.load, st.coact, 4, token_experts=te, token_steps=2 * steps)
+    )
+    assert set(a.token_steps.tolist()) == {2, 6} and set(b.token_steps.tolist()) == {4, 8}
     small = _counted(te[:, : 2 * replan.MIN_FOLD_TOKENS - 1])
     assert replan.folds(small) is None
     assert replan.folds(RoutingStats(2, 8, 2, 400, st.load, st.coact, 4)) is None  # no sample

@@ -304,17 +304,18 @@ def _subset(stats: RoutingStats, idx: np.ndarray) -> RoutingStats:
 
 
 def folds(stats: RoutingStats) -> tuple[RoutingStats, RoutingStats, str] | None:
-    """Two halves of the statistics' token sample to fit on one and score on the other: odd and
-    even training steps when the sample records two steps or more (tokens of one step share
-    their sequences), else the sample's two halves (the trainer's sample is uniform in any
-    prefix). None without a sample, or with a half under ``MIN_FOLD_TOKENS``."""
+    """Two halves of the statistics' token sample to fit on one and score on the other:
+    alternate training steps (the 1st, 3rd, ... step the sample records, and the 2nd, 4th, ...)
+    when it records two steps or more (tokens of one step share their sequences), else the
+    sample's two halves (the trainer's sample is uniform in any prefix). None without a sample,
+    or with a half under ``MIN_FOLD_TOKENS``."""
     te = stats.token_experts
     if te is None:
         return None
     T = te.shape[1]
     ts = stats.token_steps
     if ts is not None and len(np.unique(ts)) >= 2:
-        first = ts % 2 == 1
+        first = np.unique(ts, return_inverse=True)[1] % 2 == 0
         how = "odd and even steps"
     else:
         first = np.arange(T) < T // 2
