@@ -28,21 +28,16 @@ prepare)
   py="$root/.venv/bin/python"
   kbin="$root/../shared/k8s/bin"
   [ -d "$kbin" ] || kbin="$root/../../shared/k8s/bin"
-  rm -rf "$pack"; mkdir -p "$pack/a" "$pack/a2" "$pack/b/wheels"
+  rm -rf "$pack/a" "$pack/a2" "$pack/b"; mkdir -p "$pack/a" "$pack/a2" "$pack/b/wheels"
   cp "$kbin"/kube-apiserver.xz "$pack/a/"
   cp "$kbin"/kube-controller-manager.xz "$pack/a2/"
   cp "$kbin"/kube-scheduler.xz "$kbin"/SHA256SUMS "$pack/b/"
   xz -T2 -9 -c "$(command -v etcd || echo /usr/bin/etcd)" > "$pack/a/etcd.xz"
   xz -T2 -9 -c "$(command -v openssl)" > "$pack/a/openssl.xz"   # used only where none exists
   w="$pack/b/wheels"
-  # what the GPU image (python 3.12, torch, transformers) lacks; versions from constraints.txt
-  pins=$(grep -iE '^(pydantic|pydantic_core|annotated-types|typing-inspection|typing_extensions|hjson|kopf|iso8601|python-json-logger|jsonpatch|jsonpointer|kubernetes|durationpy|oauthlib|requests-oauthlib|websocket-client|aiohttp-retry)==' "$root/constraints.txt")
-  # shellcheck disable=SC2086
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$w" $pins
-  DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$w" \
-      "$(grep -i '^deepspeed==' "$root/constraints.txt")"
+  # what the GPU image lacks (benchmarks/gpu_wheels.sh), with the operator's dependencies
+  "$root/benchmarks/gpu_wheels.sh" "$w" kopf iso8601 python-json-logger jsonpatch jsonpointer \
+      kubernetes durationpy oauthlib requests-oauthlib websocket-client aiohttp-retry
   "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$w" "$root" "$root/operator/dev"
   du -sh "$pack/a" "$pack/a2" "$pack/b"
   ;;

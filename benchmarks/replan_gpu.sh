@@ -24,15 +24,8 @@ pack="$root/.gpurun/replan"
 
 case "$cmd" in
 prepare)
-  py="$root/.venv/bin/python"
-  rm -rf "$pack"; mkdir -p "$pack"
-  pins=$(grep -iE '^(pydantic|pydantic_core|annotated-types|typing-inspection|typing_extensions|hjson)==' "$root/constraints.txt")
-  # shellcheck disable=SC2086
-  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d "$pack" $pins
-  DS_BUILD_OPS=0 "$py" -m pip wheel -q --no-deps --no-build-isolation -w "$pack" \
-      "$(grep -i '^deepspeed==' "$root/constraints.txt")"
+  rm -rf "$pack"
+  "$root/benchmarks/gpu_wheels.sh" "$pack"
   du -sh "$pack"
   ;;
 run)
