@@ -73,6 +73,29 @@ def test_the_final_document_survives_a_short_api_outage(tmp_path):
     assert pub.publish(doc()) is False and len(sent) == 4
 
 
+def test_a_prompt_document_skips_the_interval_without_retries(tmp_path):
+    """A checkpoint's fresh routing statistics reach the operator with the document that names
+    them, not an interval later; a failed prompt document is not retried (the next follows)."""
+    pub = progress.ConfigMapPublisher("job-progress", sa_dir=tmp_path, interval_s=3600)
+    answers = iter([True, False, True])
+    sent = []
+    pub.send = lambda body: sent.append(body) or next(answers)
+    assert pub.publish(doc()) is True and len(sent) == 1
+    assert pub.publish(doc()) is False and len(sent) == 1  # within the interval: not sent
+    assert pub.publish(doc(), prompt=True, sleep=lambda s: 1 / 0) is False and len(sent) == 2
+    assert pub.publish(doc(), prompt=True) is True and len(sent) == 3
+
+    # the document of a checkpoint that published routing statistics is prompt by itself
+    def with_stats(step, published):
+        return {**doc(), "routingStats": {"step": step, "published": published}}
+
+    answers = iter([True, True])
+    assert pub.publish(with_stats(3, True)) is True and len(sent) == 4  # doc() is at step 3
+    assert pub.publish(with_stats(2, True)) is False  # older statistics: no news
+    assert pub.publish(with_stats(3, False)) is False  # not published
+    assert len(sent) == 4
+
+
 def test_from_env_without_credentials(monkeypatch):
     monkeypatch.setenv("MOE_PROGRESS_CONFIGMAP", "x")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)

@@ -5,7 +5,8 @@ The document is the contract's (``moe_contracts.progress.progress_doc``).
   file       $MOE_CHECKPOINT_DIR/progress.json, rewritten atomically every step;
   ConfigMap  when MOE_PROGRESS_CONFIGMAP names one and the pod has in-cluster credentials, a
              merge-patch of key `progress.json` (:mod:`moe_trainer.kubeapi`), at most every
-             MOE_PROGRESS_INTERVAL_SECONDS (default 5) plus the final document; failures are
+             MOE_PROGRESS_INTERVAL_SECONDS (default 5) plus the final document and the
+             document of a checkpoint that published routing statistics; failures are
              logged and never stop training;
   metrics    Prometheus on $MOE_METRICS_PORT (rank 0 only), prefix `moe_trainer_`.
 """
@@ -139,9 +140,17 @@ class ConfigMapPublisher:
         doc: dict[str, Any],
         force: bool = False,
         sleep: Callable[[float], None] = time.sleep,
+        *,
+        prompt: bool = False,
     ) -> bool:
+        """``force``: the last word, sent whatever the interval and retried through a short
+        outage; ``prompt`` (and a document naming routing statistics published at its own step,
+        a checkpoint's: the operator's re-placement check reads them once it says so): sent
+        whatever the interval, not retried."""
+        stats = doc.get("routingStats") or {}
+        prompt = prompt or (stats.get("published") is True and stats.get("step") == doc.get("step"))
         now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
+        if not (force or prompt) and now - self._last < self.interval_s:
             return False
         self._last = now
         body = {"data": {E.PROGRESS_KEY: json.dumps(doc)}}
