@@ -12,7 +12,10 @@ dest=${1:?usage: benchmarks/gpu_wheels.sh DEST [PACKAGE ...]}
 shift
 py="$root/.venv/bin/python"
 names="pydantic|pydantic_core|annotated-types|typing-inspection|typing_extensions|hjson"
-for extra in "$@"; do names="$names|$extra"; done
+for extra in "$@"; do
+  grep -qiE "^$extra==" "$root/constraints.txt" || { echo "gpu_wheels.sh: $extra: not pinned in constraints.txt" >&2; exit 2; }
+  names="$names|$extra"
+done
 pins=$(grep -iE "^($names)==" "$root/constraints.txt")
 mkdir -p "$dest"
 # shellcheck disable=SC2086

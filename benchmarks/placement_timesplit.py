@@ -46,33 +46,12 @@ import numpy as np
 from moe_contracts.routing import RoutingStats, read_routing_stats
 from moejob_operator.core.cost import score
 from moejob_operator.core.placement import HELDOUT_OPTIMISM, Placement, heldout_estimate, solve
-from moejob_operator.core.routing import count_routing
+from moejob_operator.core.routing import subset_stats
 from moejob_operator.core.topology import ClusterTopology
 from placement_heldout import CASES  # the held-out evaluation's EP layouts
 
 ESTIMATORS = ("constant", "splitScaled", "splitUnscaled")
 TARGET = 0.03  # the issue's: predicted held-out ratio within 3 % of the measured one
-
-
-def subset(stats: RoutingStats, keep: np.ndarray) -> RoutingStats:
-    """The statistics of the sampled tokens ``keep[S]`` alone (counts from the samples)."""
-    assert stats.token_experts is not None and stats.token_steps is not None
-    te = stats.token_experts[:, keep]
-    load, coact = count_routing(te, stats.num_experts)
-    steps = stats.token_steps[keep]
-    return RoutingStats(
-        stats.num_layers,
-        stats.num_experts,
-        stats.top_k,
-        int(keep.sum()),
-        load,
-        coact,
-        len(np.unique(steps)),
-        stats.source,
-        stats.model,
-        te,
-        token_steps=steps,
-    )
 
 
 def _ratio(p: Placement, contiguous: Placement, topo: ClusterTopology, st: RoutingStats) -> float:
@@ -111,7 +90,7 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
     rand[rng.permutation(len(steps))[: int(early.sum())]] = True
     half_distance = float(steps[~early].mean() - steps[early].mean())
     scale = (hi - lo + 1) / half_distance
-    first, second = subset(fit, early), subset(fit, ~early)
+    first, second = subset_stats(fit, early), subset_stats(fit, ~early)
     rows = []
     for name, kw, ep in CASES:
         topo = ClusterTopology.synthetic(**kw)
@@ -141,10 +120,16 @@ def run_pair(fit_path: str, test_path: str) -> list[dict]:
                 "distanceScale": scale,
                 "reverseSplitOptimism": _optimism(second, first, c, topo, ep),
                 "randomSplitOptimism": _optimism(
-                    subset(fit, rand), subset(fit, ~rand), c, topo, ep
+                    subset_stats(fit, rand), subset_stats(fit, ~rand), c, topo, ep
                 ),
                 "quarterOptimisms": [
-                    _optimism(subset(fit, quarters[q]), subset(fit, quarters[q + 1]), c, topo, ep)
+                    _optimism(
+                        subset_stats(fit, quarters[q]),
+                        subset_stats(fit, quarters[q + 1]),
+                        c,
+                        topo,
+                        ep,
+                    )
                     for q in range(3)
                 ],
                 "predicted": predicted,

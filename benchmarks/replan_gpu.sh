@@ -95,6 +95,7 @@ if la and lb and len(la["losses"]) == len(lb["losses"]) == int(steps):
     ma = np.convolve(a, np.ones(10) / 10, "valid")
     mb = np.convolve(b, np.ones(10) / 10, "valid")
     rel = np.abs(ma - mb) / np.abs(mb)
+    rs = np.abs(a - b) / np.abs(b)  # per step
     res.update(
         appliedAtStep=applied,
         identicalBeforeSwitch=bool(applied and (a[:applied] == b[:applied]).all()),
@@ -103,10 +104,10 @@ if la and lb and len(la["losses"]) == len(lb["losses"]) == int(steps):
         maxRelStepDiffAfterSwitch=float((np.abs(a - b) / np.abs(b))[applied or 0 :].max()),
         # the same placement, seed and data: on a GPU the runs differ before the switch too
         # (non-deterministic kernels); this is the floor the figures after it compare against
-        maxRelStepDiffBeforeSwitch=float((np.abs(a - b) / np.abs(b))[: applied or 0].max(initial=0)),
+        maxRelStepDiffBeforeSwitch=float(rs[: applied or 0].max()) if applied else None,
         meanRelStepDiff={
-            "beforeSwitch": float((np.abs(a - b) / np.abs(b))[: applied or 0].mean()),
-            "afterSwitch": float((np.abs(a - b) / np.abs(b))[applied or 0 :].mean()),
+            "beforeSwitch": float(rs[: applied or 0].mean()) if applied else None,
+            "afterSwitch": float(rs[applied or 0 :].mean()),
         },
         lastTenMean={"switch": float(a[-10:].mean()), "stay": float(b[-10:].mean())},
         losses={"switch": la["losses"], "stay": lb["losses"]},

@@ -3,11 +3,11 @@ job"): the pure decisions. The reconcile step (``reconcile/replan.py``) reads th
 writes what these functions return.
 
 :func:`decide` re-runs the planner's solver (``router_groups.solve``, the plan's strategy, seed,
-EP size and rank order) on fresh routing statistics and predicts the cross-group bytes per step
-of the running placement and of the candidate on those SAME statistics, scaled to the job's
-tokens per step. It switches only when the candidate's prediction is at least
-``min_gain_percent`` below the running placement's: a job whose routing does not drift finds its
-placement (near) optimal on its own statistics again and stays.
+EP size and rank order) on fresh routing statistics, predicts the cross-group bytes per step of
+the running placement on them, scaled to the job's tokens per step, and what a re-fit saves on
+tokens it was not fitted on (below). It switches only when the candidate's prediction is at
+least ``min_gain_percent`` below the running placement's: a job whose routing does not drift
+finds no saving held out and stays.
 
 The predictions are in the measure of the trainer's byte counters (``moe.allToAllBytes*`` in
 progress): the de-duplicating dispatcher's bytes forward AND backward with its id and weight
@@ -24,13 +24,16 @@ to the plan's tolerance would then have to spread them and send more than stayin
 the solver's layout only in the layers where that sends less than the running one: a switch never
 predicts more bytes in any layer.
 
-The saving predicted is held out: with a token sample of two halves of ``MIN_FOLD_TOKENS`` or
-more (:func:`folds`: odd and even steps), the solver also fits each half and the saving is the
-mean of what each fit saves over the running layout on the OTHER half, per layer; a layer is
-taken only where that is positive. On the tokens it was fitted on, a heuristic's layout looks
-better than it is, and on a short window that gap alone can clear the threshold; the ``after``
-recorded is also the next decision's baseline (below), which an in-sample figure would set too
-low.
+The saving predicted is held out (:func:`_held_out_saving`): the solver also fits each of two
+parts of the statistics' token sample (``routing.folds``: alternate steps, else the sample's
+halves), and the saving is what each part's layout saves over the running one on the OTHER part,
+per layer, the mean of the two; a layer is credited with the smaller of that and what the
+window's layout saves on the window, and takes that layout where the credit is positive. On the
+tokens it was fitted on, a heuristic's layout looks better than it is, and on a short window that
+gap alone can clear the threshold; the ``after`` recorded is also the next decision's baseline
+(below), which an in-sample figure would set too low. A token sample too small for two parts of
+``routing.MIN_FOLD_TOKENS`` is no ground for a switch (Stay); statistics without a sample (counts
+only) are scored in sample.
 
 The solver is a heuristic: on other tokens of the same routing it can land on a layout that is
 some percent better (or worse) than the one it found before, which is not drift. So the gain that
@@ -68,7 +71,6 @@ from .placement import LOAD_TOLERANCE, Placement, strategies, tolerance_to_keep
 from .topology import ClusterTopology
 
 WINDOW_KEY = "window"  # RoutingStats: the statistics since the previous checkpoint (optional)
-MIN_FOLD_TOKENS = 64  # fewer sampled tokens in a half: the saving is estimated in sample
 HISTORY_LIMIT = 20  # status.placementHistory keeps the last this many switches
 SWITCH, STAY = "Switch", "Stay"
 
@@ -105,9 +107,10 @@ def per_send(hidden_bytes: int, top_k: int) -> float:
 
 @dataclass(frozen=True)
 class Decision:
-    """``switch``: write ``permutation`` as the next generation. ``before`` / ``after``: predicted
-    cross-group bytes per step of the running placement and of the candidate (the same as
-    ``before`` and the running permutation when nothing was solved)."""
+    """``switch``: write ``permutation`` as the next generation. ``before``: the running
+    placement's predicted cross-group bytes per step; ``after``: ``before`` less the saving
+    predicted for ``permutation`` (held out; the same as ``before``, with the running
+    permutation, when nothing was solved)."""
 
     switch: bool
     permutation: list[list[int]]
@@ -280,73 +283,28 @@ def _solve(inp: ReplanInputs, stats: RoutingStats, tol: list[float]) -> Placemen
     return cand
 
 
-def _subset(stats: RoutingStats, idx: np.ndarray) -> RoutingStats:
-    """The statistics of the sampled tokens ``idx`` alone (counts recomputed from them)."""
-    te = stats.token_experts
-    assert te is not None
-    sub = te[:, idx]
-    load, coact = routing.count_routing(sub, stats.num_experts)
-    ts = None if stats.token_steps is None else stats.token_steps[idx]
-    steps = len(np.unique(ts)) if ts is not None else max(1, stats.steps // 2)
-    return RoutingStats(
-        stats.num_layers,
-        stats.num_experts,
-        stats.top_k,
-        len(idx),
-        load,
-        coact,
-        steps=steps,
-        source=stats.source,
-        model=stats.model,
-        token_experts=sub,
-        token_steps=ts,
-    )
-
-
-def folds(stats: RoutingStats) -> tuple[RoutingStats, RoutingStats, str] | None:
-    """Two halves of the statistics' token sample to fit on one and score on the other:
-    alternate training steps (the 1st, 3rd, ... step the sample records, and the 2nd, 4th, ...)
-    when it records two steps or more (tokens of one step share their sequences), else the
-    sample's two halves (the trainer's sample is uniform in any prefix). None without a sample,
-    or with a half under ``MIN_FOLD_TOKENS``."""
-    te = stats.token_experts
-    if te is None:
-        return None
-    T = te.shape[1]
-    ts = stats.token_steps
-    if ts is not None and len(np.unique(ts)) >= 2:
-        first = np.unique(ts, return_inverse=True)[1] % 2 == 0
-        how = "odd and even steps"
-    else:
-        first = np.arange(T) < T // 2
-        how = "the sample's halves"
-    a, b = np.nonzero(first)[0], np.nonzero(~first)[0]
-    if min(len(a), len(b)) < MIN_FOLD_TOKENS:
-        return None
-    return _subset(stats, a), _subset(stats, b), how
-
-
 def _held_out_saving(
-    inp: ReplanInputs, cur: np.ndarray, stats: RoutingStats, tol: list[float], scale: float
-) -> tuple[np.ndarray, str] | None:
-    """Per layer, the bytes per step a re-fit saves over ``cur`` on tokens it was not fitted on
-    (two-fold: fit on one half of the sample, score on the other, both ways, the mean), and the
-    basis for the status; None without two usable halves (:func:`folds`). On the tokens it was
-    fitted on a heuristic's layout looks better than it is, and a noisy short window makes that
-    look like drift."""
-    split = folds(stats)
-    if split is None:
-        return None
+    inp: ReplanInputs,
+    cur: np.ndarray,
+    split: tuple[RoutingStats, RoutingStats, str],
+    tol: list[float],
+    scale: float,
+) -> tuple[np.ndarray, str]:
+    """Per layer, the bytes per step a re-fit saves over ``cur`` on tokens it was not fitted on:
+    fit on one part of the sample (``routing.folds``), score on the other, both ways, the mean
+    weighted by the tokens scored; and the basis for the status. On the tokens it was fitted on
+    a heuristic's layout looks better than it is, and on a short window that looks like drift."""
     a, b, how = split
-    saved = []
+    saved, weights = [], []
     for fit, score in ((a, b), (b, a)):
         cand = _solve(inp, fit, tol)
         saved.append(
             _layer_cross_group(cur, inp, score, scale)
             - _layer_cross_group(cand.permutation, inp, score, scale)
         )
+        weights.append(score.tokens)
     basis = f"saving held out: fitted and scored on {how}, {a.tokens} + {b.tokens} tokens"
-    return np.mean(saved, axis=0), basis
+    return np.average(saved, axis=0, weights=weights), basis
 
 
 def decide(
@@ -387,29 +345,37 @@ def decide(
         for layer, e2r in enumerate(map(running.expert2rank, range(inp.num_layers)))
     ]
     before_l = _layer_cross_group(cur, inp, stats, scale)
+    split = routing.folds(stats)
+    if split is None and stats.token_experts is not None:
+        why = (
+            f"a token sample of {stats.token_experts.shape[1]} tokens is too small to predict "
+            f"a saving on tokens a re-fit was not fitted on (two parts of "
+            f"{routing.MIN_FOLD_TOKENS} or more)"
+        )
+        return _stay(stay, why, float(before_l.sum()))
     try:
         cand = _solve(inp, stats, tol)
-        held = _held_out_saving(inp, cur, stats, tol, scale)
+        held = None if split is None else _held_out_saving(inp, cur, split, tol, scale)
     except ValueError as exc:
         return _stay(stay, str(exc), float(before_l.sum()))
     cand_l = _layer_cross_group(cand.permutation, inp, stats, scale)
     # per layer: the solver's layout only where it sends less on the window AND a re-fit saved
-    # bytes on tokens it was not fitted on; the saving predicted is the held-out one
-    saving = before_l - cand_l if held is None else held[0]
-    take = (cand_l < before_l) & (saving > 0)
+    # bytes on tokens it was not fitted on; the saving credited is the smaller of the two
+    saving = before_l - cand_l if held is None else np.minimum(held[0], before_l - cand_l)
+    take = saving > 0
     perm = np.where(take[:, None], cand.permutation, cur)
     before = float(before_l.sum())
     after = before - float(saving[take].sum())
     credited = after if baseline is None else max(after, min(before, baseline))
     gain = 100 * (before - credited) / before if before > 0 else 0.0
-    basis = "in sample" if held is None else held[1]
+    basis = "in sample: the statistics hold no token sample" if held is None else held[1]
     what = (
-        f"predicted cross-group bytes per step {round(before)} -> {round(after)} ({basis})"
+        f"predicted cross-group bytes per step {round(before)} -> {round(after)} ({basis}), "
         + (
-            f", {gain:.1f}% less counted (the rise over {round(baseline)} predicted when the "
+            f"{gain:.1f}% less counted (the rise over {round(baseline)} predicted when the "
             "running placement was chosen)"
             if baseline is not None
-            else f" ({gain:.1f}% less)"
+            else f"{gain:.1f}% less"
         )
         + f"; switch at >= {min_gain_percent}%"
     )

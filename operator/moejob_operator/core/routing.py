@@ -89,3 +89,53 @@ def synthetic_trace(
         token_experts if keep_tokens else None,
         planted,
     )
+
+
+MIN_FOLD_TOKENS = 64  # fewer sampled tokens in a half: :func:`folds` does not split
+
+
+def subset_stats(stats: RoutingStats, keep: np.ndarray) -> RoutingStats:
+    """The statistics of the sampled tokens ``keep`` alone (indices, or a mask over the sample),
+    counts recomputed from them; ``steps``: the steps they record, else the statistics' (a
+    uniform part of the sample covers all of its steps)."""
+    te = stats.token_experts
+    if te is None:
+        raise ValueError("the statistics hold no token sample")
+    idx = np.flatnonzero(keep) if np.asarray(keep).dtype == bool else np.asarray(keep)
+    sub = te[:, idx]
+    load, coact = count_routing(sub, stats.num_experts)
+    ts = None if stats.token_steps is None else stats.token_steps[idx]
+    return RoutingStats(
+        stats.num_layers,
+        stats.num_experts,
+        stats.top_k,
+        len(idx),
+        load,
+        coact,
+        len(np.unique(ts)) if ts is not None else stats.steps,
+        stats.source,
+        stats.model,
+        sub,
+        token_steps=ts,
+    )
+
+
+def folds(stats: RoutingStats) -> tuple[RoutingStats, RoutingStats, str] | None:
+    """Two parts of the statistics' token sample, to fit on one and score on the other: the
+    alternate training steps it records (1st, 3rd, ... and 2nd, 4th, ...; tokens of one step
+    share their sequences), else (one step, no steps recorded, or a part under
+    ``MIN_FOLD_TOKENS``) the sample's two halves (the trainer's sample is uniform in any prefix).
+    With the basis in words; None without a sample or with a half under ``MIN_FOLD_TOKENS``."""
+    te = stats.token_experts
+    if te is None:
+        return None
+    T = te.shape[1]
+    ts = stats.token_steps
+    if ts is not None and len(np.unique(ts)) >= 2:
+        first = np.unique(ts, return_inverse=True)[1] % 2 == 0
+        if min(first.sum(), (~first).sum()) >= MIN_FOLD_TOKENS:
+            return subset_stats(stats, first), subset_stats(stats, ~first), "alternate steps"
+    if T // 2 < MIN_FOLD_TOKENS:
+        return None
+    half = np.arange(T) < T // 2
+    return subset_stats(stats, half), subset_stats(stats, ~half), "the sample's halves"

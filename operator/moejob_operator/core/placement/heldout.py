@@ -14,10 +14,11 @@ from .strategies import BY_NAME
 # each recorded top-k to its mean over recordings and EP layouts of the held-out evaluation
 # (benchmarks/results/placement-heldout.json, ``meanOptimismByTopK``; each recording predicted
 # from the others, ``leaveOneRecordingOut``, in docs/placement.md); other top-k interpolate in
-# log2(top-k) and clamp to the ends (``heldout_optimism``). A random split of one window's own
-# samples shows no such optimism; a split in time (``tokenSamples.steps``) sees drift but not how
-# much of it reaches the next window (benchmarks/results/placement-timesplit.json), so this is a
-# calibration on recorded runs, not a per-plan measurement.
+# log2(top-k) and clamp to the ends (``heldout_optimism``). A random split of one recorded
+# window's own samples shows no such optimism (a short window's does: core/replan.py); a split in
+# time (``tokenSamples.steps``) sees drift but not how much of it reaches the next window
+# (benchmarks/results/placement-timesplit.json), so this is a calibration on recorded runs, not a
+# per-plan measurement.
 HELDOUT_OPTIMISM = {2: 0.051, 4: 0.046, 8: 0.024}
 
 
