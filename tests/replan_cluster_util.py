@@ -13,9 +13,48 @@ from pathlib import Path
 
 from moe_contracts import placement_update
 from moejob_operator import constants as C
-from operator_harness import get_job
+from operator_harness import example, get_job
 
 REL = 1e-5  # tests/test_replace.py: losses after a switch vs a never-switched run (fp32)
+SEQ_LEN, GLOBAL_BATCH = 64, 4  # examples/tiny-cpu.yaml
+
+
+def planted_job(
+    name: str,
+    ckpt: Path,
+    model: Path,
+    data: dict,
+    *,
+    steps: int,
+    every: int,
+    min_gain: int,
+    replan: bool,
+    stats_from: str | None = None,
+) -> dict:
+    """The tiny CPU example on ``model`` (a ``save_pretrained`` folder, tests/planted_routing.py)
+    and ``data``: 2 node ranks (2 NVLink groups), EP 2, the de-duplicating dispatcher,
+    checkpoints every ``every`` steps into ``ckpt``; with ``replan`` every ``every`` steps at
+    ``min_gain`` percent, and ``stats_from`` as ``routingStatsFrom``."""
+    placement: dict = {"strategy": "TopologyAware", "dispatcher": "Dedup", "expertParallelSize": 2}
+    if replan:
+        placement["replan"] = {"everySteps": every, "minPredictedGainPercent": min_gain}
+    if stats_from is not None:
+        placement["routingStatsFrom"] = {"jobName": stats_from}
+    job = example(
+        "tiny-cpu.yaml",
+        metadata={"name": name},
+        nodes={"count": 2, "gpusPerNode": 1},
+        placement=placement,
+        checkpoint={"everySteps": every, "volume": {"hostPath": {"path": str(ckpt)}}},
+        runPolicy={"backoffLimit": 0},
+        gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
+        data=data,
+        model={"path": "/model", "volume": {"hostPath": {"path": str(model)}}},
+    )
+    job["spec"]["training"].update(steps=steps)
+    assert job["spec"]["training"]["seqLen"] == SEQ_LEN
+    assert job["spec"]["training"]["globalBatch"] == GLOBAL_BATCH
+    return job
 
 
 class ProgressLog:

@@ -39,9 +39,11 @@ from pathlib import Path
 import pytest
 
 from moejob_operator import constants as C
-from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
+from operator_harness import apply_job, events_for, get_job, module_operator, seed_topology
 from planted_routing import arithmetic_text, planted_model, prose_text
 from replan_cluster_util import (
+    GLOBAL_BATCH,
+    SEQ_LEN,
     ProgressLog,
     applied_switch,
     close,
@@ -50,6 +52,7 @@ from replan_cluster_util import (
     losses_of,
     max_rel_diff,
     placement_of,
+    planted_job,
     progress_of,
     switch_figures,
     write_results,
@@ -63,7 +66,6 @@ STEPS, SWITCH, EVERY = 40, 16, 4
 # 10.8 %, 11.7 % and 9.8 % held out at steps 20, 24 and 28 (6.5 % at 32), a check on the prose or
 # on more prose at most 2.6 %, a second switch at most 3.9 %
 MIN_GAIN = 8
-SEQ_LEN, GLOBAL_BATCH = 64, 4  # examples/tiny-cpu.yaml
 DOMAIN_TOKENS = SWITCH * GLOBAL_BATCH * SEQ_LEN  # byte tokens of the first file, EOS included
 # the second file outlasts the run (no wrap back to the first within STEPS)
 SECOND_TOKENS = (STEPS - SWITCH + 1) * GLOBAL_BATCH * SEQ_LEN
@@ -100,29 +102,18 @@ def domain_data(root: Path) -> tuple[dict[str, dict], dict[str, str]]:
     }
 
 
-def _job(
-    name: str, ckpt: Path, model: Path, data: dict, steps: int, *, replan: bool, stats: bool
-) -> dict:
-    placement: dict = {"strategy": "TopologyAware", "dispatcher": "Dedup", "expertParallelSize": 2}
-    if replan:
-        placement["replan"] = {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN}
-    if stats:
-        placement["routingStatsFrom"] = {"jobName": "dr-ref"}
-    job = example(
-        "tiny-cpu.yaml",
-        metadata={"name": name},
-        nodes={"count": 2, "gpusPerNode": 1},
-        placement=placement,
-        checkpoint={"everySteps": EVERY, "volume": {"hostPath": {"path": str(ckpt)}}},
-        runPolicy={"backoffLimit": 0},
-        gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
-        data=data,
-        model={"path": "/model", "volume": {"hostPath": {"path": str(model)}}},
+def _job(name: str, ckpt: Path, model: Path, data: dict, steps: int, *, replan: bool, stats: bool):
+    return planted_job(
+        name,
+        ckpt,
+        model,
+        data,
+        steps=steps,
+        every=EVERY,
+        min_gain=MIN_GAIN,
+        replan=replan,
+        stats_from="dr-ref" if stats else None,
     )
-    job["spec"]["training"].update(steps=steps)
-    assert job["spec"]["training"]["seqLen"] == SEQ_LEN
-    assert job["spec"]["training"]["globalBatch"] == GLOBAL_BATCH
-    return job
 
 
 def test_a_domain_change_mid_run_re_places_once_and_a_steady_job_never(

@@ -33,9 +33,11 @@ from pathlib import Path
 import pytest
 
 from moejob_operator import constants as C
-from operator_harness import apply_job, events_for, example, get_job, module_operator, seed_topology
+from operator_harness import apply_job, events_for, get_job, module_operator, seed_topology
 from planted_routing import arithmetic_text, planted_model, prose_text
 from replan_cluster_util import (
+    GLOBAL_BATCH,
+    SEQ_LEN,
     ProgressLog,
     applied_switch,
     close,
@@ -44,6 +46,7 @@ from replan_cluster_util import (
     losses_of,
     max_rel_diff,
     placement_of,
+    planted_job,
     progress_of,
     switch_figures,
     write_results,
@@ -57,28 +60,6 @@ STEPS, EVERY = 32, 4
 # predicted 17.1-31.2 % held out in the windows up to step 16 (12.4 % at step 20, 21.2 % at 24),
 # a second one at most 8.9 % (the model's deeper layers keep learning the arithmetic)
 MIN_GAIN = 15
-SEQ_LEN, GLOBAL_BATCH = 64, 4  # examples/tiny-cpu.yaml
-
-
-def _job(name: str, tmp_path, model: Path, data: dict, *, replan: bool) -> dict:
-    placement = {"strategy": "TopologyAware", "dispatcher": "Dedup", "expertParallelSize": 2}
-    if replan:
-        placement["replan"] = {"everySteps": EVERY, "minPredictedGainPercent": MIN_GAIN}
-    job = example(
-        "tiny-cpu.yaml",
-        metadata={"name": name},
-        nodes={"count": 2, "gpusPerNode": 1},
-        placement=placement,
-        checkpoint={"everySteps": EVERY, "volume": {"hostPath": {"path": str(tmp_path)}}},
-        runPolicy={"backoffLimit": 0},
-        gate={"skip": True, "skipReason": "the gate's own tests run the smoke Job"},
-        data=data,
-        model={"path": "/model", "volume": {"hostPath": {"path": str(model)}}},
-    )
-    job["spec"]["training"].update(steps=STEPS)
-    assert job["spec"]["training"]["seqLen"] == SEQ_LEN
-    assert job["spec"]["training"]["globalBatch"] == GLOBAL_BATCH
-    return job
 
 
 def _data(root: Path) -> tuple[dict, Path]:
@@ -98,8 +79,11 @@ def test_replan_switches_once_keeps_losses_and_counts_fewer_cross_group_bytes(
     seed_topology(kube, namespace)
     data, model = _data(tmp_path)
     t0 = time.monotonic()
+    runs = {"steps": STEPS, "every": EVERY, "min_gain": MIN_GAIN}
     made = {
-        name: apply_job(kube, namespace, _job(name, tmp_path, model, data, replan=replan))
+        name: apply_job(
+            kube, namespace, planted_job(name, tmp_path, model, data, replan=replan, **runs)
+        )
         for name, replan in (("rp-a", True), ("rp-b", False))
     }
     dirs = {n: tmp_path / f"{n}-{m['metadata']['uid'][:8]}" for n, m in made.items()}
