@@ -4,6 +4,7 @@ topology, the windowed-statistics seam, the history helpers."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,15 @@ import pytest
 
 from moe_contracts.plan import RankSpec, parse_plan
 from moe_contracts.routing import RoutingStats, encode_configmap, parse_routing_stats
-from moejob_operator.core import models, plan, replan, router_groups, routing, topology
+from moejob_operator.core import (
+    models,
+    plan,
+    replan,
+    replan_copies,
+    router_groups,
+    routing,
+    topology,
+)
 from moejob_operator.core.placement import LOAD_TOLERANCE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -157,8 +166,10 @@ def test_static_strategies_and_bad_shapes_stay(planned):
     autoep = replan.ReplanInputs(**{**inp.__dict__, "dispatcher": "autoep"})
     d = replan.decide(autoep, doc["placement"]["permutation"], fresh, 10)
     assert not d.switch and "AutoEP" in d.message
-    copies = replan.ReplanInputs(**{**inp.__dict__, "replicas": True})
-    assert not replan.decide(copies, doc["placement"]["permutation"], fresh, 10).switch
+    budget = replan_copies.Budget(1, None, 3, 1024, 1)
+    copies = replan.ReplanInputs(**{**inp.__dict__, "copies": budget})
+    d = replan.decide(copies, doc["placement"]["permutation"], fresh.without_tokens(), 10)
+    assert not d.switch and "token samples" in d.message
 
 
 WINDOW_FIELDS = ("tokens", "steps", "load", "coactivation")
@@ -396,7 +407,7 @@ def test_real_routing_of_one_period_re_places_rarely(monkeypatch, groups, per_gr
     ]
     topo = replan.plan_topology(ranks)
     inp = replan.ReplanInputs(
-        "topology_aware", W, 0, 1, 4, 64, 2, 2048, 2, 16384, topo, False, "dedup", None
+        "topology_aware", W, 0, 1, 4, 64, 2, 2048, 2, 16384, topo, None, "dedup", None
     )
     start = router_groups.solve(
         "topology_aware", topo, fit, ep_size=W, num_experts=64, num_layers=4
@@ -424,3 +435,102 @@ def test_a_token_sample_too_small_to_split_stays(planned):
     tiny = _counted(_trace(11)[:, : 2 * routing.MIN_FOLD_TOKENS - 1])
     d = replan.decide(inp, doc["placement"]["permutation"], tiny, 1)
     assert not d.switch and "too small" in d.message and d.before == d.after > 0, d.message
+
+
+@pytest.fixture(scope="module")
+def planned_copies():
+    """The ``planned`` job with ``replicas: auto`` at 50 % (one copy per rank and layer) and a
+    step large enough that copies pay for their weight sync."""
+    te = _trace(3)
+    p = plan.build_plan(
+        plan.PlanRequest(
+            "tiny",
+            "default",
+            models.resolve_model("tiny-mixtral"),
+            _reports("pcie-bridged-pairs-4"),
+            global_batch=256,
+            seq_len=2048,
+            ep_size=4,
+            routing_stats=_counted(te[:, :4096]),
+            strategy="topology_aware",
+            replicas="auto",
+            max_expert_memory_overhead=50,
+        )
+    )
+    assert p.document["placement"]["quality"]["replicas"]["chosen"]
+    return p.document, te
+
+
+def test_copies_are_scored_as_the_plan_scores_them(planned_copies):
+    """The running layout with its copies, on the plan's own statistics: the plan's net figure
+    (token bytes with copies + their weight sync), which is also the baseline."""
+    doc, te = planned_copies
+    pl = parse_plan(doc).placement
+    inp = replan.inputs_from_plan(parse_plan(doc))
+    net = doc["placement"]["quality"]["replicas"]["netCrossGroupBytesPerStep"]
+    assert inp.copies is not None and inp.baseline == net["withCopies"]
+    d = replan.decide(inp, pl.permutation, _counted(te[:, :4096]), 10, inp.baseline, pl.replicas)
+    assert d.before == net["withCopies"] and not d.switch
+    # scored without its copies, the same layout costs what the plan says it would
+    bare = replan.decide(inp, pl.permutation, _counted(te[:, :4096]), 10, None, None)
+    assert bare.before == net["withoutCopies"]
+    # other tokens of the same routing: no drift, stay
+    same = replan.decide(inp, pl.permutation, _counted(te[:, 4096:]), 10, inp.baseline, pl.replicas)
+    assert not same.switch and same.replicas is None, same.message
+
+
+def test_drift_re_places_the_copies_within_the_plans_budget(planned_copies):
+    """Drifted routing: the switch writes new copies that fit the new permutation (every holder
+    list starts at the expert's new home), stay within the plan's copies per rank and layer and
+    per rank over all layers (what the memory estimate counted), and the figure recorded is never
+    below the written layout's own on the statistics it was fitted on."""
+    doc, _ = planned_copies
+    pl = parse_plan(doc).placement
+    inp = replan.inputs_from_plan(parse_plan(doc))
+    assert inp.copies is not None
+    fresh = _counted(_trace(11))
+    d = replan.decide(inp, pl.permutation, fresh, 10, inp.baseline, pl.replicas)
+    assert d.switch and d.replicas is not None, d.message
+    assert d.after <= 0.9 * d.before and "extra expert copies" in d.message
+    from moe_contracts import placement_update as PU
+
+    update = PU.PlacementUpdate(generation=1, permutation=d.permutation, replicas=d.replicas)
+    PU.loads(PU.dumps(update)).check(4, 8, 4)
+    written = replan_copies.from_contract(update.replicas, d.permutation, 4)
+    held = replan_copies.held(written, 4)
+    assert held.max() <= inp.copies.slots and held.sum(0).max() <= inp.copies.per_rank
+    kw = {"hidden_bytes": inp.hidden_size * inp.bytes_per_elem}
+    own = replan_copies.layer_bytes(
+        written, fresh, inp.topology, 4, inp.copies, tokens_per_step=inp.tokens_per_step, **kw
+    )
+    assert float(own.sum()) <= d.after + 1
+    # without copies the same drift is also a switch, but to more bytes: the copies pay here
+    single = replan.ReplanInputs(**{**inp.__dict__, "copies": None})
+    alone = replan.decide(single, pl.permutation, fresh, 10, None)
+    assert alone.switch and alone.replicas is None and d.after < alone.after
+
+
+def test_a_tighter_memory_budget_gives_layers_back(planned_copies):
+    """Copies over all layers are capped per rank: a decision that would exceed it keeps the
+    running layout in the least-saving layers."""
+    doc, _ = planned_copies
+    pl = parse_plan(doc).placement
+    inp = replan.inputs_from_plan(parse_plan(doc))
+    assert inp.copies is not None
+    running = replan_copies.held(replan_copies.from_contract(pl.replicas, pl.permutation, 4), 4)
+    cap = int(running.sum(0).max())
+    tight = replan.ReplanInputs(**{**inp.__dict__, "copies": replace(inp.copies, per_rank=cap)})
+    d = replan.decide(tight, pl.permutation, _counted(_trace(11)), 0, None, pl.replicas)
+    layout = replan_copies.from_contract(d.replicas, d.permutation, 4)
+    assert replan_copies.held(layout, 4).sum(0).max() <= cap
+    # the rule alone: one copy on rank 1 in every candidate layer, at most two: the two layers
+    # that save most keep theirs
+    single = replan_copies.from_contract(None, pl.permutation, 4)
+    more = []
+    for c in single:
+        e = next(e for e, h in enumerate(c.holders) if h[0] != 1)
+        holders = tuple((*h, 1) if x == e else h for x, h in enumerate(c.holders))
+        more.append(replan_copies.rep.LayerCopies(holders, c.serve, c.load))
+    take = np.ones(4, dtype=bool)
+    kept = replan_copies.fit_memory(take, np.array([4.0, 1.0, 3.0, 2.0]), single, more, 4, 2)
+    assert kept.tolist() == [True, False, True, False]

@@ -57,17 +57,42 @@ def test_decide_from_the_file_stand_in(update_file):
     update_file.write_text(PU.dumps(PU.PlacementUpdate(generation=0, permutation=NEW)))
     assert r.decide() is None  # generation 0: the plan's own placement, already running
     update_file.write_text(PU.dumps(PU.PlacementUpdate(generation=3, permutation=NEW)))
-    assert r.decide() == (3, NEW) and r.message == ""
+    assert r.decide() == (3, NEW, None) and r.message == ""
     r.generation = 3
     assert r.decide() is None  # not newer than the running one
     section = r.section()
     assert section is not None and section["generation"] == 3
 
 
-def test_replicas_refuse_the_update(update_file):
-    update_file.write_text(PU.dumps(PU.PlacementUpdate(generation=1, permutation=NEW)))
-    r = replan.Replanner(2, 4, "the plan has placement.replicas", router_name="gate")
-    assert r.decide() is None and "placement.replicas" in r.message
+def _copies(perm: list[list[int]], P: int = 2) -> list[dict]:
+    """Every expert of slot 0 also on the last EP rank; each rank served by its own copy."""
+    n = len(perm[0]) // P
+    out = []
+    for row in perm:
+        home = {e: s // n for s, e in enumerate(row)}
+        holders = [[home[e]] + ([P - 1] if e == row[0] else []) for e in range(len(row))]
+        serve = [[p if p in h else h[0] for h in holders] for p in range(P)]
+        out.append({"holders": holders, "serve": serve})
+    return out
+
+
+def test_an_update_with_copies(update_file):
+    """Copies come with the update; a job that cannot serve them (not the dedup dispatcher), or
+    copies that do not fit the update's permutation, refuse it and say why."""
+    from types import SimpleNamespace
+
+    plan = SimpleNamespace(ep_size=2, placement=SimpleNamespace(replicas=None))
+    r = replan.Replanner(2, 4, None, router_name="gate", plan=plan)
+    update_file.write_text(
+        PU.dumps(PU.PlacementUpdate(generation=1, permutation=NEW, replicas=_copies(NEW)))
+    )
+    got = r.decide()
+    assert got is not None and got[:2] == (1, NEW) and r.message == ""
+    assert [{"holders": x.holders, "serve": x.serve} for x in got[2]] == [
+        {"holders": tuple(map(tuple, c["holders"])), "serve": tuple(map(tuple, c["serve"]))}
+        for c in _copies(NEW)
+    ]
+    assert r.decide(serves_copies=False) is None and "dedup dispatcher" in r.message
     doc = {
         "kind": "TrainerProgress",
         "version": 1,
@@ -78,7 +103,11 @@ def test_replicas_refuse_the_update(update_file):
     }
     prog = parse_progress(doc)
     assert prog.placement is not None and prog.placement.generation == 0
-    assert "replicas" in prog.placement.message
+    assert "copies" in prog.placement.message
+    update_file.write_text(
+        PU.dumps(PU.PlacementUpdate(generation=1, permutation=NEW, replicas=_copies(OLD)))
+    )
+    assert r.decide() is None and "must start with the home rank" in r.message
 
 
 def test_decide_from_the_configmap(monkeypatch):
@@ -100,7 +129,7 @@ def test_decide_from_the_configmap(monkeypatch):
     assert r.decide() is None and r.message == ""  # no ConfigMap (404)
     assert r.decide() is None and r.message == ""  # no key yet
     assert r.decide() is None and "not read" in r.message  # API outage: logged, kept running
-    assert r.decide() == (2, NEW) and r.message == ""  # the message is the latest read's
+    assert r.decide() == (2, NEW, None) and r.message == ""  # the message is the latest read's
 
 
 def test_disabled_without_the_env(monkeypatch):
@@ -212,7 +241,7 @@ def test_the_window_goes_first_when_the_configmap_is_too_small():
     assert big.body is not None and "window" in json.loads(configmap_text(big.body) or "")
 
 
-def test_refusal_names_copies_and_other_zero_stages():
+def test_refusal_names_other_zero_stages():
     from types import SimpleNamespace
 
     def engine(stage):
@@ -222,7 +251,7 @@ def test_refusal_names_copies_and_other_zero_stages():
     copies = SimpleNamespace(placement=SimpleNamespace(replicas=object()))
     assert replan.refusal(plain, engine(3)) is None
     assert replan.refusal(SimpleNamespace(placement=None), engine(3)) is None
-    assert "placement.replicas" in (replan.refusal(copies, engine(3)) or "")
+    assert replan.refusal(copies, engine(3)) is None  # copies move with their experts
     assert "stage 2" in (replan.refusal(plain, engine(2)) or "")
 
 
@@ -234,9 +263,9 @@ def test_an_unexpected_failure_on_rank_0_still_reaches_the_broadcast(update_file
     monkeypatch.setattr(replan.dist, "broadcast_object_list", lambda box, src: sent.append(box))
     r = replan.Replanner(2, 4, None, router_name="gate")
 
-    def boom():
+    def boom(serves_copies):
         raise RuntimeError("surprise")
 
     monkeypatch.setattr(r, "decide", boom)
-    assert r.at_checkpoint(SimpleNamespace(is_rank0=True), 4) is False
+    assert r.at_checkpoint(SimpleNamespace(is_rank0=True, dispatcher="dedup"), 4) is False
     assert sent == [[None]] and "surprise" in r.message

@@ -21,7 +21,7 @@ from moejob_operator.reconcile import replan
 from moejob_operator.reconcile.jobpass import Pass
 from moejob_operator.reconcile.settings import Settings
 from moejob_operator.spec import parse_spec
-from test_core_replan import _counted, _trace, planned  # noqa: F401  (the fixture)
+from test_core_replan import _counted, _trace, planned, planned_copies  # noqa: F401  (fixtures)
 
 NOW = dt.datetime(2026, 12, 3, 16, 0, 0, tzinfo=dt.UTC)
 UID = "0b6f6c2e-6f1d-4f43-9d0e-3f5a1f1a9b11"
@@ -52,7 +52,8 @@ class FakeClient:
 
 
 def _cluster(doc, stats):
-    placement = configmaps.placement_configmap(JOB, doc["placement"]["permutation"])
+    pl = parse_plan(doc).placement
+    placement = configmaps.placement_configmap(JOB, pl.permutation, pl.replicas)
     routing = {"metadata": {"name": "rp-routing-stats"}, **encode_configmap(stats.to_json()).body}
     routing.pop("binaryData")
     return FakeClient({"rp-placement": placement, "rp-routing-stats": routing})
@@ -189,3 +190,23 @@ def test_no_decision_when_the_next_checkpoint_is_the_last_step(planned):  # noqa
         p, short, parse_plan(doc), _progress(40)
     )  # the boundary at 50 is before the last step
     assert len(client.writes) == 1 and _generation(client).generation == 1
+
+
+def test_copies_are_re_placed_with_the_experts(planned_copies):  # noqa: F811
+    """A plan with copies: the seed holds them, a drift writes generation 1 with new copies that
+    fit its permutation, and once the trainer runs it, the same statistics stay (the decision
+    scores the running generation's copies, not the plan's)."""
+    doc, _ = planned_copies
+    plan = parse_plan(doc)
+    client = _cluster(doc, _counted(_trace(11)))
+    assert _generation(client).replicas == plan.placement.replicas
+    p = _pass(client)
+    replan.step(p, SPEC, plan, _progress(10))
+    got = _generation(client)
+    assert got.generation == 1 and got.replicas is not None, p.status["replan"]
+    got.check(4, 8, 4)
+    assert got.replicas != plan.placement.replicas
+    assert "extra expert copies" in p.status["replan"]["message"]
+    p2 = _pass(client, copy.deepcopy(p.status))
+    replan.step(p2, SPEC, plan, _progress(55, {"generation": 1, "appliedAtStep": 45}))
+    assert len(client.writes) == 1 and p2.status["replan"]["decision"] == "Stay"

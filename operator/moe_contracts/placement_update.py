@@ -11,8 +11,8 @@ Trainer side (``moe_trainer.replan``, ``moe_trainer.replace``; docs/placement.md
 during a job"): the progress ``placement`` section is
 ``{generation, appliedAtStep, seconds, message}`` (``moe_contracts.progress.PlacementStatus``):
 ``message`` says why the latest document was not applied (unreadable, invalid, or refused: the
-plan has ``placement.replicas``, or the engine is not ZeRO stage 3), and the trainer keeps its
-placement. The checkpoint written after a switch records generation and permutation, so a
+engine is not ZeRO stage 3, or the job cannot serve the document's copies), and the trainer keeps
+its placement. The checkpoint written after a switch records generation and permutation, so a
 resumed job keeps running the generation it had (a document of a lower or equal generation is
 ignored). The worker pods' Role needs ``get`` on this ConfigMap. The RoutingStats the trainer
 publishes at every checkpoint carry an optional ``window`` (the counts since the previous
@@ -20,7 +20,11 @@ checkpoint, ``moe_contracts.routing.window_stats``) for drift detection.
 
 ``permutation[layer][slot]`` is the original expert id in each slot (the plan's
 ``placement.permutation`` convention): EP rank ``r`` holds slots ``r * E_local .. (r + 1) *
-E_local - 1``.
+E_local - 1``. ``replicas`` (optional, the plan's ``placement.replicas`` convention, per layer:
+``holders[e]`` home first, ``serve[p][e]``): the extra expert copies of this generation, which
+must fit its permutation (a holder list starts at the expert's new home); absent: one copy per
+expert. A job whose plan has copies re-places them with the experts; the copies are not
+parameters (the homes' weights reach them every step), so a switch moves only the homes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pydantic import Field
 
 from ._base import Doc, Float, Int, Str, validate
 from .errors import DocumentError, check_kind_version
+from .plan import LayerReplicas, check_replicas
 
 DOCUMENT = "PlacementUpdate"
 KEY = "placement.json"
@@ -52,8 +57,11 @@ class PlacementUpdate(Doc):
     decided_at_step: Int = Field(default=0, ge=0)  # the trainer step of the statistics used
     reason: Str = ""
     predicted: Predicted | None = None
+    replicas: tuple[LayerReplicas, ...] | None = None  # per layer; None: one copy per expert
 
-    def check(self, num_layers: int, num_experts: int) -> PlacementUpdate:
+    def check(self, num_layers: int, num_experts: int, ep_size: int = 1) -> PlacementUpdate:
+        """The permutation fits ``num_layers`` x ``num_experts``, and the copies (if any) fit it
+        over ``ep_size`` EP ranks. Raises DocumentError."""
         if len(self.permutation) != num_layers:
             raise DocumentError(
                 f"{DOCUMENT} permutation: {len(self.permutation)} layers, the model has "
@@ -64,6 +72,15 @@ class PlacementUpdate(Doc):
                 raise DocumentError(
                     f"{DOCUMENT} permutation[{layer}] is not a permutation of 0..{num_experts - 1}"
                 )
+        if self.replicas is not None:
+            if num_experts % ep_size:
+                raise DocumentError(
+                    f"{DOCUMENT} replicas: {num_experts} experts over {ep_size} ranks"
+                )
+            try:
+                check_replicas(self.replicas, self.permutation, ep_size, f"{DOCUMENT} replicas")
+            except ValueError as exc:
+                raise DocumentError(str(exc)) from None
         return self
 
 

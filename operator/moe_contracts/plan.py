@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -219,19 +220,33 @@ class TrainingSpec(Doc):
 
 def _check_replicas(pl: Placement) -> None:
     """Every layer's holders start at the expert's home and serve only from holders."""
-    reps = pl.replicas or ()
-    E, P, n = pl.num_experts, pl.ep_size, pl.experts_per_rank
     if pl.dispatcher != "dedup":
         raise ValueError("placement.replicas: copies are served by the 'dedup' dispatcher only")
-    if len(reps) != pl.num_layers:
+    if len(pl.replicas or ()) != pl.num_layers:
         raise ValueError(
-            f"placement.replicas: has {len(reps)} layers, numLayers is {pl.num_layers}"
+            f"placement.replicas: has {len(pl.replicas or ())} layers, numLayers is {pl.num_layers}"
         )
+    check_replicas(pl.replicas or (), pl.permutation, pl.ep_size, "placement.replicas")
+
+
+def check_replicas(
+    reps: Sequence[LayerReplicas],
+    permutation: Sequence[Sequence[int]],
+    ep_size: int,
+    where: str,
+) -> None:
+    """``reps`` (one per layer) fit ``permutation`` over ``ep_size`` EP ranks: every expert's
+    holders start at its home (the rank of its slot), are distinct ranks, and every ``serve``
+    entry is a holder. Raises ValueError naming ``where``."""
+    L, P = len(permutation), ep_size
+    if len(reps) != L:
+        raise ValueError(f"{where}: has {len(reps)} layers, the placement has {L}")
     for layer, rep in enumerate(reps):
-        at = f"placement.replicas[{layer}]"
+        at, E = f"{where}[{layer}]", len(permutation[layer])
+        n = E // P
         if len(rep.holders) != E:
             raise ValueError(f"{at}.holders: has {len(rep.holders)} rows, numExperts is {E}")
-        home = {e: slot // n for slot, e in enumerate(pl.permutation[layer])}
+        home = {e: slot // n for slot, e in enumerate(permutation[layer])}
         for e, hs in enumerate(rep.holders):
             if not hs or hs[0] != home[e]:
                 raise ValueError(

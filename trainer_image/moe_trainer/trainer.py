@@ -209,8 +209,8 @@ class Trainer:
         self.routing_publisher = RoutingStatsPublisher.from_env() if self.is_rank0 else None
         self._routing_written_step: int | None = None
         self.window = routing.RoutingWindow()  # the RoutingStats `window` (re-planning)
-        refused = replan_refusal(p, self.engine)  # copies, or not ZeRO-3: updates are refused
-        self.replan = Replanner(L, E, refused, prepared.family.router)
+        refused = replan_refusal(p, self.engine)  # not ZeRO-3: updates are refused
+        self.replan = Replanner(L, E, refused, prepared.family.router, p)
         port = os.environ.get(contract_env.METRICS_PORT)
         self.metrics = Metrics(int(port), p.job_name) if (port and self.is_rank0) else None
 

@@ -68,11 +68,18 @@ def routing_stats_configmap(job: JobRef) -> dict[str, Any]:
     }
 
 
-def placement_configmap(job: JobRef, permutation: Sequence[Sequence[int]]) -> dict[str, Any]:
+def placement_configmap(
+    job: JobRef, permutation: Sequence[Sequence[int]], replicas: Sequence[Any] | None = None
+) -> dict[str, Any]:
     """``<job>-placement`` (``spec.placement.replan``): the PlacementUpdate the trainer reads at
-    its checkpoints, seeded with generation 0 = the plan's own permutation."""
+    its checkpoints, seeded with generation 0 = the plan's own permutation and copies."""
     rows = [list(row) for row in permutation]
-    update = placement_update.PlacementUpdate(generation=0, permutation=rows, reason="plan")
+    update = placement_update.PlacementUpdate(
+        generation=0,
+        permutation=rows,
+        reason="plan",
+        replicas=None if replicas is None else tuple(replicas),
+    )
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",

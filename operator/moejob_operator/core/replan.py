@@ -47,6 +47,11 @@ The topology is the plan's own (:func:`plan_topology`): one GPU per rank, in ran
 rank's node and NVLink group from ``MoEPlan.ranks``. Cross-group and cross-node bytes need only
 those; the gang keeps its GPUs (``rank2gpu``), only the permutation changes.
 
+A plan with expert copies (``placement.replicas``) re-places them with the experts
+(:mod:`.replan_copies`): a layout is then a permutation and its copies, fitted as the planner fits
+them and scored on the net figure (token bytes + the copies' weight sync), within the plan's copy
+budget; ``Decision.replicas`` are the copies to write.
+
 :func:`fresh_stats` is the one seam for the trainer's windowed statistics: a RoutingStats
 document may carry ``window``, a RoutingStats document of the steps since the previous
 checkpoint; the decision prefers it and falls back to the whole run.
@@ -66,6 +71,7 @@ from moe_contracts.plan import MoEPlan, RankSpec
 from moe_contracts.routing import RoutingStats, configmap_text, parse_routing_stats, window_stats
 
 from . import cost, dispatch, router_groups, routing
+from . import replan_copies as rc
 from .models import spec_from_hf_config
 from .placement import LOAD_TOLERANCE, Placement, strategies, tolerance_to_keep
 from .topology import ClusterTopology
@@ -90,7 +96,7 @@ class ReplanInputs:
     bytes_per_elem: int
     tokens_per_step: int
     topology: ClusterTopology
-    replicas: bool  # the plan placed extra copies of hot experts
+    copies: rc.Budget | None  # the plan's extra copies of hot experts (None: one per expert)
     dispatcher: str  # "dedup" | "autoep" (AutoEP's all-to-all: the same bytes for any placement)
     baseline: int | None  # the plan's predicted cross-group bytes per step (routing statistics)
 
@@ -117,6 +123,7 @@ class Decision:
     before: int
     after: int
     message: str
+    replicas: list[dict[str, list[list[int]]]] | None = None  # the copies (a plan with copies)
 
     @property
     def decision(self) -> str:
@@ -171,7 +178,9 @@ def inputs_from_plan(plan: MoEPlan) -> ReplanInputs:
         bytes_per_elem=bytes_per_elem,
         tokens_per_step=(batch if isinstance(batch, int) else 1) * plan.training.seq_len,
         topology=plan_topology(plan.ranks),
-        replicas=bool(pl.replicas),
+        copies=rc.budget(pl, spec.expert_params() * bytes_per_elem, _micro_steps(ds))
+        if pl.replicas
+        else None,
         dispatcher=pl.dispatcher,
         baseline=None,
     )
@@ -181,12 +190,20 @@ def inputs_from_plan(plan: MoEPlan) -> ReplanInputs:
     )
 
 
+def _micro_steps(ds: dict[str, Any]) -> int:
+    steps = ds.get("gradient_accumulation_steps")
+    return steps if isinstance(steps, int) and steps > 0 else 1
+
+
 def _plan_baseline(quality: dict[str, Any], dispatcher: str, factor: float) -> int | None:
     """The plan's predicted cross-group bytes per step in the counters' measure: its exact
     ``quality.dispatch`` figure when it has one, else the cost model's times ``factor``; None
     for a plan made without routing statistics (nothing predicted from the run's routing)."""
     if quality.get("basis") != "routingStats":
         return None
+    net = ((quality.get("replicas") or {}).get("netCrossGroupBytesPerStep") or {}).get("withCopies")
+    if (quality.get("replicas") or {}).get("chosen") and isinstance(net, (int, float)):
+        return round(net)  # the copies' token bytes and their weight sync (replan_copies)
     exact = ((quality.get("dispatch") or {}).get(dispatcher) or {}).get("crossGroupBytesPerStep")
     if isinstance(exact, (int, float)) and not isinstance(exact, bool):
         return round(exact)
@@ -261,6 +278,35 @@ def _layer_cross_group(
     )
 
 
+Layout = tuple[np.ndarray, list[Any] | None]  # permutation [L, E], copies per layer (or None)
+
+
+def _bytes(lay: Layout, inp: ReplanInputs, stats: RoutingStats, scale: float) -> np.ndarray:
+    """Predicted cross-group bytes per step of each layer of ``lay``: ``[L]``; with copies, the
+    net figure of ``replan_copies.layer_bytes`` (token bytes + the copies' weight sync)."""
+    perm, copies = lay
+    if copies is None or inp.copies is None:
+        return _layer_cross_group(perm, inp, stats, scale)
+    return rc.layer_bytes(
+        copies,
+        stats,
+        inp.topology,
+        inp.ep_size,
+        inp.copies,
+        hidden_bytes=inp.hidden_size * inp.bytes_per_elem,
+        tokens_per_step=inp.tokens_per_step,
+    )
+
+
+def _fit(inp: ReplanInputs, stats: RoutingStats, tol: list[float]) -> Layout:
+    """The solver's layout on ``stats``, with the planner's copies on it when the plan has
+    copies. Raises ValueError as :func:`_solve`."""
+    perm = _solve(inp, stats, tol).permutation
+    if inp.copies is None:
+        return perm, None
+    return perm, rc.fit(perm, stats, inp.topology, inp.ep_size, inp.copies)
+
+
 def _solve(inp: ReplanInputs, stats: RoutingStats, tol: list[float]) -> Placement:
     """The plan's solver on ``stats``. Raises ValueError (why, for the status) when it refuses
     or lands on a rank order other than the running gang's."""
@@ -285,7 +331,7 @@ def _solve(inp: ReplanInputs, stats: RoutingStats, tol: list[float]) -> Placemen
 
 def _held_out_saving(
     inp: ReplanInputs,
-    cur: np.ndarray,
+    cur: Layout,
     split: tuple[RoutingStats, RoutingStats, str],
     tol: list[float],
     scale: float,
@@ -297,10 +343,8 @@ def _held_out_saving(
     a, b, how = split
     saved, weights = [], []
     for fit, score in ((a, b), (b, a)):
-        cand = _solve(inp, fit, tol)
         saved.append(
-            _layer_cross_group(cur, inp, score, scale)
-            - _layer_cross_group(cand.permutation, inp, score, scale)
+            _bytes(cur, inp, score, scale) - _bytes(_fit(inp, fit, tol), inp, score, scale)
         )
         weights.append(score.tokens)
     basis = f"saving held out: fitted and scored on {how}, {a.tokens} + {b.tokens} tokens"
@@ -313,10 +357,12 @@ def decide(
     stats: RoutingStats,
     min_gain_percent: int,
     baseline: float | None = None,
+    current_replicas: Sequence[Any] | None = None,
 ) -> Decision:
-    """Re-plan on ``stats`` and compare with the running ``current`` permutation, the gain capped
-    by the rise over ``baseline`` (see the module docstring). Never raises for a job it cannot
-    re-plan: the decision is Stay, and why."""
+    """Re-plan on ``stats`` and compare with the running ``current`` permutation (and, for a plan
+    with copies, the running ``current_replicas``, ``LayerReplicas`` per layer; None: one copy per
+    expert), the gain capped by the rise over ``baseline`` (see the module docstring). Never
+    raises for a job it cannot re-plan: the decision is Stay, and why."""
     cur = np.asarray(current, dtype=np.int64)
     stay = Decision(False, [list(map(int, row)) for row in current], 0, 0, "")
     shape = (inp.num_layers, inp.num_experts)
@@ -331,8 +377,9 @@ def decide(
         return _stay(stay, f"strategy {inp.strategy} does not use routing statistics")
     if inp.dispatcher == "autoep":
         return _stay(stay, "dispatcher AutoEP sends the same bytes for every placement")
-    if inp.replicas:
-        return _stay(stay, "the plan has extra expert copies (placement.replicas): kept")
+    if inp.copies is not None and stats.token_experts is None:
+        why = "the plan's expert copies are placed on token samples; the statistics have none"
+        return _stay(stay, why)
     if stats.tokens == 0:
         return _stay(stay, "the statistics record no tokens")
     W = inp.topology.num_gpus
@@ -344,7 +391,11 @@ def decide(
         max(LOAD_TOLERANCE, tolerance_to_keep(stats.load[layer].astype(float), e2r, inp.ep_size))
         for layer, e2r in enumerate(map(running.expert2rank, range(inp.num_layers)))
     ]
-    before_l = _layer_cross_group(cur, inp, stats, scale)
+    now: Layout = (
+        cur,
+        None if inp.copies is None else rc.from_contract(current_replicas, current, inp.ep_size),
+    )
+    before_l = _bytes(now, inp, stats, scale)
     split = routing.folds(stats)
     if split is None and stats.token_experts is not None:
         why = (
@@ -354,16 +405,22 @@ def decide(
         )
         return _stay(stay, why, float(before_l.sum()))
     try:
-        cand = _solve(inp, stats, tol)
-        held = None if split is None else _held_out_saving(inp, cur, split, tol, scale)
+        cand = _fit(inp, stats, tol)
+        held = None if split is None else _held_out_saving(inp, now, split, tol, scale)
     except ValueError as exc:
         return _stay(stay, str(exc), float(before_l.sum()))
-    cand_l = _layer_cross_group(cand.permutation, inp, stats, scale)
+    cand_l = _bytes(cand, inp, stats, scale)
     # per layer: the solver's layout only where it sends less on the window AND a re-fit saved
     # bytes on tokens it was not fitted on; the saving credited is the smaller of the two
     saving = before_l - cand_l if held is None else np.minimum(held[0], before_l - cand_l)
     take = saving > 0
-    perm = np.where(take[:, None], cand.permutation, cur)
+    copies = None
+    if inp.copies is not None and cand[1] is not None and now[1] is not None:
+        take = rc.fit_memory(take, saving, now[1], cand[1], inp.ep_size, inp.copies.per_rank)
+        copies = rc.to_contract(
+            [c if t else r for t, c, r in zip(take, cand[1], now[1], strict=True)]
+        )
+    perm = np.where(take[:, None], cand[0], cur)
     before = float(before_l.sum())
     after = before - float(saving[take].sum())
     credited = after if baseline is None else max(after, min(before, baseline))
@@ -379,9 +436,11 @@ def decide(
         )
         + f"; switch at >= {min_gain_percent}%"
     )
+    if copies is not None:
+        what += f"; {sum(len(h) - 1 for c in copies for h in c['holders'])} extra expert copies"
     if before <= 0 or gain < min_gain_percent or not take.any():
         return Decision(False, stay.permutation, round(before), round(after), "stay: " + what)
-    return Decision(True, perm.tolist(), round(before), round(after), "switch: " + what)
+    return Decision(True, perm.tolist(), round(before), round(after), "switch: " + what, copies)
 
 
 def _stay(stay: Decision, why: str, before: float = 0.0) -> Decision:

@@ -59,7 +59,9 @@ def _launch_children(p: Pass, spec: JobSpec, plan: MoEPlan) -> None:
     plan_cm = [p.new_plan_cm] if p.new_plan_cm is not None else []
     if spec.placement.replan is not None:
         assert plan.placement is not None, "the planner writes a placement (plan_json checks it)"
-        p.placement_cm = configmaps.placement_configmap(p.job, plan.placement.permutation)
+        p.placement_cm = configmaps.placement_configmap(
+            p.job, plan.placement.permutation, plan.placement.replicas
+        )
     created = p.client.create_all(
         [*plan_cm, rbac.service_account(p.job)], claim=_trainer_children(p)
     )

@@ -93,7 +93,12 @@ def step(p: Pass, spec: JobSpec, plan: MoEPlan, progress: dict[str, Any] | None)
         if current.generation > 0 and current.predicted is not None
         else inputs.baseline
     )
-    d = core.decide(inputs, current.permutation, stats, rp.min_predicted_gain_percent, baseline)
+    # the copies running: the last switch's, else the plan's (a seed before copies were written)
+    seed = None if plan.placement is None else plan.placement.replicas
+    reps = current.replicas if current.generation > 0 else seed
+    d = core.decide(
+        inputs, current.permutation, stats, rp.min_predicted_gain_percent, baseline, reps
+    )
     p.status["replan"] = {
         "checkedAtStep": stats_step,
         "generation": current.generation,
@@ -113,6 +118,7 @@ def step(p: Pass, spec: JobSpec, plan: MoEPlan, progress: dict[str, Any] | None)
         predicted=placement_update.Predicted(
             cross_group_bytes_before=float(d.before), cross_group_bytes_after=float(d.after)
         ),
+        replicas=d.replicas,
     )
     body = {
         "apiVersion": "v1",

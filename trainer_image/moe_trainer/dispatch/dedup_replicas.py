@@ -79,6 +79,36 @@ def plan_layouts(layout: Layout, replicas, permutation) -> list[Layout]:
     return out
 
 
+def relayout(blocks, replicas, permutation) -> None:
+    """Re-placement during a job: every installed dedup layer's copies become ``replicas`` (the
+    plan's convention, original ids; None: one copy per expert) under ``permutation``. The dispatch
+    groups stay (the ranks do not change), so no process group is created; the layouts are checked
+    before any layer changes. Collective only in that every rank must call it alike."""
+    import dataclasses
+
+    from moe_trainer.dispatch.dedup_ep import Plan
+
+    plans = [getattr(b, "dedup_plan", None) for b in blocks]
+    if not any(p is not None for p in plans):
+        if replicas is not None and any(len(h) > 1 for r in replicas for h in r.holders):
+            raise DispatchError("placement.replicas: no layer runs the dedup dispatcher")
+        return
+    base = next(p for p in plans if p is not None).layout
+    layouts = [dataclasses.replace(base, holders=None, serve=None)] * len(blocks)
+    if replicas is not None:
+        layouts = plan_layouts(layouts[0], replicas, permutation)
+    for block, old, layout in zip(blocks, plans, layouts, strict=True):
+        if old is not None:
+            layout.check(old.P, len(layout.expert2rank), block.num_local_experts)
+    for block, old, layout in zip(blocks, plans, layouts, strict=True):
+        if old is None:
+            continue
+        block.dedup_plan = Plan(
+            layout, old.me, old.ep_group, old.rail_group, old.group_group, old.e2r.device
+        )
+        install_experts(block)
+
+
 def serve_table(blocks) -> list[list[list[int]]] | None:
     """``[L][P][E]``: the EP rank serving each router expert to tokens of each EP rank, for
     `moe_contracts.dispatch.tier_bytes`; None when no installed layer has copies."""
