@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from moe_contracts import placement_update as PU
@@ -256,3 +257,9 @@ def test_routing_stats_carry_the_window_since_the_previous_checkpoint(runs):
     assert window is not None and doc["window"]["fromStep"] == STEPS - EVERY
     assert window.steps == EVERY and whole.steps == STEPS
     assert window.tokens * STEPS == whole.tokens * EVERY
+    # the window's own sample (it holds fewer tokens than routingSampleTokens: all of them),
+    # routed after the switch and read in original ids, counts to the window's load
+    te = window.token_experts
+    assert te is not None and te.shape[1] == window.tokens
+    for layer, want in enumerate(window.load):
+        assert np.bincount(te[layer].ravel(), minlength=len(want)).tolist() == want.tolist()

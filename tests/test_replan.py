@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_contracts import placement_update as PU
+from moe_contracts.errors import DocumentError
 from moe_contracts.progress import parse_progress
 from moe_contracts.routing import (
     configmap_text,
@@ -217,6 +218,31 @@ def test_routing_window():
     bad = json.loads(json.dumps(doc))
     bad["window"]["tokens"] = 5
     with pytest.raises(Exception, match="window"):
+        window_stats(bad)
+
+
+def test_window_stats_read_the_windows_own_samples():
+    """A window with its own ``tokenSamples`` reads them (not the whole run's cut at
+    ``fromStep``); their steps must lie in the window; without them the fallback reads on."""
+    load1 = np.array([[2, 2, 2, 2]])
+    coact1 = np.array([[[0, 1, 1, 0], [1, 0, 0, 1], [1, 0, 0, 1], [0, 1, 1, 0]]])
+    w = routing.RoutingWindow()
+    w.advance(load1, coact1, 4, 2)
+    own = {"experts": [[[1, 2], [0, 3], [0, 1]]], "steps": [5, 3, 6]}
+    window = w.doc(load1 * 3, coact1 * 3, 12, 6, own)
+    doc = _doc(load1 * 3, coact1 * 3, 12, 6, window, [[[0, 1], [2, 3], [0, 3]]], [1, 3, 6])
+    win = window_stats(doc)
+    assert win is not None and win.token_experts is not None and win.token_steps is not None
+    assert win.token_experts.tolist() == own["experts"] and win.token_steps.tolist() == [5, 3, 6]
+    del doc["window"]["tokenSamples"]  # an older trainer: the whole run's, after fromStep
+    old = window_stats(doc)
+    assert old is not None and old.token_experts.tolist() == [[[2, 3], [0, 3]]]
+    bad = json.loads(json.dumps(doc))
+    bad["window"]["tokenSamples"] = dict(own, steps=[5, 2, 6])
+    with pytest.raises(DocumentError, match=r"window\.tokenSamples\.steps\[1\]: 2 is outside"):
+        window_stats(bad)
+    bad["window"]["tokenSamples"] = {"experts": [[[1, 1]]], "steps": [5]}
+    with pytest.raises(DocumentError, match=r"window\.tokenSamples\.experts.*repeats"):
         window_stats(bad)
 
 

@@ -1,7 +1,8 @@
 """End to end on CPU: 2-process ZeRO-3 + AutoEP (EP size 2) tiny Mixtral from the plan fixture.
 
 One straight 10-step run and one run killed after step 7 (fault hook, exit 75) then restarted;
-several assertions share these runs because each costs ~40 s of the machine's 2 cores.
+several assertions share these runs because each costs ~40 s of the machine's 2 cores. Their
+token sample keeps fewer tokens than a run routes (``SAMPLE_TOKENS``), so it is a real sample.
 """
 
 import json
@@ -16,6 +17,7 @@ from moe_trainer.launch import launch
 
 pytestmark = pytest.mark.slow
 PLAN = Path(__file__).parent / "fixtures" / "plans" / "tiny_mixtral_autoep.json"
+SAMPLE_TOKENS = 128  # training.routingSampleTokens of the shared runs: half a step's tokens
 
 
 def run(ckpt: Path, plan: Path = PLAN, nproc: int = 2, **env) -> list[int]:
@@ -41,12 +43,16 @@ def run(ckpt: Path, plan: Path = PLAN, nproc: int = 2, **env) -> list[int]:
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("autoep")
     straight, resumed = base / "straight", base / "resumed"
+    doc = json.loads(PLAN.read_text())
+    doc["training"]["routingSampleTokens"] = SAMPLE_TOKENS
+    plan = base / "plan.json"
+    plan.write_text(json.dumps(doc))
     codes = {
-        "straight": run(straight, MOE_VERIFY_PLACEMENT="1"),
-        "killed": run(resumed, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75"),
+        "straight": run(straight, plan, MOE_VERIFY_PLACEMENT="1"),
+        "killed": run(resumed, plan, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75"),
     }
     killed_progress = json.loads((resumed / "progress.json").read_text())
-    codes["restarted"] = run(resumed, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75")
+    codes["restarted"] = run(resumed, plan, MOE_FAULT_EXIT_AT_STEP="7", MOE_FAULT_EXIT_CODE="75")
     return {
         "codes": codes,
         "straight": straight,
@@ -152,6 +158,25 @@ def test_routing_stats_progress_and_heatmap(runs):
     assert len(measured) == 2 and (measured > 0).all()
     assert 0.9 < measured.sum() / predicted.sum() < 1.1, (measured, predicted)  # 0.98 here
     assert (d / "ds" / "latest").read_text().strip() == "step-10"
+
+
+def test_the_last_window_carries_a_full_sample_of_its_own(runs):
+    """The final publish's window is step 10 alone (the checkpoint at step 9 published before it):
+    256 tokens, of which it carries a full sample of its own, ``SAMPLE_TOKENS`` of them, all of
+    step 10, over both ranks. The whole-run sample holds about a tenth of that from step 10: cut
+    out of it, the window would have been too small for the re-placement decision. The resumed
+    run (restarted from step 6) published the same window (``ra == rb`` above)."""
+    from moe_contracts.routing import window_stats
+
+    stats = json.loads((runs["straight"] / "routing_stats.json").read_text())
+    assert stats["window"]["fromStep"] == 9 and stats["window"]["tokens"] == 2 * 2 * 64
+    window = window_stats(stats)
+    assert window is not None and window.token_steps is not None
+    assert window.token_experts.shape[1] == SAMPLE_TOKENS
+    assert set(window.token_steps.tolist()) == {10}
+    whole = check_routing_stats(stats)
+    assert whole.token_steps is not None and len(whole.token_steps) == SAMPLE_TOKENS
+    assert int((whole.token_steps == 10).sum()) < SAMPLE_TOKENS // 2
 
 
 @pytest.mark.parametrize(

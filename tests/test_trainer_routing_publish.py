@@ -97,6 +97,29 @@ def test_publish_reports_success_and_failure():
     assert not bad["published"] and "403" in bad["message"]
 
 
+def test_a_cut_of_the_windows_sample_is_reported():
+    """The status message says how far each sample (whole run, window) was cut to fit."""
+    doc = stats_doc(tokens=512)
+    rng = np.random.default_rng(1)
+    ex = [[sorted(rng.choice(8, 2, replace=False).tolist()) for _ in range(512)] for _ in range(2)]
+    doc["tokenSamples"] = {"experts": ex, "steps": [3] * 512}
+    doc["window"] = {
+        **{k: doc[k] for k in ("tokens", "load", "coactivation")},
+        "fromStep": 0,
+        "toStep": 3,
+        "steps": 3,
+        "tokenSamples": doc["tokenSamples"],
+    }
+    bare = dict(doc, tokenSamples=None, window=dict(doc["window"], tokenSamples=None))
+    gz = [encode(d, encode(d).json_bytes - 1).stored_bytes for d in (bare, doc)]  # gzip+base64
+    limit = (gz[0] + gz[1]) // 2  # about half the samples' room
+    status = RoutingStatsPublisher(FakeSend(), limit=limit).publish(doc, step=3, file_path=None)
+    enc = encode(doc, limit)
+    assert status["published"] and 0 < enc.window_samples < 512 and 0 < enc.samples < 512
+    assert f"token samples cut from 512 to {enc.samples}" in status["message"]
+    assert f"(the window's from 512 to {enc.window_samples})" in status["message"]
+
+
 def test_publisher_needs_the_env_and_in_cluster_credentials(monkeypatch):
     monkeypatch.delenv(routing_publish.ENV, raising=False)
     assert RoutingStatsPublisher.from_env() is None

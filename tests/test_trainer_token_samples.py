@@ -1,6 +1,8 @@
 """The trainer's token sample: the bottom-k keys of everything routed, across micro steps, resumes
-and ranks (merged over gloo), reported in original expert ids; too-large documents publish a cut."""
+and ranks (merged over gloo), reported in original expert ids; too-large documents publish a cut.
+The window's own sample: the bottom-k keys of the tokens routed since the previous publish."""
 
+import json
 import socket
 
 import numpy as np
@@ -9,7 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_contracts.routing import decode_configmap, parse_routing_stats, routing_stats_doc
+from moe_contracts.routing import (
+    configmap_text,
+    decode_configmap,
+    parse_routing_stats,
+    routing_stats_doc,
+    window_stats,
+)
 from moe_contracts.routing import encode_configmap as encode
 from moe_trainer.telemetry.routing import RoutingWindow
 from moe_trainer.telemetry.token_samples import TokenSampler, to_original_ids
@@ -22,17 +30,17 @@ def _topk(step, micro, rank, T=50):
     return [torch.argsort(torch.rand(T, E, generator=g), dim=1)[:, :K] for _ in range(L)]
 
 
-def _feed(sampler, rank, steps=6, micros=2):
-    for step in range(1, steps + 1):
+def _feed(sampler, rank, steps=6, micros=2, first=1):
+    for step in range(first, steps + 1):
         for micro in range(micros):
             sampler.add(_topk(step, micro, rank), step, micro)
 
 
-def _all_tokens(ranks, steps=6, micros=2):
+def _all_tokens(ranks, steps=6, micros=2, first=1):
     """keys, experts[N, L, k], steps of every routed token, drawn like TokenSampler draws them."""
     keys, ex, st = [], [], []
     for rank in ranks:
-        for step in range(1, steps + 1):
+        for step in range(first, steps + 1):
             for micro in range(micros):
                 s = TokenSampler(L, K, 1, 7, rank, 1)
                 g = torch.Generator().manual_seed(
@@ -121,12 +129,78 @@ def test_trainer_document_carries_the_step_of_each_sampled_token():
     acc = SimpleNamespace(load=torch.zeros(L, E), coact=torch.zeros(L, E, E), tokens=0, steps=6)
     fake = SimpleNamespace(acc=acc, permutation=[list(range(E))] * L, top_k=K, model_name="m")
     fake.window = RoutingWindow()
-    doc = Trainer.routing_doc(fake, merged)
+    doc = Trainer.routing_doc(fake, merged, s.take_window("cpu"))
     order = torch.argsort(keys)[:64]
     assert doc["tokenSamples"]["steps"] == steps[order].tolist()
     for layer in range(L):
         want = torch.sort(ex[order][:, layer], dim=-1).values.tolist()
         assert doc["tokenSamples"]["experts"][layer] == want
+    # the first window is the whole run: its own sample is the same bottom-k
+    assert doc["window"]["tokenSamples"] == doc["tokenSamples"]
+    assert Trainer.routing_doc(fake, merged)["window"].get("tokenSamples") is None
+
+
+def test_the_window_keeps_its_own_bottom_k_since_the_last_publish():
+    """After a publish at step 3, the window pool is the bottom-``capacity`` keys of the tokens of
+    steps 4..6 exactly (the whole-run pool keeps its own); a window with fewer tokens than the
+    capacity keeps them all; publishing empties it."""
+    s = TokenSampler(L, K, 64, 7, 0, 1)
+    _feed(s, 0, steps=3)
+    first = s.take_window("cpu")
+    keys, ex, steps = _all_tokens([0], steps=3)
+    assert torch.equal(first["keys"], keys[torch.argsort(keys)[:64]])
+    _feed(s, 0, steps=6, first=4)
+    keys, ex, steps = _all_tokens([0], steps=6, first=4)
+    order = torch.argsort(keys)[:64]
+    got = s.take_window("cpu")
+    assert torch.equal(got["keys"], keys[order]) and torch.equal(got["steps"].long(), steps[order])
+    assert torch.equal(got["experts"].long(), ex[order])
+    whole_keys, _, _ = _all_tokens([0])
+    assert torch.equal(s.merge("cpu")["keys"], whole_keys[torch.argsort(whole_keys)[:64]])
+    assert len(s.take_window("cpu")["keys"]) == 0  # nothing routed since
+    big = TokenSampler(L, K, 150, 7, 0, 1)
+    _feed(big, 0, steps=5)
+    big.take_window("cpu")
+    _feed(big, 0, steps=6, first=6)  # 100 tokens < capacity
+    got = big.take_window("cpu")
+    assert len(got["keys"]) == 100 and set(got["steps"].tolist()) == {6}
+
+
+def test_a_late_window_is_a_full_uniform_sample():
+    """Late in a long run the window still holds ``capacity`` tokens, spread evenly over its steps
+    (keys are seeded: the counts are the same on every run), where the tokens of the whole-run
+    sample routed in the window are about ``capacity x window / run``."""
+    s = TokenSampler(L, K, 200, 7, 0, 1)
+    _feed(s, 0, steps=30)
+    s.take_window("cpu")
+    _feed(s, 0, steps=40, first=31)  # 10 steps x 100 tokens
+    whole = s.merge("cpu")
+    window = s.take_window("cpu")
+    per_step = torch.bincount(window["steps"].long() - 31, minlength=10)
+    assert len(window["keys"]) == 200 and set(window["steps"].tolist()) <= set(range(31, 41))
+    assert per_step.min() >= 5 and per_step.max() <= 45, per_step  # 20 expected per step
+    assert int((whole["steps"] > 30).sum()) < 80  # about 50
+
+
+def test_relabel_and_resume_keep_the_window():
+    """A re-placement relabels the window pool too; a resume from a checkpoint (a publish just
+    happened, the window pool is empty) continues with the same window sample as a straight run."""
+    s, moved = TokenSampler(L, K, 64, 7, 0, 1), TokenSampler(L, K, 64, 7, 0, 1)
+    _feed(s, 0, steps=3)
+    _feed(moved, 0, steps=3)
+    new_slot_of = [[(x + layer + 1) % E for x in range(E)] for layer in range(L)]
+    moved.relabel(new_slot_of)
+    a, b = s.take_window("cpu"), moved.take_window("cpu")
+    m = torch.as_tensor(new_slot_of)
+    want = torch.stack([m[layer][a["experts"][:, layer].long()] for layer in range(L)], 1)
+    assert len(a["keys"]) == 64 and torch.equal(b["experts"].long(), want)
+    state = s.state_dict(s.merge("cpu"))
+    _feed(s, 0, steps=6, first=4)
+    resumed = TokenSampler(L, K, 64, 7, 0, 1)
+    resumed.load_state_dict(state)
+    _feed(resumed, 0, steps=6, first=4)
+    x, y = s.take_window("cpu"), resumed.take_window("cpu")
+    assert all(torch.equal(x[key], y[key]) for key in ("keys", "experts", "steps"))
 
 
 def _worker(rank, world, port, out):
@@ -134,11 +208,14 @@ def _worker(rank, world, port, out):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     s = TokenSampler(L, K, 40, 7, rank, world)
-    _feed(s, rank)
+    _feed(s, rank, steps=3)
+    first_window = s.take_window("cpu")
+    _feed(s, rank, steps=6, first=4)
     merged = s.merge("cpu")
     again = s.merge("cpu")  # holdings after a merge are disjoint shares: same result
+    window = s.take_window("cpu")
     if rank == 0:
-        torch.save({"first": merged, "again": again}, out)
+        torch.save({"first": merged, "again": again, "windows": [first_window, window]}, out)
     dist.destroy_process_group()
 
 
@@ -153,6 +230,12 @@ def test_merge_over_two_gloo_ranks_is_the_global_bottom_k(tmp_path):
     order = torch.argsort(keys)[:40]
     for m in (got["first"], got["again"]):
         assert torch.equal(m["keys"], keys[order]) and torch.equal(m["experts"].long(), ex[order])
+    for window, first in zip(got["windows"], (1, 4), strict=True):  # steps 1..3, then 4..6
+        keys, ex, st = _all_tokens([0, 1], steps=first + 2, first=first)
+        order = torch.argsort(keys)[:40]
+        assert torch.equal(window["keys"], keys[order])
+        assert torch.equal(window["experts"].long(), ex[order])
+        assert torch.equal(window["steps"].long(), st[order])
 
 
 def test_too_large_document_publishes_a_cut_sample():
@@ -172,3 +255,32 @@ def test_too_large_document_publishes_a_cut_sample():
     sent = decode_configmap(enc.body)
     assert sent.token_experts[0].tolist() == te.tolist()[: enc.samples]
     assert sent.token_steps.tolist() == steps[: enc.samples]  # cut with the experts: aligned
+
+
+def test_too_large_document_cuts_both_samples_and_still_decodes():
+    """The whole run's and the window's samples are both cut (the larger first), each a prefix
+    with its steps aligned; the window reads its own cut sample."""
+    rng = np.random.default_rng(0)
+    te = np.sort(np.stack([rng.choice(E, K, replace=False) for _ in range(2000)]), 1)
+    load = np.stack([np.bincount(te.ravel(), minlength=E)])
+    co = np.zeros((1, E, E), dtype=np.int64)
+    for a, b in te:
+        co[0, a, b] += 1
+        co[0, b, a] += 1
+    steps = (np.arange(2000) * 7919 % 300 + 1).tolist()
+    wte, wsteps = te[::-2][:1000].tolist(), steps[::-2][:1000]  # another order, another sample
+    window = RoutingWindow().doc(load, co, 2000, 300, {"experts": [wte], "steps": wsteps})
+    doc = routing_stats_doc(
+        load, co, 2000, 300, K, "m", samples=[te.tolist()], sample_steps=steps, window=window
+    )
+    full = encode(doc, limit=10**9)
+    assert (full.samples, full.window_samples) == (2000, 1000)
+    enc = encode(doc, limit=3000)
+    assert enc.key is not None and 0 < enc.samples < 2000 and 0 < enc.window_samples < 1000
+    assert max(enc.samples, enc.window_samples) <= 2 * min(enc.samples, enc.window_samples)
+    sent = decode_configmap(enc.body)
+    assert sent.token_experts[0].tolist() == te.tolist()[: enc.samples]
+    assert sent.token_steps.tolist() == steps[: enc.samples]
+    win = window_stats(json.loads(configmap_text(enc.body) or ""))
+    assert win is not None and win.token_experts[0].tolist() == wte[: enc.window_samples]
+    assert win.token_steps.tolist() == wsteps[: enc.window_samples]

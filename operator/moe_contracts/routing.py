@@ -18,9 +18,18 @@ Optional ``window`` (the trainer writes it; readers that do not know it ignore i
 the recent window only, the steps since the previous publish (the previous checkpoint), for
 drift detection and re-planning during a job (``moe_contracts.placement_update``):
 ``{"fromStep", "toStep", "tokens", "steps", "load"[L][E], "coactivation"[L][E][E]}``, the same
-invariants as the whole-run counts; the window's token samples are the ``tokenSamples`` whose
-``steps`` are above ``fromStep`` (:func:`window_stats` reads it as a RoutingStats). In the
-ConfigMap the window is dropped (whole-run counts kept) when nothing else makes the document fit.
+invariants as the whole-run counts, and optionally its own ``tokenSamples`` (the top-level shape
+and meaning: a uniform sample of the window's tokens, each ``steps`` in ``(fromStep, toStep]``),
+which the trainer keeps apart from the whole run's so that a late, short window is not left with
+its small share of the whole-run sample. :func:`window_stats` reads the window as a RoutingStats:
+its own samples, else (older trainers) the whole-run ``tokenSamples`` whose ``steps`` are above
+``fromStep``.
+
+The ConfigMap copy (:func:`encode_configmap`) is cut until it fits: first the token samples, the
+larger of the two halved each time (the whole run's on a tie), so both keep an equal share of the
+room (the operator's re-placement decides on the window's, which it needs in quantity to decide
+at all; a later job plans from the whole run's, which the checkpoint-dir file keeps in full);
+then, with no samples left, the window is dropped and the whole-run counts kept.
 """
 
 from __future__ import annotations
@@ -324,7 +333,9 @@ def window_stats(obj: dict[str, Any]) -> RoutingStats | None:
     sub.update(version=2, tokens=w.get("tokens"), steps=w.get("steps"))
     sub.update(load=w.get("load"), coactivation=w.get("coactivation"))
     ts = obj.get("tokenSamples") or {}
-    if ts.get("steps") is not None and ts.get("experts"):
+    if w.get("tokenSamples") is not None:  # the window's own sample
+        sub["tokenSamples"] = w["tokenSamples"]
+    elif ts.get("steps") is not None and ts.get("experts"):
         after = int(w.get("fromStep", 0))
         keep = [i for i, st in enumerate(ts["steps"]) if st > after]
         sub["tokenSamples"] = {
@@ -332,9 +343,23 @@ def window_stats(obj: dict[str, Any]) -> RoutingStats | None:
             "steps": [ts["steps"][i] for i in keep],
         }
     try:
-        return parse_routing_stats(sub)
+        stats = parse_routing_stats(sub)
     except DocumentError as exc:
         raise DocumentError(str(exc).replace(f"{DOCUMENT} ", f"{DOCUMENT} window.", 1)) from None
+    if w.get("tokenSamples") is not None and stats.token_steps is not None:
+        _check_window_steps(stats.token_steps, w)
+    return stats
+
+
+def _check_window_steps(st: np.ndarray, w: dict[str, Any]) -> None:
+    """The window's own samples were routed in its steps: ``fromStep < steps[i] <= toStep``."""
+    bounds = (w.get("fromStep", 0), w.get("toStep"))
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds):
+        raise _err("window.fromStep/toStep", list(bounds), "are not integers")
+    out = (st <= bounds[0]) | (st > bounds[1])
+    if out.any():
+        i = int(np.flatnonzero(out)[0])
+        raise _err(f"window.tokenSamples.steps[{i}]", int(st[i]), "is outside (fromStep, toStep]")
 
 
 # ---- the <job>-routing-stats ConfigMap ---------------------------------------------------------
@@ -347,31 +372,55 @@ class Encoded:
     json_bytes: int  # compact JSON size
     stored_bytes: int  # size of the value stored (JSON text, or base64 of the gzip)
     samples: int = 0  # tokenSamples kept per layer
+    window_samples: int = 0  # window.tokenSamples kept per layer (0 too when the window is cut)
 
 
 def encode_configmap(doc: dict[str, Any], limit: int = LIMIT_BYTES) -> Encoded:
     """The merge-patch for the ConfigMap: the whole document when it fits, else the smallest cut
-    of ``tokenSamples`` (halving: the trainer's sample is in key order, so a prefix of it is
-    uniform; ``steps`` is cut with it and stays aligned) that fits."""
-    ts = doc.get("tokenSamples") or {}
-    samples: list[Any] = ts.get("experts") or []
-    sample_steps: list[Any] | None = ts.get("steps")
-    n = len(samples[0]) if samples else 0
+    (the module docstring's order) that fits: the larger of ``tokenSamples`` and
+    ``window.tokenSamples`` halved each time (the trainer's samples are in key order, so a prefix
+    is uniform; ``steps`` is cut with the experts and stays aligned), then the window dropped."""
+    window = doc.get("window") if isinstance(doc.get("window"), dict) else None
+    whole_ts, window_ts = doc.get("tokenSamples"), (window or {}).get("tokenSamples")
+    n, m = _num_samples(whole_ts), _num_samples(window_ts)
     while True:
-        enc = _encode(doc, limit)
-        if enc.body is None and not n and "window" in doc:
+        cut = dict(doc)
+        _put_samples(cut, _cut_samples(whole_ts, n))
+        if "window" in cut and window is not None:
+            cut["window"] = dict(window)
+            _put_samples(cut["window"], _cut_samples(window_ts, m))
+        enc = _encode(cut, limit)
+        if enc.body is not None:
+            return Encoded(enc.body, enc.key, enc.json_bytes, enc.stored_bytes, n, m)
+        if n or m:
+            n, m = (n // 2, m) if n >= m else (n, m // 2)
+        elif "window" in doc:
             doc = {k: v for k, v in doc.items() if k != "window"}  # whole-run counts first
-            continue
-        if enc.body is not None or not n:
-            return Encoded(enc.body, enc.key, enc.json_bytes, enc.stored_bytes, n)
-        n //= 2
-        doc = dict(doc)
-        if n:
-            doc["tokenSamples"] = {"experts": [layer[:n] for layer in samples]}
-            if sample_steps is not None:
-                doc["tokenSamples"]["steps"] = sample_steps[:n]
+            window, m = None, 0
         else:
-            doc.pop("tokenSamples")
+            return Encoded(None, None, enc.json_bytes, enc.stored_bytes, 0, 0)
+
+
+def _num_samples(ts: Any) -> int:
+    experts = ts.get("experts") if isinstance(ts, dict) else None
+    return len(experts[0]) if experts else 0
+
+
+def _cut_samples(ts: Any, n: int) -> dict[str, Any] | None:
+    """The first ``n`` sampled tokens of a ``tokenSamples`` (None for none)."""
+    if not n:
+        return None
+    out = {"experts": [layer[:n] for layer in ts["experts"]]}
+    if ts.get("steps") is not None:
+        out["steps"] = ts["steps"][:n]
+    return out
+
+
+def _put_samples(obj: dict[str, Any], ts: dict[str, Any] | None) -> None:
+    if ts is None:
+        obj.pop("tokenSamples", None)
+    else:
+        obj["tokenSamples"] = ts
 
 
 def _encode(doc: dict[str, Any], limit: int) -> Encoded:

@@ -38,8 +38,7 @@ from moe_trainer.telemetry.commtime import CommTimer
 from moe_trainer.telemetry.health import HealthMonitor, fragmentation, memory_peaks
 from moe_trainer.telemetry.progress import ConfigMapPublisher, Metrics, write_json_atomic
 from moe_trainer.telemetry.routing_publish import RoutingStatsPublisher, RoutingStatsStatus
-from moe_trainer.telemetry.token_samples import TokenSampler
-from moe_trainer.telemetry.token_samples import to_original_ids as samples_to_original_ids
+from moe_trainer.telemetry.token_samples import TokenSampler, samples_doc
 
 log = logging.getLogger("moe_trainer")
 
@@ -325,15 +324,15 @@ class Trainer:
         return float(lm_total), float(aux_total), load, coact, maxlog
 
     # ---- reports -----------------------------------------------------------------------------
-    def routing_doc(self, merged: dict | None = None) -> dict:
+    def routing_doc(self, merged: dict | None = None, window: dict | None = None) -> dict:
         """Whole-run RoutingStats; with ``merged`` (TokenSampler.merge) it carries the token
-        sample and the step of each sampled token (same order: the sampler keeps whole tokens)."""
+        sample and the step of each sampled token (same order: the sampler keeps whole tokens),
+        with ``window`` (TokenSampler.take_window) the window's own sample in ``window``."""
         load, coact = routing.to_original_ids(
             self.acc.load.cpu().numpy(), self.acc.coact.cpu().numpy(), self.permutation
         )
-        samples = (
-            None if merged is None else samples_to_original_ids(merged["experts"], self.permutation)
-        )
+        whole = samples_doc(merged, self.permutation) or {}
+        recent = samples_doc(window, self.permutation)
         return routing_stats_doc(
             load,
             coact,
@@ -341,22 +340,22 @@ class Trainer:
             self.acc.steps,
             self.top_k,
             self.model_name,
-            samples=samples,
-            sample_steps=None if merged is None else merged["steps"].tolist(),
-            window=self.window.doc(load, coact, self.acc.tokens, self.acc.steps),
+            samples=whole.get("experts"),
+            sample_steps=whole.get("steps"),
+            window=self.window.doc(load, coact, self.acc.tokens, self.acc.steps, recent),
         )
 
     def write_routing(self, merged: dict | None = None) -> None:
         """Whole-run RoutingStats (rank 0): file in the checkpoint dir + ConfigMap for the next
-        plan.
-        Collective (every rank calls it: the token sample is merged over ranks)."""
+        plan. Collective (every rank calls it: the token samples are merged over ranks)."""
         if self._routing_written_step == self.acc.steps:
             return
         merged = self.samples.merge(self.env.device) if merged is None else merged
+        window = self.samples.take_window(self.env.device)  # and the next window starts
         self._routing_written_step = self.acc.steps
         if not self.is_rank0:
             return
-        doc = self.routing_doc(merged)
+        doc = self.routing_doc(merged, window)
         path = None
         if self.ckpt_dir:
             path = str(Path(self.ckpt_dir) / contract_env.ROUTING_STATS_KEY)

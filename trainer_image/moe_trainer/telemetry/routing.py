@@ -166,12 +166,13 @@ class RoutingWindow:
     def __init__(self):
         self.base: dict | None = None  # {"load", "coact", "tokens", "steps"} at the last publish
 
-    def doc(self, load, coact, tokens: int, steps: int) -> dict:
-        """``window`` of a document whose whole-run counts are these (original ids)."""
+    def doc(self, load, coact, tokens: int, steps: int, samples: dict | None = None) -> dict:
+        """``window`` of a document whose whole-run counts are these (original ids); with
+        ``samples`` (``token_samples.samples_doc`` of the window's pool), its ``tokenSamples``."""
         import numpy as np
 
         b = self.base or {"load": 0, "coact": 0, "tokens": 0, "steps": 0}
-        return {
+        doc = {
             "fromStep": int(b["steps"]),
             "toStep": int(steps),
             "tokens": int(tokens - b["tokens"]),
@@ -179,6 +180,9 @@ class RoutingWindow:
             "load": np.rint(np.asarray(load) - b["load"]).astype(np.int64).tolist(),
             "coactivation": np.rint(np.asarray(coact) - b["coact"]).astype(np.int64).tolist(),
         }
+        if samples is not None:
+            doc["tokenSamples"] = samples
+        return doc
 
     def advance(self, load, coact, tokens: int, steps: int) -> None:
         import numpy as np

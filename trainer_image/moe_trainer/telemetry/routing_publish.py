@@ -5,9 +5,10 @@
 A ConfigMap holds at most 1 MiB (`data` + `binaryData`), and co-activation is `L x E x E` counts:
   - JSON (compact) up to LIMIT_BYTES        -> `data["routing_stats.json"]`;
   - else gzip + base64 up to LIMIT_BYTES    -> `binaryData["routing_stats.json.gz"]`;
-  - else, when the document carries `tokenSamples`, the same with the sample cut in half (a
-    prefix of a uniform sample is uniform; `tokenSamples.steps` is cut with it) until it fits,
-    down to none;
+  - else, when the document carries `tokenSamples` (whole run) or `window.tokenSamples` (the
+    window's own), the same with the larger of the two samples cut in half (a prefix of a uniform
+    sample is uniform; `steps` is cut with it) until it fits, down to none, then without the
+    window (the contract's order, ``moe_contracts.routing``);
   - else nothing is patched: the log and the progress document say so, and the statistics stay in
     `<checkpoint dir>/routing_stats.json` (the file always keeps the whole sample).
 Each patch removes the other key (merge-patch null), so a reader never sees two generations.
@@ -84,9 +85,12 @@ class RoutingStatsPublisher:
             status["published"] = True
             status["message"] = f"published as {enc.key} ({enc.stored_bytes} bytes) at step {step}"
             full = len((doc.get("tokenSamples") or {}).get("experts", [[]])[0])
-            if enc.samples < full:
+            window = (doc.get("window") or {}).get("tokenSamples") or {}
+            window_full = len(window.get("experts", [[]])[0])
+            if enc.samples < full or enc.window_samples < window_full:
                 status["message"] += (
-                    f", token samples cut from {full} to {enc.samples} to fit "
+                    f", token samples cut from {full} to {enc.samples} (the window's from "
+                    f"{window_full} to {enc.window_samples}) to fit "
                     f"(all of them in {file_path or 'no checkpoint dir'})"
                 )
             log.info(

@@ -12,6 +12,14 @@ Each rank keeps the bottom-``capacity`` of what it holds; the global bottom-``ca
 inside the union of the ranks' holdings, so ``merge`` (a collective, at checkpoint time) gathers
 the keys, picks the global winners and gathers only their expert sets. After a merge rank r keeps
 every W-th winner (``i % W == r``): the holdings stay disjoint and the invariant holds.
+
+A second pool, ``window``, keeps the bottom-``capacity`` of the same keys over the tokens routed
+since the previous RoutingStats publish only (:meth:`TokenSampler.take_window` merges it the same
+way and empties it): the document's ``window`` carries its own uniform sample. A window cut out of
+the whole-run sample would hold about ``capacity x window / run`` tokens, too few late in a long
+run for the re-placement decision, which reads the window. Every checkpoint publishes just before
+it saves the state (``Trainer.save``; without a checkpoint dir there is no resume), so a
+checkpoint's window pool is always empty, a resume starts it empty, and it has no checkpoint state.
 """
 
 from __future__ import annotations
@@ -24,7 +32,14 @@ class TokenSampler:
     """keys[n] float64, experts[n, L, k] int16 (slot ids), steps[n] int32 (the step, 1-based)."""
 
     def __init__(
-        self, num_layers: int, top_k: int, capacity: int, seed: int, rank: int, world: int
+        self,
+        num_layers: int,
+        top_k: int,
+        capacity: int,
+        seed: int,
+        rank: int,
+        world: int,
+        window: bool = True,
     ):
         self.L, self.k, self.capacity = num_layers, top_k, int(capacity)
         self.seed, self.rank, self.world = int(seed), int(rank), int(world)
@@ -34,6 +49,14 @@ class TokenSampler:
         # CUDA: (keys, experts [pinned, copy in flight], steps, event) not yet folded in; the
         # forward's expert ids reach the host without the host waiting for the forward
         self._pending: list[tuple] = []
+        # the tokens since the last take_window, fed by this sampler's add (never its own)
+        self.window = self._empty_pool() if window else None
+
+    def _empty_pool(self) -> TokenSampler:
+        return TokenSampler(self.L, self.k, self.capacity, self.seed, self.rank, self.world, False)
+
+    def _pools(self) -> list[TokenSampler]:
+        return [self] if self.window is None else [self, self.window]
 
     def __len__(self) -> int:
         self._settle(wait=True)
@@ -47,10 +70,15 @@ class TokenSampler:
                 return
             event.synchronize()
             self._pending.pop(0)
-            self._keep(
-                torch.cat([self.keys, keys]),
-                torch.cat([self.experts, ex]),
-                torch.cat([self.steps, steps]),
+            self._fold(keys, ex, steps)
+
+    def _fold(self, keys, experts, steps) -> None:
+        """Offer candidate tokens to both pools; each keeps its own bottom-``capacity``."""
+        for pool in self._pools():
+            pool._keep(
+                torch.cat([pool.keys, keys]),
+                torch.cat([pool.experts, experts]),
+                torch.cat([pool.steps, steps]),
             )
 
     def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
@@ -63,9 +91,11 @@ class TokenSampler:
             hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF
         )
         keys = torch.rand(T, generator=g, dtype=torch.float64)
-        # a pre-filter only (pending keys are not in self.keys yet): _keep picks the exact bottom-k
-        if len(self.keys) >= self.capacity:
-            idx = torch.nonzero(keys < self.keys.max()).flatten()
+        # a pre-filter only (pending keys are not in the pools yet): _keep picks the exact
+        # bottom-k of each pool; a candidate is a token either pool could keep
+        full = [float(p.keys.max()) for p in self._pools() if len(p.keys) >= self.capacity]
+        if len(full) == len(self._pools()):
+            idx = torch.nonzero(keys < max(full)).flatten()
         else:
             idx = torch.arange(T)
         if not len(idx):
@@ -80,18 +110,16 @@ class TokenSampler:
             event.record()
             self._pending.append((keys[idx], host, steps, event))
             return
-        self._keep(
-            torch.cat([self.keys, keys[idx]]),
-            torch.cat([self.experts, ex.cpu()]),
-            torch.cat([self.steps, steps]),
-        )
+        self._fold(keys[idx], ex.cpu(), steps)
 
     def relabel(self, new_slot_of: list[list[int]]) -> None:
-        """Re-placement: a held slot id ``x`` of layer ``l`` becomes ``new_slot_of[l][x]``."""
+        """Re-placement: a held slot id ``x`` of layer ``l`` becomes ``new_slot_of[l][x]`` (the
+        window pool's too)."""
         self._settle(wait=True)
-        for layer, row in enumerate(new_slot_of):
-            m = torch.as_tensor(row, dtype=torch.int16)
-            self.experts[:, layer] = m[self.experts[:, layer].long()]
+        for pool in self._pools():
+            for layer, row in enumerate(new_slot_of):
+                m = torch.as_tensor(row, dtype=torch.int16)
+                pool.experts[:, layer] = m[pool.experts[:, layer].long()]
 
     def _keep(self, keys, experts, steps) -> None:
         if len(keys) > self.capacity:
@@ -152,6 +180,16 @@ class TokenSampler:
         self._hold_share(out)
         return out
 
+    def take_window(self, device) -> dict:
+        """Collective (every rank), at each RoutingStats publish: the sample of the tokens routed
+        since the previous one, as ``merge`` returns it; the next window starts empty."""
+        self._settle(wait=True)
+        if self.window is None:
+            raise ValueError("take_window: this sampler keeps no window pool")
+        merged = self.window.merge(device)
+        self.window = self._empty_pool()
+        return merged
+
     def _hold_share(self, merged: dict) -> None:
         # max(): fewer samples than ranks (or none) leaves this rank an empty share
         sel = torch.arange(self.rank, max(self.rank, len(merged["keys"])), self.world)
@@ -169,6 +207,7 @@ class TokenSampler:
         if not sd:
             return
         self._pending.clear()
+        self.window = self._empty_pool() if self.window is not None else None
         self._hold_share(
             {
                 "keys": sd["keys"],
@@ -177,6 +216,17 @@ class TokenSampler:
             }
         )
         self._keep(self.keys, self.experts, self.steps)
+
+
+def samples_doc(merged: dict | None, permutation) -> dict | None:
+    """A merged sample (``merge``, ``take_window``) as a RoutingStats ``tokenSamples``:
+    ``{"experts"[L][S][k] original ids, "steps"[S]}`` in key order; None when it holds none."""
+    if merged is None or not len(merged["keys"]):
+        return None
+    return {
+        "experts": to_original_ids(merged["experts"], permutation),
+        "steps": merged["steps"].tolist(),
+    }
 
 
 def to_original_ids(experts_slot: torch.Tensor, permutation) -> list[list[list[int]]]:
