@@ -28,6 +28,10 @@ Variants (each in its own process; clean CUDA memory and DeepSpeed state):
                    planner's fp32 one (each sub-group's fp32 gradient is then one cast copy)
   fast_bf16master  fast + DeepSpeed's bf16 master weights, gradients and Adam moments
                    (bf16.bf16_master_weights_and_grads + bf16_optimizer_states; not the default)
+  fast_nosample    fast without the token sample (routingSampleTokens 0; ablation)
+  fast_nowindow    fast without the token sample's window pool (ablation)
+  fast_windowreset fast with the window pool emptied after every step, as at the start of every
+                   window (a publish): every token of a step is offered to it
 Loss curves: `loss_stock` and `loss_fast`, same seed, real text (the trainer's built-in corpus,
 byte tokenizer), 200 steps.
 """
@@ -64,7 +68,12 @@ TRAINER_VARIANTS = (
     "fast_stockgrads",
     "fast_bf16accum",
     "fast_bf16master",
+    "fast_nosample",
+    "fast_nowindow",
+    "fast_windowreset",
 )
+# the token sample's ablations: variant -> (routingSampleTokens or None for the plan's, window pool)
+SAMPLE_VARIANTS = {"fast_nosample": (0, False), "fast_nowindow": (None, False)}
 PLAIN_VARIANTS = ("plain_eager", "plain_compiled")
 DEFAULT_RUNS = (
     "3b:stock,3b:fast,3b:plain_compiled,3b:plain_eager,loss:stock,loss:fast,"
@@ -171,6 +180,9 @@ def plan_doc(size: str, variant: str, steps: int, data: dict | None = None) -> d
     if variant == "fast_smallbucket":
         h = model.spec.hidden_size
         doc["deepspeed"]["zero_optimization"]["reduce_bucket_size"] = h * h
+    cap = SAMPLE_VARIANTS.get(variant, (None, True))[0]
+    if cap is not None:
+        tr["routingSampleTokens"] = cap
     return doc
 
 
@@ -239,6 +251,9 @@ def trainer_worker(
     t0 = time.perf_counter()
     trainer.build()
     build_s = time.perf_counter() - t0
+    if not SAMPLE_VARIANTS.get(variant, (None, True))[1]:  # no window pool (ablation)
+        trainer.samples.window = None
+        trainer.samples.take_window = lambda device: None
     after_init = torch.cuda.memory_allocated() if env.device.type == "cuda" else None
     marks: dict[int, float] = {}
     syncs: dict[str, int] = {}
@@ -248,6 +263,9 @@ def trainer_worker(
         if env.device.type == "cuda":
             torch.cuda.synchronize()
         marks[step] = time.perf_counter()
+        if variant == "fast_windowreset":  # the next step starts a window (its merge, once per
+            # window in a real run, is timed here every step)
+            trainer.samples.take_window(env.device)
         if profile and step == warmup + steps:  # profile the next (last) step
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as tprof

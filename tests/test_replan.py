@@ -173,7 +173,7 @@ def test_statistics_follow_the_switch():
 
     def original(perm):
         lo, co = routing.to_original_ids(acc.load.numpy(), acc.coact.numpy(), perm)
-        return lo, co, samples_to_original(sampler.experts, perm)
+        return lo, co, samples_to_original(sampler.merge("cpu")["experts"], perm)
 
     before = original(OLD)
     src = replace.slot_sources(OLD, NEW)

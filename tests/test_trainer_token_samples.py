@@ -72,6 +72,25 @@ def test_cuda_expert_ids_reach_the_sample_without_a_host_sync():
     assert len(gpu) == 64
 
 
+def test_a_full_pool_holds_at_most_twice_its_capacity_and_stays_exact():
+    """Candidates wait beside the holding until they are as many as it, then one selection folds
+    them in: the holding never exceeds twice the capacity, and every read is the exact bottom-k
+    (a step's tokens all go to a window pool just emptied)."""
+    s = TokenSampler(L, K, 64, 7, 0, 1)
+    seen = []
+    for step in range(1, 7):
+        for micro in range(2):
+            s.add(_topk(step, micro, 0), step, micro)
+            for pool in (s, s.window):
+                assert pool is not None and len(pool.keys) + pool._chunked <= 2 * 64
+            seen.append(s._thr)
+        if step == 3:
+            s.take_window("cpu")
+    assert seen[-1] <= seen[len(seen) // 2] < float("inf")  # the bound only falls
+    keys, _, _ = _all_tokens([0])
+    assert torch.equal(s.merge("cpu")["keys"], torch.sort(keys).values[:64])
+
+
 def test_single_rank_keeps_the_smallest_keys_and_survives_resume():
     s = TokenSampler(L, K, 64, 7, 0, 1)
     _feed(s, 0)

@@ -24,6 +24,8 @@ checkpoint's window pool is always empty, a resume starts it empty, and it has n
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -49,6 +51,13 @@ class TokenSampler:
         # CUDA: (keys, experts [pinned, copy in flight], steps, event) not yet folded in; the
         # forward's expert ids reach the host without the host waiting for the forward
         self._pending: list[tuple] = []
+        # candidates not yet folded into the holding: a full pool's keys at or above ``_thr``
+        # (its largest kept key at the last fold: an upper bound of it ever after) never enter;
+        # the rest wait here until they are as many as the holding, so a micro step copies and
+        # selects only its candidates, not the whole holding (every pool its own)
+        self._chunks: list[tuple] = []
+        self._chunked = 0
+        self._thr = math.inf
         # the tokens since the last take_window, fed by this sampler's add (never its own)
         self.window = self._empty_pool() if window else None
 
@@ -63,23 +72,40 @@ class TokenSampler:
         return len(self.keys)
 
     def _settle(self, wait: bool) -> None:
-        """Fold in the pending expert sets whose copies are done (every one when ``wait``)."""
+        """Fold in the pending expert sets whose copies are done; with ``wait``, every one, and
+        every pool's holding is then exactly its bottom-``capacity``."""
         while self._pending:
             keys, ex, steps, event = self._pending[0]
             if not wait and not event.query():
                 return
             event.synchronize()
             self._pending.pop(0)
-            self._fold(keys, ex, steps)
+            for pool in self._pools():
+                pool._offer(keys, ex, steps)
+        if wait:
+            for pool in self._pools():
+                pool._compact()
 
-    def _fold(self, keys, experts, steps) -> None:
-        """Offer candidate tokens to both pools; each keeps its own bottom-``capacity``."""
-        for pool in self._pools():
-            pool._keep(
-                torch.cat([pool.keys, keys]),
-                torch.cat([pool.experts, experts]),
-                torch.cat([pool.steps, steps]),
-            )
+    def _offer(self, keys, experts, steps) -> None:
+        """Candidate tokens for this pool (see ``_chunks``)."""
+        if self.capacity <= 0:
+            return
+        if self._thr < math.inf:
+            sel = torch.nonzero(keys < self._thr).flatten()
+            if not len(sel):
+                return
+            keys, experts, steps = keys[sel], experts[sel], steps[sel]
+        self._chunks.append((keys, experts, steps))
+        self._chunked += len(keys)
+        if self._chunked >= self.capacity:
+            self._compact()
+
+    def _compact(self) -> None:
+        if not self._chunks:
+            return
+        parts = [(self.keys, self.experts, self.steps), *self._chunks]
+        self._chunks, self._chunked = [], 0
+        self._keep(*(torch.cat(list(col)) for col in zip(*parts, strict=True)))
 
     def add(self, topk: list[torch.Tensor], step: int, micro: int) -> None:
         """``topk[L]`` of ``[T, k]`` expert (slot) ids of one forward pass at 1-based ``step``."""
@@ -91,13 +117,10 @@ class TokenSampler:
             hash((self.seed, self.rank, step, micro)) & 0x7FFF_FFFF_FFFF_FFFF
         )
         keys = torch.rand(T, generator=g, dtype=torch.float64)
-        # a pre-filter only (pending keys are not in the pools yet): _keep picks the exact
-        # bottom-k of each pool; a candidate is a token either pool could keep
-        full = [float(p.keys.max()) for p in self._pools() if len(p.keys) >= self.capacity]
-        if len(full) == len(self._pools()):
-            idx = torch.nonzero(keys < max(full)).flatten()
-        else:
-            idx = torch.arange(T)
+        # a pre-filter only (each pool filters by its own bound and _keep picks the exact
+        # bottom-k): a candidate is a token either pool could keep
+        thr = max(p._thr for p in self._pools())
+        idx = torch.nonzero(keys < thr).flatten() if thr < math.inf else torch.arange(T)
         if not len(idx):
             return
         dev = idx.pin_memory().to(topk[0].device, non_blocking=True) if topk[0].is_cuda else idx
@@ -110,7 +133,8 @@ class TokenSampler:
             event.record()
             self._pending.append((keys[idx], host, steps, event))
             return
-        self._fold(keys[idx], ex.cpu(), steps)
+        for pool in self._pools():
+            pool._offer(keys[idx], ex.cpu(), steps)
 
     def relabel(self, new_slot_of: list[list[int]]) -> None:
         """Re-placement: a held slot id ``x`` of layer ``l`` becomes ``new_slot_of[l][x]`` (the
@@ -128,6 +152,7 @@ class TokenSampler:
             order = torch.topk(keys, self.capacity, largest=False, sorted=False).indices
             keys, experts, steps = keys[order], experts[order], steps[order]
         self.keys, self.experts, self.steps = keys, experts, steps
+        self._thr = float(keys.max()) if len(keys) >= self.capacity > 0 else math.inf
 
     def merge(self, device) -> dict:
         """Collective (every rank): the global sample, sorted by key, as {keys, experts, steps}
@@ -193,6 +218,7 @@ class TokenSampler:
     def _hold_share(self, merged: dict) -> None:
         # max(): fewer samples than ranks (or none) leaves this rank an empty share
         sel = torch.arange(self.rank, max(self.rank, len(merged["keys"])), self.world)
+        self._chunks, self._chunked, self._thr = [], 0, math.inf  # a share: no bound known
         self.keys, self.experts, self.steps = (
             merged["keys"][sel],
             merged["experts"][sel],
