@@ -371,7 +371,7 @@ def test_replan_adds_the_placement_configmap_env_and_read_only_grant():
     assert cm["metadata"]["ownerReferences"][0]["uid"] == JOB.uid
     doc = placement_update.loads(cm["data"][placement_update.KEY])
     assert (doc.generation, doc.permutation, doc.decided_at_step) == (0, perm, 0)
-    doc.check(4, 8)
+    doc.check(4, 8, ep_size=2)
     env = {
         e["name"]: e.get("value")
         for e in workers.worker_pod(JOB, spec, node_rank=0, node="n", attempt=0, spec_hash="h")[

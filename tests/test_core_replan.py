@@ -495,7 +495,7 @@ def test_drift_re_places_the_copies_within_the_plans_budget(planned_copies):
     from moe_contracts import placement_update as PU
 
     update = PU.PlacementUpdate(generation=1, permutation=d.permutation, replicas=d.replicas)
-    PU.loads(PU.dumps(update)).check(4, 8, 4)
+    PU.loads(PU.dumps(update)).check(4, 8, ep_size=4)
     written = replan_copies.from_contract(update.replicas, d.permutation, 4)
     held = replan_copies.held(written, 4)
     assert held.max() <= inp.copies.slots and held.sum(0).max() <= inp.copies.per_rank
@@ -534,3 +534,10 @@ def test_a_tighter_memory_budget_gives_layers_back(planned_copies):
     take = np.ones(4, dtype=bool)
     kept = replan_copies.fit_memory(take, np.array([4.0, 1.0, 3.0, 2.0]), single, more, 4, 2)
     assert kept.tolist() == [True, False, True, False]
+    # a layer whose copy is on a rank within the budget is not given back, however little it saves
+    c = single[3]
+    e = next(e for e, h in enumerate(c.holders) if h[0] != 2)
+    holders = tuple((*h, 2) if x == e else h for x, h in enumerate(c.holders))
+    more[3] = replan_copies.rep.LayerCopies(holders, c.serve, c.load)
+    kept = replan_copies.fit_memory(take, np.array([4.0, 2.0, 3.0, 1.0]), single, more, 4, 2)
+    assert kept.tolist() == [True, False, True, True]

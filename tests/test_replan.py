@@ -295,3 +295,38 @@ def test_an_unexpected_failure_on_rank_0_still_reaches_the_broadcast(update_file
     monkeypatch.setattr(r, "decide", boom)
     assert r.at_checkpoint(SimpleNamespace(is_rank0=True, dispatcher="dedup"), 4) is False
     assert sent == [[None]] and "surprise" in r.message
+
+
+def test_copies_the_dispatcher_cannot_lay_out_are_refused_before_anything_moves(
+    update_file, monkeypatch
+):
+    """Rank 0 checks the update's layouts before the broadcast: a refusal moves no expert (moving
+    them and then failing would fail again at every restart from the checkpoint before)."""
+    from types import SimpleNamespace
+
+    from moe_trainer.dispatch import dedup_ep, dedup_replicas
+
+    sent = []
+    monkeypatch.setattr(replan.dist, "broadcast_object_list", lambda box, src: sent.append(box))
+
+    def no_apply(*a, **k):
+        raise AssertionError("experts moved")
+
+    monkeypatch.setattr(replace, "apply", no_apply)
+    seen = []
+
+    def relayouts(blocks, replicas, permutation):
+        seen.append((replicas, permutation))
+        raise dedup_ep.DispatchError("copies run AutoEP's GroupedExperts, this layer has X")
+
+    monkeypatch.setattr(dedup_replicas, "relayouts", relayouts)
+    plan = SimpleNamespace(ep_size=2, placement=SimpleNamespace(replicas=None))
+    r = replan.Replanner(2, 4, None, router_name="gate", plan=plan)
+    update_file.write_text(
+        PU.dumps(PU.PlacementUpdate(generation=1, permutation=NEW, replicas=_copies(NEW)))
+    )
+    trainer = SimpleNamespace(is_rank0=True, dispatcher="dedup", blocks=[])
+    assert r.at_checkpoint(trainer, 4) is False
+    assert sent == [[None]] and seen and seen[0][1] == NEW
+    assert "generation 1 refused" in r.message and "GroupedExperts" in r.message
+    assert r.generation == 0

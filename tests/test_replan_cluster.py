@@ -123,7 +123,7 @@ def test_drift_switches_at_a_checkpoint_and_no_drift_stays(
             f"{exc}; status.replan {st.get('replan')}, conditions {st.get('conditions')}\n"
             f"{operator_proc.logs()[-3000:]}"
         ) from None
-    gen1.check(L, E)
+    gen1.check(L, E, ep_size=2)
     assert gen1.decided_at_step == 10 and gen1.permutation != gen0.permutation
     assert gen1.predicted.cross_group_bytes_after <= 0.9 * gen1.predicted.cross_group_bytes_before
 

@@ -96,7 +96,7 @@ def test_drift_switches_once_and_waits_for_the_trainer(planned):  # noqa: F811
     replan.step(p, SPEC, parse_plan(doc), _progress(10))
     got = _generation(client)
     assert got.generation == 1 and got.decided_at_step == 10
-    got.check(4, 8)
+    got.check(4, 8, ep_size=4)
     assert got.predicted.cross_group_bytes_after <= 0.9 * got.predicted.cross_group_bytes_before
     assert [e[1] for e in p.events] == [C.R_PLACEMENT_UPDATED]
     assert "-> " in p.events[0][2]
@@ -204,9 +204,34 @@ def test_copies_are_re_placed_with_the_experts(planned_copies):  # noqa: F811
     replan.step(p, SPEC, plan, _progress(10))
     got = _generation(client)
     assert got.generation == 1 and got.replicas is not None, p.status["replan"]
-    got.check(4, 8, 4)
+    got.check(4, 8, ep_size=4)
     assert got.replicas != plan.placement.replicas
     assert "extra expert copies" in p.status["replan"]["message"]
     p2 = _pass(client, copy.deepcopy(p.status))
     replan.step(p2, SPEC, plan, _progress(55, {"generation": 1, "appliedAtStep": 45}))
     assert len(client.writes) == 1 and p2.status["replan"]["decision"] == "Stay"
+
+
+def test_waiting_quotes_the_trainers_refusal_and_a_bad_own_document_is_skipped(
+    planned_copies,  # noqa: F811
+):
+    """An update the trainer refused (an older image, say) leaves the operator waiting: the status
+    quotes the trainer's reason. A hand-edited ConfigMap whose copies do not fit is no ground for
+    a decision (skipped, not a crash)."""
+    doc, _ = planned_copies
+    plan = parse_plan(doc)
+    client = _cluster(doc, _counted(_trace(11)))
+    p = _pass(client)
+    replan.step(p, SPEC, plan, _progress(10))
+    assert _generation(client).generation == 1
+    refused = {"generation": 0, "appliedAtStep": None, "message": "generation 1 refused: X"}
+    p2 = _pass(client, copy.deepcopy(p.status))
+    replan.step(p2, SPEC, plan, _progress(20, refused))
+    assert "waiting for the trainer" in p2.status["replan"]["message"]
+    assert "the trainer says: generation 1 refused: X" in p2.status["replan"]["message"]
+    bad = json.loads(client.cms["rp-placement"]["data"][placement_update.KEY])
+    bad["replicas"][0]["holders"][0] = [9]
+    client.cms["rp-placement"]["data"][placement_update.KEY] = json.dumps(bad)
+    p3 = _pass(client)
+    replan.step(p3, SPEC, plan, _progress(55, {"generation": 1, "appliedAtStep": 45}))
+    assert len(client.writes) == 1 and "replan" not in p3.status and not p3.events

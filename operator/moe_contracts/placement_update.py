@@ -59,7 +59,7 @@ class PlacementUpdate(Doc):
     predicted: Predicted | None = None
     replicas: tuple[LayerReplicas, ...] | None = None  # per layer; None: one copy per expert
 
-    def check(self, num_layers: int, num_experts: int, ep_size: int = 1) -> PlacementUpdate:
+    def check(self, num_layers: int, num_experts: int, *, ep_size: int) -> PlacementUpdate:
         """The permutation fits ``num_layers`` x ``num_experts``, and the copies (if any) fit it
         over ``ep_size`` EP ranks. Raises DocumentError."""
         if len(self.permutation) != num_layers:

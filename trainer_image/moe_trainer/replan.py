@@ -113,7 +113,7 @@ class Replanner:
         if not text:
             return None
         try:
-            update = PU.loads(text).check(self.L, self.E, self.ep_size)
+            update = PU.loads(text).check(self.L, self.E, ep_size=self.ep_size)
         except DocumentError as exc:
             self._note(f"PlacementUpdate refused (keeping generation {self.generation}): {exc}")
             return None
@@ -142,6 +142,8 @@ class Replanner:
         if trainer.is_rank0:
             try:
                 box[0] = self.decide(trainer.dispatcher == "dedup")
+                if box[0] is not None and not self._serves(trainer, box[0]):
+                    box[0] = None
             except Exception as exc:  # noqa: BLE001 - the other ranks wait in the broadcast
                 self._note(f"PlacementUpdate not read (generation {self.generation} kept): {exc}")
         dist.broadcast_object_list(box, src=0)
@@ -184,6 +186,24 @@ class Replanner:
             "seconds": self.seconds,
             "message": self.message,
         }
+
+    def _serves(self, trainer: Any, update: Update) -> bool:
+        """Rank 0, before anything moves: whether the dispatcher can take the update's copies
+        (``dedup_replicas.relayouts`` checks every layer's new layout); if not, the update is
+        refused and ``message`` says why (moving the experts and then failing would fail again at
+        every restart from the checkpoint before)."""
+        if trainer.dispatcher != "dedup":
+            return True  # decide() refused copies for it; no copies, nothing to lay out
+        from moe_trainer.dispatch.dedup_ep import DispatchError
+        from moe_trainer.dispatch.dedup_replicas import relayouts
+
+        generation, permutation, replicas = update
+        try:
+            relayouts(trainer.blocks, replicas, permutation)
+        except DispatchError as exc:
+            self._note(f"PlacementUpdate generation {generation} refused: {exc}")
+            return False
+        return True
 
     def relayout(self, trainer: Any, replicas: list[LayerReplicas] | None) -> None:
         """Collective: the dedup dispatcher's copies follow ``trainer.permutation`` and

@@ -10,11 +10,12 @@ sync (``moe_contracts.dispatch.copy_sync_bytes``, a fixed cost per step and copy
 ``netCrossGroupBytesPerStep`` of the plan's ``quality.replicas``.
 
 The budget is the plan's own, so the plan's memory estimate stays true: a layer gets at most as
-many copies on one rank as the plan's fullest layer had on one rank (:attr:`Budget.slots`), as
-many per layer as an explicit ``replicas: N`` asked (:attr:`Budget.total`), and no rank holds more
-copies over all layers than the plan's fullest rank did (:attr:`Budget.per_rank`): the memory
-model counts those (``core.memory``). A decision that would exceed it keeps the running layout in
-the layers whose switch saves least until it fits (:func:`fit_memory`).
+many copies on one rank as the plan's fullest layer had on one rank (:attr:`Budget.slots`), with
+an explicit ``replicas: N`` at most as many per layer as the plan's fullest layer got
+(:attr:`Budget.total`), and no rank holds more copies over all layers than the plan's fullest rank
+did (:attr:`Budget.per_rank`): the memory model counts those (``core.memory``). A decision that
+would exceed it keeps the running layout, least saving first, in the switched layers that add
+copies on a rank over the budget, until it fits (:func:`fit_memory`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Budget:
     """The plan's copies as a budget (module docstring); ``slots == 0``: the plan has none."""
 
     slots: int  # extra copies one EP rank may hold in one layer
-    total: int | None  # extra copies per layer (an explicit ``replicas: N``), None: as they fit
+    total: int | None  # most extra copies per layer (an explicit ``replicas: N``), None: no cap
     per_rank: int  # extra copies one EP rank may hold over all layers
     expert_bytes: int  # one expert's w1 + w2 + w3 as a copy receives them
     micro_steps: int  # each micro step syncs the copies once per layer
@@ -156,14 +157,15 @@ def fit_memory(
     P: int,
     per_rank: int,
 ) -> np.ndarray:
-    """``take[L]`` with the least-saving switched layers given back to the running layout until
-    no EP rank holds more than ``per_rank`` copies over all layers."""
+    """``take[L]`` with switched layers given back to the running layout, least saving first and
+    only those that hold more copies than the running layout on a rank over ``per_rank``, until no
+    EP rank holds more than ``per_rank`` copies over all layers."""
     take = take.copy()
     h_run, h_cand = held(running, P), held(candidate, P)
-    order = [int(i) for i in np.argsort(saving, kind="stable") if take[i]]
-    for layer in order:
-        total = np.where(take[:, None], h_cand, h_run).sum(0)
-        if total.max() <= per_rank:
+    for layer in [int(i) for i in np.argsort(saving, kind="stable") if take[i]]:
+        over = np.where(take[:, None], h_cand, h_run).sum(0) > per_rank
+        if not over.any():
             break
-        take[layer] = False
+        if (h_cand[layer, over] > h_run[layer, over]).any():
+            take[layer] = False
     return take

@@ -121,7 +121,8 @@ def _plan_baseline(quality: dict[str, Any], dispatcher: str, factor: float) -> i
     if quality.get("basis") != "routingStats":
         return None
     net = ((quality.get("replicas") or {}).get("netCrossGroupBytesPerStep") or {}).get("withCopies")
-    if (quality.get("replicas") or {}).get("chosen") and isinstance(net, (int, float)):
+    chosen = (quality.get("replicas") or {}).get("chosen")
+    if chosen and isinstance(net, (int, float)) and not isinstance(net, bool):
         return round(net)  # the copies' token bytes and their weight sync (replan_copies)
     exact = ((quality.get("dispatch") or {}).get(dispatcher) or {}).get("crossGroupBytesPerStep")
     if isinstance(exact, (int, float)) and not isinstance(exact, bool):

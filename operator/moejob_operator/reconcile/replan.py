@@ -49,6 +49,9 @@ def step(p: Pass, spec: JobSpec, plan: MoEPlan, progress: dict[str, Any] | None)
         return  # launched without it (an operator before re-placement): nothing to switch
     try:
         current = placement_update.loads(text)
+        if plan.placement is not None:  # the layers, experts and copies fit the plan's
+            pl = plan.placement
+            current.check(pl.num_layers, pl.num_experts, ep_size=pl.ep_size)
     except DocumentError as exc:
         log.warning("%s/%s: %s: %s", p.job.namespace, p.job.name, cm["metadata"]["name"], exc)
         return
@@ -59,13 +62,17 @@ def step(p: Pass, spec: JobSpec, plan: MoEPlan, progress: dict[str, Any] | None)
     running = got[0] if got is not None else 0
     last = _status_replan(p)
     if current.generation > running:
+        said = (
+            (progress.get("placement") or {}).get("message") if isinstance(progress, dict) else ""
+        )
         p.status["replan"] = {
             **last,
             "generation": current.generation,
             "message": (
                 f"waiting for the trainer to apply generation {current.generation} at its next "
                 f"checkpoint (it runs generation {running})"
-            ),
+                + (f"; the trainer says: {said}" if isinstance(said, str) and said else "")
+            )[:600],
         }
         return
     stats_step = _stats_step(progress)

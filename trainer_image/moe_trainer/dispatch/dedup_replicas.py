@@ -79,30 +79,51 @@ def plan_layouts(layout: Layout, replicas, permutation) -> list[Layout]:
     return out
 
 
-def relayout(blocks, replicas, permutation) -> None:
-    """Re-placement during a job: every installed dedup layer's copies become ``replicas`` (the
-    plan's convention, original ids; None: one copy per expert) under ``permutation``. The dispatch
-    groups stay (the ranks do not change), so no process group is created; the layouts are checked
-    before any layer changes. Collective only in that every rank must call it alike."""
+def relayouts(blocks, replicas, permutation) -> list:
+    """The layouts :func:`relayout` would install (None for a layer without the dedup dispatcher),
+    checked: every layout fits its layer, and a layer given copies runs AutoEP's `GroupedExperts`
+    (or its copies' subclass). Raises DispatchError before anything changes."""
     import dataclasses
 
-    from moe_trainer.dispatch.dedup_ep import Plan
+    from deepspeed.moe.ep_experts import GroupedExperts
 
     plans = [getattr(b, "dedup_plan", None) for b in blocks]
     if not any(p is not None for p in plans):
         if replicas is not None and any(len(h) > 1 for r in replicas for h in r.holders):
             raise DispatchError("placement.replicas: no layer runs the dedup dispatcher")
-        return
+        return [None] * len(blocks)
     base = next(p for p in plans if p is not None).layout
     layouts = [dataclasses.replace(base, holders=None, serve=None)] * len(blocks)
     if replicas is not None:
         layouts = plan_layouts(layouts[0], replicas, permutation)
-    for block, old, layout in zip(blocks, plans, layouts, strict=True):
-        if old is not None:
-            layout.check(old.P, len(layout.expert2rank), block.num_local_experts)
+    out = []
     for block, old, layout in zip(blocks, plans, layouts, strict=True):
         if old is None:
+            out.append(None)
             continue
+        layout.check(old.P, len(layout.expert2rank), block.num_local_experts)
+        kind = type(block.experts)
+        if copies_of(layout) and kind is not GroupedExperts and kind is not _CLASS:
+            raise DispatchError(
+                f"placement.replicas: copies run AutoEP's GroupedExperts, this layer has "
+                f"{kind.__name__}"
+            )
+        out.append(layout)
+    return out
+
+
+def relayout(blocks, replicas, permutation) -> None:
+    """Re-placement during a job: every installed dedup layer's copies become ``replicas`` (the
+    plan's convention, original ids; None: one copy per expert) under ``permutation``. The dispatch
+    groups stay (the ranks do not change), so no process group is created; the layouts are checked
+    (:func:`relayouts`) before any layer changes. Every rank calls it alike."""
+    from moe_trainer.dispatch.dedup_ep import Plan
+
+    layouts = relayouts(blocks, replicas, permutation)
+    for block, layout in zip(blocks, layouts, strict=True):
+        if layout is None:
+            continue
+        old = block.dedup_plan
         block.dedup_plan = Plan(
             layout, old.me, old.ep_group, old.rail_group, old.group_group, old.e2r.device
         )

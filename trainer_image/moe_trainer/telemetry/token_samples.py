@@ -53,8 +53,8 @@ class TokenSampler:
         self._pending: list[tuple] = []
         # candidates not yet folded into the holding: a full pool's keys at or above ``_thr``
         # (its largest kept key at the last fold: an upper bound of it ever after) never enter;
-        # the rest wait here until they are as many as the holding, so a micro step copies and
-        # selects only its candidates, not the whole holding (every pool its own)
+        # the rest wait here until they are ``capacity`` many, so a micro step copies and selects
+        # only its candidates, not the whole holding (every pool its own)
         self._chunks: list[tuple] = []
         self._chunked = 0
         self._thr = math.inf
