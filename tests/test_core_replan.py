@@ -44,26 +44,29 @@ def _trace(seed: int) -> np.ndarray:
     return st.token_experts
 
 
-@pytest.fixture(scope="module")
-def planned():
-    """EP 4 over two NVLink pairs, planned (topology_aware) from the first half of a clustered
-    run's tokens."""
-    te = _trace(3)
-    stats = _counted(te[:, :4096])
-    p = plan.build_plan(
+def _plan(te: np.ndarray, global_batch: int, seq_len: int, **extra) -> dict:
+    """EP 4 over two NVLink pairs, planned (topology_aware) from the first half of ``te``."""
+    return plan.build_plan(
         plan.PlanRequest(
             "tiny",
             "default",
             models.resolve_model("tiny-mixtral"),
             _reports("pcie-bridged-pairs-4"),
-            global_batch=8,
-            seq_len=64,
+            global_batch=global_batch,
+            seq_len=seq_len,
             ep_size=4,
-            routing_stats=stats,
+            routing_stats=_counted(te[:, :4096]),
             strategy="topology_aware",
+            **extra,
         )
-    )
-    return p.document, te
+    ).document
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """The job planned from the first half of a clustered run's tokens."""
+    te = _trace(3)
+    return _plan(te, 8, 64), te
 
 
 def test_plan_topology_is_the_plans_ranks(planned):
@@ -442,23 +445,9 @@ def planned_copies():
     """The ``planned`` job with ``replicas: auto`` at 50 % (one copy per rank and layer) and a
     step large enough that copies pay for their weight sync."""
     te = _trace(3)
-    p = plan.build_plan(
-        plan.PlanRequest(
-            "tiny",
-            "default",
-            models.resolve_model("tiny-mixtral"),
-            _reports("pcie-bridged-pairs-4"),
-            global_batch=256,
-            seq_len=2048,
-            ep_size=4,
-            routing_stats=_counted(te[:, :4096]),
-            strategy="topology_aware",
-            replicas="auto",
-            max_expert_memory_overhead=50,
-        )
-    )
-    assert p.document["placement"]["quality"]["replicas"]["chosen"]
-    return p.document, te
+    doc = _plan(te, 256, 2048, replicas="auto", max_expert_memory_overhead=50)
+    assert doc["placement"]["quality"]["replicas"]["chosen"]
+    return doc, te
 
 
 def test_copies_are_scored_as_the_plan_scores_them(planned_copies):

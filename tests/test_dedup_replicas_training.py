@@ -18,14 +18,18 @@ E, P, GROUPS = 8, 4, [0, 0, 1, 1]
 PERM = [[0, 1, 2, 3, 4, 5, 6, 7], [5, 2, 7, 0, 1, 6, 3, 4]]
 
 
-def replicas() -> list[dict]:
-    """Layer 0: experts 0 and 4 get a copy in the other group, expert 6 copies on both ranks of
-    group 0; layer 1: original experts 5 and 3 get copies in the other group."""
-    extra = [{0: [2], 4: [0], 6: [0, 1]}, {5: [3], 3: [0, 1]}]
+# Layer 0: experts 0 and 4 get a copy in the other group, expert 6 copies on both ranks of
+# group 0; layer 1: original experts 5 and 3 get copies in the other group
+EXTRA = [{0: [2], 4: [0], 6: [0, 1]}, {5: [3], 3: [0, 1]}]
+
+
+def copies(perm: list[list[int]], extra: list[dict[int, list[int]]]) -> list[dict]:
+    """``placement.replicas`` for ``perm`` with ``extra`` holders per original expert: a token's
+    expert is served on its own rank when it holds a copy, else from its group, else the home."""
     out = []
-    for layer, row in enumerate(PERM):
+    for row, more in zip(perm, extra, strict=True):
         home = {e: slot // (E // P) for slot, e in enumerate(row)}
-        holders = [[home[e], *extra[layer].get(e, [])] for e in range(E)]
+        holders = [[home[e], *more.get(e, [])] for e in range(E)]
 
         def serve(p, e, holders=holders):
             same = [r for r in holders[e] if GROUPS[r] == GROUPS[p]]
@@ -37,7 +41,13 @@ def replicas() -> list[dict]:
     return out
 
 
-def plan_for(tmp: Path, with_copies: bool) -> Path:
+def replicas() -> list[dict]:
+    return copies(PERM, EXTRA)
+
+
+def two_by_two_doc() -> dict:
+    """The AutoEP test plan as 2 nodes x 2 ranks, EP over all of them, with the dedup dispatcher
+    on ``PERM`` (no copies)."""
     doc = json.loads(PLAN.read_text())
     doc["worldSize"] = doc["epSize"] = P
     doc["model"]["hfConfig"]["num_local_experts"] = E
@@ -47,6 +57,11 @@ def plan_for(tmp: Path, with_copies: bool) -> Path:
     ]
     doc["deepspeed"]["expert_parallel"]["autoep_size"] = P
     doc["placement"].update(numExperts=E, epSize=P, permutation=PERM, dispatcher="dedup")
+    return doc
+
+
+def plan_for(tmp: Path, with_copies: bool) -> Path:
+    doc = two_by_two_doc()
     if with_copies:
         doc["placement"]["replicas"] = replicas()
     doc["training"].update(steps=STEPS, checkpointEverySteps=HALF)

@@ -18,36 +18,18 @@ import pytest
 import torch
 
 from moe_contracts import placement_update as PU
+from test_dedup_replicas_training import EXTRA, GROUPS, PERM, copies, two_by_two_doc
 from test_replace import write_when
-from test_trainer_autoep import PLAN, run
+from test_trainer_autoep import run
 
 pytestmark = pytest.mark.slow
 STEPS, EVERY = 8, 2
-E, P, GROUPS = 8, 4, [0, 0, 1, 1]
-PERM = [[0, 1, 2, 3, 4, 5, 6, 7], [5, 2, 7, 0, 1, 6, 3, 4]]
+P = len(GROUPS)
 NEW = [[4, 1, 6, 3, 0, 5, 2, 7], [0, 2, 7, 5, 1, 6, 3, 4]]
-# extra holders per original expert: 7 copies at launch, 3 after the switch (one in the same group)
-EXTRA = [{0: [2], 4: [0], 6: [0, 1]}, {5: [3], 3: [0, 1]}]
+# extra holders per original expert after the switch: 3 copies (one in the same group), against
+# the launch's 7 (EXTRA)
 EXTRA_NEW = [{1: [3], 4: [1]}, {4: [1]}]
 ROW = 3 * 64 * 128 * 4  # fp32 w1 + w2 + w3 of one tiny-mixtral expert
-
-
-def replicas(perm: list[list[int]], extra: list[dict[int, list[int]]]) -> list[dict]:
-    """The plan's ``placement.replicas`` for ``perm`` with ``extra`` copies: a token's expert is
-    served on its own rank when it holds a copy, else from its group, else from the home."""
-    out = []
-    for row, more in zip(perm, extra, strict=True):
-        home = {e: slot // (E // P) for slot, e in enumerate(row)}
-        holders = [[home[e], *more.get(e, [])] for e in range(E)]
-
-        def serve(p: int, e: int, holders=holders) -> int:
-            same = [r for r in holders[e] if GROUPS[r] == GROUPS[p]]
-            return p if p in holders[e] else (same[0] if same else holders[e][0])
-
-        out.append(
-            {"holders": holders, "serve": [[serve(p, e) for e in range(E)] for p in range(P)]}
-        )
-    return out
 
 
 def cross_group_copies(reps: list[dict]) -> int:
@@ -55,19 +37,10 @@ def cross_group_copies(reps: list[dict]) -> int:
 
 
 def plan(tmp: Path) -> Path:
-    doc = json.loads(PLAN.read_text())
-    doc["worldSize"] = doc["epSize"] = P
-    doc["model"]["hfConfig"]["num_local_experts"] = E
-    doc["ranks"] = [
-        {"rank": r, "node": f"node-{r // 2}", "nodeRank": r // 2, "localRank": r % 2, "gpu": None}
-        for r in range(P)
-    ]
-    doc["deepspeed"]["expert_parallel"]["autoep_size"] = P
+    doc = two_by_two_doc()
     # no persistent parameter: experts and router rows are gathered from moved partitions
     doc["deepspeed"]["zero_optimization"]["stage3_param_persistence_threshold"] = 0
-    doc["placement"].update(
-        numExperts=E, epSize=P, permutation=PERM, dispatcher="dedup", replicas=replicas(PERM, EXTRA)
-    )
+    doc["placement"]["replicas"] = copies(PERM, EXTRA)
     doc["training"].update(steps=STEPS, checkpointEverySteps=EVERY)
     path = tmp / "plan.json"
     path.write_text(json.dumps(doc))
@@ -93,13 +66,13 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("replace_replicas")
     path = plan(base)
     update = base / "placement.json"
-    seed = PU.PlacementUpdate(generation=0, permutation=PERM, replicas=replicas(PERM, EXTRA))
+    seed = PU.PlacementUpdate(generation=0, permutation=PERM, replicas=copies(PERM, EXTRA))
     update.write_text(PU.dumps(seed))
     out = {"ref": base / "ref", "switched": base / "switched"}
     assert run(out["ref"], plan=path, nproc=P) == [0] * P
     # generation 1 arrives once checkpoint step-2 is being written: applied at step 4 (6 if late)
     gen1 = PU.PlacementUpdate(
-        generation=1, permutation=NEW, decided_at_step=2, replicas=replicas(NEW, EXTRA_NEW)
+        generation=1, permutation=NEW, decided_at_step=2, replicas=copies(NEW, EXTRA_NEW)
     )
     stop = threading.Event()
     writer = write_when(update, PU.dumps(gen1), out["switched"] / "ds" / "step-2", stop)
@@ -133,10 +106,10 @@ def test_the_new_copies_serve_after_the_switch(runs):
     sync = {
         k: progress(runs[k])["moe"]["replicaSyncBytesPerStepByTier"] for k in runs if k != "applied"
     }
-    for name, reps in (("ref", replicas(PERM, EXTRA)), ("switched", replicas(NEW, EXTRA_NEW))):
+    for name, reps in (("ref", copies(PERM, EXTRA)), ("switched", copies(NEW, EXTRA_NEW))):
         n = cross_group_copies(reps)
         assert sync[name]["crossGroup"] == 2 * n * ROW, (name, sync)
-    assert cross_group_copies(replicas(NEW, EXTRA_NEW)) < cross_group_copies(replicas(PERM, EXTRA))
+    assert cross_group_copies(copies(NEW, EXTRA_NEW)) < cross_group_copies(copies(PERM, EXTRA))
     assert sync["switched"]["intraGroup"] == 2 * ROW  # expert 4's copy on rank 1, home rank 0
     tag = runs["switched"] / "ds" / f"step-{runs['applied']}" / "trainer_state.pt"
     state = torch.load(tag, weights_only=False)["placement"]
@@ -145,7 +118,7 @@ def test_the_new_copies_serve_after_the_switch(runs):
         {"holders": [list(h) for h in r["holders"]], "serve": [list(s) for s in r["serve"]]}
         for r in state["replicas"]
     ]
-    assert got == replicas(NEW, EXTRA_NEW)
+    assert got == copies(NEW, EXTRA_NEW)
 
 
 def test_a_resume_after_the_switch_runs_the_checkpoints_copies(runs):
